@@ -1,0 +1,32 @@
+# The two commands a newcomer needs: `make run` and `make test`. Both set up
+# everything first (system packages via apt when missing, then .venv).
+VENV    ?= .venv
+PYTHON  ?= python3
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+ARGS    ?=
+
+.PHONY: run test check lint typecheck proto bench clean
+
+$(STAMP): requirements.txt setup.cfg pyproject.toml scripts/bootstrap
+	PYTHON=$(PYTHON) VENV=$(VENV) scripts/bootstrap
+	touch $@
+
+## run: start the server on 0.0.0.0:9000 with data in ./var/lmdb (ARGS="--listen ..." to change)
+run: $(STAMP)
+	$(BIN)/sdv-fanout serve $(ARGS)
+
+## test: the whole test suite (what CI runs)
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+## proto: regenerate exhook_server/_proto from proto/
+proto: $(STAMP)
+	$(BIN)/python -m exhook_server.protogen
+
+## bench: the benchmarks in bench/ (not part of `make test`)
+bench: $(STAMP)
+	$(BIN)/python bench/ingest.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info var

@@ -1,0 +1,140 @@
+"""The `sdv-fanout` command: serve, show the configuration, and look into a store.
+
+`stats` and `inspect` open the LMDB environment read-only, so they work on the
+data dir of a running server (LMDB readers never block its writer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from exhook_server import __version__, log
+from exhook_server.config import ENV_PREFIX, Config, load
+from exhook_server.errors import ConfigError, StorageError
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help=f"TOML settings file (or {ENV_PREFIX}CONFIG)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="gRPC address (default 0.0.0.0:9000)")
+    p.add_argument("--data-dir", metavar="DIR", help="LMDB directory (default ./var/lmdb)")
+    p.add_argument("--log-format", choices=("console", "json"), help="log renderer")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="sdv-fanout", description="EMQX ExHook server for SDV request fan-out.")
+    top.add_argument("--version", action="version", version=f"sdv-fanout {__version__}")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the ExHook gRPC server")
+    _config_args(serve)
+    serve.add_argument("--ready-file", metavar="FILE", help="write {port, pid} as JSON here once serving")
+
+    check = sub.add_parser("check-config", help="validate and print the settings in force")
+    _config_args(check)
+    sub.add_parser("default-config", help="print every setting with its default, as TOML")
+
+    stats = sub.add_parser("stats", help="rows, blobs, bytes, dedup ratio, early triggers")
+    stats.add_argument("--data-dir", metavar="DIR", default=None)
+    stats.add_argument("--json", action="store_true", help="one JSON object")
+
+    inspect = sub.add_parser("inspect", help="a vehicle's pending requests in delivery order")
+    inspect.add_argument("vin")
+    inspect.add_argument("--data-dir", metavar="DIR", default=None)
+    inspect.add_argument("--json", action="store_true", help="one JSON object")
+    return top
+
+
+def _load(args: argparse.Namespace) -> Config:
+    path = getattr(args, "config", None) or os.environ.get(ENV_PREFIX + "CONFIG")
+    overrides = {
+        "listen": getattr(args, "listen", None),
+        "data_dir": getattr(args, "data_dir", None),
+        "log_format": getattr(args, "log_format", None),
+        "log_level": getattr(args, "log_level", None),
+    }
+    return load(path, overrides=overrides)
+
+
+def _data_dir(args: argparse.Namespace) -> str:
+    return args.data_dir or os.environ.get(ENV_PREFIX + "DATA_DIR") or Config().data_dir
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    log.configure(cfg.log_format, cfg.log_level)
+    from exhook_server.server import serve  # grpc is imported only when serving
+
+    asyncio.run(serve(cfg, ready_file=args.ready_file))
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from storage.store import Store
+
+    with Store(_data_dir(args), readonly=True) as store:
+        stats = store.stats().as_dict()
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        width = max(map(len, stats))
+        for key, value in stats.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from storage.store import Store
+
+    with Store(_data_dir(args), readonly=True) as store:
+        rows = store.pending(args.vin)
+    pending: list[dict[str, Any]] = [
+        {
+            "request_id": r.request_id,
+            "ts_ms": r.ts_ms,
+            "time": dt.datetime.fromtimestamp(r.ts_ms / 1000, dt.UTC).isoformat(timespec="milliseconds"),
+            "sha1": r.sha1.hex(),
+            "size": r.size,
+        }
+        for r in rows
+    ]
+    if args.json:
+        print(json.dumps({"vin": args.vin, "pending": pending}))
+    elif not pending:
+        print(f"{args.vin}: nothing pending")
+    else:
+        print(f"{args.vin}: {len(pending)} pending, in delivery order")
+        for i, p in enumerate(pending, 1):
+            print(f"{i:>4}  {p['request_id']:<32} {p['time']}  {p['size']:>9} B  sha1 {p['sha1']}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `sdv-fanout` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _cmd_serve(args)
+        if args.command == "check-config":
+            print(_load(args).to_toml(), end="")
+            return 0
+        if args.command == "default-config":
+            print(Config().to_toml(), end="")
+            return 0
+        if args.command == "stats":
+            return _cmd_stats(args)
+        return _cmd_inspect(args)
+    except (ConfigError, StorageError) as exc:
+        print(f"sdv-fanout: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The server's settings: one frozen object, validated once at start-up.
+
+Sources, later ones winning: the defaults below, a TOML file, ``SDV_FANOUT_*``
+environment variables, then command-line flags. Units are in the field names;
+every default carries the reason it was chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from exhook_server.errors import ConfigError
+
+ENV_PREFIX = "SDV_FANOUT_"
+
+#: Characters that can never appear inside one MQTT topic level (or our LMDB keys).
+FORBIDDEN_LEVEL_CHARS = frozenset("/+#\0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    """Everything the server needs to know, with defaults an EMQX operator expects."""
+
+    # -- network --------------------------------------------------------------
+    # EMQX's own ExHook examples listen on 9000; all interfaces, as a pod must.
+    listen: str = "0.0.0.0:9000"
+    # gRPC keepalive and message limits are derived from the ingest limits below.
+
+    # -- storage --------------------------------------------------------------
+    # Relative to the working directory, so `make run` works from a checkout.
+    data_dir: str = "./var/lmdb"
+    # Initial LMDB map: 1 GiB of address space (sparse on disk); grows by doubling.
+    map_size_bytes: int = 1 << 30
+    # Growth stops here; beyond it ingest fails with `storage_full` instead of crashing.
+    map_max_bytes: int = 1 << 40
+    # Ops committed together in one write transaction (one fsync) at most.
+    group_commit_max_ops: int = 1024
+    # Answer EMQX before its default 5 s request_timeout expires, with a clear error.
+    ingest_timeout_s: float = 4.0
+
+    # -- topics ---------------------------------------------------------------
+    # Seed 000's one-message batch topic.
+    batch_topic: str = "$SDV-FANOUT"
+    # EMQX SDV plugin 0.4.x: raw payload on <prefix>/<data_id> ...
+    data_topic_prefix: str = "$SDV-FANOUT/data"
+    # ... then {ids, request_id, data_id} on this topic.
+    trigger_topic: str = "$SDV-FANOUT/trigger"
+
+    # -- validation -----------------------------------------------------------
+    # 17-character VINs plus test/fleet ids; never a topic separator or wildcard.
+    vin_pattern: str = r"[A-Za-z0-9_-]{1,64}"
+    # The plugin's tests use millisecond timestamps; UUIDs and hex digests fit too.
+    data_id_pattern: str = r"[A-Za-z0-9_.:-]{1,128}"
+    # `task_<type>_<n>` is short; the bound keeps keys and topics small.
+    max_request_id_bytes: int = 128
+    # The platform sends 200 VINs per batch; 50x headroom, still a bounded transaction.
+    max_ids_per_batch: int = 10_000
+    # Above EMQX's default 1 MB max_packet_size, so the broker limit bites first.
+    max_payload_bytes: int = 4 << 20
+    # Empty: any publisher; else only these clientids or usernames may send batches.
+    publisher_allowlist: tuple[str, ...] = ()
+
+    # -- early triggers (trigger before its data) -----------------------------
+    # Bounded so a platform bug cannot fill the disk with orphans.
+    early_max_count: int = 10_000
+    # Data normally follows within milliseconds; five minutes covers broker hiccups.
+    early_ttl_s: float = 300.0
+    # How often orphaned early triggers are looked for.
+    early_sweep_interval_s: float = 10.0
+
+    # -- logging --------------------------------------------------------------
+    # `console` for people, `json` (one object per line) for log pipelines.
+    log_format: str = "console"
+    log_level: str = "info"
+
+    # ------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """The listen address split into host and port."""
+        return split_host_port(self.listen)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values, in declaration order, for printing."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_toml(self) -> str:
+        """Render as a TOML file that `load` reads back to the same object."""
+        lines = []
+        for key, value in self.as_dict().items():
+            lines.append(f"{key} = {json.dumps(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 as ``[::1]:port``) and check the port."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"listen address {address!r} is not HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _validate(cfg: Config) -> None:
+    cfg.host_port  # noqa: B018 - raises ConfigError when malformed
+    for name in ("vin_pattern", "data_id_pattern"):
+        try:
+            re.compile(getattr(cfg, name))
+        except re.error as exc:
+            raise ConfigError(f"{name} is not a regular expression: {exc}") from exc
+    for name in ("batch_topic", "data_topic_prefix", "trigger_topic"):
+        topic = getattr(cfg, name)
+        if not topic or "+" in topic or "#" in topic or "\0" in topic:
+            raise ConfigError(f"{name} must be a topic name without wildcards, got {topic!r}")
+    if len({cfg.batch_topic, cfg.data_topic_prefix, cfg.trigger_topic}) != 3:
+        raise ConfigError("batch_topic, data_topic_prefix and trigger_topic must differ")
+    if cfg.trigger_topic.startswith(cfg.data_topic_prefix + "/"):
+        raise ConfigError("trigger_topic must not lie under data_topic_prefix")
+    positive = (
+        "map_size_bytes", "map_max_bytes", "group_commit_max_ops", "ingest_timeout_s",
+        "max_request_id_bytes", "max_ids_per_batch", "max_payload_bytes",
+        "early_max_count", "early_ttl_s", "early_sweep_interval_s",
+    )
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive")
+    if cfg.map_max_bytes < cfg.map_size_bytes:
+        raise ConfigError("map_max_bytes must be at least map_size_bytes")
+    if cfg.log_format not in ("console", "json"):
+        raise ConfigError("log_format must be 'console' or 'json'")
+    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise ConfigError("log_level must be debug, info, warning or error")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_HINTS = typing.get_type_hints(Config)
+
+
+def _coerce(name: str, raw: Any, *, from_text: bool) -> Any:
+    """Convert one raw value (TOML value or environment string) to the field's type."""
+    kind = _HINTS[name]
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            return int(raw) if not isinstance(raw, str) else int(raw.replace("_", ""))
+        if kind is float:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            return float(raw)
+        if kind is str:
+            if not isinstance(raw, str):
+                raise ValueError(raw)
+            return raw
+        # tuple[str, ...]: a TOML array, or a comma-separated / JSON list in the environment.
+        if isinstance(raw, str) and from_text:
+            text = raw.strip()
+            items = json.loads(text) if text.startswith("[") else [p for p in text.split(",") if p]
+        else:
+            items = raw
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ValueError(raw)
+        return tuple(i.strip() for i in items)
+    except (ValueError, TypeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{name}: cannot use {raw!r} as {kind}") from exc
+
+
+def load(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the config from defaults, then `path` (TOML), then `env`, then `overrides`."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            table = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not TOML: {exc}") from exc
+        for key, raw in table.items():
+            if key not in _FIELDS:
+                raise ConfigError(f"unknown setting {key!r} in {path}")
+            values[key] = _coerce(key, raw, from_text=False)
+    for key, raw in (os.environ if env is None else env).items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name == "config":  # the file path itself, handled by the CLI
+            continue
+        if name not in _FIELDS:
+            raise ConfigError(f"unknown setting in environment variable {key}")
+        values[name] = _coerce(name, raw, from_text=True)
+    for key, raw in (overrides or {}).items():
+        if raw is None:
+            continue
+        if key not in _FIELDS:
+            raise ConfigError(f"unknown setting {key!r}")
+        values[key] = _coerce(key, raw, from_text=True)
+    return Config(**values)

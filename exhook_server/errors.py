@@ -1,0 +1,63 @@
+"""The few exceptions sdv-fanout raises, and the stable reason codes of rejections.
+
+    FanoutError
+    ├── ConfigError           settings that cannot work; raised at start-up only
+    ├── BatchRejected(reason) a batch message we will not store; `reason` is a Reason
+
+    storage.errors.StorageError    (from the storage layer, re-exported here)
+    ├── StorageFull                the map reached map_max_bytes
+    └── EarlyTriggersFull          too many triggers wait for their data
+
+A reason code is the same string in the log event (`reason=`), the metric label
+and the tests, so an operator can grep for it and alert on it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from storage.errors import EarlyTriggersFull, StorageError, StorageFull
+
+__all__ = [
+    "BatchRejected", "ConfigError", "EarlyTriggersFull", "FanoutError", "Reason",
+    "StorageError", "StorageFull",
+]
+
+
+class Reason(str, enum.Enum):
+    """Why a batch message was rejected. Values are stable: dashboards depend on them."""
+
+    INVALID_JSON = "invalid_json"
+    MISSING_FIELD = "missing_field"
+    WRONG_TYPE = "wrong_type"
+    EMPTY_IDS = "empty_ids"
+    BAD_VIN = "bad_vin"
+    BAD_REQUEST_ID = "bad_request_id"
+    TOO_MANY_IDS = "too_many_ids"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    BAD_DATA_ID = "bad_data_id"
+    BAD_DATA_ENCODING = "bad_data_encoding"
+    PUBLISHER_NOT_ALLOWED = "publisher_not_allowed"
+    EARLY_TRIGGERS_FULL = "early_triggers_full"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class FanoutError(Exception):
+    """Base of every error sdv-fanout raises on purpose."""
+
+
+class ConfigError(FanoutError):
+    """The configuration cannot work; the message says which setting and why."""
+
+
+class BatchRejected(FanoutError):
+    """A batch message that is not stored; nothing of it was written."""
+
+    def __init__(self, reason: Reason, detail: str = "", **fields: object) -> None:
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+        self.reason = reason
+        self.detail = detail
+        #: Extra structured context for the log line (e.g. the offending VIN).
+        self.fields = fields

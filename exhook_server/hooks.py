@@ -1,0 +1,158 @@
+"""The ExHook `HookProvider` servicer: EMQX's side of the wire ends here.
+
+One servicer answers both `emqx.exhook.v2` (EMQX 5.0-5.8) and `emqx.exhook.v3`
+(5.9+, 6.x). v3 messages are a superset of v2 on the wire (same numbers, a few
+added fields), so both services parse with the v3 classes and answer with
+byte-identical responses. Every RPC answers: EmptySuccess for notify hooks,
+IGNORE for valued ones unless the product has an opinion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import grpc
+import structlog
+from google.protobuf import message_factory
+
+from exhook_server import metrics
+from exhook_server._proto import exhook_v2_pb2, exhook_v3_pb2
+from exhook_server.config import Config
+from exhook_server.errors import StorageError
+from exhook_server.ingest import Ingestor
+
+pb = exhook_v3_pb2
+
+log = structlog.get_logger("sdv_fanout.hooks")
+
+SERVICE_NAMES = ("emqx.exhook.v2.HookProvider", "emqx.exhook.v3.HookProvider")
+
+#: The 19 hook points EMQX 5/6 knows. One other name in OnProviderLoaded's answer
+#: and EMQX refuses the whole server (`unknown_hookpoint`).
+VALID_HOOKS = frozenset({
+    "client.connect", "client.connack", "client.connected", "client.disconnected",
+    "client.authenticate", "client.authorize", "client.subscribe", "client.unsubscribe",
+    "session.created", "session.subscribed", "session.unsubscribed", "session.resumed",
+    "session.discarded", "session.takenover", "session.terminated",
+    "message.publish", "message.delivered", "message.acked", "message.dropped",
+})
+
+#: The four hooks for which EMQX honours HookSpec.topics.
+MESSAGE_HOOKS = frozenset({"message.publish", "message.delivered", "message.acked", "message.dropped"})
+
+
+def hook_specs(cfg: Config) -> list[tuple[str, list[str]]]:
+    """The hooks this server asks EMQX for, with topic filters so only our topics cost a call.
+
+    `client.authenticate` / `client.authorize` are never registered: an
+    all-IGNORE answer to them has refused every client on a real EMQX 5.1.
+    """
+    return [
+        (
+            "message.publish",
+            # `<prefix>/#` rather than `/+`: a malformed multi-level data_id reaches us
+            # and is rejected with a reason instead of being silently routed.
+            [cfg.batch_topic, cfg.data_topic_prefix + "/#", cfg.trigger_topic],
+        ),
+    ]
+
+
+_EMPTY = pb.EmptySuccess()
+_IGNORE = pb.ValuedResponse(type=pb.ValuedResponse.IGNORE)
+
+
+def _rpc_names() -> Iterator[tuple[str, type, type]]:
+    service = pb.DESCRIPTOR.services_by_name["HookProvider"]
+    for method in service.methods:
+        yield (
+            method.name,
+            message_factory.GetMessageClass(method.input_type),
+            message_factory.GetMessageClass(method.output_type),
+        )
+
+
+class HookServicer:
+    """Answers every ExHook RPC; hands batch messages to the Ingestor."""
+
+    def __init__(self, cfg: Config, ingestor: Ingestor) -> None:
+        self._cfg = cfg
+        self._ingestor = ingestor
+        self._specs = [pb.HookSpec(name=name, topics=topics) for name, topics in hook_specs(cfg)]
+        self._calls = {
+            (name, outcome): metrics.HOOK_CALLS.labels(name, outcome)
+            for name, _, _ in _rpc_names()
+            for outcome in ("ok", "ignored", "stored", "rejected", "error")
+        }
+
+    # -- lifecycle -------------------------------------------------------------
+    async def OnProviderLoaded(self, request: pb.ProviderLoadedRequest, context: grpc.aio.ServicerContext) -> pb.LoadedResponse:
+        log.info(
+            "provider_loaded", broker_version=request.broker.version, node=request.meta.node,
+            cluster=request.meta.cluster_name, hooks=[s.name for s in self._specs],
+        )
+        self._calls["OnProviderLoaded", "ok"].inc()
+        return pb.LoadedResponse(hooks=self._specs)
+
+    async def OnProviderUnloaded(self, request: pb.ProviderUnloadedRequest, context: grpc.aio.ServicerContext) -> pb.EmptySuccess:
+        log.info("provider_unloaded", node=request.meta.node, cluster=request.meta.cluster_name)
+        self._calls["OnProviderUnloaded", "ok"].inc()
+        return _EMPTY
+
+    # -- the batch path ----------------------------------------------------------
+    async def OnMessagePublish(self, request: pb.MessagePublishRequest, context: grpc.aio.ServicerContext) -> pb.ValuedResponse:
+        msg = request.message
+        kind = self._ingestor.parser.classify(msg.topic)
+        if kind is None:
+            self._calls["OnMessagePublish", "ignored"].inc()
+            return _IGNORE
+        try:
+            stored = await self._ingestor.ingest(
+                kind, msg.topic, msg.payload, getattr(msg, "from"), msg.headers.get("username", "")
+            )
+        except StorageError as exc:
+            self._calls["OnMessagePublish", "error"].inc()
+            # EMQX counts the failure in its exhook metrics and applies failed_action.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"batch not stored: {exc}")
+            raise  # unreachable: abort raises
+        self._calls["OnMessagePublish", "stored" if stored else "rejected"].inc()
+        # Stopped and not routed either way: batch topics are for us, never for subscribers.
+        # EMQX copies topic, qos and payload back from this message, so echo all of it.
+        reply = pb.ValuedResponse(type=pb.ValuedResponse.STOP_AND_RETURN, message=msg)
+        reply.message.headers["allow_publish"] = "false"
+        return reply
+
+    # -- hooks without an opinion ------------------------------------------------
+    async def _ignore(self, request: object, context: grpc.aio.ServicerContext) -> pb.ValuedResponse:
+        return _IGNORE
+
+    async def _empty(self, request: object, context: grpc.aio.ServicerContext) -> pb.EmptySuccess:
+        return _EMPTY
+
+
+def _handler_for(servicer: HookServicer, name: str, response_cls: type):
+    own = getattr(servicer, name, None)
+    if own is not None:
+        return own
+    counter = servicer._calls[name, "ignored" if response_cls is pb.ValuedResponse else "ok"]
+    base = servicer._ignore if response_cls is pb.ValuedResponse else servicer._empty
+
+    async def answer(request: object, context: grpc.aio.ServicerContext) -> object:
+        counter.inc()
+        return await base(request, context)
+
+    return answer
+
+
+def generic_handlers(servicer: HookServicer) -> Iterable[grpc.GenericRpcHandler]:
+    """One handler per service name, both backed by the same servicer and v3 classes."""
+    # Importing v2 registers its descriptors, so reflection can describe emqx.exhook.v2.
+    assert exhook_v2_pb2.DESCRIPTOR.package == "emqx.exhook.v2"
+    methods = {
+        name: grpc.unary_unary_rpc_method_handler(
+            _handler_for(servicer, name, response_cls),
+            request_deserializer=request_cls.FromString,
+            response_serializer=response_cls.SerializeToString,
+        )
+        for name, request_cls, response_cls in _rpc_names()
+    }
+    return [grpc.method_handlers_generic_handler(service, methods) for service in SERVICE_NAMES]

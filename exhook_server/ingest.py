@@ -1,0 +1,147 @@
+"""From a checked batch message to durable rows, with the log line and metrics of each outcome.
+
+`Ingestor.ingest` returns only once the batch is committed and fsynced (or
+raises): the hook answers EMQX after that, which is the durability promise.
+Rejections are logged and counted here, once, with their reason code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from exhook_server import metrics
+from exhook_server.batch import Batch, BatchParser, Data, Kind, Parsed, Trigger
+from exhook_server.config import Config
+from exhook_server.errors import BatchRejected, EarlyTriggersFull, Reason, StorageError, StorageFull
+from storage import ops
+from storage.store import Store, now_ms
+from storage.writer import GroupCommitter
+
+log = structlog.get_logger("sdv_fanout.ingest")
+
+#: Called with the (vins, request_id) of every batch that became rows; dispatch hooks in here.
+StoredListener = Callable[[tuple[str, ...], str], None]
+
+
+class IngestTimeout(StorageError):
+    """The commit did not finish within ingest_timeout_s (it may still land later)."""
+
+
+class Ingestor:
+    """Validates, stores and reports batch messages."""
+
+    def __init__(self, cfg: Config, store: Store, committer: GroupCommitter, clock: Callable[[], int] = now_ms) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._committer = committer
+        self._clock = clock
+        self.parser = BatchParser(cfg)
+        self.listeners: list[StoredListener] = []
+
+    async def ingest(self, kind: Kind, topic: str, payload: bytes, clientid: str, username: str) -> bool:
+        """Store one batch message durably. False if rejected (logged); raises StorageError."""
+        started = asyncio.get_running_loop().time()
+        try:
+            self.parser.check_publisher(clientid, username)
+            parsed = self.parser.parse(kind, topic, payload)
+            await self._store_parsed(parsed)
+        except BatchRejected as rej:
+            metrics.REJECTED.labels(rej.reason.value).inc()
+            log.warning(
+                "batch_rejected", reason=rej.reason.value, detail=rej.detail, topic=topic,
+                publisher=clientid, **rej.fields,
+            )
+            return False
+        except StorageError as exc:
+            kind_label = type(exc).__name__
+            metrics.STORAGE_ERRORS.labels(kind_label).inc()
+            log.error("batch_not_stored", reason=kind_label, detail=str(exc), topic=topic, publisher=clientid)
+            raise
+        metrics.INGEST_SECONDS.observe(asyncio.get_running_loop().time() - started)
+        return True
+
+    async def _commit(self, op: Callable[..., Any]) -> Any:
+        future = asyncio.wrap_future(self._committer.submit(op))
+        try:
+            # shield: a timeout stops our wait, not the commit; the batch may still land.
+            return await asyncio.wait_for(asyncio.shield(future), self._cfg.ingest_timeout_s)
+        except TimeoutError:
+            raise IngestTimeout(f"commit took longer than {self._cfg.ingest_timeout_s} s") from None
+
+    async def _store_parsed(self, parsed: Parsed) -> None:
+        t = self._store.tables
+        now = self._clock()
+        if isinstance(parsed, Batch):
+            written = await self._commit(
+                functools.partial(ops.store_batch, t=t, vins=parsed.vins, request_id=parsed.request_id,
+                                  blob=parsed.blob, now_ms=now)
+            )
+            self._stored(written, "batch")
+        elif isinstance(parsed, Data):
+            data: ops.DataWritten = await self._commit(
+                functools.partial(ops.store_data, t=t, data_id=parsed.data_id, blob=parsed.blob, now_ms=now)
+            )
+            _count_blob(data.new_blob)
+            log.info("data_stored", data_id=data.data_id, sha1=data.sha1.hex(), size=len(parsed.blob),
+                     new_blob=data.new_blob, completed_triggers=len(data.completed))
+            for done in data.completed:
+                metrics.EARLY_COMPLETED.inc()
+                self._stored(done, "trigger", data_id=data.data_id, early=True)
+        else:
+            trig = parsed
+            try:
+                result: ops.TriggerWritten = await self._commit(
+                    functools.partial(ops.store_trigger, t=t, data_id=trig.data_id, vins=trig.vins,
+                                      request_id=trig.request_id, now_ms=now, early_max=self._cfg.early_max_count)
+                )
+            except EarlyTriggersFull as exc:
+                raise BatchRejected(Reason.EARLY_TRIGGERS_FULL, str(exc), data_id=trig.data_id,
+                                    request_id=trig.request_id) from None
+            if result.batch is None:
+                metrics.EARLY_PARKED.inc()
+                log.info("trigger_parked", data_id=trig.data_id, request_id=trig.request_id, vins=len(trig.vins))
+            else:
+                self._stored(result.batch, "trigger", data_id=trig.data_id)
+
+    def _stored(self, written: ops.BatchWritten, fmt: str, **fields: Any) -> None:
+        metrics.BATCHES_STORED.labels(fmt).inc()
+        metrics.ROWS_STORED.inc(written.rows)
+        metrics.ROWS_REPLACED.inc(written.replaced)
+        if fmt == "batch":
+            _count_blob(written.new_blob)
+        log.info("batch_stored", request_id=written.request_id, vins=written.rows, replaced=written.replaced,
+                 sha1=written.sha1.hex(), new_blob=written.new_blob, format=fmt, **fields)
+        for listener in self.listeners:
+            listener(written.vins, written.request_id)
+
+    async def sweep_early(self) -> list[ops.EarlyExpired]:
+        """Drop early triggers whose data never came, each with a logged reason."""
+        expired: list[ops.EarlyExpired] = await self._commit(
+            functools.partial(ops.expire_early, t=self._store.tables, now_ms=self._clock(),
+                              ttl_ms=int(self._cfg.early_ttl_s * 1000), limit=self._cfg.early_max_count)
+        )
+        for e in expired:
+            metrics.EARLY_EXPIRED.inc()
+            log.warning("early_trigger_expired", reason="data_never_arrived", data_id=e.data_id,
+                        request_id=e.request_id, vins=e.vins, age_ms=e.age_ms)
+        return expired
+
+    async def run_early_sweeper(self) -> None:
+        """Forever: sweep every early_sweep_interval_s; storage errors are logged, not fatal."""
+        while True:
+            await asyncio.sleep(self._cfg.early_sweep_interval_s)
+            try:
+                await self.sweep_early()
+            except StorageFull:
+                log.error("early_sweep_failed", reason="storage_full")
+            except StorageError as exc:
+                log.error("early_sweep_failed", reason=type(exc).__name__, detail=str(exc))
+
+
+def _count_blob(new_blob: bool) -> None:
+    (metrics.BLOBS_NEW if new_blob else metrics.DEDUP_HITS).inc()

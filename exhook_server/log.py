@@ -1,0 +1,42 @@
+"""structlog set-up: readable console lines for people, one JSON object per line for machines.
+
+Events have stable snake_case names (`batch_stored`, `batch_rejected`, ...) and
+carry their context as fields (`vin`, `request_id`, `reason`), never inside the
+event name.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+import orjson
+import structlog
+
+
+def _json_dumps(obj: object, default: object = None) -> str:
+    return orjson.dumps(obj, default=default).decode()  # type: ignore[arg-type]
+
+
+def configure(fmt: str = "console", level: str = "info", stream: TextIO | None = None) -> None:
+    """Route every structlog event through one renderer, at `level` and above."""
+    renderer: structlog.typing.Processor
+    if fmt == "json":
+        renderer = structlog.processors.JSONRenderer(serializer=_json_dumps)
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,112 @@
+"""Assembles and runs the server: storage, the hook servicer, health and reflection on one port.
+
+grpc.aio, because every hook handler is a coroutine that mostly waits (on the
+group commit, later on dispatch queues) and asyncio gives that for free with
+no thread per call; bench/grpc_flavour.py measures it against the sync server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from exhook_server import hooks
+from exhook_server.config import Config
+from exhook_server.ingest import Ingestor
+from storage.store import Store
+from storage.writer import GroupCommitter
+
+log = structlog.get_logger("sdv_fanout.server")
+
+#: Headroom over max_payload_bytes for the protobuf envelope, so that an
+#: oversized batch reaches our validation (and gets a reason code) instead of
+#: being refused by gRPC itself.
+_ENVELOPE_BYTES = 1 << 20
+
+
+class FanoutServer:
+    """One running sdv-fanout server; `start()`, then `stop()`."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.store = Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes)
+        self.committer = GroupCommitter(self.store, max_ops=cfg.group_commit_max_ops)
+        self.ingestor = Ingestor(cfg, self.store, self.committer)
+        self.servicer = hooks.HookServicer(cfg, self.ingestor)
+        self.health = health.aio.HealthServicer()
+        limit = 2 * cfg.max_payload_bytes + _ENVELOPE_BYTES
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                # EMQX keeps its pool connections open for hours; answer its pings.
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ]
+        )
+        self._server.add_generic_rpc_handlers(hooks.generic_handlers(self.servicer))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (*hooks.SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            self._server,
+        )
+        self.port = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> int:
+        """Bind, start serving, report SERVING; returns the bound port."""
+        host, port = self.cfg.host_port
+        self.port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if not self.port:
+            raise OSError(f"cannot listen on {self.cfg.listen}")
+        await self._server.start()
+        self._tasks.append(asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"))
+        for service in ("", *hooks.SERVICE_NAMES):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "server_started", listen=f"{host}:{self.port}", data_dir=str(self.store.path),
+            stale_readers_cleared=self.store.stale_readers_cleared, pid=os.getpid(),
+        )
+        return self.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """NOT_SERVING first, finish running calls, commit what is queued, close LMDB."""
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(grace_s)
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.to_thread(self.committer.close)
+        self.store.close()
+        log.info("server_stopped")
+
+    async def wait(self) -> None:
+        await self._server.wait_for_termination()
+
+
+async def serve(cfg: Config, ready_file: str | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    server = FanoutServer(cfg)
+    port = await server.start()
+    if ready_file:
+        tmp = Path(ready_file + ".tmp")
+        tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+        tmp.replace(ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutdown_requested")
+    await server.stop()

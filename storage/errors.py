@@ -1,0 +1,18 @@
+"""Errors of the storage layer; the hook layer maps them to answers and reason codes.
+
+    StorageError            LMDB could not do what was asked; nothing was committed
+    ├── StorageFull         the map reached map_max_bytes and cannot grow
+    └── EarlyTriggersFull   too many triggers are waiting for their data
+"""
+
+
+class StorageError(Exception):
+    """LMDB failed; the operation was not committed."""
+
+
+class StorageFull(StorageError):
+    """The LMDB map cannot grow any further (map_max_bytes reached)."""
+
+
+class EarlyTriggersFull(StorageError):
+    """The bounded store of triggers waiting for their data is full."""

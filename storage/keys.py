@@ -1,0 +1,101 @@
+"""Byte layout of every LMDB key and value; the only place that knows it.
+
+Keys sort the way the code walks them: a vehicle's rows are one prefix range,
+the expiry index is in time order, early triggers group by data_id. Integers
+are big-endian so that byte order is numeric order.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+SEP = b"\x00"
+
+#: ids value: row timestamp (ms), blob sha1, blob size in bytes.
+_ROW = struct.Struct(">Q20sI")
+#: data value prefix: the blob's creation timestamp (ms); the blob bytes follow.
+_BLOB_HEAD = struct.Struct(">Q")
+#: aliases value: sha1, then the time the alias was (re)written (ms).
+_ALIAS = struct.Struct(">20sQ")
+_U64 = struct.Struct(">Q")
+
+BLOB_HEAD_SIZE = _BLOB_HEAD.size
+
+
+class Row(NamedTuple):
+    """One pending request: what to send to `vin` as `request_id`."""
+
+    vin: str
+    request_id: str
+    ts_ms: int
+    sha1: bytes
+    size: int
+
+
+def row_key(vin: str, request_id: str) -> bytes:
+    """`ids` key. VINs and request ids never contain NUL (validated), so the split is unique."""
+    return vin.encode() + SEP + request_id.encode()
+
+
+def vin_prefix(vin: str) -> bytes:
+    """The range of `ids` keys that belong to one vehicle."""
+    return vin.encode() + SEP
+
+
+def decode_row(key: bytes, value: bytes | memoryview) -> Row:
+    """Turn an `ids` entry back into a Row."""
+    vin, _, rid = bytes(key).partition(SEP)
+    ts_ms, sha1, size = _ROW.unpack(value)
+    return Row(vin.decode(), rid.decode(), ts_ms, sha1, size)
+
+
+def row_value(ts_ms: int, sha1: bytes, size: int) -> bytes:
+    return _ROW.pack(ts_ms, sha1, size)
+
+
+def row_ts(value: bytes | memoryview) -> int:
+    return int(_ROW.unpack(value)[0])
+
+
+def expiry_key(ts_ms: int, rkey: bytes) -> bytes:
+    """`expiry` key: the row's timestamp, then its `ids` key; walks rows oldest first."""
+    return _U64.pack(ts_ms) + rkey
+
+
+def blob_value(ts_ms: int, blob: bytes) -> bytes:
+    return _BLOB_HEAD.pack(ts_ms) + blob
+
+
+def blob_ts(value: bytes | memoryview) -> int:
+    return int(_BLOB_HEAD.unpack_from(value)[0])
+
+
+def alias_value(sha1: bytes, ts_ms: int) -> bytes:
+    return _ALIAS.pack(sha1, ts_ms)
+
+
+def decode_alias(value: bytes | memoryview) -> tuple[bytes, int]:
+    sha1, ts_ms = _ALIAS.unpack(value)
+    return sha1, ts_ms
+
+
+def early_prefix(data_id: str) -> bytes:
+    return data_id.encode() + SEP
+
+
+def early_key(data_id: str, seq: int) -> bytes:
+    """`early` key: triggers waiting for one data_id, in arrival order."""
+    return early_prefix(data_id) + _U64.pack(seq)
+
+
+def early_data_id(key: bytes) -> str:
+    return bytes(key[:-9]).decode()
+
+
+def encode_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def decode_u64(value: bytes | memoryview) -> int:
+    return int(_U64.unpack(value)[0])

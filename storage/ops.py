@@ -1,0 +1,185 @@
+"""Write operations, each run inside a write transaction the group committer owns.
+
+An op either writes everything it means to, or raises before its first write
+(capacity checks come first). The committer aborts and replays the group
+without an op that raised anyway, so a half-done op never reaches the disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import lmdb
+import orjson
+
+from storage import keys
+from storage.errors import EarlyTriggersFull
+from storage.store import Tables
+
+_EARLY_SEQ = b"early_seq"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchWritten:
+    """The outcome of storing one batch (or completing one early trigger)."""
+
+    request_id: str
+    sha1: bytes
+    vins: tuple[str, ...]
+    replaced: int
+    new_blob: bool
+
+    @property
+    def rows(self) -> int:
+        return len(self.vins)
+
+
+@dataclass(frozen=True, slots=True)
+class DataWritten:
+    """The outcome of storing a `$SDV-FANOUT/data/<data_id>` payload."""
+
+    data_id: str
+    sha1: bytes
+    new_blob: bool
+    #: Early triggers this data completed, now real rows.
+    completed: tuple[BatchWritten, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerWritten:
+    """The outcome of a trigger: rows written, or parked until its data arrives."""
+
+    data_id: str
+    request_id: str
+    batch: BatchWritten | None
+    early: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyExpired:
+    """An early trigger whose data never came."""
+
+    data_id: str
+    request_id: str
+    vins: int
+    age_ms: int
+
+
+def sha1_of(blob: bytes) -> bytes:
+    return hashlib.sha1(blob, usedforsecurity=False).digest()
+
+
+def put_blob(txn: lmdb.Transaction, t: Tables, sha1: bytes, blob: bytes, now_ms: int) -> bool:
+    """Store `blob` under its sha1 unless it is there already; True when written."""
+    if txn.get(sha1, db=t.data) is not None:
+        return False
+    txn.put(sha1, keys.blob_value(now_ms, blob), db=t.data)
+    return True
+
+
+def put_rows(
+    txn: lmdb.Transaction,
+    t: Tables,
+    vins: Sequence[str],
+    request_id: str,
+    sha1: bytes,
+    size: int,
+    now_ms: int,
+) -> int:
+    """One row per VIN; a row for the same (VIN, request_id) is replaced. Returns replacements."""
+    replaced = 0
+    value = keys.row_value(now_ms, sha1, size)
+    for vin in vins:
+        rkey = keys.row_key(vin, request_id)
+        old = txn.get(rkey, db=t.ids)
+        if old is not None:
+            old_ts = keys.row_ts(old)
+            txn.delete(keys.expiry_key(old_ts, rkey), db=t.expiry)
+            replaced += 1
+        txn.put(rkey, value, db=t.ids)
+        txn.put(keys.expiry_key(now_ms, rkey), b"", db=t.expiry)
+    return replaced
+
+
+def store_batch(
+    txn: lmdb.Transaction, t: Tables, vins: Sequence[str], request_id: str, blob: bytes, now_ms: int
+) -> BatchWritten:
+    """Seed-000 batch: the blob once, then one row per VIN."""
+    sha1 = sha1_of(blob)
+    new_blob = put_blob(txn, t, sha1, blob, now_ms)
+    replaced = put_rows(txn, t, vins, request_id, sha1, len(blob), now_ms)
+    return BatchWritten(request_id, sha1, tuple(vins), replaced, new_blob)
+
+
+def store_data(txn: lmdb.Transaction, t: Tables, data_id: str, blob: bytes, now_ms: int) -> DataWritten:
+    """Plugin-format data message: blob, alias, and every trigger that was waiting for it."""
+    sha1 = sha1_of(blob)
+    new_blob = put_blob(txn, t, sha1, blob, now_ms)
+    txn.put(data_id.encode(), keys.alias_value(sha1, now_ms), db=t.aliases)
+    completed = []
+    prefix = keys.early_prefix(data_id)
+    cur = txn.cursor(t.early)
+    waiting = []
+    if cur.set_range(prefix):
+        for key, value in cur:
+            if not bytes(key).startswith(prefix):
+                break
+            waiting.append((bytes(key), orjson.loads(value)))
+    for key, trig in waiting:
+        replaced = put_rows(txn, t, trig["ids"], trig["request_id"], sha1, len(blob), now_ms)
+        txn.delete(key, db=t.early)
+        completed.append(BatchWritten(trig["request_id"], sha1, tuple(trig["ids"]), replaced, False))
+    return DataWritten(data_id, sha1, new_blob, tuple(completed))
+
+
+def store_trigger(
+    txn: lmdb.Transaction,
+    t: Tables,
+    data_id: str,
+    vins: Sequence[str],
+    request_id: str,
+    now_ms: int,
+    early_max: int,
+) -> TriggerWritten:
+    """Plugin-format trigger: rows now if the data is known, else park it (bounded)."""
+    alias = txn.get(data_id.encode(), db=t.aliases)
+    if alias is not None:
+        sha1, _ = keys.decode_alias(alias)
+        blob = txn.get(sha1, db=t.data)
+        if blob is not None:
+            size = len(blob) - keys.BLOB_HEAD_SIZE
+            replaced = put_rows(txn, t, vins, request_id, sha1, size, now_ms)
+            return TriggerWritten(
+                data_id, request_id, BatchWritten(request_id, sha1, tuple(vins), replaced, False), False
+            )
+    if int(txn.stat(t.early)["entries"]) >= early_max:
+        raise EarlyTriggersFull(f"{early_max} triggers already wait for their data")
+    raw_seq = txn.get(_EARLY_SEQ, db=t.meta)
+    seq = 0 if raw_seq is None else keys.decode_u64(raw_seq) + 1
+    txn.put(_EARLY_SEQ, keys.encode_u64(seq), db=t.meta)
+    record = orjson.dumps({"ids": list(vins), "request_id": request_id, "ts": now_ms})
+    txn.put(keys.early_key(data_id, seq), record, db=t.early)
+    return TriggerWritten(data_id, request_id, None, True)
+
+
+def expire_early(
+    txn: lmdb.Transaction, t: Tables, now_ms: int, ttl_ms: int, limit: int
+) -> list[EarlyExpired]:
+    """Delete up to `limit` early triggers older than `ttl_ms`; the table is small and bounded."""
+    expired: list[EarlyExpired] = []
+    doomed = []
+    for key, value in txn.cursor(t.early):
+        trig = orjson.loads(value)
+        age = now_ms - int(trig["ts"])
+        if age >= ttl_ms:
+            doomed.append(bytes(key))
+            expired.append(
+                EarlyExpired(keys.early_data_id(bytes(key)), trig["request_id"], len(trig["ids"]), age)
+            )
+            if len(doomed) >= limit:
+                break
+    for key in doomed:
+        txn.delete(key, db=t.early)
+    return expired

@@ -1,0 +1,280 @@
+"""The LMDB environment: opening it, growing its map, and read-only queries.
+
+One environment holds every table (named databases, layout in `keys`). Reads
+run in the caller's thread; writes go through `writer.GroupCommitter`. Growing
+the map needs every transaction of this process closed, so reads and writes
+pass through a gate that the resize closes for a moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from storage import keys
+from storage.errors import StorageError
+
+SCHEMA_VERSION = 1
+_DB_NAMES = ("data", "ids", "expiry", "aliases", "early", "meta")
+
+
+@dataclass(frozen=True, slots=True)
+class Tables:
+    """Handles of the named databases of one environment."""
+
+    data: Any
+    ids: Any
+    expiry: Any
+    aliases: Any
+    early: Any
+    meta: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """What `sdv-fanout stats` shows; read in one consistent snapshot."""
+
+    rows: int
+    blobs: int
+    blob_bytes: int
+    logical_bytes: int
+    aliases: int
+    early_triggers: int
+    map_size_bytes: int
+    map_used_bytes: int
+    schema_version: int
+
+    @property
+    def dedup_ratio(self) -> float:
+        """Bytes the rows would take without dedup, per byte actually stored."""
+        return self.logical_bytes / self.blob_bytes if self.blob_bytes else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out["dedup_ratio"] = round(self.dedup_ratio, 3)
+        return out
+
+
+class _Gate:
+    """Many transactions at once, or one map resize alone."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds: row and blob timestamps are compared across restarts."""
+    return time.time_ns() // 1_000_000
+
+
+class Store:
+    """One LMDB environment with sdv-fanout's tables.
+
+    `readonly=True` opens an environment another process is writing (the
+    `stats` and `inspect` commands): LMDB readers never block the writer.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size_bytes: int = 1 << 30,
+        map_max_bytes: int = 1 << 40,
+        readonly: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self.map_max_bytes = map_max_bytes
+        self._gate = _Gate()
+        if readonly:
+            if not (self.path / "data.mdb").exists():
+                raise StorageError(f"no sdv-fanout data in {self.path}")
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.env = lmdb.open(
+                str(self.path),
+                map_size=map_size_bytes,
+                max_dbs=len(_DB_NAMES),
+                readonly=readonly,
+                # Durability: every commit is fsynced (data and meta page).
+                sync=True,
+                metasync=True,
+                # Blobs are read at random; kernel readahead would only waste cache.
+                readahead=False,
+                # gRPC handler threads, dispatch workers and CLI processes read at once.
+                max_readers=1024,
+            )
+        except lmdb.Error as exc:
+            raise StorageError(f"cannot open LMDB at {self.path}: {exc}") from exc
+        if readonly:
+            # Another process may have grown the map since the file was created.
+            self.env.set_mapsize(0)
+        else:
+            #: Reader slots left behind by processes killed mid-read (kill -9).
+            self.stale_readers_cleared = self.env.reader_check()
+        try:
+            self.tables = Tables(
+                **{name: self.env.open_db(name.encode(), create=not readonly) for name in _DB_NAMES}
+            )
+        except lmdb.Error as exc:
+            self.env.close()
+            raise StorageError(f"{self.path} is not an sdv-fanout store: {exc}") from exc
+        self.schema_version = self._check_schema()
+
+    # -- lifecycle -------------------------------------------------------------
+    def _check_schema(self) -> int:
+        with self.env.begin(write=not self.readonly, db=self.tables.meta) as txn:
+            raw = txn.get(b"schema_version")
+            if raw is None:
+                if self.readonly:
+                    raise StorageError(f"{self.path} has no schema version")
+                txn.put(b"schema_version", str(SCHEMA_VERSION).encode())
+                txn.put(b"created_at_ms", str(now_ms()).encode())
+                return SCHEMA_VERSION
+        version = int(raw)
+        if version != SCHEMA_VERSION:
+            raise StorageError(
+                f"{self.path} has schema version {version}; this build reads {SCHEMA_VERSION}"
+            )
+        return version
+
+    def close(self) -> None:
+        with self._gate.exclusive():
+            self.env.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transactions ----------------------------------------------------------
+    @contextlib.contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        """A read-only snapshot; values are memoryviews valid inside the block."""
+        with self._gate.shared():
+            try:
+                txn = self.env.begin(buffers=True)
+            except lmdb.MapResizedError:
+                # Another process (the server) grew the map: adopt its size and retry once.
+                self.env.set_mapsize(0)
+                txn = self.env.begin(buffers=True)
+            try:
+                yield txn
+            finally:
+                txn.abort()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[lmdb.Transaction]:
+        """One write transaction, committed (and fsynced) when the block ends cleanly."""
+        with self._gate.shared():
+            txn = self.env.begin(write=True, buffers=True)
+            try:
+                yield txn
+            except BaseException:
+                txn.abort()
+                raise
+            txn.commit()
+
+    def map_size(self) -> int:
+        return int(self.env.info()["map_size"])
+
+    def grow(self) -> bool:
+        """Double the map (up to map_max_bytes); False when it cannot grow any more."""
+        with self._gate.exclusive():
+            current = self.map_size()
+            if current >= self.map_max_bytes:
+                return False
+            self.env.set_mapsize(min(current * 2, self.map_max_bytes))
+            return True
+
+    # -- queries ---------------------------------------------------------------
+    def pending(self, vin: str) -> list[keys.Row]:
+        """The vehicle's pending requests in delivery order: oldest first, then by request id."""
+        prefix = keys.vin_prefix(vin)
+        rows = []
+        with self.read() as txn:
+            cur = txn.cursor(self.tables.ids)
+            if cur.set_range(prefix):
+                for key, value in cur:
+                    if not bytes(key).startswith(prefix):
+                        break
+                    rows.append(keys.decode_row(key, value))
+        rows.sort(key=lambda r: (r.ts_ms, r.request_id))
+        return rows
+
+    def blob(self, sha1: bytes) -> bytes | None:
+        """The stored payload for `sha1`, or None when it is gone."""
+        with self.read() as txn:
+            value = txn.get(sha1, db=self.tables.data)
+            return None if value is None else bytes(value[keys.BLOB_HEAD_SIZE:])
+
+    def alias(self, data_id: str) -> bytes | None:
+        """The sha1 a platform data_id currently names."""
+        with self.read() as txn:
+            value = txn.get(data_id.encode(), db=self.tables.aliases)
+            return None if value is None else keys.decode_alias(value)[0]
+
+    def early_count(self) -> int:
+        with self.read() as txn:
+            return int(txn.stat(self.tables.early)["entries"])
+
+    def stats(self) -> Stats:
+        """Counts and sizes from one snapshot. Scans rows and blob headers: O(rows + blobs)."""
+        t = self.tables
+        with self.read() as txn:
+            blob_bytes = sum(len(v) - keys.BLOB_HEAD_SIZE for v in txn.cursor(t.data).iternext(keys=False))
+            logical = sum(keys.decode_row(k, v).size for k, v in txn.cursor(t.ids))
+            info = self.env.info()
+            stat = self.env.stat()
+            return Stats(
+                rows=int(txn.stat(t.ids)["entries"]),
+                blobs=int(txn.stat(t.data)["entries"]),
+                blob_bytes=blob_bytes,
+                logical_bytes=logical,
+                aliases=int(txn.stat(t.aliases)["entries"]),
+                early_triggers=int(txn.stat(t.early)["entries"]),
+                map_size_bytes=int(info["map_size"]),
+                map_used_bytes=(int(info["last_pgno"]) + 1) * int(stat["psize"]),
+                schema_version=self.schema_version,
+            )
