@@ -1,0 +1,45 @@
+"""Shared fixtures: a real server on loopback with a fresh LMDB per test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from exhook_server import log
+from exhook_server.config import Config
+from tests.harness import ExHookClient, InProcessServer
+
+log.configure("console", "warning")
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[Any]:
+    """Start in-process servers with config overrides; all are stopped after the test."""
+    servers: list[InProcessServer] = []
+
+    def make(**overrides: Any) -> InProcessServer:
+        cfg = Config(listen="127.0.0.1:0", data_dir=str(tmp_path / f"lmdb{len(servers)}"), **overrides)
+        srv = InProcessServer(cfg).start()
+        servers.append(srv)
+        return srv
+
+    yield make
+    for srv in servers:
+        srv.stop()
+
+
+@pytest.fixture
+def server(make_server: Any) -> InProcessServer:
+    """One server with the default configuration."""
+    return make_server()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def client(server: InProcessServer) -> Iterator[ExHookClient]:
+    """A v3 client of `server`."""
+    c = ExHookClient(server.port)
+    yield c
+    c.close()

@@ -1,0 +1,193 @@
+"""Test harness: a real server (in-process thread or subprocess) and a client that calls it as EMQX does.
+
+The client plays EMQX's side of ExHook with the project's generated v3 classes;
+tests/wire.py has an independent encoder for the wire-conformance tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from exhook_server._proto import exhook_v3_pb2 as pb
+from exhook_server.config import Config
+from exhook_server.server import FanoutServer
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def poll(predicate: Callable[[], Any], timeout_s: float = 10.0, interval_s: float = 0.01) -> Any:
+    """Return predicate()'s first truthy value, or fail after timeout_s (never a bare sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(interval_s)
+
+
+class ExHookClient:
+    """Calls HookProvider RPCs over a real loopback channel, the way EMQX's pool does."""
+
+    def __init__(self, port: int, package: str = "v3") -> None:
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.package = package
+
+    def call(self, method: str, request: Any, timeout_s: float = 10.0) -> Any:
+        response_cls = {
+            "OnProviderLoaded": pb.LoadedResponse,
+            "OnClientAuthenticate": pb.ValuedResponse,
+            "OnClientAuthorize": pb.ValuedResponse,
+            "OnMessagePublish": pb.ValuedResponse,
+        }.get(method, pb.EmptySuccess)
+        stub = self.channel.unary_unary(
+            f"/emqx.exhook.{self.package}.HookProvider/{method}",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=response_cls.FromString,
+        )
+        return stub(request, timeout=timeout_s)
+
+    def publish(self, topic: str, payload: bytes, sender: str = "sdv-platform", username: str = "platform") -> Any:
+        """OnMessagePublish with a message shaped like EMQX's (id, node, headers, timestamp)."""
+        msg = pb.Message(
+            node="emqx@127.0.0.1", id=os.urandom(16).hex().upper(), qos=1, topic=topic, payload=payload,
+            timestamp=int(time.time() * 1000),
+            headers={"username": username, "protocol": "mqtt", "peerhost": "127.0.0.1"},
+        )
+        setattr(msg, "from", sender)
+        req = pb.MessagePublishRequest(
+            message=msg, meta=pb.RequestMeta(node="emqx@127.0.0.1", version="5.8.9", cluster_name="emqxcl")
+        )
+        return self.call("OnMessagePublish", req)
+
+    def batch(self, vins: list[str], request_id: str, data: str | bytes, *, topic: str = "$SDV-FANOUT", **extra: Any) -> Any:
+        """Publish a seed-000 batch; bytes data goes base64 encoded."""
+        doc: dict[str, Any] = {"ids": vins, "request_id": request_id}
+        if isinstance(data, bytes):
+            doc.update(data=base64.b64encode(data).decode(), data_encoding="base64")
+        else:
+            doc["data"] = data
+        doc.update(extra)
+        return self.publish(topic, json.dumps(doc).encode())
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@dataclass
+class InProcessServer:
+    """A FanoutServer on its own event loop in a background thread."""
+
+    cfg: Config
+    server: FanoutServer | None = None
+    port: int = 0
+    _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> InProcessServer:
+        started = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            try:
+                self.server = FanoutServer(self.cfg)
+                self.port = self._loop.run_until_complete(self.server.start())
+            except BaseException as exc:  # surfaced to the test below
+                errors.append(exc)
+                started.set()
+                return
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="fanout-server", daemon=True)
+        self._thread.start()
+        started.wait(30)
+        if errors:
+            raise errors[0]
+        return self
+
+    def run(self, coro: Any, timeout_s: float = 30.0) -> Any:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    @property
+    def store(self):  # type: ignore[no-untyped-def]
+        assert self.server is not None
+        return self.server.store
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.run(self.server.stop(grace_s=1.0))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+        self._loop.close()
+
+
+class SubprocessServer:
+    """`sdv-fanout serve` as a real child process, for kill -9 and CLI tests."""
+
+    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.ready = data_dir.parent / f"ready-{os.getpid()}-{time.monotonic_ns()}.json"
+        self.log_path = data_dir.parent / f"server-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [str(BIN / "sdv-fanout"), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
+             "--ready-file", str(self.ready), "--log-format", "json", *extra],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+        try:
+            info = poll(self._read_ready, timeout_s=30)
+        except AssertionError:
+            self.kill()
+            raise AssertionError(f"server did not start:\n{self.log()}") from None
+        self.port: int = info["port"]
+
+    def _read_ready(self) -> dict[str, Any] | None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            return json.loads(self.ready.read_text())  # type: ignore[no-any-return]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        for line in self.log().splitlines():
+            if line.startswith("{"):
+                yield json.loads(line)
+
+    def kill(self) -> None:
+        """kill -9: no chance to flush or close anything."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self._log.close()
+
+    def terminate(self, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout_s)
+        self._log.close()
+        return code
