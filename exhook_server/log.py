@@ -19,8 +19,13 @@ def _json_dumps(obj: object, default: object = None) -> str:
     return orjson.dumps(obj, default=default).decode()  # type: ignore[arg-type]
 
 
-def configure(fmt: str = "console", level: str = "info", stream: TextIO | None = None) -> None:
-    """Route every structlog event through one renderer, at `level` and above."""
+def configure(
+    fmt: str = "console", level: str = "info", stream: TextIO | None = None, *, cache: bool = True
+) -> None:
+    """Route every structlog event through one renderer, at `level` and above.
+
+    `cache=False` keeps loggers re-configurable, which `structlog.testing.capture_logs` needs.
+    """
     renderer: structlog.typing.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer(serializer=_json_dumps)
@@ -38,5 +43,5 @@ def configure(fmt: str = "console", level: str = "info", stream: TextIO | None =
             logging.getLevelNamesMapping()[level.upper()]
         ),
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=cache,
     )

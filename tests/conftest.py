@@ -12,7 +12,7 @@ from exhook_server import log
 from exhook_server.config import Config
 from tests.harness import ExHookClient, InProcessServer
 
-log.configure("console", "warning")
+log.configure("console", "warning", cache=False)
 
 
 @pytest.fixture

@@ -46,7 +46,11 @@ class ExHookClient:
     """Calls HookProvider RPCs over a real loopback channel, the way EMQX's pool does."""
 
     def __init__(self, port: int, package: str = "v3") -> None:
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        # EMQX's client takes echoed payloads of any size; so must ours.
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)],
+        )
         self.package = package
 
     def call(self, method: str, request: Any, timeout_s: float = 10.0) -> Any:
@@ -170,7 +174,8 @@ class SubprocessServer:
             return None
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def events(self) -> Iterator[dict[str, Any]]:

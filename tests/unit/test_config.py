@@ -1,0 +1,59 @@
+"""Settings: defaults, then TOML, then SDV_FANOUT_* environment, then flags; bad values fail early."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from exhook_server.config import Config, load
+from exhook_server.errors import ConfigError
+
+
+def test_later_sources_win(tmp_path: Path) -> None:
+    """A flag beats the environment, which beats the file, which beats the default."""
+    f = tmp_path / "c.toml"
+    f.write_text('listen = "127.0.0.1:1"\ndata_dir = "/file"\nmax_ids_per_batch = 5\n')
+    env = {"SDV_FANOUT_DATA_DIR": "/env", "SDV_FANOUT_MAX_IDS_PER_BATCH": "7", "OTHER": "x"}
+    cfg = load(f, env=env, overrides={"data_dir": "/flag", "listen": None})
+    assert (cfg.listen, cfg.data_dir, cfg.max_ids_per_batch) == ("127.0.0.1:1", "/flag", 7)
+
+
+def test_default_config_round_trips(tmp_path: Path) -> None:
+    """`default-config` output is a valid config file that loads to the defaults."""
+    f = tmp_path / "d.toml"
+    f.write_text(Config().to_toml())
+    assert load(f, env={}) == Config()
+
+
+def test_list_settings_from_environment() -> None:
+    """A list setting accepts comma-separated or JSON text in the environment."""
+    assert load(env={"SDV_FANOUT_PUBLISHER_ALLOWLIST": "a,b"}).publisher_allowlist == ("a", "b")
+    assert load(env={"SDV_FANOUT_PUBLISHER_ALLOWLIST": '["c"]'}).publisher_allowlist == ("c",)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SDV_FANOUT_NO_SUCH": "1"}, "unknown setting"),
+        ({"SDV_FANOUT_MAX_IDS_PER_BATCH": "many"}, "max_ids_per_batch"),
+        ({"SDV_FANOUT_MAX_IDS_PER_BATCH": "0"}, "positive"),
+        ({"SDV_FANOUT_LISTEN": "nowhere"}, "HOST:PORT"),
+        ({"SDV_FANOUT_VIN_PATTERN": "(["}, "regular expression"),
+        ({"SDV_FANOUT_BATCH_TOPIC": "$SDV/+"}, "wildcards"),
+        ({"SDV_FANOUT_LOG_FORMAT": "xml"}, "log_format"),
+        ({"SDV_FANOUT_MAP_MAX_BYTES": "1024"}, "map_max_bytes"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_setting_named(env: dict[str, str], message: str) -> None:
+    """An unusable value raises ConfigError naming what is wrong."""
+    with pytest.raises(ConfigError, match=message):
+        load(env=env)
+
+
+def test_unknown_key_in_file_is_refused(tmp_path: Path) -> None:
+    """A typo in the TOML file is an error, not silently ignored."""
+    f = tmp_path / "c.toml"
+    f.write_text("lisen = '0.0.0.0:1'\n")
+    with pytest.raises(ConfigError, match="lisen"):
+        load(f, env={})

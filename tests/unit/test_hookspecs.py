@@ -1,0 +1,32 @@
+"""OnProviderLoaded's hook list: EMQX rejects the whole server for one unknown name."""
+
+from __future__ import annotations
+
+from exhook_server.config import Config
+from exhook_server.hooks import MESSAGE_HOOKS, VALID_HOOKS, hook_specs
+
+
+def test_every_registered_hook_is_one_emqx_knows() -> None:
+    """Each hook name is one of the 19 EMQX 5/6 hook points."""
+    assert len(VALID_HOOKS) == 19
+    specs = hook_specs(Config())
+    assert specs and all(name in VALID_HOOKS for name, _ in specs)
+
+
+def test_auth_hooks_are_never_registered() -> None:
+    """An IGNORE to client.authenticate has locked every client out on a real EMQX: never ask for it."""
+    assert not {name for name, _ in hook_specs(Config())} & {"client.authenticate", "client.authorize"}
+
+
+def test_message_hooks_carry_topic_filters() -> None:
+    """Message hooks name topic filters, so EMQX does not call us for every publish in the fleet."""
+    for name, topics in hook_specs(Config()):
+        if name in MESSAGE_HOOKS:
+            assert topics, name
+
+
+def test_topic_filters_follow_configured_topics() -> None:
+    """Custom batch topics are what we register."""
+    cfg = Config(batch_topic="fleet/batch", data_topic_prefix="fleet/data", trigger_topic="fleet/trigger")
+    [(_, topics)] = [s for s in hook_specs(cfg) if s[0] == "message.publish"]
+    assert set(topics) == {"fleet/batch", "fleet/data/#", "fleet/trigger"}
