@@ -20,6 +20,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
+## check: lint, format and type checks (also part of `make test`)
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check exhook_server storage
+	$(BIN)/mypy exhook_server storage
+
 ## proto: regenerate exhook_server/_proto from proto/
 proto: $(STAMP)
 	$(BIN)/python -m exhook_server.protogen

@@ -81,8 +81,10 @@ class BatchParser:
         """Enforce the optional allowlist; either the clientid or the username may match."""
         if self._allow and clientid not in self._allow and username not in self._allow:
             raise BatchRejected(
-                Reason.PUBLISHER_NOT_ALLOWED, "publisher is not in publisher_allowlist",
-                clientid=clientid, username=username,
+                Reason.PUBLISHER_NOT_ALLOWED,
+                "publisher is not in publisher_allowlist",
+                clientid=clientid,
+                username=username,
             )
 
     def parse(self, kind: Kind, topic: str, payload: bytes) -> Parsed:
@@ -93,7 +95,7 @@ class BatchParser:
                 f"{len(payload)} bytes > max_payload_bytes {self._cfg.max_payload_bytes}",
             )
         if kind is Kind.DATA:
-            return Data(self._data_id(topic[len(self._data_prefix):]), payload)
+            return Data(self._data_id(topic[len(self._data_prefix) :]), payload)
         doc = _json_object(payload)
         vins = self._vins(doc)
         request_id = self._request_id(doc)

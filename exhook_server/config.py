@@ -130,9 +130,16 @@ def _validate(cfg: Config) -> None:
     if cfg.trigger_topic.startswith(cfg.data_topic_prefix + "/"):
         raise ConfigError("trigger_topic must not lie under data_topic_prefix")
     positive = (
-        "map_size_bytes", "map_max_bytes", "group_commit_max_ops", "ingest_timeout_s",
-        "max_request_id_bytes", "max_ids_per_batch", "max_payload_bytes",
-        "early_max_count", "early_ttl_s", "early_sweep_interval_s",
+        "map_size_bytes",
+        "map_max_bytes",
+        "group_commit_max_ops",
+        "ingest_timeout_s",
+        "max_request_id_bytes",
+        "max_ids_per_batch",
+        "max_payload_bytes",
+        "early_max_count",
+        "early_ttl_s",
+        "early_sweep_interval_s",
     )
     for name in positive:
         if getattr(cfg, name) <= 0:
@@ -208,7 +215,7 @@ def load(
     for key, raw in (os.environ if env is None else env).items():
         if not key.startswith(ENV_PREFIX):
             continue
-        name = key[len(ENV_PREFIX):].lower()
+        name = key[len(ENV_PREFIX) :].lower()
         if name == "config":  # the file path itself, handled by the CLI
             continue
         if name not in _FIELDS:

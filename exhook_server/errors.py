@@ -19,12 +19,17 @@ import enum
 from storage.errors import EarlyTriggersFull, StorageError, StorageFull
 
 __all__ = [
-    "BatchRejected", "ConfigError", "EarlyTriggersFull", "FanoutError", "Reason",
-    "StorageError", "StorageFull",
+    "BatchRejected",
+    "ConfigError",
+    "EarlyTriggersFull",
+    "FanoutError",
+    "Reason",
+    "StorageError",
+    "StorageFull",
 ]
 
 
-class Reason(str, enum.Enum):
+class Reason(enum.StrEnum):
     """Why a batch message was rejected. Values are stable: dashboards depend on them."""
 
     INVALID_JSON = "invalid_json"
@@ -39,9 +44,6 @@ class Reason(str, enum.Enum):
     BAD_DATA_ENCODING = "bad_data_encoding"
     PUBLISHER_NOT_ALLOWED = "publisher_not_allowed"
     EARLY_TRIGGERS_FULL = "early_triggers_full"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class FanoutError(Exception):

@@ -9,7 +9,8 @@ IGNORE for valued ones unless the product has an opinion.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import grpc
 import structlog
@@ -29,13 +30,29 @@ SERVICE_NAMES = ("emqx.exhook.v2.HookProvider", "emqx.exhook.v3.HookProvider")
 
 #: The 19 hook points EMQX 5/6 knows. One other name in OnProviderLoaded's answer
 #: and EMQX refuses the whole server (`unknown_hookpoint`).
-VALID_HOOKS = frozenset({
-    "client.connect", "client.connack", "client.connected", "client.disconnected",
-    "client.authenticate", "client.authorize", "client.subscribe", "client.unsubscribe",
-    "session.created", "session.subscribed", "session.unsubscribed", "session.resumed",
-    "session.discarded", "session.takenover", "session.terminated",
-    "message.publish", "message.delivered", "message.acked", "message.dropped",
-})
+VALID_HOOKS = frozenset(
+    {
+        "client.connect",
+        "client.connack",
+        "client.connected",
+        "client.disconnected",
+        "client.authenticate",
+        "client.authorize",
+        "client.subscribe",
+        "client.unsubscribe",
+        "session.created",
+        "session.subscribed",
+        "session.unsubscribed",
+        "session.resumed",
+        "session.discarded",
+        "session.takenover",
+        "session.terminated",
+        "message.publish",
+        "message.delivered",
+        "message.acked",
+        "message.dropped",
+    }
+)
 
 #: The four hooks for which EMQX honours HookSpec.topics.
 MESSAGE_HOOKS = frozenset({"message.publish", "message.delivered", "message.acked", "message.dropped"})
@@ -61,7 +78,7 @@ _EMPTY = pb.EmptySuccess()
 _IGNORE = pb.ValuedResponse(type=pb.ValuedResponse.IGNORE)
 
 
-def _rpc_names() -> Iterator[tuple[str, type, type]]:
+def _rpc_names() -> Iterator[tuple[str, Any, Any]]:
     service = pb.DESCRIPTOR.services_by_name["HookProvider"]
     for method in service.methods:
         yield (
@@ -85,21 +102,30 @@ class HookServicer:
         }
 
     # -- lifecycle -------------------------------------------------------------
-    async def OnProviderLoaded(self, request: pb.ProviderLoadedRequest, context: grpc.aio.ServicerContext) -> pb.LoadedResponse:
+    async def OnProviderLoaded(
+        self, request: pb.ProviderLoadedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadedResponse:
         log.info(
-            "provider_loaded", broker_version=request.broker.version, node=request.meta.node,
-            cluster=request.meta.cluster_name, hooks=[s.name for s in self._specs],
+            "provider_loaded",
+            broker_version=request.broker.version,
+            node=request.meta.node,
+            cluster=request.meta.cluster_name,
+            hooks=[s.name for s in self._specs],
         )
         self._calls["OnProviderLoaded", "ok"].inc()
         return pb.LoadedResponse(hooks=self._specs)
 
-    async def OnProviderUnloaded(self, request: pb.ProviderUnloadedRequest, context: grpc.aio.ServicerContext) -> pb.EmptySuccess:
+    async def OnProviderUnloaded(
+        self, request: pb.ProviderUnloadedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmptySuccess:
         log.info("provider_unloaded", node=request.meta.node, cluster=request.meta.cluster_name)
         self._calls["OnProviderUnloaded", "ok"].inc()
         return _EMPTY
 
     # -- the batch path ----------------------------------------------------------
-    async def OnMessagePublish(self, request: pb.MessagePublishRequest, context: grpc.aio.ServicerContext) -> pb.ValuedResponse:
+    async def OnMessagePublish(
+        self, request: pb.MessagePublishRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ValuedResponse:
         msg = request.message
         kind = self._ingestor.parser.classify(msg.topic)
         if kind is None:
@@ -122,34 +148,29 @@ class HookServicer:
         return reply
 
     # -- hooks without an opinion ------------------------------------------------
-    async def _ignore(self, request: object, context: grpc.aio.ServicerContext) -> pb.ValuedResponse:
-        return _IGNORE
+    def handler(self, name: str, response_cls: Any) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        """The coroutine answering RPC `name`: ours, or a counted EmptySuccess / IGNORE."""
+        own: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]] | None = getattr(self, name, None)
+        if own is not None:
+            return own
+        valued = response_cls is pb.ValuedResponse
+        counter = self._calls[name, "ignored" if valued else "ok"]
+        answer = _IGNORE if valued else _EMPTY
 
-    async def _empty(self, request: object, context: grpc.aio.ServicerContext) -> pb.EmptySuccess:
-        return _EMPTY
+        async def no_opinion(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            counter.inc()
+            return answer
 
-
-def _handler_for(servicer: HookServicer, name: str, response_cls: type):
-    own = getattr(servicer, name, None)
-    if own is not None:
-        return own
-    counter = servicer._calls[name, "ignored" if response_cls is pb.ValuedResponse else "ok"]
-    base = servicer._ignore if response_cls is pb.ValuedResponse else servicer._empty
-
-    async def answer(request: object, context: grpc.aio.ServicerContext) -> object:
-        counter.inc()
-        return await base(request, context)
-
-    return answer
+        return no_opinion
 
 
-def generic_handlers(servicer: HookServicer) -> Iterable[grpc.GenericRpcHandler]:
+def generic_handlers(servicer: HookServicer) -> list[grpc.GenericRpcHandler]:
     """One handler per service name, both backed by the same servicer and v3 classes."""
     # Importing v2 registers its descriptors, so reflection can describe emqx.exhook.v2.
     assert exhook_v2_pb2.DESCRIPTOR.package == "emqx.exhook.v2"
     methods = {
         name: grpc.unary_unary_rpc_method_handler(
-            _handler_for(servicer, name, response_cls),
+            servicer.handler(name, response_cls),
             request_deserializer=request_cls.FromString,
             response_serializer=response_cls.SerializeToString,
         )

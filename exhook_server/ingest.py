@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 
 from exhook_server import metrics
-from exhook_server.batch import Batch, BatchParser, Data, Kind, Parsed, Trigger
+from exhook_server.batch import Batch, BatchParser, Data, Kind, Parsed
 from exhook_server.config import Config
 from exhook_server.errors import BatchRejected, EarlyTriggersFull, Reason, StorageError, StorageFull
 from storage import ops
@@ -53,8 +53,12 @@ class Ingestor:
         except BatchRejected as rej:
             metrics.REJECTED.labels(rej.reason.value).inc()
             log.warning(
-                "batch_rejected", reason=rej.reason.value, detail=rej.detail, topic=topic,
-                publisher=clientid, **rej.fields,
+                "batch_rejected",
+                reason=rej.reason.value,
+                detail=rej.detail,
+                topic=topic,
+                publisher=clientid,
+                **rej.fields,
             )
             return False
         except StorageError as exc:
@@ -78,8 +82,9 @@ class Ingestor:
         now = self._clock()
         if isinstance(parsed, Batch):
             written = await self._commit(
-                functools.partial(ops.store_batch, t=t, vins=parsed.vins, request_id=parsed.request_id,
-                                  blob=parsed.blob, now_ms=now)
+                functools.partial(
+                    ops.store_batch, t=t, vins=parsed.vins, request_id=parsed.request_id, blob=parsed.blob, now_ms=now
+                )
             )
             self._stored(written, "batch")
         elif isinstance(parsed, Data):
@@ -87,8 +92,14 @@ class Ingestor:
                 functools.partial(ops.store_data, t=t, data_id=parsed.data_id, blob=parsed.blob, now_ms=now)
             )
             _count_blob(data.new_blob)
-            log.info("data_stored", data_id=data.data_id, sha1=data.sha1.hex(), size=len(parsed.blob),
-                     new_blob=data.new_blob, completed_triggers=len(data.completed))
+            log.info(
+                "data_stored",
+                data_id=data.data_id,
+                sha1=data.sha1.hex(),
+                size=len(parsed.blob),
+                new_blob=data.new_blob,
+                completed_triggers=len(data.completed),
+            )
             for done in data.completed:
                 metrics.EARLY_COMPLETED.inc()
                 self._stored(done, "trigger", data_id=data.data_id, early=True)
@@ -96,12 +107,20 @@ class Ingestor:
             trig = parsed
             try:
                 result: ops.TriggerWritten = await self._commit(
-                    functools.partial(ops.store_trigger, t=t, data_id=trig.data_id, vins=trig.vins,
-                                      request_id=trig.request_id, now_ms=now, early_max=self._cfg.early_max_count)
+                    functools.partial(
+                        ops.store_trigger,
+                        t=t,
+                        data_id=trig.data_id,
+                        vins=trig.vins,
+                        request_id=trig.request_id,
+                        now_ms=now,
+                        early_max=self._cfg.early_max_count,
+                    )
                 )
             except EarlyTriggersFull as exc:
-                raise BatchRejected(Reason.EARLY_TRIGGERS_FULL, str(exc), data_id=trig.data_id,
-                                    request_id=trig.request_id) from None
+                raise BatchRejected(
+                    Reason.EARLY_TRIGGERS_FULL, str(exc), data_id=trig.data_id, request_id=trig.request_id
+                ) from None
             if result.batch is None:
                 metrics.EARLY_PARKED.inc()
                 log.info("trigger_parked", data_id=trig.data_id, request_id=trig.request_id, vins=len(trig.vins))
@@ -114,21 +133,40 @@ class Ingestor:
         metrics.ROWS_REPLACED.inc(written.replaced)
         if fmt == "batch":
             _count_blob(written.new_blob)
-        log.info("batch_stored", request_id=written.request_id, vins=written.rows, replaced=written.replaced,
-                 sha1=written.sha1.hex(), new_blob=written.new_blob, format=fmt, **fields)
+        log.info(
+            "batch_stored",
+            request_id=written.request_id,
+            vins=written.rows,
+            replaced=written.replaced,
+            sha1=written.sha1.hex(),
+            new_blob=written.new_blob,
+            format=fmt,
+            **fields,
+        )
         for listener in self.listeners:
             listener(written.vins, written.request_id)
 
     async def sweep_early(self) -> list[ops.EarlyExpired]:
         """Drop early triggers whose data never came, each with a logged reason."""
         expired: list[ops.EarlyExpired] = await self._commit(
-            functools.partial(ops.expire_early, t=self._store.tables, now_ms=self._clock(),
-                              ttl_ms=int(self._cfg.early_ttl_s * 1000), limit=self._cfg.early_max_count)
+            functools.partial(
+                ops.expire_early,
+                t=self._store.tables,
+                now_ms=self._clock(),
+                ttl_ms=int(self._cfg.early_ttl_s * 1000),
+                limit=self._cfg.early_max_count,
+            )
         )
         for e in expired:
             metrics.EARLY_EXPIRED.inc()
-            log.warning("early_trigger_expired", reason="data_never_arrived", data_id=e.data_id,
-                        request_id=e.request_id, vins=e.vins, age_ms=e.age_ms)
+            log.warning(
+                "early_trigger_expired",
+                reason="data_never_arrived",
+                data_id=e.data_id,
+                request_id=e.request_id,
+                vins=e.vins,
+                age_ms=e.age_ms,
+            )
         return expired
 
     async def run_early_sweeper(self) -> None:

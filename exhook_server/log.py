@@ -19,9 +19,7 @@ def _json_dumps(obj: object, default: object = None) -> str:
     return orjson.dumps(obj, default=default).decode()  # type: ignore[arg-type]
 
 
-def configure(
-    fmt: str = "console", level: str = "info", stream: TextIO | None = None, *, cache: bool = True
-) -> None:
+def configure(fmt: str = "console", level: str = "info", stream: TextIO | None = None, *, cache: bool = True) -> None:
     """Route every structlog event through one renderer, at `level` and above.
 
     `cache=False` keeps loggers re-configurable, which `structlog.testing.capture_logs` needs.
@@ -39,9 +37,7 @@ def configure(
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=cache,
     )

@@ -8,33 +8,17 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-HOOK_CALLS = Counter(
-    "sdv_fanout_hook_calls_total", "ExHook RPCs answered, by hook and outcome", ["hook", "outcome"]
-)
-BATCHES_STORED = Counter(
-    "sdv_fanout_batches_stored_total", "Batches durably stored, by ingest format", ["format"]
-)
+HOOK_CALLS = Counter("sdv_fanout_hook_calls_total", "ExHook RPCs answered, by hook and outcome", ["hook", "outcome"])
+BATCHES_STORED = Counter("sdv_fanout_batches_stored_total", "Batches durably stored, by ingest format", ["format"])
 ROWS_STORED = Counter("sdv_fanout_rows_stored_total", "(VIN, request_id) rows written")
-ROWS_REPLACED = Counter(
-    "sdv_fanout_rows_replaced_total", "Rows that replaced an older row of the same VIN and request"
-)
+ROWS_REPLACED = Counter("sdv_fanout_rows_replaced_total", "Rows that replaced an older row of the same VIN and request")
 BLOBS_NEW = Counter("sdv_fanout_blobs_written_total", "Payload blobs written (first sighting)")
 DEDUP_HITS = Counter("sdv_fanout_dedup_hits_total", "Payloads already stored under their sha1")
-REJECTED = Counter(
-    "sdv_fanout_batches_rejected_total", "Batch messages rejected, by reason code", ["reason"]
-)
-EARLY_PARKED = Counter(
-    "sdv_fanout_early_triggers_parked_total", "Triggers stored before their data arrived"
-)
-EARLY_COMPLETED = Counter(
-    "sdv_fanout_early_triggers_completed_total", "Parked triggers completed by their data"
-)
-EARLY_EXPIRED = Counter(
-    "sdv_fanout_early_triggers_expired_total", "Parked triggers whose data never came"
-)
-STORAGE_ERRORS = Counter(
-    "sdv_fanout_storage_errors_total", "Ingests that failed in storage, by kind", ["kind"]
-)
+REJECTED = Counter("sdv_fanout_batches_rejected_total", "Batch messages rejected, by reason code", ["reason"])
+EARLY_PARKED = Counter("sdv_fanout_early_triggers_parked_total", "Triggers stored before their data arrived")
+EARLY_COMPLETED = Counter("sdv_fanout_early_triggers_completed_total", "Parked triggers completed by their data")
+EARLY_EXPIRED = Counter("sdv_fanout_early_triggers_expired_total", "Parked triggers whose data never came")
+STORAGE_ERRORS = Counter("sdv_fanout_storage_errors_total", "Ingests that failed in storage, by kind", ["kind"])
 INGEST_SECONDS = Histogram(
     "sdv_fanout_ingest_seconds",
     "Time from receiving a batch message to its durable commit",

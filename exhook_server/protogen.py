@@ -35,9 +35,7 @@ def generate(out_root: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
-    return sorted(
-        p for p in (out_root / PACKAGE_DIR).iterdir() if p.name.endswith(GENERATED_SUFFIXES)
-    )
+    return sorted(p for p in (out_root / PACKAGE_DIR).iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 
 def main() -> int:

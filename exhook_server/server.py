@@ -56,8 +56,7 @@ class FanoutServer:
         self._server.add_generic_rpc_handlers(hooks.generic_handlers(self.servicer))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
-            (*hooks.SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
+            (*hooks.SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._server,
         )
         self.port = 0
@@ -74,8 +73,11 @@ class FanoutServer:
         for service in ("", *hooks.SERVICE_NAMES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "server_started", listen=f"{host}:{self.port}", data_dir=str(self.store.path),
-            stale_readers_cleared=self.store.stale_readers_cleared, pid=os.getpid(),
+            "server_started",
+            listen=f"{host}:{self.port}",
+            data_dir=str(self.store.path),
+            stale_readers_cleared=self.store.stale_readers_cleared,
+            pid=os.getpid(),
         )
         return self.port
 

@@ -1,8 +1,8 @@
 """Errors of the storage layer; the hook layer maps them to answers and reason codes.
 
-    StorageError            LMDB could not do what was asked; nothing was committed
-    ├── StorageFull         the map reached map_max_bytes and cannot grow
-    └── EarlyTriggersFull   too many triggers are waiting for their data
+StorageError            LMDB could not do what was asked; nothing was committed
+├── StorageFull         the map reached map_max_bytes and cannot grow
+└── EarlyTriggersFull   too many triggers are waiting for their data
 """
 
 

@@ -43,7 +43,7 @@ def vin_prefix(vin: str) -> bytes:
     return vin.encode() + SEP
 
 
-def decode_row(key: bytes, value: bytes | memoryview) -> Row:
+def decode_row(key: bytes | memoryview, value: bytes | memoryview) -> Row:
     """Turn an `ids` entry back into a Row."""
     vin, _, rid = bytes(key).partition(SEP)
     ts_ms, sha1, size = _ROW.unpack(value)

@@ -164,9 +164,7 @@ def store_trigger(
     return TriggerWritten(data_id, request_id, None, True)
 
 
-def expire_early(
-    txn: lmdb.Transaction, t: Tables, now_ms: int, ttl_ms: int, limit: int
-) -> list[EarlyExpired]:
+def expire_early(txn: lmdb.Transaction, t: Tables, now_ms: int, ttl_ms: int, limit: int) -> list[EarlyExpired]:
     """Delete up to `limit` early triggers older than `ttl_ms`; the table is small and bounded."""
     expired: list[EarlyExpired] = []
     doomed = []
@@ -175,9 +173,7 @@ def expire_early(
         age = now_ms - int(trig["ts"])
         if age >= ttl_ms:
             doomed.append(bytes(key))
-            expired.append(
-                EarlyExpired(keys.early_data_id(bytes(key)), trig["request_id"], len(trig["ids"]), age)
-            )
+            expired.append(EarlyExpired(keys.early_data_id(bytes(key)), trig["request_id"], len(trig["ids"]), age))
             if len(doomed) >= limit:
                 break
     for key in doomed:

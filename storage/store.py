@@ -153,9 +153,7 @@ class Store:
             #: Reader slots left behind by processes killed mid-read (kill -9).
             self.stale_readers_cleared = self.env.reader_check()
         try:
-            self.tables = Tables(
-                **{name: self.env.open_db(name.encode(), create=not readonly) for name in _DB_NAMES}
-            )
+            self.tables = Tables(**{name: self.env.open_db(name.encode(), create=not readonly) for name in _DB_NAMES})
         except lmdb.Error as exc:
             self.env.close()
             raise StorageError(f"{self.path} is not an sdv-fanout store: {exc}") from exc
@@ -173,9 +171,7 @@ class Store:
                 return SCHEMA_VERSION
         version = int(raw)
         if version != SCHEMA_VERSION:
-            raise StorageError(
-                f"{self.path} has schema version {version}; this build reads {SCHEMA_VERSION}"
-            )
+            raise StorageError(f"{self.path} has schema version {version}; this build reads {SCHEMA_VERSION}")
         return version
 
     def close(self) -> None:
@@ -247,7 +243,7 @@ class Store:
         """The stored payload for `sha1`, or None when it is gone."""
         with self.read() as txn:
             value = txn.get(sha1, db=self.tables.data)
-            return None if value is None else bytes(value[keys.BLOB_HEAD_SIZE:])
+            return None if value is None else bytes(value[keys.BLOB_HEAD_SIZE :])
 
     def alias(self, data_id: str) -> bytes | None:
         """The sha1 a platform data_id currently names."""
@@ -263,7 +259,7 @@ class Store:
         """Counts and sizes from one snapshot. Scans rows and blob headers: O(rows + blobs)."""
         t = self.tables
         with self.read() as txn:
-            blob_bytes = sum(len(v) - keys.BLOB_HEAD_SIZE for v in txn.cursor(t.data).iternext(keys=False))
+            blob_bytes = sum(len(v) - keys.BLOB_HEAD_SIZE for _, v in txn.cursor(t.data))
             logical = sum(keys.decode_row(k, v).size for k, v in txn.cursor(t.ids))
             info = self.env.info()
             stat = self.env.stat()

@@ -123,7 +123,7 @@ class GroupCommitter:
                 return
             self.commits += 1
             self.ops_committed += len(live)
-            for item, result in zip(live, results):
+            for item, result in zip(live, results, strict=True):
                 item.future.set_result(result)
             return
 
@@ -135,6 +135,6 @@ class GroupCommitter:
                     results.append(item.op(txn))
                 except lmdb.MapFullError:
                     raise
-                except Exception as exc:  # noqa: BLE001 - any op failure: replay without it
+                except Exception as exc:
                     raise _Replay(index, exc) from exc
         return results

@@ -70,7 +70,11 @@ class ExHookClient:
     def publish(self, topic: str, payload: bytes, sender: str = "sdv-platform", username: str = "platform") -> Any:
         """OnMessagePublish with a message shaped like EMQX's (id, node, headers, timestamp)."""
         msg = pb.Message(
-            node="emqx@127.0.0.1", id=os.urandom(16).hex().upper(), qos=1, topic=topic, payload=payload,
+            node="emqx@127.0.0.1",
+            id=os.urandom(16).hex().upper(),
+            qos=1,
+            topic=topic,
+            payload=payload,
             timestamp=int(time.time() * 1000),
             headers={"username": username, "protocol": "mqtt", "peerhost": "127.0.0.1"},
         )
@@ -80,7 +84,9 @@ class ExHookClient:
         )
         return self.call("OnMessagePublish", req)
 
-    def batch(self, vins: list[str], request_id: str, data: str | bytes, *, topic: str = "$SDV-FANOUT", **extra: Any) -> Any:
+    def batch(
+        self, vins: list[str], request_id: str, data: str | bytes, *, topic: str = "$SDV-FANOUT", **extra: Any
+    ) -> Any:
         """Publish a seed-000 batch; bytes data goes base64 encoded."""
         doc: dict[str, Any] = {"ids": vins, "request_id": request_id}
         if isinstance(data, bytes):
@@ -152,11 +158,24 @@ class SubprocessServer:
         self.data_dir = data_dir
         self.ready = data_dir.parent / f"ready-{os.getpid()}-{time.monotonic_ns()}.json"
         self.log_path = data_dir.parent / f"server-{time.monotonic_ns()}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
-            [str(BIN / "sdv-fanout"), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
-             "--ready-file", str(self.ready), "--log-format", "json", *extra],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            [
+                str(BIN / "sdv-fanout"),
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(data_dir),
+                "--ready-file",
+                str(self.ready),
+                "--log-format",
+                "json",
+                *extra,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
         try:
             info = poll(self._read_ready, timeout_s=30)

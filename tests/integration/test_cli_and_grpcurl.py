@@ -42,7 +42,9 @@ def test_grpcurl_lists_both_exhook_services(proc: SubprocessServer) -> None:
 @pytest.mark.parametrize("package", ["v2", "v3"])
 def test_grpcurl_describes_every_rpc(proc: SubprocessServer, package: str) -> None:
     """`describe` shows all 21 RPCs of each service, and the bytes-typed password field."""
-    text = run(GRPCURL, "-plaintext", f"127.0.0.1:{proc.port}", "describe", f"emqx.exhook.{package}.HookProvider").stdout
+    text = run(
+        GRPCURL, "-plaintext", f"127.0.0.1:{proc.port}", "describe", f"emqx.exhook.{package}.HookProvider"
+    ).stdout
     assert text.count("rpc On") == 21
     field = run(GRPCURL, "-plaintext", f"127.0.0.1:{proc.port}", "describe", f"emqx.exhook.{package}.ClientInfo").stdout
     assert "bytes password = 4;" in field
@@ -59,11 +61,15 @@ def test_grpcurl_can_send_a_batch(proc: SubprocessServer) -> None:
     """An operator can ingest a batch by hand with grpcurl, and `inspect` shows it."""
     import base64
 
-    payload = base64.b64encode(json.dumps({"ids": ["GRPCURL1"], "request_id": "task_manual_1", "data": "hi"}).encode()).decode()
+    payload = base64.b64encode(
+        json.dumps({"ids": ["GRPCURL1"], "request_id": "task_manual_1", "data": "hi"}).encode()
+    ).decode()
     req = {"message": {"topic": "$SDV-FANOUT", "qos": 1, "payload": payload, "from": "ops"}}
     out = json.loads(grpcurl(proc.port, "-d", json.dumps(req), "emqx.exhook.v2.HookProvider/OnMessagePublish"))
     assert out["type"] == "STOP_AND_RETURN" and out["message"]["headers"] == {"allow_publish": "false"}
-    shown = json.loads(run(str(BIN / "sdv-fanout"), "inspect", "GRPCURL1", "--data-dir", str(proc.data_dir), "--json").stdout)
+    shown = json.loads(
+        run(str(BIN / "sdv-fanout"), "inspect", "GRPCURL1", "--data-dir", str(proc.data_dir), "--json").stdout
+    )
     assert [p["request_id"] for p in shown["pending"]] == ["task_manual_1"]
 
 
@@ -77,7 +83,9 @@ def test_stats_and_inspect_read_a_running_server(proc: SubprocessServer) -> None
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
     assert stats["rows"] >= 3 and stats["blobs"] >= 1 and stats["early_triggers"] == 0
-    shown = json.loads(run(str(BIN / "sdv-fanout"), "inspect", "STATS1", "--data-dir", str(proc.data_dir), "--json").stdout)
+    shown = json.loads(
+        run(str(BIN / "sdv-fanout"), "inspect", "STATS1", "--data-dir", str(proc.data_dir), "--json").stdout
+    )
     assert [p["request_id"] for p in shown["pending"]] == ["task_ota_1", "task_ota_2"]
     human = run(str(BIN / "sdv-fanout"), "inspect", "STATS1", "--data-dir", str(proc.data_dir)).stdout
     assert "2 pending" in human
@@ -92,11 +100,21 @@ def test_json_logs_are_one_object_per_line(proc: SubprocessServer) -> None:
 
 def test_check_config_shows_environment(tmp_path: Path) -> None:
     """check-config prints the settings in force, environment included; bad ones exit 2."""
-    out = subprocess.run([str(BIN / "sdv-fanout"), "check-config"], capture_output=True, text=True,
-                         env={"SDV_FANOUT_MAX_IDS_PER_BATCH": "77", "PATH": ""}, timeout=60)
+    out = subprocess.run(
+        [str(BIN / "sdv-fanout"), "check-config"],
+        capture_output=True,
+        text=True,
+        env={"SDV_FANOUT_MAX_IDS_PER_BATCH": "77", "PATH": ""},
+        timeout=60,
+    )
     assert "max_ids_per_batch = 77" in out.stdout
-    bad = subprocess.run([str(BIN / "sdv-fanout"), "check-config"], capture_output=True, text=True,
-                         env={"SDV_FANOUT_LISTEN": "x"}, timeout=60)
+    bad = subprocess.run(
+        [str(BIN / "sdv-fanout"), "check-config"],
+        capture_output=True,
+        text=True,
+        env={"SDV_FANOUT_LISTEN": "x"},
+        timeout=60,
+    )
     assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
 
 

@@ -89,7 +89,9 @@ def test_orphan_trigger_expires_with_reason(make_server: Any) -> None:
     """A parked trigger whose data never comes is dropped after early_ttl_s, with a logged reason."""
     srv = make_server(early_ttl_s=0.001, early_sweep_interval_s=3600)
     c = ExHookClient(srv.port)
-    c.publish("$SDV-FANOUT/trigger", json.dumps({"ids": ["VIN1"], "request_id": "task_a_1", "data_id": "gone"}).encode())
+    c.publish(
+        "$SDV-FANOUT/trigger", json.dumps({"ids": ["VIN1"], "request_id": "task_a_1", "data_id": "gone"}).encode()
+    )
     assert srv.store.early_count() == 1
     with capture_logs() as logs:
         expired = srv.run(srv.server.ingestor.sweep_early())
@@ -105,7 +107,10 @@ def test_early_triggers_are_bounded(make_server: Any) -> None:
     c = ExHookClient(srv.port)
     before = rejected_count("early_triggers_full")
     for n in range(3):
-        c.publish("$SDV-FANOUT/trigger", json.dumps({"ids": ["VIN1"], "request_id": f"task_a_{n}", "data_id": f"d{n}"}).encode())
+        c.publish(
+            "$SDV-FANOUT/trigger",
+            json.dumps({"ids": ["VIN1"], "request_id": f"task_a_{n}", "data_id": f"d{n}"}).encode(),
+        )
     assert srv.store.early_count() == 2
     assert rejected_count("early_triggers_full") == before + 1
     c.close()
@@ -157,7 +162,11 @@ REJECTIONS = [
     ("bad_data_encoding", "$SDV-FANOUT", json.dumps({**GOOD, "data_encoding": "gzip"}).encode()),
     ("bad_data_id", "$SDV-FANOUT/data/a/b", b"payload"),
     ("bad_data_id", "$SDV-FANOUT/data", b"payload"),
-    ("bad_data_id", "$SDV-FANOUT/trigger", json.dumps({"ids": ["VIN1"], "request_id": "t_1", "data_id": "a b"}).encode()),
+    (
+        "bad_data_id",
+        "$SDV-FANOUT/trigger",
+        json.dumps({"ids": ["VIN1"], "request_id": "t_1", "data_id": "a b"}).encode(),
+    ),
     ("wrong_type", "$SDV-FANOUT/trigger", json.dumps({"ids": ["VIN1"], "request_id": "t_1", "data_id": 3}).encode()),
     ("missing_field", "$SDV-FANOUT/trigger", json.dumps({"ids": ["VIN1"], "request_id": "t_1"}).encode()),
 ]
