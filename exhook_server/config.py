@@ -76,6 +76,34 @@ class Config:
     # How often orphaned early triggers are looked for.
     early_sweep_interval_s: float = 10.0
 
+    # -- dispatch -------------------------------------------------------------
+    # Delivery topic is <prefix with the VIN>/<request_id>; vehicles subscribe <prefix>/+.
+    request_topic_prefix: str = "agent/{VIN}/proxy/request"
+    # Publishes on these prove the vehicle is online (and repair state after a restart).
+    heartbeat_topics: tuple[str, ...] = ("ecp/{VIN}/online", "ecp/{VIN}/heartbeat")
+    # Worker partitions of the VIN space; 0 = one per CPU.
+    workers: int = 0
+    # An unacknowledged delivery older than this is sent again on the next trigger.
+    inflight_timeout_s: float = 60.0
+    # Vehicles conventionally use their VIN as MQTT clientid: resolve session.resumed by it
+    # when no subscription of that client has been seen since start-up.
+    vin_from_clientid: bool = True
+
+    # -- MQTT delivery ---------------------------------------------------------
+    # The broker we publish deliveries to (EMQX's listener); mqtts:// for TLS; "" = store only.
+    mqtt_url: str = "mqtt://127.0.0.1:1883"
+    mqtt_username: str = ""
+    mqtt_password: str = ""
+    # CA bundle for mqtts://; empty = the system's trust store.
+    mqtt_ca_file: str = ""
+    # Acks count only for messages whose publisher clientid starts with this.
+    mqtt_clientid_prefix: str = "sdv-fanout-"
+    # paho's in-flight window: larger windows collapse throughput (paho and EMQX alike).
+    mqtt_max_inflight: int = 50
+    # MQTT 5 Message-Expiry-Interval on deliveries; 0 = none.
+    mqtt_message_expiry_s: int = 0
+    mqtt_keepalive_s: int = 30
+
     # -- logging --------------------------------------------------------------
     # `console` for people, `json` (one object per line) for log pipelines.
     log_format: str = "console"
@@ -84,6 +112,11 @@ class Config:
     # ------------------------------------------------------------------------
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def worker_count(self) -> int:
+        """Workers actually started: `workers`, or one per CPU."""
+        return self.workers or os.cpu_count() or 1
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -144,6 +177,17 @@ def _validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive")
+    if "{VIN}" not in cfg.request_topic_prefix or any(c in cfg.request_topic_prefix for c in "+#"):
+        raise ConfigError("request_topic_prefix must contain {VIN} and no wildcards")
+    for topic in cfg.heartbeat_topics:
+        if topic.count("{VIN}") != 1 or any(c in topic for c in "+#"):
+            raise ConfigError(f"heartbeat topic {topic!r} must contain {{VIN}} once and no wildcards")
+    if cfg.workers < 0 or cfg.mqtt_max_inflight <= 0 or cfg.inflight_timeout_s <= 0:
+        raise ConfigError("workers must be >= 0; mqtt_max_inflight and inflight_timeout_s positive")
+    if cfg.mqtt_url and not cfg.mqtt_url.startswith(("mqtt://", "mqtts://")):
+        raise ConfigError("mqtt_url must start with mqtt:// or mqtts:// (or be empty: no delivery)")
+    if not cfg.mqtt_clientid_prefix:
+        raise ConfigError("mqtt_clientid_prefix must not be empty (acks are matched by it)")
     if cfg.map_max_bytes < cfg.map_size_bytes:
         raise ConfigError("map_max_bytes must be at least map_size_bytes")
     if cfg.log_format not in ("console", "json"):

@@ -19,8 +19,12 @@ from google.protobuf import message_factory
 from exhook_server import metrics
 from exhook_server._proto import exhook_v2_pb2, exhook_v3_pb2
 from exhook_server.config import Config
+from exhook_server.dispatch.commands import EndReason, Session
+from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.errors import StorageError
 from exhook_server.ingest import Ingestor
+from exhook_server.topics import RequestTopics, TopicTemplate
+from storage.ops import sha1_of
 
 pb = exhook_v3_pb2
 
@@ -64,14 +68,38 @@ def hook_specs(cfg: Config) -> list[tuple[str, list[str]]]:
     `client.authenticate` / `client.authorize` are never registered: an
     all-IGNORE answer to them has refused every client on a real EMQX 5.1.
     """
+    heartbeats = [TopicTemplate(t).filter for t in cfg.heartbeat_topics]
     return [
+        # Presence: who is connected, subscribed, resumed, gone.
+        ("client.connected", []),
+        ("client.disconnected", []),
+        ("session.subscribed", []),
+        ("session.resumed", []),
+        ("session.discarded", []),
+        ("session.takenover", []),
+        ("session.terminated", []),
         (
             "message.publish",
             # `<prefix>/#` rather than `/+`: a malformed multi-level data_id reaches us
             # and is rejected with a reason instead of being silently routed.
-            [cfg.batch_topic, cfg.data_topic_prefix + "/#", cfg.trigger_topic],
+            [cfg.batch_topic, cfg.data_topic_prefix + "/#", cfg.trigger_topic, *heartbeats],
         ),
+        # PUBACKs of deliveries only.
+        ("message.acked", [RequestTopics(cfg.request_topic_prefix).filter]),
     ]
+
+
+def session_of(info: Any) -> Session:
+    """The connection identity in a ClientInfo."""
+    return Session(info.node, info.clientid, info.peerhost, info.peerport)
+
+
+def _end_reason(reason: str) -> EndReason:
+    if reason == "takenover":
+        return EndReason.TAKENOVER
+    if reason == "discarded":
+        return EndReason.DISCARDED
+    return EndReason.OFFLINE
 
 
 _EMPTY = pb.EmptySuccess()
@@ -91,9 +119,13 @@ def _rpc_names() -> Iterator[tuple[str, Any, Any]]:
 class HookServicer:
     """Answers every ExHook RPC; hands batch messages to the Ingestor."""
 
-    def __init__(self, cfg: Config, ingestor: Ingestor) -> None:
+    def __init__(self, cfg: Config, ingestor: Ingestor, dispatcher: Dispatcher) -> None:
         self._cfg = cfg
         self._ingestor = ingestor
+        self._dispatch = dispatcher
+        self._requests = RequestTopics(cfg.request_topic_prefix)
+        self._heartbeats = [TopicTemplate(t) for t in cfg.heartbeat_topics]
+        self._delivery_prefix = cfg.mqtt_clientid_prefix
         self._specs = [pb.HookSpec(name=name, topics=topics) for name, topics in hook_specs(cfg)]
         self._calls = {
             (name, outcome): metrics.HOOK_CALLS.labels(name, outcome)
@@ -129,6 +161,13 @@ class HookServicer:
         msg = request.message
         kind = self._ingestor.parser.classify(msg.topic)
         if kind is None:
+            # Heartbeats are published on normally (IGNORE); the send happens behind the answer.
+            for template in self._heartbeats:
+                vin = template.vin(msg.topic)
+                if vin is not None:
+                    sender = Session(msg.node, getattr(msg, "from"), msg.headers.get("peerhost", ""))
+                    self._dispatch.heartbeat(sender, vin)
+                    break
             self._calls["OnMessagePublish", "ignored"].inc()
             return _IGNORE
         try:
@@ -146,6 +185,69 @@ class HookServicer:
         reply = pb.ValuedResponse(type=pb.ValuedResponse.STOP_AND_RETURN, message=msg)
         reply.message.headers["allow_publish"] = "false"
         return reply
+
+    # -- presence and acks: answer at once, work behind the answer ----------------
+    async def OnClientConnected(
+        self, request: pb.ClientConnectedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmptySuccess:
+        self._dispatch.connected(session_of(request.clientinfo))
+        self._calls["OnClientConnected", "ok"].inc()
+        return _EMPTY
+
+    async def OnClientDisconnected(
+        self, request: pb.ClientDisconnectedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmptySuccess:
+        self._dispatch.ended(session_of(request.clientinfo), _end_reason(request.reason))
+        self._calls["OnClientDisconnected", "ok"].inc()
+        return _EMPTY
+
+    async def OnSessionSubscribed(
+        self, request: pb.SessionSubscribedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmptySuccess:
+        vin = self._requests.subscribed_vin(request.topic)
+        if vin is not None:
+            self._dispatch.subscribed(session_of(request.clientinfo), vin)
+        self._calls["OnSessionSubscribed", "ok"].inc()
+        return _EMPTY
+
+    async def OnSessionResumed(
+        self, request: pb.SessionResumedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmptySuccess:
+        self._dispatch.resumed(session_of(request.clientinfo))
+        self._calls["OnSessionResumed", "ok"].inc()
+        return _EMPTY
+
+    async def OnSessionDiscarded(
+        self, request: pb.SessionDiscardedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmptySuccess:
+        self._dispatch.ended(session_of(request.clientinfo), EndReason.DISCARDED)
+        self._calls["OnSessionDiscarded", "ok"].inc()
+        return _EMPTY
+
+    async def OnSessionTakenover(
+        self, request: pb.SessionTakenoverRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmptySuccess:
+        self._calls["OnSessionTakenover", "ok"].inc()  # the session lives on: nothing to do
+        return _EMPTY
+
+    async def OnSessionTerminated(
+        self, request: pb.SessionTerminatedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmptySuccess:
+        self._dispatch.ended(session_of(request.clientinfo), EndReason.TERMINATED)
+        self._calls["OnSessionTerminated", "ok"].inc()
+        return _EMPTY
+
+    async def OnMessageAcked(
+        self, request: pb.MessageAckedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmptySuccess:
+        msg = request.message
+        parsed = self._requests.parse_delivery(msg.topic)
+        # Only PUBACKs of our own deliveries count; another publisher on the topic is not ours.
+        if parsed is not None and getattr(msg, "from").startswith(self._delivery_prefix):
+            vin, request_id = parsed
+            self._dispatch.acked(session_of(request.clientinfo), vin, request_id, sha1_of(msg.payload))
+        self._calls["OnMessageAcked", "ok"].inc()
+        return _EMPTY
 
     # -- hooks without an opinion ------------------------------------------------
     def handler(self, name: str, response_cls: Any) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:

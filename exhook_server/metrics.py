@@ -6,7 +6,7 @@ format for free; the HTTP endpoint is started by the server when asked.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 HOOK_CALLS = Counter("sdv_fanout_hook_calls_total", "ExHook RPCs answered, by hook and outcome", ["hook", "outcome"])
 BATCHES_STORED = Counter("sdv_fanout_batches_stored_total", "Batches durably stored, by ingest format", ["format"])
@@ -24,3 +24,16 @@ INGEST_SECONDS = Histogram(
     "Time from receiving a batch message to its durable commit",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
+
+DELIVERIES_SENT = Counter("sdv_fanout_deliveries_sent_total", "Deliveries published (first send)")
+DELIVERIES_RESENT = Counter(
+    "sdv_fanout_deliveries_resent_total", "Deliveries published again (in-flight timeout or lost connection)"
+)
+DELIVERIES_ACKED = Counter(
+    "sdv_fanout_deliveries_acked_total",
+    "PUBACKs of our deliveries; deleted = row removed, kept = row was replaced or already gone",
+    ["result"],
+)
+ONLINE_VEHICLES = Gauge("sdv_fanout_online_vehicles", "VINs with a live session known to dispatch")
+IN_FLIGHT = Gauge("sdv_fanout_in_flight", "Deliveries waiting for their PUBACK")
+MQTT_CONNECTED = Gauge("sdv_fanout_mqtt_connected", "1 while the delivery client is connected to the broker")

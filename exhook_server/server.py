@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from grpc_reflection.v1alpha import reflection
 
 from exhook_server import hooks
 from exhook_server.config import Config
+from exhook_server.delivery import MqttDelivery
+from exhook_server.dispatch.pool import Dispatcher
+from exhook_server.dispatch.rows import StoreRows
 from exhook_server.ingest import Ingestor
 from storage.store import Store
 from storage.writer import GroupCommitter
@@ -41,7 +45,17 @@ class FanoutServer:
         self.store = Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes)
         self.committer = GroupCommitter(self.store, max_ops=cfg.group_commit_max_ops)
         self.ingestor = Ingestor(cfg, self.store, self.committer)
-        self.servicer = hooks.HookServicer(cfg, self.ingestor)
+        self.delivery: MqttDelivery | None = None
+        vin_re = re.compile(cfg.vin_pattern)
+        self.dispatcher = Dispatcher(
+            StoreRows(self.store, self.committer),
+            self,  # publishes through self.delivery once it exists (see publish)
+            workers=cfg.worker_count,
+            inflight_timeout_s=cfg.inflight_timeout_s,
+            vin_from_clientid=(lambda c: vin_re.fullmatch(c) is not None) if cfg.vin_from_clientid else None,
+        )
+        self.ingestor.listeners.append(self.dispatcher.new_batch)
+        self.servicer = hooks.HookServicer(cfg, self.ingestor, self.dispatcher)
         self.health = health.aio.HealthServicer()
         limit = 2 * cfg.max_payload_bytes + _ENVELOPE_BYTES
         self._server = grpc.aio.server(
@@ -62,9 +76,19 @@ class FanoutServer:
         self.port = 0
         self._tasks: list[asyncio.Task[None]] = []
 
+    def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
+        """The dispatcher's Publisher: the MQTT delivery client, once started."""
+        return self.delivery is not None and self.delivery.publish(vin, request_id, payload)
+
     async def start(self) -> int:
         """Bind, start serving, report SERVING; returns the bound port."""
         host, port = self.cfg.host_port
+        self.dispatcher.start()
+        if self.cfg.mqtt_url:
+            self.delivery = MqttDelivery(self.cfg, asyncio.get_running_loop(), self.dispatcher.broker_connected)
+            self.delivery.start()
+        else:
+            log.warning("delivery_disabled", reason="mqtt_url is empty: batches are stored, not delivered")
         self.port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         if not self.port:
             raise OSError(f"cannot listen on {self.cfg.listen}")
@@ -85,6 +109,9 @@ class FanoutServer:
         """NOT_SERVING first, finish running calls, commit what is queued, close LMDB."""
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace_s)
+        if self.delivery is not None:
+            await asyncio.to_thread(self.delivery.stop)
+        await self.dispatcher.stop()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -179,3 +179,17 @@ def expire_early(txn: lmdb.Transaction, t: Tables, now_ms: int, ttl_ms: int, lim
     for key in doomed:
         txn.delete(key, db=t.early)
     return expired
+
+
+def delete_row_if(txn: lmdb.Transaction, t: Tables, vin: str, request_id: str, sha1: bytes) -> bool:
+    """Delete the (vin, request_id) row only if it still refers to `sha1` (not replaced since)."""
+    rkey = keys.row_key(vin, request_id)
+    value = txn.get(rkey, db=t.ids)
+    if value is None:
+        return False
+    row = keys.decode_row(rkey, value)
+    if row.sha1 != sha1:
+        return False
+    txn.delete(rkey, db=t.ids)
+    txn.delete(keys.expiry_key(row.ts_ms, rkey), db=t.expiry)
+    return True

@@ -225,19 +225,33 @@ class Store:
             return True
 
     # -- queries ---------------------------------------------------------------
-    def pending(self, vin: str) -> list[keys.Row]:
-        """The vehicle's pending requests in delivery order: oldest first, then by request id."""
+    def _queue(self, txn: lmdb.Transaction, vin: str) -> list[keys.Row]:
+        """A vehicle's rows in delivery order: oldest first, then by request id."""
         prefix = keys.vin_prefix(vin)
         rows = []
-        with self.read() as txn:
-            cur = txn.cursor(self.tables.ids)
-            if cur.set_range(prefix):
-                for key, value in cur:
-                    if not bytes(key).startswith(prefix):
-                        break
-                    rows.append(keys.decode_row(key, value))
+        cur = txn.cursor(self.tables.ids)
+        if cur.set_range(prefix):
+            for key, value in cur:
+                if not bytes(key).startswith(prefix):
+                    break
+                rows.append(keys.decode_row(key, value))
         rows.sort(key=lambda r: (r.ts_ms, r.request_id))
         return rows
+
+    def pending(self, vin: str) -> list[keys.Row]:
+        """The vehicle's pending requests in delivery order."""
+        with self.read() as txn:
+            return self._queue(txn, vin)
+
+    def oldest(self, vin: str) -> tuple[keys.Row, bytes] | None:
+        """The vehicle's next request and its payload, from one snapshot; None when nothing
+        is pending (a row whose blob is missing is skipped, as it can never be delivered)."""
+        with self.read() as txn:
+            for row in self._queue(txn, vin):
+                blob = txn.get(row.sha1, db=self.tables.data)
+                if blob is not None:
+                    return row, bytes(blob[keys.BLOB_HEAD_SIZE :])
+        return None
 
     def blob(self, sha1: bytes) -> bytes | None:
         """The stored payload for `sha1`, or None when it is gone."""

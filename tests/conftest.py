@@ -21,6 +21,7 @@ def make_server(tmp_path: Path) -> Iterator[Any]:
     servers: list[InProcessServer] = []
 
     def make(**overrides: Any) -> InProcessServer:
+        overrides.setdefault("mqtt_url", "")  # no broker unless the test brings one
         cfg = Config(listen="127.0.0.1:0", data_dir=str(tmp_path / f"lmdb{len(servers)}"), **overrides)
         srv = InProcessServer(cfg).start()
         servers.append(srv)

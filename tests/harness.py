@@ -175,7 +175,7 @@ class SubprocessServer:
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "SDV_FANOUT_MQTT_URL": "", **(env or {})},
         )
         try:
             info = poll(self._read_ready, timeout_s=30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 from exhook_server.config import Config
@@ -18,7 +19,7 @@ def test_readme_config_table_lists_every_setting_with_its_default() -> None:
     for field in dataclasses.fields(Config):
         assert field.name in rows, f"README lacks setting {field.name}"
         default = getattr(Config(), field.name)
-        shown = "[]" if default == () else str(default)
+        shown = default if isinstance(default, str) else json.dumps(Config().as_dict()[field.name])
         assert rows[field.name] == shown, f"{field.name}: README says {rows[field.name]}, code {shown}"
 
 

@@ -29,4 +29,16 @@ def test_topic_filters_follow_configured_topics() -> None:
     """Custom batch topics are what we register."""
     cfg = Config(batch_topic="fleet/batch", data_topic_prefix="fleet/data", trigger_topic="fleet/trigger")
     [(_, topics)] = [s for s in hook_specs(cfg) if s[0] == "message.publish"]
-    assert set(topics) == {"fleet/batch", "fleet/data/#", "fleet/trigger"}
+    assert set(topics) == {"fleet/batch", "fleet/data/#", "fleet/trigger", "ecp/+/online", "ecp/+/heartbeat"}
+
+
+def test_acks_are_filtered_to_delivery_topics() -> None:
+    """message.acked is asked for the delivery topics only, following request_topic_prefix."""
+    specs = dict(hook_specs(Config(request_topic_prefix="car/{VIN}/cmd")))
+    assert specs["message.acked"] == ["car/+/cmd/+"]
+
+
+def test_each_hook_is_registered_once() -> None:
+    """EMQX keeps one spec per hook name; a duplicate would be ambiguous."""
+    names = [name for name, _ in hook_specs(Config())]
+    assert len(names) == len(set(names))

@@ -1,0 +1,1 @@
+"""Dispatch: trigger commands routed by VIN to a consistent-hashed worker pool."""

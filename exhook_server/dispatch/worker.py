@@ -1,0 +1,191 @@
+"""One dispatch worker: the presence and in-flight state of the VINs it owns, and the send rules.
+
+All commands of a VIN reach the same worker in order, so its state needs no
+locks. `handle` never waits: reads are short LMDB read transactions, publishes
+are queued by the MQTT client, and an ack's row delete completes later as an
+`AckCommitted` command on the same queue.
+
+Rules (architecture.md §3): nothing is sent to a VIN without a live session;
+at most one delivery per VIN is in flight; the oldest pending row goes first;
+`session_resumed` re-points the in-flight entry (the broker session redelivers
+it) instead of sending again; an entry older than the in-flight timeout, or
+owned by a connection that is gone, is sent again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from exhook_server import metrics
+from exhook_server.dispatch.commands import (
+    AckCommitted,
+    Acknowledge,
+    BrokerBack,
+    BrokerLost,
+    Command,
+    Connected,
+    Down,
+    EndReason,
+    MaybeSend,
+    Session,
+    Trigger,
+)
+from storage.keys import Row
+
+log = structlog.get_logger("sdv_fanout.dispatch")
+
+
+class Publisher(Protocol):
+    """Sends one delivery; the only way dispatch reaches MQTT."""
+
+    def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
+        """Queue a QoS 1 delivery; False when there is no broker connection right now."""
+        ...
+
+
+class RowSource(Protocol):
+    """The storage port dispatch needs."""
+
+    def oldest(self, vin: str) -> tuple[Row, bytes] | None:
+        """The oldest pending row of `vin` with its payload, or None."""
+        ...
+
+    def ack(self, vin: str, request_id: str, sha1: bytes) -> Future[bool]:
+        """Delete the row if it still holds `sha1`; True when deleted."""
+        ...
+
+
+@dataclass(slots=True)
+class InFlight:
+    request_id: str
+    sha1: bytes
+    session: Session
+    sent_at: float
+    #: The vehicle acked it and the row delete is being committed.
+    acking: bool = False
+
+
+class Worker:
+    """State and rules for the VINs one worker owns."""
+
+    def __init__(
+        self,
+        name: str,
+        rows: RowSource,
+        publisher: Publisher,
+        *,
+        inflight_timeout_s: float,
+        requeue: Callable[[Command], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self._rows = rows
+        self._publisher = publisher
+        self._timeout = inflight_timeout_s
+        self._requeue = requeue
+        self._clock = clock
+        #: VIN → the live session that can receive its deliveries.
+        self.presence: dict[str, Session] = {}
+        #: VIN → the one delivery waiting for its PUBACK.
+        self.inflight: dict[str, InFlight] = {}
+
+    def handle(self, cmd: Command) -> None:
+        if isinstance(cmd, MaybeSend):
+            self._maybe_send(cmd)
+        elif isinstance(cmd, Acknowledge):
+            self._acknowledge(cmd)
+        elif isinstance(cmd, AckCommitted):
+            entry = self.inflight.get(cmd.vin)
+            if entry is not None and entry.request_id == cmd.request_id:
+                del self.inflight[cmd.vin]
+            self._try_send(cmd.vin, Trigger.NEW_BATCH)
+        elif isinstance(cmd, Down):
+            self._down(cmd)
+        elif isinstance(cmd, Connected):
+            current = self.presence.get(cmd.vin)
+            if current is not None and not current.same_connection(cmd.session):
+                del self.presence[cmd.vin]
+        elif isinstance(cmd, BrokerLost):
+            # Whatever our client had not delivered is gone with its connection.
+            self.inflight.clear()
+        elif isinstance(cmd, BrokerBack):
+            for vin in list(self.presence):
+                self._try_send(vin, Trigger.BROKER_BACK)
+
+    # -- rules -------------------------------------------------------------------
+    def _maybe_send(self, cmd: MaybeSend) -> None:
+        vin, session = cmd.vin, cmd.session
+        if session is not None:
+            if cmd.trigger is Trigger.HEARTBEAT:
+                current = self.presence.get(vin)
+                # A heartbeat proves presence; keep the more precise identity from subscribe.
+                if current is None or not current.same_connection(session):
+                    self.presence[vin] = session
+            else:
+                self.presence[vin] = session
+            entry = self.inflight.get(vin)
+            if entry is not None and cmd.trigger is Trigger.SESSION_RESUMED:
+                # The broker session still holds the delivery and redelivers it.
+                entry.session = session
+                return
+            fresh_subscription = cmd.trigger is Trigger.SESSION_SUBSCRIBED
+            if entry is not None and fresh_subscription and not entry.session.same_connection(session):
+                # A new clean subscription: what the old connection held is gone.
+                del self.inflight[vin]
+        self._try_send(vin, cmd.trigger)
+
+    def _try_send(self, vin: str, trigger: Trigger) -> None:
+        session = self.presence.get(vin)
+        if session is None:
+            return
+        entry = self.inflight.get(vin)
+        resend = False
+        if entry is not None:
+            if entry.acking:
+                return
+            fresh = self._clock() - entry.sent_at < self._timeout
+            if fresh and entry.session.same_connection(session):
+                return
+            resend = True
+        found = self._rows.oldest(vin)
+        if found is None:
+            self.inflight.pop(vin, None)
+            return
+        row, payload = found
+        if not self._publisher.publish(vin, row.request_id, payload):
+            return  # no broker connection: BrokerBack will try again
+        self.inflight[vin] = InFlight(row.request_id, row.sha1, session, self._clock())
+        (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
+        log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)
+
+    def _acknowledge(self, cmd: Acknowledge) -> None:
+        entry = self.inflight.get(cmd.vin)
+        if entry is not None and entry.request_id == cmd.request_id:
+            entry.acking = True
+        future = self._rows.ack(cmd.vin, cmd.request_id, cmd.sha1)
+        vin, rid = cmd.vin, cmd.request_id
+
+        def done(f: Future[bool]) -> None:
+            deleted = f.exception() is None and f.result()
+            metrics.DELIVERIES_ACKED.labels("deleted" if deleted else "kept").inc()
+            self._requeue(AckCommitted(vin, rid))
+
+        future.add_done_callback(done)
+
+    def _down(self, cmd: Down) -> None:
+        if cmd.reason is EndReason.TAKENOVER:
+            return  # the session lives on in the new connection, which resumed it already
+        current = self.presence.get(cmd.vin)
+        if current is not None and current.same_connection(cmd.session):
+            del self.presence[cmd.vin]
+        entry = self.inflight.get(cmd.vin)
+        gone = cmd.reason in (EndReason.DISCARDED, EndReason.TERMINATED)
+        # OFFLINE keeps the entry: a resume redelivers it, a clean subscribe or the timeout replaces it.
+        if entry is not None and gone and entry.session.same_connection(cmd.session):
+            del self.inflight[cmd.vin]
