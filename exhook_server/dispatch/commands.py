@@ -96,6 +96,7 @@ class AckCommitted:
 
     vin: str
     request_id: str
+    sha1: bytes
 
 
 @dataclass(frozen=True, slots=True)

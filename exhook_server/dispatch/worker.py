@@ -102,7 +102,7 @@ class Worker:
             self._acknowledge(cmd)
         elif isinstance(cmd, AckCommitted):
             entry = self.inflight.get(cmd.vin)
-            if entry is not None and entry.request_id == cmd.request_id:
+            if entry is not None and entry.request_id == cmd.request_id and entry.sha1 == cmd.sha1:
                 del self.inflight[cmd.vin]
             self._try_send(cmd.vin, Trigger.NEW_BATCH)
         elif isinstance(cmd, Down):
@@ -166,15 +166,17 @@ class Worker:
 
     def _acknowledge(self, cmd: Acknowledge) -> None:
         entry = self.inflight.get(cmd.vin)
-        if entry is not None and entry.request_id == cmd.request_id:
+        # Only the ack of exactly what is in flight frees the slot: an older delivery of the same
+        # request id (replaced since, or duplicated by a reconnect) must not free it.
+        if entry is not None and entry.request_id == cmd.request_id and entry.sha1 == cmd.sha1:
             entry.acking = True
         future = self._rows.ack(cmd.vin, cmd.request_id, cmd.sha1)
-        vin, rid = cmd.vin, cmd.request_id
+        vin, rid, digest = cmd.vin, cmd.request_id, cmd.sha1
 
         def done(f: Future[bool]) -> None:
             deleted = f.exception() is None and f.result()
             metrics.DELIVERIES_ACKED.labels("deleted" if deleted else "kept").inc()
-            self._requeue(AckCommitted(vin, rid))
+            self._requeue(AckCommitted(vin, rid, digest))
 
         future.add_done_callback(done)
 

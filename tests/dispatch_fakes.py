@@ -1,0 +1,88 @@
+"""In-memory stand-ins for the dispatch seams (RowSource, Publisher) and a deterministic clock.
+
+Used by the rule tests and the randomized simulation; the integration tests use
+the real LMDB store and a real broker instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from exhook_server.dispatch.commands import Command
+from storage.keys import Row
+
+
+def sha1(payload: bytes) -> bytes:
+    return hashlib.sha1(payload).digest()
+
+
+@dataclass
+class MemoryRows:
+    """Pending rows per VIN, with the same ordering and conditional delete as the store."""
+
+    rows: dict[tuple[str, str], tuple[int, bytes]] = field(default_factory=dict)
+    clock: int = 0
+    #: Acks whose future is not completed yet (completed by `commit_acks`).
+    pending_acks: list[tuple[Future[bool], str, str, bytes]] = field(default_factory=list)
+    defer_acks: bool = False
+
+    def add(self, vin: str, request_id: str, payload: bytes) -> None:
+        self.clock += 1
+        self.rows[vin, request_id] = (self.clock, payload)
+
+    def oldest(self, vin: str) -> tuple[Row, bytes] | None:
+        mine = [(ts, rid, p) for (v, rid), (ts, p) in self.rows.items() if v == vin]
+        if not mine:
+            return None
+        ts, rid, payload = min(mine)
+        return Row(vin, rid, ts, sha1(payload), len(payload)), payload
+
+    def ack(self, vin: str, request_id: str, digest: bytes) -> Future[bool]:
+        future: Future[bool] = Future()
+        self.pending_acks.append((future, vin, request_id, digest))
+        if not self.defer_acks:
+            self.commit_acks()
+        return future
+
+    def commit_acks(self) -> None:
+        acks, self.pending_acks = self.pending_acks, []
+        for future, vin, rid, digest in acks:
+            current = self.rows.get((vin, rid))
+            deleted = current is not None and sha1(current[1]) == digest
+            if deleted:
+                del self.rows[vin, rid]
+            future.set_result(deleted)
+
+
+@dataclass
+class RecordingPublisher:
+    """Records every publish; `up=False` plays a lost broker connection."""
+
+    sent: list[tuple[str, str, bytes]] = field(default_factory=list)
+    up: bool = True
+
+    def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
+        if not self.up:
+            return False
+        self.sent.append((vin, request_id, payload))
+        return True
+
+
+@dataclass
+class ManualClock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Requeue:
+    """Collects commands a worker schedules for itself (ack commits)."""
+
+    queue: list[Command] = field(default_factory=list)
+
+    def __call__(self, cmd: Command) -> None:
+        self.queue.append(cmd)

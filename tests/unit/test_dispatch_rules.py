@@ -1,0 +1,246 @@
+"""The dispatch rules of one worker, driven command by command with in-memory seams."""
+
+from __future__ import annotations
+
+import pytest
+
+from exhook_server.dispatch.commands import (
+    Acknowledge,
+    BrokerBack,
+    BrokerLost,
+    Connected,
+    Down,
+    EndReason,
+    MaybeSend,
+    Session,
+    Trigger,
+)
+from exhook_server.dispatch.worker import Worker
+from tests.dispatch_fakes import ManualClock, MemoryRows, RecordingPublisher, Requeue, sha1
+
+S1 = Session("emqx@n1", "VIN1", "10.0.0.1", 40001)
+S2 = Session("emqx@n1", "VIN1", "10.0.0.1", 40002)
+OLD_EMQX = Session("emqx@n1", "VIN1", "10.0.0.1", 0)  # EMQX < 5.4: no peerport
+
+
+class Rig:
+    def __init__(self) -> None:
+        self.rows = MemoryRows()
+        self.pub = RecordingPublisher()
+        self.clock = ManualClock()
+        self.requeue = Requeue()
+        self.worker = Worker("w0", self.rows, self.pub, inflight_timeout_s=60, requeue=self.requeue, clock=self.clock)
+
+    def do(self, *cmds: object) -> None:
+        for cmd in cmds:
+            self.worker.handle(cmd)  # type: ignore[arg-type]
+            self.pump()
+
+    def pump(self) -> None:
+        while self.requeue.queue:
+            self.worker.handle(self.requeue.queue.pop(0))
+
+    def ack_last(self, session: Session = S1) -> None:
+        vin, rid, payload = self.pub.sent[-1]
+        self.do(Acknowledge(vin, session, rid, sha1(payload)))
+
+    @property
+    def sent_rids(self) -> list[str]:
+        return [rid for _, rid, _ in self.pub.sent]
+
+
+@pytest.fixture
+def rig() -> Rig:
+    return Rig()
+
+
+def test_new_batch_without_session_sends_nothing(rig: Rig) -> None:
+    """An offline vehicle gets nothing, however many batches arrive."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.NEW_BATCH, "VIN1"))
+    assert rig.pub.sent == []
+
+
+def test_subscribe_sends_oldest_first_then_one_at_a_time(rig: Rig) -> None:
+    """A subscription sends the oldest row; later triggers wait for its ack."""
+    rig.rows.add("VIN1", "task_b_1", b"first")
+    rig.rows.add("VIN1", "task_a_1", b"second")
+    rig.do(
+        MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1),
+        MaybeSend(Trigger.NEW_BATCH, "VIN1"),
+        MaybeSend(Trigger.HEARTBEAT, "VIN1", S1),
+    )
+    assert rig.sent_rids == ["task_b_1"]
+    rig.ack_last()
+    assert rig.sent_rids == ["task_b_1", "task_a_1"]
+    rig.ack_last()
+    assert rig.rows.rows == {} and rig.worker.inflight == {}
+
+
+def test_new_batch_reaches_online_vehicle(rig: Rig) -> None:
+    """A batch for a vehicle that is already subscribed is sent at once."""
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.NEW_BATCH, "VIN1"))
+    assert rig.sent_rids == ["task_a_1"]
+
+
+def test_heartbeat_repairs_missed_triggers(rig: Rig) -> None:
+    """A heartbeat from a vehicle we knew nothing about (e.g. after our restart) sends its queue."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.HEARTBEAT, "VIN1", Session("emqx@n1", "VIN1", "10.0.0.1")))
+    assert rig.sent_rids == ["task_a_1"]
+
+
+def test_heartbeat_keeps_the_precise_session(rig: Rig) -> None:
+    """A heartbeat (no peerport) does not overwrite the subscribe's identity of the same connection."""
+    rig.do(
+        MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1),
+        MaybeSend(Trigger.HEARTBEAT, "VIN1", Session("emqx@n1", "VIN1", "10.0.0.1")),
+    )
+    assert rig.worker.presence["VIN1"] == S1
+
+
+def test_resume_repoints_inflight_without_resending(rig: Rig) -> None:
+    """session.resumed moves the in-flight entry to the new connection; the broker redelivers it."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.do(Down("VIN1", S1, EndReason.OFFLINE))  # persistent session: disconnected(normal)
+    rig.do(
+        MaybeSend(Trigger.SESSION_RESUMED, "VIN1", S2),
+        Down("VIN1", S1, EndReason.TAKENOVER),
+        Connected("VIN1", S2),
+        MaybeSend(Trigger.HEARTBEAT, "VIN1", S2),
+    )
+    assert rig.sent_rids == ["task_a_1"]
+    assert rig.worker.inflight["VIN1"].session == S2
+    rig.ack_last(S2)
+    assert rig.rows.rows == {}
+
+
+def test_resume_with_nothing_in_flight_sends(rig: Rig) -> None:
+    """A resumed session with an idle queue gets its oldest row."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.SESSION_RESUMED, "VIN1", S2))
+    assert rig.sent_rids == ["task_a_1"]
+
+
+def test_late_disconnect_of_old_connection_keeps_new_one(rig: Rig) -> None:
+    """A reconnect seen before the old connection's disconnect: the late disconnect clears nothing."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1), MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S2))
+    assert rig.sent_rids == ["task_a_1", "task_a_1"]  # the old connection's delivery died with it
+    rig.do(Down("VIN1", S1, EndReason.OFFLINE), Down("VIN1", S1, EndReason.TERMINATED))
+    assert rig.worker.presence["VIN1"] == S2 and rig.worker.inflight["VIN1"].session == S2
+
+
+def test_discard_clears_inflight_and_new_subscription_resends(rig: Rig) -> None:
+    """A clean-start reconnect (old session discarded) sends the unacked request again."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", OLD_EMQX))
+    rig.do(Down("VIN1", OLD_EMQX, EndReason.DISCARDED), Down("VIN1", OLD_EMQX, EndReason.DISCARDED))
+    assert "VIN1" not in rig.worker.inflight and "VIN1" not in rig.worker.presence
+    rig.do(Connected("VIN1", OLD_EMQX), MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", OLD_EMQX))
+    assert rig.sent_rids == ["task_a_1", "task_a_1"]
+
+
+def test_takeover_does_not_double_send(rig: Rig) -> None:
+    """Resume plus takeover disconnect, even on EMQX < 5.4 (same identity), sends once."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", OLD_EMQX))
+    rig.do(
+        MaybeSend(Trigger.SESSION_RESUMED, "VIN1", OLD_EMQX),
+        Down("VIN1", OLD_EMQX, EndReason.TAKENOVER),
+        Connected("VIN1", OLD_EMQX),
+        MaybeSend(Trigger.HEARTBEAT, "VIN1", OLD_EMQX),
+    )
+    assert rig.sent_rids == ["task_a_1"]
+    assert rig.worker.presence["VIN1"] == OLD_EMQX
+
+
+def test_offline_vehicle_is_not_sent_to(rig: Rig) -> None:
+    """After a disconnect, new batches wait until the vehicle is back."""
+    rig.do(
+        MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1),
+        Down("VIN1", S1, EndReason.OFFLINE),
+        Down("VIN1", S1, EndReason.TERMINATED),
+    )
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.NEW_BATCH, "VIN1"))
+    assert rig.pub.sent == []
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S2))
+    assert rig.sent_rids == ["task_a_1"]
+
+
+def test_ack_of_replaced_row_keeps_new_row(rig: Rig) -> None:
+    """A batch replacing the in-flight request: the old ack deletes nothing and the new payload is sent."""
+    rig.rows.add("VIN1", "task_a_1", b"v1")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.rows.add("VIN1", "task_a_1", b"v2")  # replaced while in flight
+    rig.do(MaybeSend(Trigger.NEW_BATCH, "VIN1"))
+    assert [p for *_, p in rig.pub.sent] == [b"v1"]
+    rig.ack_last()
+    assert [p for *_, p in rig.pub.sent] == [b"v1", b"v2"]
+    rig.ack_last()
+    assert rig.rows.rows == {}
+
+
+def test_duplicate_ack_changes_nothing(rig: Rig) -> None:
+    """A second PUBACK for the same delivery neither deletes the next row nor sends twice."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.rows.add("VIN1", "task_a_2", b"y")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.ack_last()
+    rig.do(Acknowledge("VIN1", S1, "task_a_1", sha1(b"x")))
+    assert rig.sent_rids == ["task_a_1", "task_a_2"]
+    assert ("VIN1", "task_a_2") in rig.rows.rows
+
+
+def test_nothing_is_sent_while_the_ack_commits(rig: Rig) -> None:
+    """Between an ack and its committed delete, triggers do not resend the acked row."""
+    rig.rows.defer_acks = True
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.rows.add("VIN1", "task_a_2", b"y")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.ack_last()
+    rig.clock.now += 3600  # even a timed-out entry waits for its delete
+    rig.do(MaybeSend(Trigger.HEARTBEAT, "VIN1", S1), MaybeSend(Trigger.NEW_BATCH, "VIN1"))
+    assert rig.sent_rids == ["task_a_1"]
+    rig.rows.commit_acks()
+    rig.pump()
+    assert rig.sent_rids == ["task_a_1", "task_a_2"]
+
+
+def test_inflight_timeout_resends(rig: Rig) -> None:
+    """An unacked delivery older than the timeout goes again on the next trigger, not before."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.clock.now += 59
+    rig.do(MaybeSend(Trigger.HEARTBEAT, "VIN1", S1))
+    assert rig.sent_rids == ["task_a_1"]
+    rig.clock.now += 2
+    rig.do(MaybeSend(Trigger.HEARTBEAT, "VIN1", S1))
+    assert rig.sent_rids == ["task_a_1", "task_a_1"]
+
+
+def test_broker_loss_clears_inflight_and_reconnect_resends(rig: Rig) -> None:
+    """Losing our MQTT link voids in-flight entries; getting it back resends to everyone online."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.pub.up = False
+    rig.do(BrokerLost())
+    rig.rows.add("VIN1", "task_a_2", b"y")
+    rig.do(MaybeSend(Trigger.NEW_BATCH, "VIN1"))
+    assert rig.worker.inflight == {}
+    rig.pub.up = True
+    rig.do(BrokerBack())
+    assert rig.sent_rids == ["task_a_1", "task_a_1"]
+
+
+def test_new_connection_of_client_drops_stale_presence(rig: Rig) -> None:
+    """client.connected of a new connection means the older one is gone, even if its disconnect was missed."""
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1), Connected("VIN1", S2))
+    assert "VIN1" not in rig.worker.presence
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.NEW_BATCH, "VIN1"))
+    assert rig.pub.sent == []
