@@ -1,0 +1,1172 @@
+"""Play EMQX's side of ExHook honestly: real MQTT through mosquitto, hook calls as EMQX makes them.
+
+EMQX cannot run here, so tests split its two jobs:
+
+* a real **mosquitto** broker (`Mosquitto`) carries every MQTT packet: vehicles are real paho
+  clients, and the server under test publishes its deliveries to mosquitto with its own paho client;
+* a **driver** (`FakeEmqx` / `Vehicle`) calls the server's HookProvider RPCs at the moments, in the
+  order and with the field values EMQX 5 would (docs/exhook-interface.md §1, §2.3 and the orders
+  observed on a real EMQX 5.1.6 in §7), deriving what it can from what mosquitto really did
+  (CONNACK session-present, the vehicle's real TCP port, every PUBLISH the vehicle really got).
+
+What is EMQX-like on purpose:
+
+* `load()` calls OnProviderLoaded and, like EMQX, afterwards only calls the hooks the server listed,
+  with the `topics` filters of the four message hooks (`+`/`#` do not match `$` topics; `$SYS/` is
+  never sent). Before `load()` (or after `unload()`) no hook is called at all.
+* Hooks of one clientid run one after another on one worker thread (EMQX runs them in the client's
+  channel process); different clientids run in parallel. Takeover/discard hooks of an old
+  connection run on the same worker as the new connection's hooks, so their order is exact.
+* A failed RPC does not stop the MQTT side (EMQX logs it and goes on): it is stored in
+  `FakeEmqx.rpc_errors`, and `close()` fails the test for it unless `strict_rpc=False`.
+* Everything the harness itself gets wrong (an exception in a paho callback or in a hook job, or a
+  server answer the simulation cannot honour) goes to `FakeEmqx.errors`; `check()` / `close()`
+  raise it in the test.
+
+Known gaps (mosquitto cannot tell us, or EMQX behaviour we do not model):
+
+* Connections the driver does not own (the server's own delivery client, raw paho clients of a
+  test) get no client/session hooks, and their subscriptions are unknown, so `message.dropped`
+  ("no_subscribers") only looks at the vehicles' subscriptions.
+* `message.publish` for a delivery published by the server is called when the vehicle first
+  receives it (EMQX calls it when the message is published, which is earlier if the vehicle was
+  offline). If the server denies or rewrites such a message, mosquitto has already routed it: this
+  is reported in `errors`.
+* `client.authenticate` / `client.authorize` are never called (the product must not register them,
+  see §7); registering them is reported in `errors`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import hashlib
+import itertools
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, NamedTuple
+
+import grpc
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
+from exhook_server._proto import exhook_v3_pb2 as pb
+from tests.harness import ExHookClient, poll
+
+MOSQUITTO_BIN = "/usr/sbin/mosquitto"
+LOOPBACK = "127.0.0.1"
+
+#: hook name -> (HookProvider rpc, request class); the 19 names EMQX knows (§1.2).
+HOOK_RPC: dict[str, tuple[str, type[Any]]] = {
+    "client.connect": ("OnClientConnect", pb.ClientConnectRequest),
+    "client.connack": ("OnClientConnack", pb.ClientConnackRequest),
+    "client.connected": ("OnClientConnected", pb.ClientConnectedRequest),
+    "client.disconnected": ("OnClientDisconnected", pb.ClientDisconnectedRequest),
+    "client.authenticate": ("OnClientAuthenticate", pb.ClientAuthenticateRequest),
+    "client.authorize": ("OnClientAuthorize", pb.ClientAuthorizeRequest),
+    "client.subscribe": ("OnClientSubscribe", pb.ClientSubscribeRequest),
+    "client.unsubscribe": ("OnClientUnsubscribe", pb.ClientUnsubscribeRequest),
+    "session.created": ("OnSessionCreated", pb.SessionCreatedRequest),
+    "session.subscribed": ("OnSessionSubscribed", pb.SessionSubscribedRequest),
+    "session.unsubscribed": ("OnSessionUnsubscribed", pb.SessionUnsubscribedRequest),
+    "session.resumed": ("OnSessionResumed", pb.SessionResumedRequest),
+    "session.discarded": ("OnSessionDiscarded", pb.SessionDiscardedRequest),
+    "session.takenover": ("OnSessionTakenover", pb.SessionTakenoverRequest),
+    "session.terminated": ("OnSessionTerminated", pb.SessionTerminatedRequest),
+    "message.publish": ("OnMessagePublish", pb.MessagePublishRequest),
+    "message.delivered": ("OnMessageDelivered", pb.MessageDeliveredRequest),
+    "message.acked": ("OnMessageAcked", pb.MessageAckedRequest),
+    "message.dropped": ("OnMessageDropped", pb.MessageDroppedRequest),
+}
+MESSAGE_HOOKS = frozenset({"message.publish", "message.delivered", "message.acked", "message.dropped"})
+NOT_SIMULATED_HOOKS = frozenset({"client.authenticate", "client.authorize"})
+BROKER_VERSION = {"v2": "5.8.9", "v3": "5.9.1"}
+
+
+class SimulationError(AssertionError):
+    """The harness could not play EMQX's part faithfully (or crashed while trying)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def topic_matches(topic_filter: str, topic: str) -> bool:
+    """MQTT filter matching as `emqx_topic:match/2`: `+`/`#` first level never match `$...` topics."""
+    fwords, twords = topic_filter.split("/"), topic.split("/")
+    if topic.startswith("$") and fwords[0] in ("+", "#"):
+        return False
+    for i, word in enumerate(fwords):
+        if word == "#":
+            return True
+        if i >= len(twords) or (word != "+" and word != twords[i]):
+            return False
+    return len(fwords) == len(twords)
+
+
+def _can_connect(port: int) -> bool:
+    try:
+        with socket.create_connection((LOOPBACK, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# mosquitto
+# ---------------------------------------------------------------------------------------------
+
+
+class Mosquitto:
+    """A real mosquitto 2 broker on 127.0.0.1, started and stopped by the test.
+
+    Logs (stderr of the process) go to `log_path` in tmp_dir; restarts append to the same file.
+    `max_inflight_messages` defaults to 32 like EMQX's `mqtt.max_inflight`; 0 means unlimited.
+    """
+
+    def __init__(
+        self,
+        tmp_dir: Path,
+        port: int | None = None,
+        *,
+        max_inflight_messages: int = 32,
+        max_queued_messages: int = 10000,
+        verbose: bool = True,
+        binary: str = MOSQUITTO_BIN,
+    ) -> None:
+        self.tmp_dir = Path(tmp_dir)
+        self.port: int = port if port is not None else free_port()
+        self.max_inflight_messages = max_inflight_messages
+        self.max_queued_messages = max_queued_messages
+        self.verbose = verbose
+        self.binary = binary
+        self.conf_path = self.tmp_dir / f"mosquitto-{self.port}.conf"
+        self.log_path = self.tmp_dir / f"mosquitto-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """`mqtt://127.0.0.1:<port>`."""
+        return f"mqtt://{LOOPBACK}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        """True while the broker process is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def _config(self) -> str:
+        log_types = ["error", "warning", "notice", "information", "subscribe", "unsubscribe"]
+        if self.verbose:
+            log_types.append("debug")
+        lines = [
+            f"listener {self.port} {LOOPBACK}",
+            "allow_anonymous true",
+            "persistence false",
+            f"max_inflight_messages {self.max_inflight_messages}",
+            f"max_queued_messages {self.max_queued_messages}",
+            "set_tcp_nodelay true",
+            "connection_messages true",
+            "log_dest stderr",  # the process's stderr is our log file: no permission games as root
+            "log_timestamp true",
+            "log_timestamp_format %Y-%m-%dT%H:%M:%S",
+            *(f"log_type {t}" for t in log_types),
+        ]
+        return "\n".join(lines) + "\n"
+
+    def start(self, timeout_s: float = 10.0) -> Mosquitto:
+        """Write the config, start the broker and wait until it accepts TCP connections."""
+        if self.running:
+            raise RuntimeError(f"mosquitto already running on {self.port}")
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.conf_path.write_text(self._config())
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        offset = self._log.tell()
+        self.proc = subprocess.Popen(
+            [self.binary, "-c", str(self.conf_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        marker = f"listen socket on port {self.port}"
+
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"mosquitto exited with {self.proc.returncode}:\n{self.log()}")
+            return marker in self.log(offset) and _can_connect(self.port)
+
+        try:
+            poll(ready, timeout_s=timeout_s, interval_s=0.02)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after timeout_s; always waits for the process."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout_s)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self, timeout_s: float = 10.0) -> Mosquitto:
+        """A broker restart on the same port: every connection and (non-persisted) session is lost."""
+        self.stop()
+        return self.start(timeout_s)
+
+    def log(self, offset: int = 0) -> str:
+        """The broker log from byte offset (all of it by default)."""
+        if self._log is not None:
+            self._log.flush()
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def __enter__(self) -> Mosquitto:
+        return self.start() if not self.running else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def running_mosquitto(tmp_dir: Path, **kwargs: Any) -> Iterator[Mosquitto]:
+    """A started Mosquitto (free port) that is stopped on exit."""
+    broker = Mosquitto(tmp_dir, **kwargs).start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# the EMQX side
+# ---------------------------------------------------------------------------------------------
+
+
+class Received(NamedTuple):
+    """One PUBLISH a vehicle received (recorded once its delivered/acked hooks ran)."""
+
+    topic: str
+    payload: bytes
+    mid: int
+    time: float
+
+
+@dataclass
+class HookCall:
+    """One RPC the driver made (or tried): hook name, rpc, request, response (None on failure)."""
+
+    hook: str
+    method: str
+    request: Any
+    response: Any
+
+
+class _Guid:
+    """EMQX-like message ids: 64-bit µs timestamp, 48-bit node/pid hash, 16-bit sequence; 32 hex."""
+
+    def __init__(self, node: str) -> None:
+        digest = hashlib.sha1(f"{node}/{os.getpid()}/{id(self)}".encode()).digest()
+        self._npid = int.from_bytes(digest[:6], "big")
+        self._seq = itertools.count()
+
+    def next(self) -> str:
+        return f"{time.time_ns() // 1000:016X}{self._npid:012X}{next(self._seq) & 0xFFFF:04X}"
+
+
+def _prop_name(paho_name: str) -> str:
+    """paho's `TopicAliasMaximum` -> EMQX's `Topic-Alias-Maximum`."""
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", "-", paho_name)
+
+
+def _props(properties: Properties | None) -> list[pb.Property]:
+    if properties is None:
+        return []
+    out = []
+    for name, value in properties.json().items():  # type: ignore[no-untyped-call]
+        if name == "UserProperty":
+            continue  # v3 puts them in user_props; our vehicles never send any
+        out.append(pb.Property(name=_prop_name(name), value=str(value).encode()))
+    return out
+
+
+def _result_code(rc: ReasonCode) -> str:
+    return "success" if not rc.is_failure else re.sub(r"\W+", "_", rc.getName().strip().lower())
+
+
+class _Conn:
+    """One MQTT connection of a vehicle = one EMQX channel (state: connecting/open/idle/gone)."""
+
+    def __init__(self, vehicle: Vehicle, client: mqtt.Client, persistent: bool, expiry_s: int) -> None:
+        self.vehicle = vehicle
+        self.client = client
+        self.persistent = persistent
+        self.expiry_s = expiry_s
+        self.state = "connecting"  # changed only by jobs on the clientid's worker (and broker_lost)
+        self.connack = threading.Event()
+        self.closed = threading.Event()  # the TCP connection is gone (paho on_disconnect)
+        self.dropping = False  # we are tearing the socket down: no more PUBACKs
+        self.session_present = False
+        self.reason_code: ReasonCode | None = None
+        self.connack_props: Properties | None = None
+        self.connect_job: Future[None] | None = None
+        self.disconnect_rc: ReasonCode | None = None
+        self.peerport = 0
+        self.conninfo = pb.ConnInfo()
+        self.clientinfo = pb.ClientInfo()
+        self.subscriptions: dict[str, pb.SubOpts] = {}
+        self.expiry_timer: threading.Timer | None = None
+        self.lock = threading.Lock()  # orders subscribe() bookkeeping vs on_subscribe
+        self.pending_subs: dict[int, tuple[str, pb.SubOpts]] = {}
+        self.sub_jobs: dict[int, Future[None]] = {}
+
+    def stop_loop(self, timeout_s: float) -> None:
+        """Stop paho's thread; if the socket is still open, close it (no DISCONNECT, no hooks)."""
+        if not self.closed.is_set():
+            sock = self.client.socket()
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
+            self.closed.wait(timeout_s)
+        self.client.loop_stop()
+        sock = self.client.socket()
+        if sock is not None:
+            sock.close()
+
+
+class FakeEmqx:
+    """Drives a HookProvider server the way an EMQX node would, next to a real mosquitto.
+
+    Every request carries RequestMeta(node, version, "EMQX", cluster_name); the broker version is
+    5.8.9 for the v2 package and 5.9.1 for v3. Call `load()` first: like EMQX, only hooks the server
+    registered are called. `close()` stops every vehicle and raises if the harness saw errors.
+    """
+
+    def __init__(
+        self,
+        exhook_port: int,
+        mqtt_port: int,
+        package: str = "v3",
+        node: str = "emqx@127.0.0.1",
+        cluster_name: str = "emqxcl",
+        delivery_prefix: str = "sdv-fanout-",
+        request_prefix: str = "agent/{VIN}/proxy/request",
+        *,
+        delivery_clientid: str | None = None,
+        delivery_headers: dict[str, str] | None = None,
+        request_timeout_s: float = 5.0,
+        strict_rpc: bool = True,
+        job_timeout_s: float = 30.0,
+    ) -> None:
+        if package not in BROKER_VERSION:
+            raise ValueError(f"package must be one of {sorted(BROKER_VERSION)}")
+        self.exhook_port = exhook_port
+        self.mqtt_port = mqtt_port
+        self.package = package
+        self.node = node
+        self.cluster_name = cluster_name
+        self.version = BROKER_VERSION[package]
+        self.delivery_prefix = delivery_prefix
+        self.request_prefix = request_prefix
+        #: `Message.from` of deliveries the vehicles receive (the server's own MQTT client id).
+        self.delivery_clientid = delivery_clientid or delivery_prefix + "test"
+        #: EMQX exports username/protocol/peerhost of the publishing MQTT connection (§2.5).
+        self.delivery_headers = (
+            dict(delivery_headers) if delivery_headers is not None else {"protocol": "mqtt", "peerhost": LOOPBACK}
+        )
+        self.request_timeout_s = request_timeout_s
+        self.strict_rpc = strict_rpc
+        self.job_timeout_s = job_timeout_s
+        self.client = ExHookClient(exhook_port, package)
+        self.meta = pb.RequestMeta(node=node, version=self.version, sysdescr="EMQX", cluster_name=cluster_name)
+        self.hooks: dict[str, list[str]] | None = None  # registered hook -> topic filters
+        self.calls: deque[HookCall] = deque(maxlen=100_000)
+        self.errors: list[BaseException] = []
+        self.rpc_errors: list[tuple[str, grpc.RpcError]] = []
+        self.vehicles: list[Vehicle] = []
+        self._started = time.monotonic()
+        self._guid = _Guid(node)
+        self._lock = threading.Lock()
+        self._channels: dict[str, _Conn] = {}  # clientid -> live or idle (persistent) channel
+        self._workers: dict[str, ThreadPoolExecutor] = {}
+        self._inflight: dict[tuple[str, str, bytes], pb.Message] = {}  # unacked deliveries
+        self._closed = False
+
+    # -- provider lifecycle ------------------------------------------------------------------
+
+    def load(self) -> pb.LoadedResponse:
+        """OnProviderLoaded; remember the hookspecs (an unknown hook name fails the load, as in EMQX)."""
+        now = datetime.now(UTC)
+        broker = pb.BrokerInfo(
+            version=self.version,
+            sysdescr="EMQX",
+            uptime=int((time.monotonic() - self._started) * 1000),
+            datetime=now.strftime("%Y-%m-%dT%H:%M:%S") + f".{now.microsecond:06d}000+00:00",
+        )
+        req = pb.ProviderLoadedRequest(broker=broker, meta=self.meta)
+        resp: pb.LoadedResponse = self.client.call("OnProviderLoaded", req, timeout_s=self.request_timeout_s)
+        self.calls.append(HookCall("provider.loaded", "OnProviderLoaded", req, resp))
+        hooks: dict[str, list[str]] = {}
+        for spec in resp.hooks:
+            if spec.name not in HOOK_RPC:
+                self.hooks = None
+                raise SimulationError(f"unknown_hookpoint {spec.name!r}: EMQX would refuse to load the provider")
+            if spec.name in NOT_SIMULATED_HOOKS:
+                self.errors.append(SimulationError(f"{spec.name} is registered but not simulated (see §7)"))
+            hooks[spec.name] = list(spec.topics) if spec.name in MESSAGE_HOOKS else []
+        self.hooks = hooks
+        return resp
+
+    def unload(self) -> pb.EmptySuccess | None:
+        """OnProviderUnloaded (errors ignored, as EMQX does); no hook is called afterwards."""
+        self.hooks = None
+        req = pb.ProviderUnloadedRequest(meta=self.meta)
+        try:
+            resp: pb.EmptySuccess | None = self.client.call("OnProviderUnloaded", req, timeout_s=self.request_timeout_s)
+        except grpc.RpcError:
+            resp = None
+        self.calls.append(HookCall("provider.unloaded", "OnProviderUnloaded", req, resp))
+        return resp
+
+    # -- RPC plumbing ------------------------------------------------------------------------
+
+    def registered(self, hook: str, topic: str | None = None) -> bool:
+        """Would EMQX call this server for `hook` (and, for message hooks, this topic)?"""
+        hooks = self.hooks
+        if hooks is None or hook not in hooks:
+            return False
+        if hook in MESSAGE_HOOKS and topic is not None:
+            if topic.startswith("$SYS/"):
+                return False
+            filters = hooks[hook]
+            return not filters or any(topic_matches(f, topic) for f in filters)
+        return True
+
+    def _call(self, hook: str, request: Any, topic: str | None = None) -> Any:
+        """Call `hook` if registered; RPC failures are recorded, never raised (EMQX carries on)."""
+        if not self.registered(hook, topic):
+            return None
+        method, _ = HOOK_RPC[hook]
+        request.meta.CopyFrom(self.meta)
+        try:
+            resp = self.client.call(method, request, timeout_s=self.request_timeout_s)
+        except grpc.RpcError as exc:
+            with self._lock:
+                self.rpc_errors.append((hook, exc))
+            self.calls.append(HookCall(hook, method, request, None))
+            return None
+        self.calls.append(HookCall(hook, method, request, resp))
+        return resp
+
+    def new_message(
+        self, topic: str, payload: bytes, qos: int, sender: str, headers: dict[str, str] | None = None
+    ) -> pb.Message:
+        """A Message as EMQX builds it: node, fresh 32-hex id, timestamp in ms."""
+        msg = pb.Message(
+            node=self.node,
+            id=self._guid.next(),
+            qos=qos,
+            topic=topic,
+            payload=payload,
+            timestamp=time.time_ns() // 1_000_000,
+            headers=headers or {},
+        )
+        setattr(msg, "from", sender)
+        return msg
+
+    def _run_publish(self, msg: pb.Message) -> tuple[pb.ValuedResponse | None, pb.Message, bool]:
+        """message.publish fold (§2.4): returns (response, message to route, allowed)."""
+        resp = self._call("message.publish", pb.MessagePublishRequest(message=msg), topic=msg.topic)
+        if resp is None or resp.type == pb.ValuedResponse.IGNORE or resp.WhichOneof("value") != "message":
+            return resp, msg, True
+        new = copy.deepcopy(msg)
+        new.topic, new.qos, new.payload = resp.message.topic, resp.message.qos, resp.message.payload
+        allow = resp.message.headers.get("allow_publish")
+        if allow in ("true", "false"):
+            new.headers["allow_publish"] = allow
+        return resp, new, new.headers.get("allow_publish") != "false"
+
+    def _has_subscriber(self, topic: str) -> bool:
+        with self._lock:
+            channels = list(self._channels.values())
+        return any(topic_matches(f, topic) for c in channels for f in c.subscriptions)
+
+    def _dropped_if_unrouted(self, msg: pb.Message) -> None:
+        if not self._has_subscriber(msg.topic):
+            self._call("message.dropped", pb.MessageDroppedRequest(message=msg, reason="no_subscribers"), msg.topic)
+
+    # -- platform side -----------------------------------------------------------------------
+
+    def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, sender: str = "sdv-platform", username: str = "platform"
+    ) -> pb.ValuedResponse | None:
+        """A platform MQTT client's publish: message.publish, then message.dropped if nobody subscribes.
+
+        Not routed through mosquitto: meant for topics no vehicle subscribes to ($SDV-FANOUT...).
+        Returns the server's answer (None if message.publish is not registered for the topic).
+        """
+        headers = {"username": username, "protocol": "mqtt", "peerhost": LOOPBACK}
+        resp, routed, allowed = self._run_publish(self.new_message(topic, payload, qos, sender, headers))
+        if allowed:
+            if self._has_subscriber(routed.topic):
+                self.errors.append(SimulationError(f"platform publish to {routed.topic} has subscribers: not routed"))
+            self._dropped_if_unrouted(routed)
+        return resp
+
+    def publish_batch(
+        self,
+        vins: list[str],
+        request_id: str,
+        data: str | bytes,
+        sender: str = "sdv-platform",
+        *,
+        topic: str = "$SDV-FANOUT",
+        **extra: Any,
+    ) -> pb.ValuedResponse | None:
+        """Publish a seed batch `{"ids", "request_id", "data"}`; bytes data go base64 + data_encoding."""
+        doc: dict[str, Any] = {"ids": list(vins), "request_id": request_id}
+        if isinstance(data, bytes):
+            doc.update(data=base64.b64encode(data).decode(), data_encoding="base64")
+        else:
+            doc["data"] = data
+        doc.update(extra)
+        return self.publish(topic, json.dumps(doc).encode(), sender=sender)
+
+    # -- vehicles ----------------------------------------------------------------------------
+
+    def vehicle(
+        self,
+        vin: str,
+        clientid: str | None = None,
+        clean_start: bool = True,
+        session_expiry_s: int = 0,
+        *,
+        username: str | None = None,
+        keepalive: int = 60,
+    ) -> Vehicle:
+        """A new (not yet connected) vehicle; FakeEmqx.close() closes it."""
+        v = Vehicle(
+            self,
+            vin,
+            clientid or vin,
+            username if username is not None else vin,
+            clean_start,
+            session_expiry_s,
+            keepalive,
+        )
+        with self._lock:
+            self.vehicles.append(v)
+        return v
+
+    def request_filter(self, vin: str) -> str:
+        """The vehicle's request subscription, e.g. `agent/<vin>/proxy/request/+`."""
+        return self.request_prefix.replace("{VIN}", vin) + "/+"
+
+    def _worker(self, clientid: str) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("FakeEmqx is closed")
+            w = self._workers.get(clientid)
+            if w is None:
+                w = self._workers[clientid] = ThreadPoolExecutor(1, thread_name_prefix=f"emqx-sim-{clientid}")
+            return w
+
+    def _submit(self, clientid: str, fn: Callable[..., Any], *args: Any, background: bool = False) -> Future[Any]:
+        """Queue a hook job behind the clientid's earlier ones; background failures go to errors."""
+        fut = self._worker(clientid).submit(fn, *args)
+        if background:
+            fut.add_done_callback(self._record_failure)
+        return fut
+
+    def _record_failure(self, fut: Future[Any]) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:
+            self.errors.append(exc)
+
+    def _wait(self, fut: Future[Any]) -> Any:
+        return fut.result(self.job_timeout_s)
+
+    # channel registry (what EMQX's emqx_cm knows)
+    def _channel(self, clientid: str) -> _Conn | None:
+        with self._lock:
+            return self._channels.get(clientid)
+
+    def _register(self, conn: _Conn) -> None:
+        with self._lock:
+            self._channels[conn.vehicle.clientid] = conn
+
+    def _unregister(self, conn: _Conn) -> None:
+        with self._lock:
+            if self._channels.get(conn.vehicle.clientid) is conn:
+                del self._channels[conn.vehicle.clientid]
+        if conn.expiry_timer is not None:
+            conn.expiry_timer.cancel()
+
+    def _delivery_message(self, clientid: str, topic: str, payload: bytes, qos: int, dup: bool) -> pb.Message:
+        """The Message EMQX would pass to delivered/acked for a PUBLISH the vehicle got.
+
+        A redelivery of an unacked message keeps its id; a first delivery is a message the server
+        published (from = delivery_clientid), so message.publish runs for it first if registered.
+        """
+        key = (clientid, topic, payload)
+        with self._lock:
+            known = self._inflight.get(key)
+        if known is not None:
+            return known
+        msg = self.new_message(topic, payload, qos, self.delivery_clientid, self.delivery_headers)
+        if not dup:
+            _, routed, allowed = self._run_publish(msg)
+            if not allowed or (routed.topic, routed.payload, routed.qos) != (msg.topic, msg.payload, msg.qos):
+                self.errors.append(
+                    SimulationError(f"server denied/rewrote its own delivery on {topic}; mosquitto already routed it")
+                )
+            msg = routed
+        if qos > 0:
+            with self._lock:
+                self._inflight[key] = msg
+        return msg
+
+    def _acked(self, clientid: str, topic: str, payload: bytes) -> None:
+        with self._lock:
+            self._inflight.pop((clientid, topic, payload), None)
+
+    # -- broker restarts -----------------------------------------------------------------------
+
+    def broker_lost(self, timeout_s: float = 10.0) -> None:
+        """The broker went away: wait until every vehicle saw it, then forget all channels and sessions."""
+        with self._lock:
+            vehicles = list(self.vehicles)
+        for v in vehicles:
+            v._lost(timeout_s)
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+            self._inflight.clear()
+        for c in channels:
+            c.state = "gone"
+            if c.expiry_timer is not None:
+                c.expiry_timer.cancel()
+
+    def restart_broker(
+        self, broker: Mosquitto, *, graceful: bool = True, reload: bool = True, timeout_s: float = 10.0
+    ) -> None:
+        """An EMQX restart: OnProviderUnloaded (if graceful), broker restart, all clients dropped
+        without hooks (exhook is already unloaded), then OnProviderLoaded again (if reload)."""
+        if graceful:
+            self.unload()
+        else:
+            self.hooks = None
+        broker.restart()
+        self.broker_lost(timeout_s)
+        if reload:
+            self.load()
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise the first harness error (and, with strict_rpc, the first failed RPC)."""
+        if self.errors:
+            raise SimulationError(f"{len(self.errors)} harness error(s); first: {self.errors[0]!r}") from self.errors[0]
+        if self.strict_rpc and self.rpc_errors:
+            hook, exc = self.rpc_errors[0]
+            raise SimulationError(f"{len(self.rpc_errors)} failed RPC(s); first: {hook}: {exc!r}") from exc
+
+    def close(self, check: bool = True) -> None:
+        """Stop every vehicle (no hooks), the workers and the gRPC channel; then `check()`."""
+        with self._lock:
+            vehicles = list(self.vehicles)
+        for v in vehicles:
+            v.close()
+        with self._lock:
+            self._closed = True
+            workers = list(self._workers.values())
+            self._workers.clear()
+            channels = list(self._channels.values())
+        for c in channels:
+            if c.expiry_timer is not None:
+                c.expiry_timer.cancel()
+        for w in workers:
+            w.shutdown(wait=True, cancel_futures=True)
+        self.client.close()
+        if check:
+            self.check()
+
+    def __enter__(self) -> FakeEmqx:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(check=exc_type is None)
+
+
+class Vehicle:
+    """A real paho-mqtt 2 client (MQTT 5, manual acks) whose hooks FakeEmqx calls as EMQX would.
+
+    `persistent` follows MQTT 5: the session outlives the connection iff session_expiry_s > 0.
+    Each connect is a new TCP connection (a new paho client), so `peerport` changes.
+    """
+
+    def __init__(
+        self,
+        emqx: FakeEmqx,
+        vin: str,
+        clientid: str,
+        username: str,
+        clean_start: bool,
+        session_expiry_s: int,
+        keepalive: int = 60,
+    ) -> None:
+        self.emqx = emqx
+        self.vin = vin
+        self.clientid = clientid
+        self.username = username
+        self.clean_start = clean_start
+        self.session_expiry_s = session_expiry_s
+        self.keepalive = keepalive
+        self.auto_ack = True
+        self.received: list[Received] = []
+        self._pending: list[tuple[_Conn, int, int, pb.Message]] = []
+        self._conns: list[_Conn] = []
+        self._conn: _Conn | None = None
+        self._last_subscriptions: dict[str, pb.SubOpts] = {}
+
+    # -- views -------------------------------------------------------------------------------
+
+    @property
+    def persistent(self) -> bool:
+        """Does the session outlive the connection (MQTT 5 Session-Expiry-Interval > 0)?"""
+        return self.session_expiry_s > 0
+
+    @property
+    def peerport(self) -> int:
+        """The local TCP port of the current connection (EMQX's peerport)."""
+        return self._require_conn().peerport
+
+    @property
+    def is_connected(self) -> bool:
+        """True while the current MQTT connection is up."""
+        return self._conn is not None and self._conn.connack.is_set() and not self._conn.closed.is_set()
+
+    def clientinfo(self) -> pb.ClientInfo:
+        """The ClientInfo EMQX sends for the current connection (a copy)."""
+        ci = pb.ClientInfo()
+        ci.CopyFrom(self._require_conn().clientinfo)
+        return ci
+
+    def _require_conn(self) -> _Conn:
+        if self._conn is None:
+            raise RuntimeError(f"{self.clientid} never connected")
+        return self._conn
+
+    def _require_open(self) -> _Conn:
+        conn = self._require_conn()
+        if conn.state != "open" or conn.closed.is_set():
+            raise RuntimeError(f"{self.clientid} is not connected (channel {conn.state})")
+        return conn
+
+    # -- paho callbacks (paho's thread: never block, never raise) ------------------------------
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # surfaced by FakeEmqx.check()/close()
+            if not self.emqx._closed:
+                self.emqx.errors.append(exc)
+
+    def _on_connect(self, conn: _Conn, flags: Any, reason_code: ReasonCode, properties: Properties | None) -> None:
+        def run() -> None:
+            conn.session_present = bool(flags.session_present)
+            conn.reason_code = reason_code
+            conn.connack_props = properties
+            try:
+                conn.connect_job = self.emqx._submit(self.clientid, self._job_connected, conn)
+            finally:
+                conn.connack.set()
+
+        self._guard(run)
+
+    def _on_disconnect(self, conn: _Conn, reason_code: ReasonCode) -> None:
+        conn.disconnect_rc = reason_code
+        conn.closed.set()
+
+    def _on_subscribe(self, conn: _Conn, mid: int, reason_codes: list[ReasonCode]) -> None:
+        def run() -> None:
+            with conn.lock:
+                topic, opts = conn.pending_subs.pop(mid)
+                conn.sub_jobs[mid] = self.emqx._submit(
+                    self.clientid, self._job_subscribed, conn, topic, opts, list(reason_codes)
+                )
+
+        self._guard(run)
+
+    def _on_message(self, conn: _Conn, message: mqtt.MQTTMessage) -> None:
+        def run() -> None:
+            self.emqx._submit(
+                self.clientid,
+                self._job_message,
+                conn,
+                message.topic,
+                bytes(message.payload),
+                message.mid,
+                message.qos,
+                bool(message.dup),
+                time.time(),
+                background=True,
+            )
+
+        self._guard(run)
+
+    # -- hook jobs (the clientid's worker thread) ------------------------------------------------
+
+    def _job_connected(self, conn: _Conn) -> None:
+        emqx = self.emqx
+        assert conn.reason_code is not None
+        props = []
+        if self.session_expiry_s > 0:
+            props.append(pb.Property(name="Session-Expiry-Interval", value=str(self.session_expiry_s).encode()))
+        emqx._call("client.connect", pb.ClientConnectRequest(conninfo=conn.conninfo, props=props))
+        if conn.reason_code.is_failure:
+            emqx._call(
+                "client.connack",
+                pb.ClientConnackRequest(
+                    conninfo=conn.conninfo, result_code=_result_code(conn.reason_code), props=_props(conn.connack_props)
+                ),
+            )
+            conn.state = "gone"
+            return
+        old = emqx._channel(self.clientid)
+        if old is conn:
+            old = None
+        if conn.session_present:
+            emqx._call("session.resumed", pb.SessionResumedRequest(clientinfo=conn.clientinfo))
+            if old is not None:
+                self._end_old(old, "takenover")
+            conn.subscriptions = dict(old.subscriptions if old is not None else self._last_subscriptions)
+        else:
+            if old is not None:
+                self._end_old(old, "discarded")
+            emqx._call("session.created", pb.SessionCreatedRequest(clientinfo=conn.clientinfo))
+        conn.state = "open"
+        emqx._register(conn)
+        emqx._call("client.connected", pb.ClientConnectedRequest(clientinfo=conn.clientinfo))
+        emqx._call(
+            "client.connack",
+            pb.ClientConnackRequest(conninfo=conn.conninfo, result_code="success", props=_props(conn.connack_props)),
+        )
+
+    def _end_old(self, old: _Conn, reason: str) -> None:
+        """The old channel of this clientid ends: §7 shows `client.disconnected(reason)` for it even
+        when it was already disconnected (idle persistent session), then session.<reason>."""
+        emqx = self.emqx
+        emqx._call("client.disconnected", pb.ClientDisconnectedRequest(clientinfo=old.clientinfo, reason=reason))
+        emqx._call(f"session.{reason}", HOOK_RPC[f"session.{reason}"][1](clientinfo=old.clientinfo))
+        old.state = "gone"
+        emqx._unregister(old)
+        old.vehicle._pending = [p for p in old.vehicle._pending if p[0] is not old]
+
+    def _job_subscribed(self, conn: _Conn, topic: str, opts: pb.SubOpts, reason_codes: list[ReasonCode]) -> None:
+        if any(rc.is_failure for rc in reason_codes):
+            raise SimulationError(f"SUBACK for {topic} refused: {reason_codes}")
+        if conn.state != "open":
+            return
+        emqx = self.emqx
+        tf = pb.TopicFilter(name=topic, subopts=opts)
+        emqx._call("client.subscribe", pb.ClientSubscribeRequest(clientinfo=conn.clientinfo, topic_filters=[tf]))
+        emqx._call(
+            "session.subscribed", pb.SessionSubscribedRequest(clientinfo=conn.clientinfo, topic=topic, subopts=opts)
+        )
+        conn.subscriptions[topic] = opts
+        self._last_subscriptions[topic] = opts
+
+    def _job_message(self, conn: _Conn, topic: str, payload: bytes, mid: int, qos: int, dup: bool, t: float) -> None:
+        emqx = self.emqx
+        alive = conn.state == "open"
+        msg = emqx._delivery_message(self.clientid, topic, payload, qos, dup) if alive else None
+        if msg is not None:
+            emqx._call("message.delivered", pb.MessageDeliveredRequest(clientinfo=conn.clientinfo, message=msg), topic)
+            if qos > 0:
+                if self.auto_ack:
+                    self._ack(conn, mid, qos, msg)
+                else:
+                    self._pending.append((conn, mid, qos, msg))
+        self.received.append(Received(topic, payload, mid, t))
+
+    def _ack(self, conn: _Conn, mid: int, qos: int, msg: pb.Message) -> bool:
+        """PUBACK, then message.acked, as EMQX calls it when the PUBACK arrives."""
+        if conn.dropping or conn.closed.is_set() or conn.state != "open":
+            return False
+        if conn.client.ack(mid, qos) != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            return False
+        self.emqx._call("message.acked", pb.MessageAckedRequest(clientinfo=conn.clientinfo, message=msg), msg.topic)
+        self.emqx._acked(self.clientid, msg.topic, msg.payload)
+        return True
+
+    def _job_ack_pending(self) -> int:
+        pending, self._pending = self._pending, []
+        return sum(self._ack(conn, mid, qos, msg) for conn, mid, qos, msg in pending)
+
+    def _job_heartbeat(self, conn: _Conn, kind: str, payload: bytes) -> pb.ValuedResponse | None:
+        if conn.state != "open":
+            raise RuntimeError(f"{self.clientid} is not connected")
+        emqx = self.emqx
+        headers = {"username": self.username, "protocol": "mqtt", "peerhost": LOOPBACK}
+        msg = emqx.new_message(f"ecp/{self.vin}/{kind}", payload, 0, self.clientid, headers)
+        resp, routed, allowed = emqx._run_publish(msg)
+        if allowed:
+            info = conn.client.publish(routed.topic, routed.payload, qos=routed.qos)
+            if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                raise SimulationError(f"publish on {routed.topic} failed: {info.rc}")
+            emqx._dropped_if_unrouted(routed)
+        return resp
+
+    def _job_closed(self, conn: _Conn, reason: str) -> None:
+        """client.disconnected(reason); session.terminated({shutdown,reason}) unless the session persists."""
+        if conn.state != "open":
+            return  # already taken over / discarded / lost with the broker
+        emqx = self.emqx
+        emqx._call("client.disconnected", pb.ClientDisconnectedRequest(clientinfo=conn.clientinfo, reason=reason))
+        self._pending = [p for p in self._pending if p[0] is not conn]
+        if conn.persistent:
+            conn.state = "idle"
+            timer = threading.Timer(conn.expiry_s, self._expire, args=(conn,))
+            timer.daemon = True
+            conn.expiry_timer = timer
+            timer.start()
+        else:
+            emqx._call(
+                "session.terminated",
+                pb.SessionTerminatedRequest(clientinfo=conn.clientinfo, reason=f"{{shutdown,{reason}}}"),
+            )
+            conn.state = "gone"
+            emqx._unregister(conn)
+
+    def _expire(self, conn: _Conn) -> None:
+        def job() -> None:
+            if conn.state == "idle":
+                self.emqx._call(
+                    "session.terminated", pb.SessionTerminatedRequest(clientinfo=conn.clientinfo, reason="expired")
+                )
+                conn.state = "gone"
+                self.emqx._unregister(conn)
+
+        def submit() -> None:
+            self.emqx._submit(self.clientid, job, background=True)
+
+        self._guard(submit)
+
+    # -- test API ------------------------------------------------------------------------------
+
+    def connect(self, timeout_s: float = 10.0) -> None:
+        """New TCP connection + CONNECT; after CONNACK the hooks run in EMQX's order (§7):
+        connect → [resumed → old disconnected(takenover) → old takenover | old disconnected(discarded)
+        → old discarded → created] → connected → connack("success")."""
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=self.clientid,
+            protocol=mqtt.MQTTv5,
+            manual_ack=True,
+            reconnect_on_failure=False,
+        )
+        client.username_pw_set(self.username)
+        conn = _Conn(self, client, self.persistent, self.session_expiry_s)
+        client.on_connect = lambda _c, _u, flags, rc, props: self._on_connect(conn, flags, rc, props)
+        client.on_disconnect = lambda _c, _u, _flags, rc, _props: self._on_disconnect(conn, rc)
+        client.on_subscribe = lambda _c, _u, mid, rcs, _props: self._on_subscribe(conn, mid, rcs)
+        client.on_message = lambda _c, _u, message: self._on_message(conn, message)
+        props = None
+        if self.session_expiry_s > 0:
+            props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+            props.SessionExpiryInterval = self.session_expiry_s
+        client.connect(
+            LOOPBACK, self.emqx.mqtt_port, keepalive=self.keepalive, clean_start=self.clean_start, properties=props
+        )
+        sock = client.socket()
+        assert sock is not None
+        conn.peerport = int(sock.getsockname()[1])  # type: ignore[attr-defined]
+        node, port = self.emqx.node, self.emqx.mqtt_port
+        conn.conninfo = pb.ConnInfo(
+            node=node,
+            clientid=self.clientid,
+            username=self.username,
+            peerhost=LOOPBACK,
+            sockport=port,
+            proto_name="MQTT",
+            proto_ver="5",
+            keepalive=self.keepalive,
+            peerport=conn.peerport,
+        )
+        conn.clientinfo = pb.ClientInfo(
+            node=node,
+            clientid=self.clientid,
+            username=self.username,
+            peerhost=LOOPBACK,
+            sockport=port,
+            protocol="mqtt",
+            mountpoint="",
+            anonymous=True,
+            peerport=conn.peerport,
+        )
+        previous, self._conn = self._conn, conn
+        self._conns.append(conn)
+        client.loop_start()
+        poll(lambda: conn.connack.is_set() or self._closed_early(conn), timeout_s=timeout_s)
+        if not conn.connack.is_set():
+            raise RuntimeError(f"{self.clientid}: connection closed before CONNACK ({conn.disconnect_rc})")
+        assert conn.connect_job is not None
+        self.emqx._wait(conn.connect_job)
+        if conn.reason_code is not None and conn.reason_code.is_failure:
+            raise RuntimeError(f"{self.clientid}: CONNACK {conn.reason_code}")
+        if previous is not None and previous is not conn:
+            previous.stop_loop(timeout_s)  # mosquitto kicked it (takeover); just reap paho's thread
+
+    @staticmethod
+    def _closed_early(conn: _Conn) -> bool:
+        return conn.closed.is_set()
+
+    def reconnect(self, clean_start: bool, session_expiry_s: int | None = None, timeout_s: float = 10.0) -> None:
+        """Connect again on a new TCP connection (resume or discard order, as mosquitto's CONNACK says)."""
+        self.clean_start = clean_start
+        if session_expiry_s is not None:
+            self.session_expiry_s = session_expiry_s
+        self.connect(timeout_s)
+
+    def subscribe(self, topic: str | None = None, qos: int = 1, timeout_s: float = 10.0) -> None:
+        """SUBSCRIBE (default `<request_prefix>/+`, QoS 1); after SUBACK: client.subscribe → session.subscribed."""
+        conn = self._require_open()
+        topic = topic or self.emqx.request_filter(self.vin)
+        opts = pb.SubOpts(qos=qos)
+        with conn.lock:
+            rc, mid = conn.client.subscribe(topic, options=SubscribeOptions(qos=qos))
+            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
+                raise RuntimeError(f"subscribe failed: {rc}")
+            conn.pending_subs[mid] = (topic, opts)
+        poll(lambda: mid in conn.sub_jobs or conn.closed.is_set(), timeout_s=timeout_s)
+        if mid not in conn.sub_jobs:
+            raise RuntimeError(f"{self.clientid}: connection closed before SUBACK")
+        self.emqx._wait(conn.sub_jobs.pop(mid))
+
+    def heartbeat(self, kind: str = "online", payload: bytes = b"") -> pb.ValuedResponse | None:
+        """`message.publish` for `ecp/<vin>/<kind>` (QoS 0), then the real publish if allowed.
+
+        The published message is the one the server's answer leaves (topic/qos/payload rewrite,
+        `allow_publish=false` → not published), then `message.dropped(no_subscribers)` if no
+        vehicle subscribes. Returns the server's answer (None if publish is not registered)."""
+        conn = self._require_open()
+        return self.emqx._wait(self.emqx._submit(self.clientid, self._job_heartbeat, conn, kind, payload))  # type: ignore[no-any-return]
+
+    def disconnect(self, timeout_s: float = 10.0) -> None:
+        """Clean DISCONNECT; then client.disconnected("normal") (+ session.terminated if not persistent)."""
+        conn = self._require_open()
+        conn.dropping = True
+        conn.client.disconnect()
+        self._finish_close(conn, "normal", timeout_s)
+
+    def drop(self, timeout_s: float = 10.0) -> None:
+        """Abrupt close (TCP FIN, no DISCONNECT); then client.disconnected("tcp_closed") (+ terminated).
+
+        Waits until mosquitto closed its side too, i.e. it has noticed the loss."""
+        conn = self._require_open()
+        conn.dropping = True
+        sock = conn.client.socket()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)  # type: ignore[attr-defined]
+        self._finish_close(conn, "tcp_closed", timeout_s)
+
+    def crash_before_ack(self, timeout_s: float = 10.0) -> None:
+        """drop() while messages are still unacked: they stay in mosquitto's session for redelivery."""
+        self.drop(timeout_s)
+
+    def _finish_close(self, conn: _Conn, reason: str, timeout_s: float) -> None:
+        poll(conn.closed.is_set, timeout_s=timeout_s)
+        conn.stop_loop(timeout_s)
+        self.emqx._wait(self.emqx._submit(self.clientid, self._job_closed, conn, reason))
+
+    def ack_pending(self) -> int:
+        """PUBACK every message held back with auto_ack=False (message.acked each); returns how many."""
+        return self.emqx._wait(self.emqx._submit(self.clientid, self._job_ack_pending))  # type: ignore[no-any-return]
+
+    def wait_for(self, n: int, timeout_s: float = 10.0) -> list[Received]:
+        """Poll until n PUBLISHes were received (and their hooks ran); returns them all."""
+
+        def enough() -> bool:
+            self.emqx.check()
+            return len(self.received) >= n
+
+        poll(enough, timeout_s=timeout_s)
+        return list(self.received)
+
+    def wait_disconnected(self, timeout_s: float = 10.0) -> None:
+        """Poll until the current connection is closed (e.g. kicked or broker stopped)."""
+        conn = self._require_conn()
+        poll(conn.closed.is_set, timeout_s=timeout_s)
+
+    def _lost(self, timeout_s: float) -> None:
+        """The broker is gone: reap the connection; its channel ends without any hook."""
+        conn = self._conn
+        if conn is None or conn.state == "gone":
+            return
+        poll(lambda: conn.closed.is_set() or not conn.connack.is_set(), timeout_s=timeout_s)
+        conn.stop_loop(timeout_s)
+
+        def job() -> None:
+            conn.state = "gone"
+            if conn.expiry_timer is not None:
+                conn.expiry_timer.cancel()
+            self._pending = [p for p in self._pending if p[0] is not conn]
+
+        self.emqx._wait(self.emqx._submit(self.clientid, job))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop every paho loop of this vehicle and close its sockets (no DISCONNECT, no hooks)."""
+        for conn in self._conns:
+            conn.dropping = True
+            conn.stop_loop(timeout_s)
+
+
+__all__ = [
+    "HOOK_RPC",
+    "MESSAGE_HOOKS",
+    "FakeEmqx",
+    "HookCall",
+    "Mosquitto",
+    "Received",
+    "SimulationError",
+    "Vehicle",
+    "free_port",
+    "running_mosquitto",
+    "topic_matches",
+]
