@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.emqx_sim import FakeEmqx  # noqa: E402
+from tests.emqx_sim import FakeEmqx
 
 
 def main() -> int:
