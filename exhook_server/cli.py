@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("vin")
     inspect.add_argument("--data-dir", metavar="DIR", default=None)
     inspect.add_argument("--json", action="store_true", help="one JSON object")
+    gc = sub.add_parser("gc", help="retention and garbage collection")
+    gc_sub = gc.add_subparsers(dest="gc_command", required=True)
+    gc_run = gc_sub.add_parser("run", help="one GC pass now (offline, or next to a running server)")
+    _config_args(gc_run)
+    gc_run.add_argument("--dry-run", action="store_true", help="count what would go; change nothing")
+    gc_run.add_argument("--json", action="store_true", help="one JSON object")
     return top
 
 
@@ -116,6 +122,27 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gc_run(args: argparse.Namespace) -> int:
+    from exhook_server.housekeeping import run_gc
+    from storage.store import Store
+    from storage.writer import GroupCommitter
+
+    cfg = _load(args)
+    with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
+        committer = GroupCommitter(store)
+        try:
+            report = run_gc(cfg, store, committer, dry_run=args.dry_run)
+        finally:
+            committer.close()
+    out = report.as_dict()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key:<18} {value}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `sdv-fanout` console script."""
     args = _parser().parse_args(argv)
@@ -130,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "stats":
             return _cmd_stats(args)
+        if args.command == "gc":
+            return _cmd_gc_run(args)
         return _cmd_inspect(args)
     except (ConfigError, StorageError) as exc:
         print(f"sdv-fanout: {exc}", file=sys.stderr)

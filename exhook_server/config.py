@@ -68,6 +68,14 @@ class Config:
     # Empty: any publisher; else only these clientids or usernames may send batches.
     publisher_allowlist: tuple[str, ...] = ()
 
+    # -- retention and garbage collection -------------------------------------
+    # The in-broker plugin's default: a request nobody picked up in a week is stale.
+    retention_s: float = 7 * 24 * 3600.0
+    # How often the embedded GC runs; 0 = never (run `sdv-fanout gc run` or the Spark job instead).
+    gc_interval_s: float = 3600.0
+    # Blobs created or referenced this recently are never collected (covers in-flight ingests).
+    gc_grace_s: float = 3600.0
+
     # -- early triggers (trigger before its data) -----------------------------
     # Bounded so a platform bug cannot fill the disk with orphans.
     early_max_count: int = 10_000
@@ -188,6 +196,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("mqtt_url must start with mqtt:// or mqtts:// (or be empty: no delivery)")
     if not cfg.mqtt_clientid_prefix:
         raise ConfigError("mqtt_clientid_prefix must not be empty (acks are matched by it)")
+    if cfg.retention_s <= 0 or cfg.gc_interval_s < 0:
+        raise ConfigError("retention_s must be positive and gc_interval_s not negative")
+    if cfg.gc_grace_s < 60:
+        raise ConfigError("gc_grace_s must be at least 60: it must outlast any ingest still committing")
     if cfg.map_max_bytes < cfg.map_size_bytes:
         raise ConfigError("map_max_bytes must be at least map_size_bytes")
     if cfg.log_format not in ("console", "json"):

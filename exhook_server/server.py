@@ -20,7 +20,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from exhook_server import hooks
+from exhook_server import hooks, housekeeping
 from exhook_server.config import Config
 from exhook_server.delivery import MqttDelivery
 from exhook_server.dispatch.pool import Dispatcher
@@ -93,7 +93,11 @@ class FanoutServer:
         if not self.port:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         await self._server.start()
-        self._tasks.append(asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"))
+        self._tasks += [
+            asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
+            asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer), name="gc"),
+            asyncio.create_task(housekeeping.gauge_loop(self.dispatcher, self.store), name="gauges"),
+        ]
         for service in ("", *hooks.SERVICE_NAMES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(

@@ -71,8 +71,15 @@ def sha1_of(blob: bytes) -> bytes:
     return hashlib.sha1(blob, usedforsecurity=False).digest()
 
 
+def touch_blob(txn: lmdb.Transaction, t: Tables, sha1: bytes, now_ms: int) -> None:
+    """Record that a write referenced `sha1` now: GC keeps blobs touched within its grace period,
+    which closes the race of a batch reusing a blob between GC's mark and its delete."""
+    txn.put(sha1, keys.encode_u64(now_ms), db=t.touched)
+
+
 def put_blob(txn: lmdb.Transaction, t: Tables, sha1: bytes, blob: bytes, now_ms: int) -> bool:
     """Store `blob` under its sha1 unless it is there already; True when written."""
+    touch_blob(txn, t, sha1, now_ms)
     if txn.get(sha1, db=t.data) is not None:
         return False
     txn.put(sha1, keys.blob_value(now_ms, blob), db=t.data)
@@ -150,6 +157,7 @@ def store_trigger(
         blob = txn.get(sha1, db=t.data)
         if blob is not None:
             size = len(blob) - keys.BLOB_HEAD_SIZE
+            touch_blob(txn, t, sha1, now_ms)
             replaced = put_rows(txn, t, vins, request_id, sha1, size, now_ms)
             return TriggerWritten(
                 data_id, request_id, BatchWritten(request_id, sha1, tuple(vins), replaced, False), False

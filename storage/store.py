@@ -23,7 +23,7 @@ from storage import keys
 from storage.errors import StorageError
 
 SCHEMA_VERSION = 1
-_DB_NAMES = ("data", "ids", "expiry", "aliases", "early", "meta")
+_DB_NAMES = ("data", "touched", "ids", "expiry", "aliases", "early", "meta")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,7 @@ class Tables:
     """Handles of the named databases of one environment."""
 
     data: Any
+    touched: Any
     ids: Any
     expiry: Any
     aliases: Any
@@ -264,6 +265,11 @@ class Store:
         with self.read() as txn:
             value = txn.get(data_id.encode(), db=self.tables.aliases)
             return None if value is None else keys.decode_alias(value)[0]
+
+    def row_count(self) -> int:
+        """Pending rows, O(1)."""
+        with self.read() as txn:
+            return int(txn.stat(self.tables.ids)["entries"])
 
     def early_count(self) -> int:
         with self.read() as txn:

@@ -1,0 +1,71 @@
+"""Periodic background work of a running server: garbage collection and gauge refresh.
+
+GC runs in a thread (its mark scan is a long read) and writes through the group
+committer in short chunks, so hooks keep answering while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import structlog
+
+from exhook_server import metrics
+from exhook_server.config import Config
+from exhook_server.dispatch.pool import Dispatcher
+from storage import gc
+from storage.errors import StorageError
+from storage.store import Store, now_ms
+from storage.writer import GroupCommitter
+
+log = structlog.get_logger("sdv_fanout.gc")
+
+#: The in-broker plugin's rule: the first GC comes after min(30 min, interval).
+FIRST_GC_MAX_DELAY_S = 1800.0
+
+
+def run_gc(cfg: Config, store: Store, committer: GroupCommitter, *, dry_run: bool = False) -> gc.GcReport:
+    """One GC pass with the configured retention and grace (blocking)."""
+    return gc.collect(
+        store,
+        committer.submit,
+        now_ms=now_ms(),
+        retention_ms=int(cfg.retention_s * 1000),
+        grace_ms=int(cfg.gc_grace_s * 1000),
+        early_ttl_ms=int(cfg.early_ttl_s * 1000),
+        early_limit=cfg.early_max_count,
+        dry_run=dry_run,
+    )
+
+
+async def gc_loop(cfg: Config, store: Store, committer: GroupCommitter) -> None:
+    """Forever: GC every gc_interval_s; failures are logged and counted, never fatal."""
+    if not cfg.gc_interval_s:
+        return
+    await asyncio.sleep(min(FIRST_GC_MAX_DELAY_S, cfg.gc_interval_s))
+    while True:
+        try:
+            report = await asyncio.to_thread(run_gc, cfg, store, committer)
+        except StorageError as exc:
+            metrics.GC_RUNS.labels("failed").inc()
+            log.error("gc_failed", reason=type(exc).__name__, detail=str(exc))
+        else:
+            metrics.GC_RUNS.labels("ok").inc()
+            for kind, n in (("rows", report.rows_expired), ("aliases", report.aliases_expired),
+                            ("blobs", report.blobs_deleted), ("early", report.early_expired)):
+                metrics.GC_DELETED.labels(kind).inc(n)
+            for e in report.expired_early:
+                log.warning("early_trigger_expired", reason="data_never_arrived", data_id=e.data_id,
+                            request_id=e.request_id, vins=e.vins, age_ms=e.age_ms)
+            log.info("gc_finished", **report.as_dict())
+        await asyncio.sleep(cfg.gc_interval_s)
+
+
+async def gauge_loop(dispatcher: Dispatcher, store: Store, interval_s: float = 5.0) -> None:
+    """Keep the level gauges (online, in flight, pending rows) fresh for scrapes."""
+    while True:
+        dispatcher.refresh_gauges()
+        with contextlib.suppress(StorageError):
+            metrics.PENDING_ROWS.set(store.row_count())
+        await asyncio.sleep(interval_s)
