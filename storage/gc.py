@@ -106,9 +106,7 @@ def expire_aliases(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, data_ids: S
 
 def old_aliases(store: Store, cutoff_ms: int) -> list[bytes]:
     with store.read() as txn:
-        return [
-            bytes(k) for k, v in txn.cursor(store.tables.aliases) if keys.decode_alias(v)[1] < cutoff_ms
-        ]
+        return [bytes(k) for k, v in txn.cursor(store.tables.aliases) if keys.decode_alias(v)[1] < cutoff_ms]
 
 
 # -- blobs -----------------------------------------------------------------------------
@@ -122,7 +120,9 @@ def unreferenced_blobs(store: Store, expired_before_ms: int = 0) -> list[bytes]:
     """
     t = store.tables
     with store.read() as txn:
-        live = {row.sha1 for row in (keys.decode_row(k, v) for k, v in txn.cursor(t.ids)) if row.ts_ms >= expired_before_ms}
+        live = {
+            row.sha1 for row in (keys.decode_row(k, v) for k, v in txn.cursor(t.ids)) if row.ts_ms >= expired_before_ms
+        }
         for v in txn.cursor(t.aliases).iternext(keys=False):
             sha1, ts = keys.decode_alias(v)
             if ts >= expired_before_ms:

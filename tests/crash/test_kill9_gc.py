@@ -33,8 +33,12 @@ def fill(path: Path) -> None:
         blob = f"blob {rng.randrange(2000)}".encode() * 20
         writer.submit(
             functools.partial(
-                ops.store_batch, t=store.tables, vins=[f"V{n}_{k}" for k in range(50)],
-                request_id=f"task_a_{n % 9}", blob=blob, now_ms=now - (8 * DAY if old else DAY),
+                ops.store_batch,
+                t=store.tables,
+                vins=[f"V{n}_{k}" for k in range(50)],
+                request_id=f"task_a_{n % 9}",
+                blob=blob,
+                now_ms=now - (8 * DAY if old else DAY),
             )
         )
     writer.close()
@@ -70,7 +74,7 @@ def test_kill9_during_gc_keeps_every_surviving_row_whole(tmp_path: Path) -> None
         try:
             with Store(db, readonly=True) as watch:
                 # Wait until the pass has begun deleting, then kill a random moment later.
-                poll(lambda w=watch: w.row_count() < total or proc.poll() is not None, timeout_s=30, interval_s=0.001)
+                poll(lambda w=watch, p=proc: w.row_count() < total or p.poll() is not None, timeout_s=30, interval_s=0.001)
             threading.Event().wait(rng.uniform(0, 0.08))  # the kill moment, not synchronisation
         finally:
             proc.send_signal(signal.SIGKILL)

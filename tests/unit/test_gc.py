@@ -79,7 +79,9 @@ def test_unreferenced_blob_within_grace_is_kept(env: tuple[Store, GroupCommitter
     store, writer = env
     put(writer, store, ["A"], "task_a_1", b"acked-recently", NOW - 10 * 60_000)
     digest = hashlib.sha1(b"acked-recently").digest()
-    writer.submit(functools.partial(ops.delete_row_if, t=store.tables, vin="A", request_id="task_a_1", sha1=digest)).result()
+    writer.submit(
+        functools.partial(ops.delete_row_if, t=store.tables, vin="A", request_id="task_a_1", sha1=digest)
+    ).result()
     assert run(store, writer).blobs_kept_recent == 1
     assert store.blob(digest) is not None
     assert run(store, writer, now=NOW + 2 * HOUR).blobs_deleted == 1
@@ -103,7 +105,9 @@ def test_blob_reused_between_mark_and_delete_is_kept(env: tuple[Store, GroupComm
 def test_alias_keeps_its_blob_until_it_expires(env: tuple[Store, GroupCommitter]) -> None:
     """Plugin-format data waiting for triggers is kept while its alias lives."""
     store, writer = env
-    writer.submit(functools.partial(ops.store_data, t=store.tables, data_id="d1", blob=b"data", now_ms=NOW - 2 * DAY)).result()
+    writer.submit(
+        functools.partial(ops.store_data, t=store.tables, data_id="d1", blob=b"data", now_ms=NOW - 2 * DAY)
+    ).result()
     assert run(store, writer).blobs_deleted == 0
     report = run(store, writer, now=NOW + 6 * DAY)
     assert (report.aliases_expired, report.blobs_deleted) == (1, 1)
@@ -114,14 +118,23 @@ def test_dry_run_changes_nothing_and_predicts_the_real_run(env: tuple[Store, Gro
     store, writer = env
     rng = random.Random(7)
     for n in range(200):
-        put(writer, store, [f"V{rng.randrange(50)}"], f"task_a_{n % 7}", rng.choice([b"a", b"b", bytes([n])]),
-            NOW - rng.randrange(10 * DAY))
+        put(
+            writer,
+            store,
+            [f"V{rng.randrange(50)}"],
+            f"task_a_{n % 7}",
+            rng.choice([b"a", b"b", bytes([n])]),
+            NOW - rng.randrange(10 * DAY),
+        )
     before = store.stats()
     dry = run(store, writer, dry_run=True)
     assert store.stats() == before
     real = run(store, writer)
     assert (dry.rows_expired, dry.blobs_deleted, dry.aliases_expired) == (
-        real.rows_expired, real.blobs_deleted, real.aliases_expired)
+        real.rows_expired,
+        real.blobs_deleted,
+        real.aliases_expired,
+    )
     assert real.rows_expired > 0 and real.blobs_deleted > 0
     assert dangling_rows(store) == []
 
