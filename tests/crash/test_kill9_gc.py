@@ -74,7 +74,11 @@ def test_kill9_during_gc_keeps_every_surviving_row_whole(tmp_path: Path) -> None
         try:
             with Store(db, readonly=True) as watch:
                 # Wait until the pass has begun deleting, then kill a random moment later.
-                poll(lambda w=watch, p=proc: w.row_count() < total or p.poll() is not None, timeout_s=30, interval_s=0.001)
+                poll(
+                    lambda w=watch, p=proc: w.row_count() < total or p.poll() is not None,
+                    timeout_s=30,
+                    interval_s=0.001,
+                )
             threading.Event().wait(rng.uniform(0, 0.08))  # the kill moment, not synchronisation
         finally:
             proc.send_signal(signal.SIGKILL)
