@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from exhook_server import __version__, log
@@ -55,6 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(gc_run)
     gc_run.add_argument("--dry-run", action="store_true", help="count what would go; change nothing")
     gc_run.add_argument("--json", action="store_true", help="one JSON object")
+    gc_apply = gc_sub.add_parser("apply", help="apply a plan from spark/gc_job.py, re-checking each candidate")
+    gc_apply.add_argument("plan", metavar="PLAN", help="the plan directory")
+    _config_args(gc_apply)
+    gc_apply.add_argument("--dry-run", action="store_true", help="count the candidates; change nothing")
+    gc_apply.add_argument("--json", action="store_true", help="one JSON object")
+
+    exp = sub.add_parser("export", help="one consistent snapshot as Parquet, for spark/")
+    exp.add_argument("--data-dir", metavar="DIR", default=None)
+    exp.add_argument("--out", metavar="OUT", required=True, help="output directory")
     return top
 
 
@@ -122,8 +132,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_gc_run(args: argparse.Namespace) -> int:
+def _progress(total: int, unit: str) -> Any:
+    """A progress bar on stderr when a person is watching; silent in pipelines."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, disable=not sys.stderr.isatty(), file=sys.stderr)
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
     from exhook_server.housekeeping import run_gc
+    from storage import plan
     from storage.store import Store
     from storage.writer import GroupCommitter
 
@@ -131,16 +149,37 @@ def _cmd_gc_run(args: argparse.Namespace) -> int:
     with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
         committer = GroupCommitter(store)
         try:
-            report = run_gc(cfg, store, committer, dry_run=args.dry_run)
+            if args.gc_command == "run":
+                report: Any = run_gc(cfg, store, committer, dry_run=args.dry_run)
+            else:
+                path = Path(args.plan)
+                total = sum(plan.count(path, t) for t in ("expired_rows", "expired_aliases", "garbage_blobs"))
+                with _progress(total, "candidates") as bar:
+                    report = plan.apply_plan(store, committer.submit, path, dry_run=args.dry_run, progress=bar.update)
         finally:
             committer.close()
-    out = report.as_dict()
-    if args.json:
+    _print_report(report.as_dict(), args.json)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from storage.export import export
+    from storage.store import Store
+
+    with Store(_data_dir(args), readonly=True) as store:
+        stats = store.stats()
+        with _progress(stats.rows + stats.blobs + stats.aliases, "records") as bar:
+            manifest = export(store, args.out, progress=bar.update)
+    print(json.dumps(manifest))
+    return 0
+
+
+def _print_report(out: dict[str, Any], as_json: bool) -> None:
+    if as_json:
         print(json.dumps(out))
     else:
         for key, value in out.items():
             print(f"{key:<18} {value}")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,7 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "stats":
             return _cmd_stats(args)
         if args.command == "gc":
-            return _cmd_gc_run(args)
+            return _cmd_gc(args)
+        if args.command == "export":
+            return _cmd_export(args)
         return _cmd_inspect(args)
     except (ConfigError, StorageError) as exc:
         print(f"sdv-fanout: {exc}", file=sys.stderr)

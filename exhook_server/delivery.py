@@ -53,7 +53,9 @@ class MqttDelivery:
         self._port = url.port or (8883 if url.scheme == "mqtts" else 1883)
         self._connected = threading.Event()
         client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=self.clientid, protocol=mqtt.MQTTv5,
+            CallbackAPIVersion.VERSION2,
+            client_id=self.clientid,
+            protocol=mqtt.MQTTv5,
         )
         if cfg.mqtt_username:
             client.username_pw_set(cfg.mqtt_username, cfg.mqtt_password or None)
@@ -90,9 +92,7 @@ class MqttDelivery:
         """Queue one QoS 1 delivery; False (nothing queued) while disconnected."""
         if not self._connected.is_set():
             return False
-        info = self._client.publish(
-            self._topics.delivery(vin, request_id), payload, qos=1, properties=self._props
-        )
+        info = self._client.publish(self._topics.delivery(vin, request_id), payload, qos=1, properties=self._props)
         return info.rc == mqtt.MQTT_ERR_SUCCESS
 
     # -- paho thread ---------------------------------------------------------------

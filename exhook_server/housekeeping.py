@@ -52,12 +52,22 @@ async def gc_loop(cfg: Config, store: Store, committer: GroupCommitter) -> None:
             log.error("gc_failed", reason=type(exc).__name__, detail=str(exc))
         else:
             metrics.GC_RUNS.labels("ok").inc()
-            for kind, n in (("rows", report.rows_expired), ("aliases", report.aliases_expired),
-                            ("blobs", report.blobs_deleted), ("early", report.early_expired)):
+            for kind, n in (
+                ("rows", report.rows_expired),
+                ("aliases", report.aliases_expired),
+                ("blobs", report.blobs_deleted),
+                ("early", report.early_expired),
+            ):
                 metrics.GC_DELETED.labels(kind).inc(n)
             for e in report.expired_early:
-                log.warning("early_trigger_expired", reason="data_never_arrived", data_id=e.data_id,
-                            request_id=e.request_id, vins=e.vins, age_ms=e.age_ms)
+                log.warning(
+                    "early_trigger_expired",
+                    reason="data_never_arrived",
+                    data_id=e.data_id,
+                    request_id=e.request_id,
+                    vins=e.vins,
+                    age_ms=e.age_ms,
+                )
             log.info("gc_finished", **report.as_dict())
         await asyncio.sleep(cfg.gc_interval_s)
 

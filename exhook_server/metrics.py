@@ -38,7 +38,5 @@ ONLINE_VEHICLES = Gauge("sdv_fanout_online_vehicles", "VINs with a live session 
 IN_FLIGHT = Gauge("sdv_fanout_in_flight", "Deliveries waiting for their PUBACK")
 MQTT_CONNECTED = Gauge("sdv_fanout_mqtt_connected", "1 while the delivery client is connected to the broker")
 GC_RUNS = Counter("sdv_fanout_gc_runs_total", "Garbage collection passes, by outcome", ["outcome"])
-GC_DELETED = Counter(
-    "sdv_fanout_gc_deleted_total", "What GC removed, by kind (rows, aliases, blobs, early)", ["kind"]
-)
+GC_DELETED = Counter("sdv_fanout_gc_deleted_total", "What GC removed, by kind (rows, aliases, blobs, early)", ["kind"])
 PENDING_ROWS = Gauge("sdv_fanout_pending_rows", "(VIN, request_id) rows waiting for delivery")

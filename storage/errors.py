@@ -16,3 +16,7 @@ class StorageFull(StorageError):
 
 class EarlyTriggersFull(StorageError):
     """The bounded store of triggers waiting for their data is full."""
+
+
+class PlanError(StorageError):
+    """The directory is not a GC plan this build can apply."""

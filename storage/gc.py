@@ -224,3 +224,51 @@ def collect(
         report.early_expired = len(report.expired_early)
     report.seconds = time.monotonic() - started
     return report
+
+
+# -- applying a plan computed elsewhere (spark/gc_job.py over an export) -----------------
+
+
+@dataclass(slots=True)
+class ApplyReport:
+    """What `gc apply` deleted, and what it kept because the store moved on since the export."""
+
+    dry_run: bool = False
+    rows_deleted: int = 0
+    rows_kept_changed: int = 0
+    aliases_deleted: int = 0
+    blobs_deleted: int = 0
+    blob_bytes_freed: int = 0
+    blobs_kept_recent: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def delete_planned_rows(txn: lmdb.Transaction, t: Tables, planned: Sequence[tuple[str, str, int]]) -> tuple[int, int]:
+    """Delete rows that still carry the planned timestamp; a row replaced since the export stays."""
+    deleted = kept = 0
+    for vin, request_id, ts in planned:
+        rkey = keys.row_key(vin, request_id)
+        value = txn.get(rkey, db=t.ids)
+        if value is None:
+            continue
+        if keys.row_ts(value) != ts:
+            kept += 1
+            continue
+        txn.delete(rkey, db=t.ids)
+        txn.delete(keys.expiry_key(ts, rkey), db=t.expiry)
+        deleted += 1
+    return deleted, kept
+
+
+def delete_planned_aliases(txn: lmdb.Transaction, t: Tables, planned: Sequence[tuple[str, int]]) -> int:
+    """Delete aliases not rewritten since the export."""
+    n = 0
+    for data_id, ts in planned:
+        key = data_id.encode()
+        value = txn.get(key, db=t.aliases)
+        if value is not None and keys.decode_alias(value)[1] == ts:
+            txn.delete(key, db=t.aliases)
+            n += 1
+    return n

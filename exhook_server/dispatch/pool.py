@@ -52,9 +52,7 @@ class Dispatcher:
         self._queues: dict[str, asyncio.Queue[Command]] = {n: asyncio.Queue() for n in names}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.workers = {
-            n: Worker(
-                n, rows, publisher, inflight_timeout_s=inflight_timeout_s, requeue=self._requeue_threadsafe
-            )
+            n: Worker(n, rows, publisher, inflight_timeout_s=inflight_timeout_s, requeue=self._requeue_threadsafe)
             for n in names
         }
         self._vin_from_clientid = vin_from_clientid

@@ -1,0 +1,112 @@
+"""LMDB → Parquet export: one consistent snapshot of rows, blobs (metadata only) and aliases.
+
+The Spark jobs in spark/ read exports, never the live store. One read transaction gives the
+snapshot; rows stream out in record batches, so memory stays bounded however large the store.
+A read transaction does not block the writer (LMDB is MVCC); it only delays page reuse while it
+lasts, which streaming keeps short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage import keys
+from storage.store import SCHEMA_VERSION, Store, now_ms
+
+FORMAT = "sdv-fanout-export"
+FORMAT_VERSION = 1
+#: Rows per Parquet record batch: ~3 MB of Arrow memory per batch.
+BATCH_ROWS = 65_536
+
+ROWS_SCHEMA = pa.schema(
+    [
+        ("vin", pa.string()),
+        ("request_id", pa.string()),
+        ("ts_ms", pa.int64()),
+        ("sha1", pa.binary()),
+        ("size", pa.int64()),
+    ]
+)
+BLOBS_SCHEMA = pa.schema(
+    [("sha1", pa.binary()), ("created_ms", pa.int64()), ("touched_ms", pa.int64()), ("size", pa.int64())]
+)
+ALIASES_SCHEMA = pa.schema([("data_id", pa.string()), ("sha1", pa.binary()), ("ts_ms", pa.int64())])
+
+Progress = Callable[[int], None]
+
+
+def _write(path: Path, schema: pa.Schema, batches: Iterator[list[tuple[Any, ...]]], progress: Progress) -> int:
+    """Write one table as part-00000.parquet, batch by batch; returns the row count."""
+    path.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with pq.ParquetWriter(path / "part-00000.parquet", schema, compression="zstd") as writer:
+        for chunk in batches:
+            columns = list(zip(*chunk, strict=True))
+            writer.write_batch(
+                pa.record_batch([pa.array(c, type=f.type) for c, f in zip(columns, schema, strict=True)], schema=schema)
+            )
+            n += len(chunk)
+            progress(len(chunk))
+    return n
+
+
+def _batched(items: Iterator[tuple[Any, ...]]) -> Iterator[list[tuple[Any, ...]]]:
+    chunk: list[tuple[Any, ...]] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= BATCH_ROWS:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def export(store: Store, out: str | os.PathLike[str], progress: Progress | None = None) -> dict[str, Any]:
+    """Write OUT/{rows,blobs,aliases}/part-00000.parquet and OUT/manifest.json; returns the manifest."""
+    out = Path(out)
+    tick = progress or (lambda n: None)
+    t = store.tables
+    with store.read() as txn:
+        snapshot = now_ms()
+
+        def rows() -> Iterator[tuple[Any, ...]]:
+            for k, v in txn.cursor(t.ids):
+                r = keys.decode_row(k, v)
+                yield r.vin, r.request_id, r.ts_ms, r.sha1, r.size
+
+        def blobs() -> Iterator[tuple[Any, ...]]:
+            for k, v in txn.cursor(t.data):
+                touched = txn.get(k, db=t.touched)
+                yield (
+                    bytes(k),
+                    keys.blob_ts(v),
+                    keys.decode_u64(touched) if touched is not None else 0,
+                    len(v) - keys.BLOB_HEAD_SIZE,
+                )
+
+        def aliases() -> Iterator[tuple[Any, ...]]:
+            for k, v in txn.cursor(t.aliases):
+                sha1, ts = keys.decode_alias(v)
+                yield bytes(k).decode(), sha1, ts
+
+        counts = {
+            "rows": _write(out / "rows", ROWS_SCHEMA, _batched(rows()), tick),
+            "blobs": _write(out / "blobs", BLOBS_SCHEMA, _batched(blobs()), tick),
+            "aliases": _write(out / "aliases", ALIASES_SCHEMA, _batched(aliases()), tick),
+        }
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "schema_version": SCHEMA_VERSION,
+        "snapshot_ms": snapshot,
+        "counts": counts,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest

@@ -1,0 +1,85 @@
+"""Apply a GC plan computed by spark/gc_job.py over an export, re-checking every candidate.
+
+The plan is a list of candidates as of the export snapshot; the store has moved on since. Inside
+each write transaction a row is deleted only if it still has the planned timestamp (not replaced),
+an alias only if not rewritten, and a blob only if it was not created or referenced since
+`snapshot - grace` (a row written after the export that reuses the blob touched it). Re-running is
+harmless: what is gone is skipped, so an interrupted apply simply runs again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.dataset as ds
+
+from storage import gc
+from storage.errors import PlanError
+from storage.store import Store
+
+PLAN_FORMAT = "sdv-fanout-gc-plan"
+_CHUNK = {"expired_rows": gc.ROW_CHUNK, "expired_aliases": gc.ROW_CHUNK, "garbage_blobs": gc.BLOB_CHUNK}
+
+
+def read_summary(plan: Path) -> dict[str, Any]:
+    try:
+        summary: dict[str, Any] = json.loads((plan / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"{plan} is not a GC plan: no readable summary.json ({exc})") from exc
+    if summary.get("format") != PLAN_FORMAT or summary.get("format_version") != 1:
+        raise PlanError(f"{plan}: not an sdv-fanout GC plan (format {summary.get('format')!r})")
+    return summary
+
+
+def _chunks(plan: Path, table: str, columns: list[str]) -> Iterator[list[tuple[Any, ...]]]:
+    path = plan / table
+    if not path.exists():
+        return
+    for batch in ds.dataset(path, format="parquet").to_batches(columns=columns, batch_size=_CHUNK[table]):
+        cols = [batch.column(c).to_pylist() for c in columns]
+        yield list(zip(*cols, strict=True))
+
+
+def count(plan: Path, table: str) -> int:
+    path = plan / table
+    return ds.dataset(path, format="parquet").count_rows() if path.exists() else 0
+
+
+def apply_plan(
+    store: Store, submit: gc.Submit, plan: Path, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
+) -> gc.ApplyReport:
+    """Delete the plan's candidates that are still garbage; rows, then aliases, then blobs."""
+    summary = read_summary(plan)
+    blob_cutoff = int(summary["snapshot_ms"]) - int(summary["grace_ms"])
+    t = store.tables
+    tick = progress or (lambda n: None)
+    report = gc.ApplyReport(dry_run=dry_run)
+    for chunk in _chunks(plan, "expired_rows", ["vin", "request_id", "ts_ms"]):
+        if dry_run:
+            report.rows_deleted += len(chunk)
+        else:
+            d, k = submit(functools.partial(gc.delete_planned_rows, t=t, planned=chunk)).result()
+            report.rows_deleted += d
+            report.rows_kept_changed += k
+        tick(len(chunk))
+    for chunk in _chunks(plan, "expired_aliases", ["data_id", "ts_ms"]):
+        if dry_run:
+            report.aliases_deleted += len(chunk)
+        else:
+            report.aliases_deleted += submit(functools.partial(gc.delete_planned_aliases, t=t, planned=chunk)).result()
+        tick(len(chunk))
+    for chunk in _chunks(plan, "garbage_blobs", ["sha1"]):
+        sha1s = [c[0] for c in chunk]
+        if dry_run:
+            report.blobs_deleted += len(sha1s)
+        else:
+            d, f, k = submit(functools.partial(gc.delete_blobs, t=t, candidates=sha1s, cutoff_ms=blob_cutoff)).result()
+            report.blobs_deleted += d
+            report.blob_bytes_freed += f
+            report.blobs_kept_recent += k
+        tick(len(chunk))
+    return report
