@@ -167,8 +167,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from storage.store import Store
 
     with Store(_data_dir(args), readonly=True) as store:
-        stats = store.stats()
-        with _progress(stats.rows + stats.blobs + stats.aliases, "records") as bar:
+        n = store.counts()
+        with _progress(n["ids"] + n["data"] + n["aliases"], "records") as bar:
             manifest = export(store, args.out, progress=bar.update)
     print(json.dumps(manifest))
     return 0

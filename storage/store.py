@@ -266,6 +266,11 @@ class Store:
             value = txn.get(data_id.encode(), db=self.tables.aliases)
             return None if value is None else keys.decode_alias(value)[0]
 
+    def counts(self) -> dict[str, int]:
+        """Entries per table, O(1) (no scan)."""
+        with self.read() as txn:
+            return {name: int(txn.stat(getattr(self.tables, name))["entries"]) for name in self.tables.__slots__}
+
     def row_count(self) -> int:
         """Pending rows, O(1)."""
         with self.read() as txn:

@@ -90,3 +90,46 @@ def test_kill9_during_gc_keeps_every_surviving_row_whole(tmp_path: Path) -> None
     assert rows == total // 2
     # Some kills landed mid-pass (rows between full and done), not only before or after it.
     assert any(total // 2 < p < total for p in progress), progress
+
+
+@pytest.mark.slow
+def test_kill9_during_gc_apply_keeps_every_surviving_row_whole(tmp_path: Path) -> None:
+    """Ten SIGKILLs mid-apply: surviving rows keep their blobs; re-running apply finishes the job."""
+    from tests.plan_reference import reference_plan, write_plan
+
+    template = tmp_path / "template"
+    fill(template)
+    total, _ = check(template)
+    sdv = str(BIN / "sdv-fanout")
+    subprocess.run(
+        [sdv, "export", "--data-dir", str(template), "--out", str(tmp_path / "out")], check=True, timeout=120
+    )
+    write_plan(tmp_path / "plan", reference_plan(tmp_path / "out", 7 * DAY, 60_000), 7 * DAY, 60_000)
+    rng = random.Random(SEED)
+    progress: list[int] = []
+    for round_ in range(10):
+        db = tmp_path / f"db{round_}"
+        shutil.copytree(template, db)
+        proc = subprocess.Popen(
+            [sdv, "gc", "apply", str(tmp_path / "plan"), "--data-dir", str(db)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            with Store(db, readonly=True) as watch:
+                poll(
+                    lambda w=watch, p=proc: w.row_count() < total or p.poll() is not None,
+                    timeout_s=30,
+                    interval_s=0.001,
+                )
+            threading.Event().wait(rng.uniform(0, 0.08))  # the kill moment, not synchronisation
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        progress.append(check(db)[0])
+    done = subprocess.run(
+        [sdv, "gc", "apply", str(tmp_path / "plan"), "--data-dir", str(db)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert check(db)[0] == total // 2
+    assert any(total // 2 < p < total for p in progress), progress
