@@ -33,6 +33,8 @@ class Config:
     # EMQX's own ExHook examples listen on 9000; all interfaces, as a pod must.
     listen: str = "0.0.0.0:9000"
     # gRPC keepalive and message limits are derived from the ingest limits below.
+    # Prometheus /metrics (plain HTTP, its own port as scrapers expect); "" = off.
+    metrics_listen: str = "0.0.0.0:9100"
 
     # -- storage --------------------------------------------------------------
     # Relative to the working directory, so `make run` works from a checkout.
@@ -157,6 +159,8 @@ def split_host_port(address: str) -> tuple[str, int]:
 
 def _validate(cfg: Config) -> None:
     cfg.host_port  # noqa: B018 - raises ConfigError when malformed
+    if cfg.metrics_listen:
+        split_host_port(cfg.metrics_listen)
     for name in ("vin_pattern", "data_id_pattern"):
         try:
             re.compile(getattr(cfg, name))

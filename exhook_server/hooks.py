@@ -9,6 +9,7 @@ IGNORE for valued ones unless the product has an opinion.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -253,14 +254,25 @@ class HookServicer:
     def handler(self, name: str, response_cls: Any) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         """The coroutine answering RPC `name`: ours, or a counted EmptySuccess / IGNORE."""
         own: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]] | None = getattr(self, name, None)
+        latency = metrics.HOOK_SECONDS.labels(name)
         if own is not None:
-            return own
+            fn = own
+
+            async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                started = time.perf_counter()
+                try:
+                    return await fn(request, context)
+                finally:
+                    latency.observe(time.perf_counter() - started)
+
+            return timed
         valued = response_cls is pb.ValuedResponse
         counter = self._calls[name, "ignored" if valued else "ok"]
         answer = _IGNORE if valued else _EMPTY
 
         async def no_opinion(request: Any, context: grpc.aio.ServicerContext) -> Any:
             counter.inc()
+            latency.observe(0.0)
             return answer
 
         return no_opinion

@@ -78,4 +78,5 @@ async def gauge_loop(dispatcher: Dispatcher, store: Store, interval_s: float = 5
         dispatcher.refresh_gauges()
         with contextlib.suppress(StorageError):
             metrics.PENDING_ROWS.set(store.row_count())
+            metrics.MAP_USAGE.set(store.map_usage())
         await asyncio.sleep(interval_s)

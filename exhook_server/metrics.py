@@ -9,6 +9,12 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 HOOK_CALLS = Counter("sdv_fanout_hook_calls_total", "ExHook RPCs answered, by hook and outcome", ["hook", "outcome"])
+HOOK_SECONDS = Histogram(
+    "sdv_fanout_hook_seconds",
+    "Time to answer an ExHook RPC (EMQX waits this long in the client's connection)",
+    ["hook"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0),
+)
 BATCHES_STORED = Counter("sdv_fanout_batches_stored_total", "Batches durably stored, by ingest format", ["format"])
 ROWS_STORED = Counter("sdv_fanout_rows_stored_total", "(VIN, request_id) rows written")
 ROWS_REPLACED = Counter("sdv_fanout_rows_replaced_total", "Rows that replaced an older row of the same VIN and request")
@@ -40,3 +46,4 @@ MQTT_CONNECTED = Gauge("sdv_fanout_mqtt_connected", "1 while the delivery client
 GC_RUNS = Counter("sdv_fanout_gc_runs_total", "Garbage collection passes, by outcome", ["outcome"])
 GC_DELETED = Counter("sdv_fanout_gc_deleted_total", "What GC removed, by kind (rows, aliases, blobs, early)", ["kind"])
 PENDING_ROWS = Gauge("sdv_fanout_pending_rows", "(VIN, request_id) rows waiting for delivery")
+MAP_USAGE = Gauge("sdv_fanout_lmdb_map_usage_ratio", "Used pages / LMDB map size (the map grows when full)")

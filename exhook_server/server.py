@@ -14,14 +14,16 @@ import os
 import re
 import signal
 from pathlib import Path
+from typing import Any
 
 import grpc
+import prometheus_client
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from exhook_server import hooks, housekeeping
-from exhook_server.config import Config
+from exhook_server.config import Config, split_host_port
 from exhook_server.delivery import MqttDelivery
 from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.dispatch.rows import StoreRows
@@ -74,6 +76,8 @@ class FanoutServer:
             self._server,
         )
         self.port = 0
+        self.metrics_port = 0
+        self._metrics_http: Any = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
@@ -93,6 +97,10 @@ class FanoutServer:
         if not self.port:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         await self._server.start()
+        if self.cfg.metrics_listen:
+            mhost, mport = split_host_port(self.cfg.metrics_listen)
+            self._metrics_http, _ = prometheus_client.start_http_server(mport, mhost)
+            self.metrics_port = self._metrics_http.server_port
         self._tasks += [
             asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
             asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer), name="gc"),
@@ -103,6 +111,7 @@ class FanoutServer:
         log.info(
             "server_started",
             listen=f"{host}:{self.port}",
+            metrics_port=self.metrics_port,
             data_dir=str(self.store.path),
             stale_readers_cleared=self.store.stale_readers_cleared,
             pid=os.getpid(),
@@ -122,6 +131,9 @@ class FanoutServer:
                 await task
         await asyncio.to_thread(self.committer.close)
         self.store.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
         log.info("server_stopped")
 
     async def wait(self) -> None:
@@ -134,7 +146,7 @@ async def serve(cfg: Config, ready_file: str | None = None) -> None:
     port = await server.start()
     if ready_file:
         tmp = Path(ready_file + ".tmp")
-        tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+        tmp.write_text(json.dumps({"port": port, "metrics_port": server.metrics_port, "pid": os.getpid()}))
         tmp.replace(ready_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -216,6 +216,11 @@ class Store:
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])
 
+    def map_usage(self) -> float:
+        """Used pages over the map size: how close the next growth (or StorageFull) is."""
+        info, stat = self.env.info(), self.env.stat()
+        return (int(info["last_pgno"]) + 1) * int(stat["psize"]) / int(info["map_size"])
+
     def grow(self) -> bool:
         """Double the map (up to map_max_bytes); False when it cannot grow any more."""
         with self._gate.exclusive():

@@ -175,7 +175,7 @@ class SubprocessServer:
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "SDV_FANOUT_MQTT_URL": "", **(env or {})},
+            env={**os.environ, "SDV_FANOUT_MQTT_URL": "", "SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0", **(env or {})},
         )
         try:
             info = poll(self._read_ready, timeout_s=30)
@@ -183,6 +183,7 @@ class SubprocessServer:
             self.kill()
             raise AssertionError(f"server did not start:\n{self.log()}") from None
         self.port: int = info["port"]
+        self.metrics_port: int = info["metrics_port"]
 
     def _read_ready(self) -> dict[str, Any] | None:
         if self.proc.poll() is not None:

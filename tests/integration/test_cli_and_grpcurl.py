@@ -123,3 +123,19 @@ def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
     srv = SubprocessServer(tmp_path / "lmdb")
     assert srv.terminate() == 0
     assert any(e["event"] == "server_stopped" for e in srv.events())
+
+
+def test_metrics_show_real_traffic(proc: SubprocessServer) -> None:
+    """/metrics exposes hook calls, latency, stored batches and rejections after real calls."""
+    import urllib.request
+
+    c = ExHookClient(proc.port)
+    c.batch(["METRIC1"], "task_m_1", "x")
+    c.publish("$SDV-FANOUT", b"not json")
+    c.close()
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'sdv_fanout_hook_calls_total{hook="OnMessagePublish",outcome="stored"}' in text
+    assert 'sdv_fanout_batches_rejected_total{reason="invalid_json"} 1.0' in text
+    assert 'sdv_fanout_hook_seconds_count{hook="OnMessagePublish"}' in text
+    assert "sdv_fanout_rows_stored_total" in text and "sdv_fanout_lmdb_map_usage_ratio" in text
