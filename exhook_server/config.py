@@ -36,6 +36,9 @@ class Config:
     # Prometheus /metrics (plain HTTP, its own port as scrapers expect); "" = off.
     metrics_listen: str = "0.0.0.0:9100"
 
+    # Whole SIGTERM drain, below Kubernetes' default 30 s terminationGracePeriodSeconds.
+    shutdown_timeout_s: float = 20.0
+
     # -- storage --------------------------------------------------------------
     # Relative to the working directory, so `make run` works from a checkout.
     data_dir: str = "./var/lmdb"
@@ -175,6 +178,7 @@ def _validate(cfg: Config) -> None:
     if cfg.trigger_topic.startswith(cfg.data_topic_prefix + "/"):
         raise ConfigError("trigger_topic must not lie under data_topic_prefix")
     positive = (
+        "shutdown_timeout_s",
         "map_size_bytes",
         "map_max_bytes",
         "group_commit_max_ops",

@@ -153,5 +153,10 @@ async def serve(cfg: Config, ready_file: str | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutdown_requested")
-    await server.stop()
+    bound = cfg.shutdown_timeout_s
+    log.info("shutdown_requested", timeout_s=bound)
+    try:
+        # Half the bound for running hook calls; the rest for commits, MQTT and LMDB.
+        await asyncio.wait_for(server.stop(grace_s=bound / 2), timeout=bound)
+    except TimeoutError:
+        log.error("shutdown_timed_out", timeout_s=bound)
