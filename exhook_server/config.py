@@ -33,6 +33,11 @@ class Config:
     # EMQX's own ExHook examples listen on 9000; all interfaces, as a pod must.
     listen: str = "0.0.0.0:9000"
     # gRPC keepalive and message limits are derived from the ingest limits below.
+    # TLS for the gRPC port (EMQX's exhook url `https://...`): PEM files; empty = plaintext.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # With a CA bundle here, clients must present a certificate it signed (mutual TLS).
+    tls_client_ca_file: str = ""
     # Prometheus /metrics (plain HTTP, its own port as scrapers expect); "" = off.
     metrics_listen: str = "0.0.0.0:9100"
 
@@ -164,6 +169,10 @@ def _validate(cfg: Config) -> None:
     cfg.host_port  # noqa: B018 - raises ConfigError when malformed
     if cfg.metrics_listen:
         split_host_port(cfg.metrics_listen)
+    if bool(cfg.tls_cert_file) != bool(cfg.tls_key_file):
+        raise ConfigError("tls_cert_file and tls_key_file go together")
+    if cfg.tls_client_ca_file and not cfg.tls_cert_file:
+        raise ConfigError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
     for name in ("vin_pattern", "data_id_pattern"):
         try:
             re.compile(getattr(cfg, name))

@@ -27,6 +27,7 @@ from exhook_server.config import Config, split_host_port
 from exhook_server.delivery import MqttDelivery
 from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.dispatch.rows import StoreRows
+from exhook_server.errors import ConfigError
 from exhook_server.ingest import Ingestor
 from storage.store import Store
 from storage.writer import GroupCommitter
@@ -37,6 +38,19 @@ log = structlog.get_logger("sdv_fanout.server")
 #: oversized batch reaches our validation (and gets a reason code) instead of
 #: being refused by gRPC itself.
 _ENVELOPE_BYTES = 1 << 20
+
+
+def server_credentials(cfg: Config) -> grpc.ServerCredentials | None:
+    """TLS (and, with a client CA, mutual TLS) credentials from the configured PEM files."""
+    if not cfg.tls_cert_file:
+        return None
+    try:
+        key = Path(cfg.tls_key_file).read_bytes()
+        cert = Path(cfg.tls_cert_file).read_bytes()
+        ca = Path(cfg.tls_client_ca_file).read_bytes() if cfg.tls_client_ca_file else None
+    except OSError as exc:
+        raise ConfigError(f"cannot read TLS files: {exc}") from exc
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
 class FanoutServer:
@@ -93,7 +107,12 @@ class FanoutServer:
             self.delivery.start()
         else:
             log.warning("delivery_disabled", reason="mqtt_url is empty: batches are stored, not delivered")
-        self.port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        credentials = server_credentials(self.cfg)
+        if credentials is None:
+            self.port = self._server.add_insecure_port(address)
+        else:
+            self.port = self._server.add_secure_port(address, credentials)
         if not self.port:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         await self._server.start()
@@ -111,6 +130,7 @@ class FanoutServer:
         log.info(
             "server_started",
             listen=f"{host}:{self.port}",
+            tls="mutual" if self.cfg.tls_client_ca_file else ("on" if self.cfg.tls_cert_file else "off"),
             metrics_port=self.metrics_port,
             data_dir=str(self.store.path),
             stale_readers_cleared=self.store.stale_readers_cleared,
