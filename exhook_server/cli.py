@@ -44,11 +44,13 @@ def _parser() -> argparse.ArgumentParser:
 
     stats = sub.add_parser("stats", help="rows, blobs, bytes, dedup ratio, early triggers")
     stats.add_argument("--data-dir", metavar="DIR", default=None)
+    stats.add_argument("--server", metavar="HOST:PORT", help="ask a running server (Admin API) instead")
     stats.add_argument("--json", action="store_true", help="one JSON object")
 
     inspect = sub.add_parser("inspect", help="a vehicle's pending requests in delivery order")
     inspect.add_argument("vin")
     inspect.add_argument("--data-dir", metavar="DIR", default=None)
+    inspect.add_argument("--server", metavar="HOST:PORT", help="ask a running server: adds presence and in flight")
     inspect.add_argument("--json", action="store_true", help="one JSON object")
     gc = sub.add_parser("gc", help="retention and garbage collection")
     gc_sub = gc.add_subparsers(dest="gc_command", required=True)
@@ -92,11 +94,40 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_call(server: str, method: str, request: Any) -> dict[str, Any]:
+    """One Admin RPC to a running server (plaintext), as a dict with every field shown."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from exhook_server._proto import admin_pb2
+
+    response_cls: Any = {"GetStats": admin_pb2.Stats, "GetVehicle": admin_pb2.Vehicle}[method]
+    with grpc.insecure_channel(server) as channel:
+        stub = channel.unary_unary(
+            f"/sdv.fanout.v1.Admin/{method}",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=response_cls.FromString,
+        )
+        try:
+            reply = stub(request, timeout=30)
+        except grpc.RpcError as exc:
+            raise StorageError(f"{server}: {exc.code().name}: {exc.details()}") from None
+    shown: dict[str, Any] = MessageToDict(
+        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return shown
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from storage.store import Store
 
-    with Store(_data_dir(args), readonly=True) as store:
-        stats = store.stats().as_dict()
+    if args.server:
+        from exhook_server._proto import admin_pb2
+
+        stats = _admin_call(args.server, "GetStats", admin_pb2.GetStatsRequest())
+    else:
+        with Store(_data_dir(args), readonly=True) as store:
+            stats = store.stats().as_dict()
     if args.json:
         print(json.dumps(stats))
     else:
@@ -109,6 +140,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from storage.store import Store
 
+    if args.server:
+        from exhook_server._proto import admin_pb2
+
+        vehicle = _admin_call(args.server, "GetVehicle", admin_pb2.GetVehicleRequest(vin=args.vin))
+        print(json.dumps(vehicle, indent=None if args.json else 2))
+        return 0
     with Store(_data_dir(args), readonly=True) as store:
         rows = store.pending(args.vin)
     pending: list[dict[str, Any]] = [

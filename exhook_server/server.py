@@ -22,7 +22,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from exhook_server import hooks, housekeeping
+from exhook_server import admin, hooks, housekeeping
 from exhook_server.config import Config, split_host_port
 from exhook_server.delivery import MqttDelivery
 from exhook_server.dispatch.pool import Dispatcher
@@ -84,9 +84,22 @@ class FanoutServer:
             ]
         )
         self._server.add_generic_rpc_handlers(hooks.generic_handlers(self.servicer))
+        self.admin = admin.AdminServicer(
+            cfg,
+            self.store,
+            self.committer,
+            self.dispatcher,
+            lambda: self.delivery is not None and self.delivery.connected,
+        )
+        self._server.add_generic_rpc_handlers([admin.generic_handler(self.admin)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
-            (*hooks.SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (
+                *hooks.SERVICE_NAMES,
+                admin.SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             self._server,
         )
         self.port = 0

@@ -43,6 +43,8 @@ class Trigger(enum.StrEnum):
     HEARTBEAT = "heartbeat"
     #: Our MQTT connection came back: everything online may need a (re)send.
     BROKER_BACK = "broker_back"
+    #: An operator asked (Admin.Requeue): forget the in-flight entry and send again.
+    REQUEUE = "requeue"
 
 
 class EndReason(enum.StrEnum):
@@ -91,6 +93,13 @@ class Down:
 
 
 @dataclass(frozen=True, slots=True)
+class Requeue:
+    """Operator action: drop the VIN's in-flight entry and send its oldest row again."""
+
+    vin: str
+
+
+@dataclass(frozen=True, slots=True)
 class AckCommitted:
     """Internal: the row delete of an ack is committed; go on with the next row."""
 
@@ -109,4 +118,4 @@ class BrokerBack:
     """Internal, to every worker: our MQTT connection is back; send to everyone online."""
 
 
-Command = MaybeSend | Acknowledge | Connected | Down | AckCommitted | BrokerLost | BrokerBack
+Command = MaybeSend | Acknowledge | Connected | Down | Requeue | AckCommitted | BrokerLost | BrokerBack

@@ -24,6 +24,7 @@ from exhook_server.dispatch.commands import (
     Down,
     EndReason,
     MaybeSend,
+    Requeue,
     Session,
     Trigger,
 )
@@ -139,6 +140,9 @@ class Dispatcher:
         for vin in self.vins_of(session.clientid):
             self.submit(Down(vin, session, reason))
 
+    def requeue(self, vin: str) -> None:
+        self.submit(Requeue(vin))
+
     # -- events from the delivery client ---------------------------------------
     def broker_connected(self, up: bool) -> None:
         """Our MQTT connection changed state (event-loop thread)."""
@@ -152,3 +156,10 @@ class Dispatcher:
 
     def worker_of(self, vin: str) -> Worker:
         return self.workers[self.ring.owner(vin)]
+
+    def online(self) -> list[str]:
+        """Every VIN with a live session, sorted (for paging)."""
+        return sorted(vin for w in self.workers.values() for vin in w.presence)
+
+    def in_flight_count(self) -> int:
+        return sum(len(w.inflight) for w in self.workers.values())

@@ -33,6 +33,7 @@ from exhook_server.dispatch.commands import (
     Down,
     EndReason,
     MaybeSend,
+    Requeue,
     Session,
     Trigger,
 )
@@ -111,6 +112,9 @@ class Worker:
             current = self.presence.get(cmd.vin)
             if current is not None and not current.same_connection(cmd.session):
                 del self.presence[cmd.vin]
+        elif isinstance(cmd, Requeue):
+            self.inflight.pop(cmd.vin, None)
+            self._try_send(cmd.vin, Trigger.REQUEUE)
         elif isinstance(cmd, BrokerLost):
             # Whatever our client had not delivered is gone with its connection.
             self.inflight.clear()

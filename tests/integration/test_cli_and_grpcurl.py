@@ -139,3 +139,29 @@ def test_metrics_show_real_traffic(proc: SubprocessServer) -> None:
     assert 'sdv_fanout_batches_rejected_total{reason="invalid_json"} 1.0' in text
     assert 'sdv_fanout_hook_seconds_count{hook="OnMessagePublish"}' in text
     assert "sdv_fanout_rows_stored_total" in text and "sdv_fanout_lmdb_map_usage_ratio" in text
+
+
+def test_admin_api_through_grpcurl(proc: SubprocessServer) -> None:
+    """Admin GetStats, GetVehicle, ListOnline, TriggerGC and Requeue answer through grpcurl."""
+    from exhook_server._proto import exhook_v3_pb2 as pb
+
+    c = ExHookClient(proc.port)
+    c.batch(["ADMIN1", "ADMIN2"], "task_adm_1", "x")
+    info = pb.ClientInfo(node="emqx@127.0.0.1", clientid="ADMIN1", peerhost="127.0.0.1", peerport=50001)
+    c.call("OnSessionSubscribed", pb.SessionSubscribedRequest(clientinfo=info, topic="agent/ADMIN1/proxy/request/+"))
+    c.close()
+    stats = json.loads(grpcurl(proc.port, "-d", "{}", "sdv.fanout.v1.Admin/GetStats"))
+    assert int(stats["rows"]) >= 2 and stats["schema_version"] == 1
+    vehicle = json.loads(grpcurl(proc.port, "-d", '{"vin": "ADMIN1"}', "sdv.fanout.v1.Admin/GetVehicle"))
+    assert vehicle["online"] is True and vehicle["session"]["peerport"] == 50001
+    assert [p["request_id"] for p in vehicle["pending"]] == ["task_adm_1"]
+    online = json.loads(grpcurl(proc.port, "-d", '{"page_size": 1}', "sdv.fanout.v1.Admin/ListOnline"))
+    assert online["vins"] == ["ADMIN1"] and online["total"] == "1"
+    report = json.loads(grpcurl(proc.port, "-d", '{"dry_run": true}', "sdv.fanout.v1.Admin/TriggerGC"))
+    assert report["dry_run"] is True
+    requeued = json.loads(grpcurl(proc.port, "-d", '{"vin": "ADMIN1"}', "sdv.fanout.v1.Admin/Requeue"))
+    assert requeued["online"] is True
+    shown = run(str(BIN / "sdv-fanout"), "inspect", "ADMIN1", "--server", f"127.0.0.1:{proc.port}", "--json")
+    assert json.loads(shown.stdout)["online"] is True
+    stats_cli = run(str(BIN / "sdv-fanout"), "stats", "--server", f"127.0.0.1:{proc.port}", "--json")
+    assert int(json.loads(stats_cli.stdout)["rows"]) >= 2

@@ -1,0 +1,127 @@
+"""The `sdv.fanout.v1.Admin` service: what an operator asks a running server, through grpcurl.
+
+Read-only views of the store and of the dispatch state, plus two actions (GC now, requeue one
+vehicle). It runs on the event loop that owns the dispatch state, so reads need no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+
+from exhook_server._proto import admin_pb2 as apb
+from exhook_server.config import Config
+from exhook_server.dispatch.commands import Session
+from exhook_server.dispatch.pool import Dispatcher
+from exhook_server.housekeeping import run_gc
+from storage.store import Store
+from storage.writer import GroupCommitter
+
+SERVICE_NAME = "sdv.fanout.v1.Admin"
+_MAX_PAGE = 10_000
+
+
+def _session(s: Session) -> apb.Session:
+    return apb.Session(node=s.node, clientid=s.clientid, peerhost=s.peerhost, peerport=s.peerport)
+
+
+class AdminServicer:
+    """Implements sdv.fanout.v1.Admin over the running server's parts."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        committer: GroupCommitter,
+        dispatcher: Dispatcher,
+        mqtt_connected: Callable[[], bool],
+    ) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._committer = committer
+        self._dispatch = dispatcher
+        self._mqtt_connected = mqtt_connected
+
+    async def GetStats(self, request: apb.GetStatsRequest, context: grpc.aio.ServicerContext) -> apb.Stats:
+        stats = await asyncio.to_thread(self._store.stats)  # scans: keep it off the event loop
+        return apb.Stats(
+            rows=stats.rows,
+            blobs=stats.blobs,
+            blob_bytes=stats.blob_bytes,
+            logical_bytes=stats.logical_bytes,
+            dedup_ratio=stats.dedup_ratio,
+            aliases=stats.aliases,
+            early_triggers=stats.early_triggers,
+            map_size_bytes=stats.map_size_bytes,
+            map_used_bytes=stats.map_used_bytes,
+            schema_version=stats.schema_version,
+            online_vehicles=len(self._dispatch.online()),
+            in_flight=self._dispatch.in_flight_count(),
+            dispatch_backlog=self._dispatch.backlog(),
+            mqtt_connected=self._mqtt_connected(),
+        )
+
+    async def GetVehicle(self, request: apb.GetVehicleRequest, context: grpc.aio.ServicerContext) -> apb.Vehicle:
+        vin = request.vin
+        worker = self._dispatch.worker_of(vin)
+        out = apb.Vehicle(vin=vin, worker=worker.name)
+        session = worker.presence.get(vin)
+        if session is not None:
+            out.online = True
+            out.session.CopyFrom(_session(session))
+        entry = worker.inflight.get(vin)
+        if entry is not None:
+            out.in_flight.CopyFrom(
+                apb.InFlight(
+                    request_id=entry.request_id,
+                    sha1=entry.sha1.hex(),
+                    session=_session(entry.session),
+                    age_ms=int((time.monotonic() - entry.sent_at) * 1000),
+                    acking=entry.acking,
+                )
+            )
+        for row in self._store.pending(vin):
+            out.pending.add(request_id=row.request_id, ts_ms=row.ts_ms, sha1=row.sha1.hex(), size=row.size)
+        return out
+
+    async def ListOnline(
+        self, request: apb.ListOnlineRequest, context: grpc.aio.ServicerContext
+    ) -> apb.ListOnlineResponse:
+        size = min(request.page_size or 100, _MAX_PAGE)
+        vins = self._dispatch.online()
+        start = bisect.bisect_right(vins, request.page_token) if request.page_token else 0
+        page = vins[start : start + size]
+        more = start + size < len(vins)
+        return apb.ListOnlineResponse(vins=page, next_page_token=page[-1] if more and page else "", total=len(vins))
+
+    async def TriggerGC(self, request: apb.TriggerGCRequest, context: grpc.aio.ServicerContext) -> apb.GCReport:
+        report = await asyncio.to_thread(run_gc, self._cfg, self._store, self._committer, dry_run=request.dry_run)
+        d = report.as_dict()
+        return apb.GCReport(**d)
+
+    async def Requeue(self, request: apb.RequeueRequest, context: grpc.aio.ServicerContext) -> apb.RequeueResponse:
+        worker = self._dispatch.worker_of(request.vin)
+        answer = apb.RequeueResponse(
+            was_in_flight=request.vin in worker.inflight, online=request.vin in worker.presence
+        )
+        self._dispatch.requeue(request.vin)
+        return answer
+
+
+def generic_handler(servicer: AdminServicer) -> grpc.GenericRpcHandler:
+    service = apb.DESCRIPTOR.services_by_name["Admin"]
+    methods: dict[str, Any] = {}
+    for method in service.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        fn: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]] = getattr(servicer, method.name)
+        methods[method.name] = grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=request_cls.FromString, response_serializer=response_cls.SerializeToString
+        )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
