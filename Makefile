@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 ARGS    ?=
 
-.PHONY: run test check lint typecheck proto bench clean
+.PHONY: run test demo check lint typecheck proto bench clean
 
 $(STAMP): requirements.txt setup.cfg pyproject.toml scripts/bootstrap
 	PYTHON=$(PYTHON) VENV=$(VENV) scripts/bootstrap
@@ -19,6 +19,10 @@ run: $(STAMP)
 ## test: the whole test suite (what CI runs)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
+
+## demo: the product end to end in ~30 s: mosquitto, the server, 200 simulated vehicles (ARGS="--vehicles 500 --seed 3" to change)
+demo: $(STAMP)
+	$(BIN)/python -m demo.run $(ARGS)
 
 ## check: lint, format and type checks (also part of `make test`)
 check: $(STAMP)

@@ -1,0 +1,1079 @@
+"""`make demo`: sdv-fanout working end to end on one machine, in about half a minute.
+
+What runs (all on 127.0.0.1, all stopped at the end, also on Ctrl-C):
+
+* a real **mosquitto** broker (EMQX cannot run here; tests/emqx_sim.py plays its ExHook side);
+* the real server, `sdv-fanout serve`, as a child process with delivery enabled to that broker;
+* a **fleet** of real paho MQTT 5 vehicles in a few child processes (this same file with
+  `--fleet-worker`): each connects and subscribes through `FakeEmqx`, so the server's hooks are
+  called as EMQX would call them; vehicles take a little time before each PUBACK, heartbeat now and
+  then, some come online late, some drop and reconnect clean, some drop before their PUBACK and
+  resume their persistent session;
+* a **platform** (this process) publishing fan-out batches on `$SDV-FANOUT` through `FakeEmqx`.
+
+Live progress comes from the vehicles (what they received and acknowledged) and from the server's
+LMDB, opened read-only while the server runs (rows still pending). The run ends when every row is
+delivered and acknowledged, or at the deadline; then a summary. Exit code 0 when every row reached
+its own vehicle with its latest payload, none is left in LMDB and no vehicle ever had more than one
+request in flight; 1 otherwise. demo/README.md explains the scenario and the numbers.
+
+    .venv/bin/python -m demo.run [--vehicles 200 --batches 36 --interval 0.75 --seed 7 --keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import queue
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.request
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+# `python demo/run.py` works too, not only `python -m demo.run`
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from exhook_server._proto import exhook_v3_pb2 as pb
+from exhook_server.config import Config
+from storage.store import Store
+from tests.emqx_sim import FakeEmqx, Mosquitto, Vehicle
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUEST_PREFIX = "agent/{VIN}/proxy/request"
+VIN_FORMAT = "SDVDEMO{:010d}"  # 17 characters, like a real VIN
+
+
+def sha16(payload: bytes) -> str:
+    """Short payload fingerprint (first 16 hex digits of its sha1) for reports."""
+    return hashlib.sha1(payload, usedforsecurity=False).hexdigest()[:16]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# =============================================================================================
+# Fleet worker: one slice of the fleet in its own process (paho's select() loop caps a process
+# at ~330 clients). Talks JSON lines: the spec and commands on stdin, progress and the final
+# report on stdout. Ignores SIGINT (the demo stops it) and exits when stdin closes.
+# =============================================================================================
+
+
+class DemoVehicle(Vehicle):
+    """A test-harness Vehicle that also counts what it holds unacknowledged (its in-flight window)."""
+
+    def __init__(self, emqx: FakeEmqx, spec: dict[str, Any]) -> None:
+        persistent = spec["role"] == "resume"
+        super().__init__(emqx, spec["vin"], spec["vin"], spec["vin"], True, 300 if persistent else 0, 60)
+        self.spec = spec
+        self.auto_ack = False  # the driver thread acks after a short "processing" time
+        self.wake = threading.Event()
+        self.cmds: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.lock = threading.Lock()
+        self.unacked: list[tuple[Any, str, str]] = []  # (connection, topic, sha16) received, not PUBACKed
+        self.held: set[tuple[str, str]] = set()  # (topic, sha16) unacked when a connection dropped
+        self.held_count = 0
+        self.max_inflight = 0
+        self.acked = 0
+        self.drops = 0
+        self.heartbeats = 0
+        self.holding = False
+        self.busy = False
+        self.ready = threading.Event()
+
+    # Both run on FakeEmqx's worker thread for this clientid, in order with every other hook job.
+    def _job_message(self, conn: Any, topic: str, payload: bytes, mid: int, qos: int, dup: bool, t: float) -> None:
+        before = len(self._pending)
+        super()._job_message(conn, topic, payload, mid, qos, dup, t)
+        if len(self._pending) > before:  # queued for our PUBACK
+            with self.lock:
+                self.unacked.append((conn, topic, sha16(payload)))
+                inflight = sum(1 for c, _, _ in self.unacked if c is conn)
+            self.max_inflight = max(self.max_inflight, inflight)
+        self.wake.set()
+
+    def _ack(self, conn: Any, mid: int, qos: int, msg: pb.Message) -> bool:
+        done = super()._ack(conn, mid, qos, msg)
+        if done:
+            key = (conn, msg.topic, sha16(msg.payload))
+            with self.lock:
+                for i, entry in enumerate(self.unacked):
+                    if entry[0] is key[0] and entry[1:] == key[1:]:
+                        del self.unacked[i]
+                        break
+        return done
+
+
+class FleetWorker:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.stop = threading.Event()
+        self.out_lock = threading.Lock()
+        self.errors: list[str] = []
+        self.emqx = FakeEmqx(
+            spec["exhook_port"],
+            spec["mqtt_port"],
+            request_prefix=REQUEST_PREFIX,
+            delivery_clientid=spec["delivery_clientid"],
+            strict_rpc=False,
+        )
+        self.emqx.calls = deque(maxlen=1000)  # the harness keeps every request; we need none
+        self.emqx.load()
+        self.vehicles = {s["vin"]: DemoVehicle(self.emqx, s) for s in spec["vehicles"]}
+        self.emqx.vehicles.extend(self.vehicles.values())  # so that FakeEmqx.close() closes them
+        self.threads = [
+            threading.Thread(target=self._drive, args=(v,), name=f"drive-{v.vin}", daemon=True)
+            for v in self.vehicles.values()
+        ]
+
+    def emit(self, obj: dict[str, Any]) -> None:
+        with self.out_lock:
+            sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
+            sys.stdout.flush()
+
+    def error(self, vin: str, what: str, exc: BaseException) -> None:
+        self.errors.append(f"{vin}: {what}: {exc!r}")
+        print(f"{vin}: {what}: {exc!r}", file=sys.stderr, flush=True)
+
+    # -- one thread per vehicle ---------------------------------------------------------------
+    def _drive(self, v: DemoVehicle) -> None:
+        ack_s = v.spec["ack_ms"] / 1000
+        next_hb: float | None = None
+        while not self.stop.is_set():
+            timeout = 0.5 if next_hb is None else min(0.5, max(0.0, next_hb - time.monotonic()))
+            v.wake.wait(timeout)
+            v.wake.clear()
+            while not self.stop.is_set():
+                try:
+                    cmd = v.cmds.get_nowait()
+                except queue.Empty:
+                    break
+                v.busy = True
+                try:
+                    if cmd["cmd"] == "online":
+                        self._online(v)
+                    elif cmd["cmd"] == "drop":
+                        self._drop_and_return(v, cmd["back_s"])
+                    next_hb = time.monotonic() + v.spec["hb_phase_s"]
+                except Exception as exc:
+                    self.error(v.vin, cmd["cmd"], exc)
+                finally:
+                    v.busy = False
+            if v.unacked and not v.holding:
+                time.sleep(ack_s)  # "processing" the request before the PUBACK
+                try:
+                    v.acked += v.ack_pending()
+                except Exception as exc:
+                    self.error(v.vin, "ack", exc)
+            if next_hb is not None and time.monotonic() >= next_hb:
+                next_hb = time.monotonic() + v.spec["hb_s"]
+                if v.is_connected:
+                    try:
+                        v.heartbeat("heartbeat")
+                        v.heartbeats += 1
+                    except RuntimeError:
+                        pass  # the connection went away under us: it will say online again
+                    except Exception as exc:
+                        self.error(v.vin, "heartbeat", exc)
+
+    def _online(self, v: DemoVehicle) -> None:
+        v.connect()
+        v.subscribe()
+        v.heartbeat("online")
+        v.heartbeats += 1
+        v.ready.set()
+
+    def _drop_and_return(self, v: DemoVehicle, back_s: float) -> None:
+        resume = v.persistent
+        if resume or v.spec.get("hold"):
+            # Hold the PUBACK of whatever comes next, then drop: a persistent session keeps it in the
+            # broker for redelivery; after a clean reconnect the server has to send it again.
+            v.holding = True
+            deadline = time.monotonic() + 3.0
+            while not v.unacked and time.monotonic() < deadline and not self.stop.is_set():
+                v.wake.wait(0.05)
+                v.wake.clear()
+        v.drop()  # TCP gone without DISCONNECT: client.disconnected(tcp_closed) (+ terminated if clean)
+        with v.lock:
+            held, v.unacked = v.unacked, []
+        v.held.update((topic, digest) for _, topic, digest in held)
+        v.held_count += len(held)
+        v.holding = False
+        v.drops += 1
+        if self.stop.wait(back_s):
+            return
+        if resume:
+            v.reconnect(clean_start=False)  # session.resumed: the broker redelivers what was held
+        else:
+            v.reconnect(clean_start=True)
+            v.subscribe()
+        v.heartbeat("online")
+        v.heartbeats += 1
+
+    # -- process ------------------------------------------------------------------------------
+    def progress(self) -> dict[str, Any]:
+        vs = list(self.vehicles.values())
+        return {
+            "online": sum(v.is_connected for v in vs),
+            "received": sum(len(v.received) for v in vs),
+            "acked": sum(v.acked for v in vs),
+            "unacked": sum(len(v.unacked) for v in vs),
+            "busy": sum(v.busy or not v.cmds.empty() for v in vs),
+            "max_inflight": max((v.max_inflight for v in vs), default=0),
+            "errors": len(self.errors) + len(self.emqx.errors) + len(self.emqx.rpc_errors),
+        }
+
+    def final(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for vin, v in self.vehicles.items():
+            prefix = REQUEST_PREFIX.replace("{VIN}", vin) + "/"
+            out[vin] = {
+                "rx": [
+                    [r.topic[len(prefix) :] if r.topic.startswith(prefix) else "!" + r.topic, sha16(r.payload), r.time]
+                    for r in v.received
+                ],
+                "held": sorted([t[len(prefix) :], d] for t, d in v.held),
+                "held_count": v.held_count,
+                "max_inflight": v.max_inflight,
+                "acked": v.acked,
+                "drops": v.drops,
+                "heartbeats": v.heartbeats,
+            }
+        errors = self.errors + [repr(e) for e in self.emqx.errors]
+        errors += [f"rpc {hook}: {exc!r}" for hook, exc in self.emqx.rpc_errors]
+        return {"vehicles": out, "errors": errors[:20], "error_count": len(errors)}
+
+    def run(self, commands: IO[str]) -> None:
+        for t in self.threads:
+            t.start()
+        initial = [v for v in self.vehicles.values() if v.spec["role"] != "late"]
+        for v in initial:
+            v.cmds.put({"cmd": "online"})
+            v.wake.set()
+        deadline = time.monotonic() + 60
+        for v in initial:
+            v.ready.wait(max(0.0, deadline - time.monotonic()))
+        self.emit({"p": self.progress()})
+        self.emit({"ready": sum(v.ready.is_set() for v in initial)})
+
+        reporter = threading.Thread(target=self._report, name="report", daemon=True)
+        reporter.start()
+        for line in commands:
+            cmd = json.loads(line)
+            if cmd["cmd"] == "stop":
+                break
+            for vin in cmd["vins"]:
+                v = self.vehicles[vin]
+                v.cmds.put({"cmd": cmd["cmd"], "back_s": cmd.get("back_s", {}).get(vin, 0.0)})
+                v.wake.set()
+        self.stop.set()
+        deadline = time.monotonic() + 15
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        reporter.join(5)
+        self.emit({"final": self.final()})
+        self.emqx.close(check=False)
+
+    def _report(self) -> None:
+        while not self.stop.wait(0.25):
+            self.emit({"p": self.progress()})
+
+
+def fleet_worker_main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo process stops us in order
+    spec = json.loads(sys.stdin.readline())
+    FleetWorker(spec).run(sys.stdin)
+    return 0
+
+
+# =============================================================================================
+# The demo: scenario, processes, live progress, summary
+# =============================================================================================
+
+
+@dataclass
+class Batch:
+    n: int
+    kind: str
+    request_id: str
+    vins: list[str]
+    data: str | bytes
+    label: str
+    replaces: bool = False
+
+    @property
+    def payload(self) -> bytes:
+        """What each vehicle receives: the UTF-8 of `data`, or the bytes (sent base64)."""
+        return self.data if isinstance(self.data, bytes) else self.data.encode()
+
+
+def plan_batches(rng: random.Random, vins: list[str], count: int) -> list[Batch]:
+    """A platform's day, deterministic for a seed: OTA campaigns by region (one firmware image
+    shared by two request ids), config pushes and diagnostics to subsets (a few payloads shared by
+    many batches), and every 7th batch re-sends an earlier request id with new data."""
+    # 24 KiB each: delta updates, not whole images, so that the demo stays light on a laptop.
+    firmware = {ver: rng.randbytes(24 * 1024) for ver in ("4.2.0", "4.2.1", "4.3.0")}
+    configs = [
+        json.dumps({"telemetry_interval_s": s, "log_level": lvl, "geofence": g}, sort_keys=True)
+        for s, lvl, g in ((30, "info", "eu"), (10, "debug", "eu"), (60, "info", "us"))
+    ]
+    diags = ["read_dtc all", "battery_health", "tire_pressure", "ecu_versions"]
+    north, south = vins[0::2], vins[1::2]
+    counters: Counter[str] = Counter()
+    batches: list[Batch] = []
+
+    def add(kind: str, ids: list[str], data: str | bytes, label: str) -> None:
+        counters[kind] += 1
+        batches.append(Batch(len(batches) + 1, kind, f"task_{kind}_{counters[kind]}", ids, data, label))
+
+    def pick(lo: float, hi: float) -> list[str]:
+        k = max(1, round(len(vins) * rng.uniform(lo, hi)))
+        chosen = set(rng.sample(vins, k))
+        return [v for v in vins if v in chosen]
+
+    fw_versions = list(firmware)
+    for i in range(count):
+        earlier = [b for b in batches if b.kind in ("cfg", "ota") and not b.replaces]
+        if i % 7 == 6 and earlier:
+            old = earlier[(i // 7) % len(earlier)]
+            if old.kind == "cfg":
+                data: str | bytes = json.dumps({"base": old.request_id, "fix": i, "telemetry_interval_s": 20})
+                label = f"corrected config, replaces {old.request_id}"
+            else:
+                data = rng.randbytes(24 * 1024)
+                label = f"firmware hotfix, replaces {old.request_id}"
+            batches.append(Batch(len(batches) + 1, old.kind, old.request_id, old.vins, data, label, replaces=True))
+        elif i % 3 == 0:
+            ver = fw_versions[(counters["ota"] // 2) % len(fw_versions)]
+            region, ids = ("north", north) if counters["ota"] % 2 == 0 else ("south", south)
+            if len(vins) < 4:
+                region, ids = "all", vins
+            add("ota", ids, firmware[ver], f"firmware {ver}, {region} region")
+        elif i % 3 == 1:
+            cfg = counters["cfg"] % len(configs)
+            add("cfg", pick(0.5, 1.0), configs[cfg], f"config profile {cfg + 1}")
+        else:
+            cmd = diags[counters["diag"] % len(diags)]
+            add("diag", pick(0.1, 0.4), cmd, f"diagnostic {cmd!r}")
+    return batches
+
+
+@dataclass
+class FleetProc:
+    k: int
+    proc: subprocess.Popen[str]
+    vins: list[str]
+    ready: threading.Event = field(default_factory=threading.Event)
+    ready_count: int = 0
+    progress: dict[str, Any] = field(default_factory=dict)
+    final: dict[str, Any] | None = None
+    got_final: threading.Event = field(default_factory=threading.Event)
+    reader: threading.Thread | None = None
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+
+    def read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "p" in msg:
+                self.progress = msg["p"]
+            elif "ready" in msg:
+                self.ready_count = msg["ready"]
+                self.ready.set()
+            elif "final" in msg:
+                self.final = msg["final"]
+                self.got_final.set()
+        self.ready.set()
+        self.got_final.set()
+
+
+class Status:
+    """One status line, redrawn in place on a terminal; a plain line every ~2 s otherwise (CI logs)."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.shown = False
+        self.last_plain = 0.0
+
+    def _clear(self) -> None:
+        if self.tty and self.shown:
+            sys.stdout.write("\r" + " " * (shutil.get_terminal_size().columns - 1) + "\r")
+            self.shown = False
+
+    def update(self, text: str, force: bool = False) -> None:
+        if self.tty:
+            width = shutil.get_terminal_size().columns - 1
+            sys.stdout.write("\r" + text[:width].ljust(width))
+            sys.stdout.flush()
+            self.shown = True
+        elif force or time.monotonic() - self.last_plain >= 2.0:
+            self.last_plain = time.monotonic()
+            print(text, flush=True)
+
+    def event(self, text: str) -> None:
+        self._clear()
+        print(text, flush=True)
+
+    def done(self) -> None:
+        if self.tty and self.shown:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.shown = False
+
+
+@dataclass
+class Published:
+    """What the platform sent, for checking what the vehicles got."""
+
+    batches: int = 0
+    rows: int = 0
+    logical_bytes: int = 0
+    blobs: dict[str, int] = field(default_factory=dict)  # sha16 -> size
+    expected: dict[tuple[str, str], str] = field(default_factory=dict)  # (vin, request_id) -> latest sha16
+    version: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (vin, rid, sha16) -> batch no.
+    wall: dict[int, float] = field(default_factory=dict)  # batch no. -> time.time() of its answer
+    ingest_ms: list[float] = field(default_factory=list)
+    first_at: float = 0.0
+    last_at: float = 0.0
+
+    def add(self, b: Batch, took_s: float) -> None:
+        self.batches += 1
+        self.rows += len(b.vins)
+        digest = sha16(b.payload)
+        self.blobs[digest] = len(b.payload)
+        self.logical_bytes += len(b.payload) * len(b.vins)
+        for vin in b.vins:
+            self.expected[vin, b.request_id] = digest
+            self.version[vin, b.request_id, digest] = b.n
+        self.wall[b.n] = time.time()
+        self.ingest_ms.append(took_s * 1000)
+        self.last_at = time.monotonic()
+        self.first_at = self.first_at or self.last_at
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.status = Status()
+        self.tmp = Path(tempfile.mkdtemp(prefix="sdv-fanout-demo-"))
+        self.log_dir = Path(args.log_dir).resolve()
+        self.broker: Mosquitto | None = None
+        self.server: subprocess.Popen[bytes] | None = None
+        self.server_log_path = self.log_dir / "server.log"
+        self.server_log: IO[bytes] | None = None
+        self.metrics_port = 0
+        self.store: Store | None = None
+        self.platform: FakeEmqx | None = None
+        self.fleet: list[FleetProc] = []
+        self.t0 = time.monotonic()
+        self.last_draw = 0.0
+        self.came_online: dict[str, float] = {}  # role -> time.time() of its "online" command
+
+    # -- helpers ------------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def say(self, text: str) -> None:
+        self.status.event(f"[{self.elapsed():5.1f}s] {text}")
+
+    def pending_rows(self) -> int:
+        """Rows in the server's LMDB right now (each is a request not yet acknowledged), read-only."""
+        assert self.store is not None
+        with self.store.read() as txn:
+            return int(txn.stat(self.store.tables.ids)["entries"])
+
+    def fleet_total(self, key: str, agg: Any = sum) -> int:
+        return int(agg(f.progress.get(key, 0) for f in self.fleet)) if self.fleet else 0
+
+    # -- start-up -----------------------------------------------------------------------------
+    def start_broker(self) -> Mosquitto:
+        self.broker = Mosquitto(self.log_dir, verbose=False).start()
+        return self.broker
+
+    def start_server(self, broker: Mosquitto) -> tuple[int, int]:
+        data_dir = self.tmp / "lmdb"
+        ready = self.tmp / "ready.json"
+        exe = Path(sys.executable).parent / "sdv-fanout"
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "exhook_server.cli"]
+        cmd += ["serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--ready-file", str(ready)]
+        cmd += ["--log-format", "json", "--log-level", "info"]
+        # Only our settings: an SDV_FANOUT_* variable of the caller's shell must not change the demo.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SDV_FANOUT_")}
+        env["SDV_FANOUT_MQTT_URL"] = broker.url
+        if "metrics_listen" in {f.name for f in dataclasses.fields(Config)}:
+            env["SDV_FANOUT_METRICS_LISTEN"] = "127.0.0.1:0"  # never the fixed default port
+        self.server_log = open(self.server_log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.server = subprocess.Popen(cmd, stdout=self.server_log, stderr=subprocess.STDOUT, env=env, cwd=self.tmp)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.server.poll() is not None:
+                raise RuntimeError(f"sdv-fanout serve exited with {self.server.returncode}; see {self.server_log_path}")
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                info = json.loads(ready.read_text())
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sdv-fanout serve did not start within 30 s; see {self.server_log_path}")
+            time.sleep(0.05)
+        self.metrics_port = int(info.get("metrics_port") or 0)
+        self.store = Store(data_dir, readonly=True)
+        return int(info["port"]), int(info["pid"])
+
+    def wait_delivery_client(self, broker: Mosquitto, clientid: str) -> None:
+        """The server's own MQTT client shows up in mosquitto's log once it is connected."""
+        deadline = time.monotonic() + 15
+        while f" as {clientid} " not in broker.log():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server's delivery client {clientid} never connected to mosquitto")
+            if self.server is not None and self.server.poll() is not None:
+                raise RuntimeError(f"sdv-fanout serve exited; see {self.server_log_path}")
+            time.sleep(0.05)
+
+    def start_fleet(self, specs: list[dict[str, Any]], broker: Mosquitto, port: int, clientid: str) -> None:
+        nproc = max(1, math.ceil(len(specs) / self.args.per_proc))
+        for k in range(nproc):
+            part = specs[k::nproc]
+            err = open(self.log_dir / f"fleet-{k}.log", "wb")  # noqa: SIM115 - the child has its own copy
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "demo.run", "--fleet-worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                cwd=ROOT,
+                text=True,
+                bufsize=1,
+            )
+            err.close()
+            fp = FleetProc(k, proc, [s["vin"] for s in part])
+            fp.reader = threading.Thread(target=fp.read, name=f"fleet-{k}", daemon=True)
+            fp.reader.start()
+            self.fleet.append(fp)
+            fp.send({"exhook_port": port, "mqtt_port": broker.port, "delivery_clientid": clientid, "vehicles": part})
+        deadline = time.monotonic() + 90
+        for fp in self.fleet:
+            while not fp.ready.wait(0.5):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the fleet did not come online within 90 s")
+            if not fp.ready_count:
+                raise RuntimeError(f"fleet process {fp.k} failed; see {self.log_dir / f'fleet-{fp.k}.log'}")
+
+    def scrape_metrics(self) -> dict[str, float]:
+        """The server's Prometheus counters (empty when this build has no metrics endpoint)."""
+        if not self.metrics_port:
+            return {}
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return {}
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+        return out
+
+    # -- the run ------------------------------------------------------------------------------
+    def make_fleet(self, vins: list[str]) -> list[dict[str, Any]]:
+        a = self.args
+        order = list(range(len(vins)))
+        self.rng.shuffle(order)
+        counts = [("late", round(len(vins) * a.late)), ("reconnect", round(len(vins) * a.reconnect))]
+        counts.append(("resume", round(len(vins) * a.resume)))
+        roles = ["online"] * len(vins)
+        at = 0
+        for role, n in counts:
+            for i in order[at : at + n]:
+                roles[i] = role
+            at += n
+        specs = []
+        held = 0
+        for vin, role in zip(vins, roles, strict=True):
+            spec: dict[str, Any] = {
+                "vin": vin,
+                "role": role,
+                "ack_ms": self.rng.randint(5, 40),
+                "hb_s": self.rng.uniform(3.0, 6.0),
+                "hb_phase_s": self.rng.uniform(0.5, 3.0),
+                "back_s": round(self.rng.uniform(1.0, 2.5), 2),
+            }
+            if role == "reconnect":
+                spec["hold"] = held % 2 == 0  # half of them drop while holding an unacked request
+                held += 1
+            specs.append(spec)
+        return specs
+
+    def run(self) -> int:
+        a = self.args
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for old in [*self.log_dir.glob("fleet-*.log"), *self.log_dir.glob("mosquitto-*"), self.server_log_path]:
+            old.unlink(missing_ok=True)
+        vins = [VIN_FORMAT.format(n) for n in range(1, a.vehicles + 1)]
+        specs = self.make_fleet(vins)
+        batches = plan_batches(self.rng, vins, a.batches)
+        window = (len(batches) - 1) * a.interval
+        by_role = {r: [s["vin"] for s in specs if s["role"] == r] for r in ("online", "late", "reconnect", "resume")}
+        events = [(0.30 * window, "reconnect"), (0.45 * window, "late"), (0.60 * window, "resume")]
+        events = [e for e in events if by_role[e[1]]]
+
+        print(f"sdv-fanout demo: seed {a.seed}, {len(vins)} vehicles, {len(batches)} batches, one every {a.interval} s")
+        broker = self.start_broker()
+        print(f"  broker    mosquitto {broker.url} (real MQTT; EMQX's ExHook side is simulated)")
+        port, pid = self.start_server(broker)
+        clientid = f"sdv-fanout-{socket.gethostname()}-{pid}"
+        print(f"  server    sdv-fanout serve, pid {pid}, gRPC 127.0.0.1:{port}, LMDB {self.tmp / 'lmdb'}")
+        print(f"            log {self.server_log_path}")
+        self.wait_delivery_client(broker, clientid)
+        print(f"            delivery client {clientid} connected to the broker")
+        self.platform = FakeEmqx(port, broker.port, request_prefix=REQUEST_PREFIX, strict_rpc=False)
+        self.platform.calls = deque(maxlen=1000)  # the harness keeps every request; we need none
+        hooks = [h.name for h in self.platform.load().hooks]
+        print(f"  EMQX      tests/emqx_sim.py loaded the ExHook provider; it asked for {len(hooks)} hooks:")
+        print(f"            {', '.join(hooks)}")
+        self.start_fleet(specs, broker, port, clientid)
+        n = {r: len(v) for r, v in by_role.items()}
+        print(
+            f"  fleet     {len(vins)} paho MQTT 5 vehicles in {len(self.fleet)} process(es), subscribed to "
+            f"{REQUEST_PREFIX.replace('{VIN}', '<VIN>')}/+ (PUBACK after 5-40 ms, heartbeat every 3-6 s)"
+        )
+        print(
+            f"            {len(vins) - n['late']} online now, {n['late']} offline until ~{0.45 * window:.0f} s; "
+            f"{n['reconnect']} will reconnect clean (~{0.30 * window:.0f} s), {n['resume']} will resume a "
+            f"persistent session (~{0.60 * window:.0f} s)"
+        )
+        first = batches[0]
+        example = json.dumps({"ids": [*first.vins[:2], "..."], "request_id": first.request_id})[:-1]
+        print(
+            f"  platform  publishes on $SDV-FANOUT: {example}, "
+            f'"data": "<{human_bytes(len(first.payload))}, base64>", "data_encoding": "base64"}}'
+        )
+        print()
+
+        pub = Published()
+        self.t0 = time.monotonic()
+        next_event = 0
+        while pub.batches < len(batches) or next_event < len(events):
+            now = self.elapsed()
+            while next_event < len(events) and events[next_event][0] <= now:
+                self.scenario(events[next_event][1], by_role[events[next_event][1]], specs)
+                next_event += 1
+            if pub.batches < len(batches) and pub.batches * a.interval <= now:
+                b = batches[pub.batches]
+                t = time.monotonic()
+                resp = self.platform.publish_batch(b.vins, b.request_id, b.data)
+                took = time.monotonic() - t
+                # Stored durably before the answer; STOP_AND_RETURN + allow_publish=false: never routed.
+                if resp is None or resp.type != pb.ValuedResponse.STOP_AND_RETURN:
+                    raise RuntimeError(f"batch {b.request_id} was not taken by the server: {resp}")
+                pub.add(b, took)
+                if b.replaces:
+                    self.say(f"batch {b.n} re-sends {b.request_id} to {len(b.vins)} vehicles: {b.label}")
+            self.show(pub, len(batches))
+            time.sleep(0.02)
+
+        # Drained: nothing pending in LMDB, every vehicle online, nothing received and not yet acked.
+        deadline = pub.last_at + a.drain_timeout
+        idle_since: float | None = None
+        drained_at: float | None = None
+        while time.monotonic() < deadline:
+            rows = self.show(pub, len(batches))
+            idle = rows == 0 and not self.fleet_total("unacked") and not self.fleet_total("busy")
+            if idle and self.fleet_total("online") == len(vins):
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since >= 0.6:  # the same in two reports of every fleet process
+                    drained_at = idle_since
+                    break
+            else:
+                idle_since = None
+            time.sleep(0.1)
+        rows = self.show(pub, len(batches), force=True)
+        self.status.done()
+        if drained_at is None:
+            print(f"deadline: {rows:,} rows still pending {a.drain_timeout:g} s after the last batch")
+
+        metrics = self.scrape_metrics()
+        for fp in self.fleet:
+            fp.send({"cmd": "stop"})
+        for fp in self.fleet:
+            fp.got_final.wait(30)
+        drain_s = None if drained_at is None else max(0.0, drained_at - pub.last_at)
+        return self.summary(vins, specs, batches, pub, rows, drain_s, metrics)
+
+    def scenario(self, role: str, vins: list[str], specs: list[dict[str, Any]]) -> None:
+        held = sum(1 for s in specs if s["role"] == role and s.get("hold"))
+        text = {
+            "late": f"{len(vins)} vehicles that were offline connect and subscribe: their queues wait in LMDB",
+            "reconnect": f"{len(vins)} vehicles lose their connection ({held} of them while holding back a PUBACK) and "
+            "reconnect clean 1-2.5 s later",
+            "resume": f"{len(vins)} vehicles with a persistent session drop before their PUBACK and resume it "
+            "1-2.5 s later",
+        }[role]
+        self.say(text)
+        cmd = "online" if role == "late" else "drop"
+        if role == "late":
+            self.came_online[role] = time.time()
+        back = {s["vin"]: s["back_s"] for s in specs}
+        mine = set(vins)
+        for fp in self.fleet:
+            part = [v for v in fp.vins if v in mine]
+            if part:
+                fp.send({"cmd": cmd, "vins": part, "back_s": {v: back[v] for v in part}})
+
+    def show(self, pub: Published, total: int, force: bool = False) -> int:
+        rows = self.pending_rows()
+        now = time.monotonic()
+        if force or now - self.last_draw >= 0.5:
+            self.last_draw = now
+            self.status.update(
+                f"[{self.elapsed():5.1f}s] batches {pub.batches}/{total}  rows {pub.rows:,}  pending {rows:,}  "
+                f"delivered {self.fleet_total('received'):,}  acked {self.fleet_total('acked'):,}  "
+                f"online {self.fleet_total('online')}/{self.args.vehicles}  "
+                f"in-flight max {self.fleet_total('max_inflight', max)}",
+                force=force,
+            )
+        return rows
+
+    # -- results ------------------------------------------------------------------------------
+    def server_events(self) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        if self.server_log is not None:
+            self.server_log.flush()
+        with contextlib.suppress(FileNotFoundError), open(self.server_log_path, "rb") as f:
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    counts["level:other"] += 1  # not structlog's: a traceback, say
+                    continue
+                counts[ev.get("event", "?")] += 1
+                counts["level:" + ev.get("level", "?")] += 1
+                if ev.get("event") == "batch_stored":
+                    counts["rows_replaced"] += int(ev.get("replaced", 0))
+        return counts
+
+    def summary(
+        self,
+        vins: list[str],
+        specs: list[dict[str, Any]],
+        batches: list[Batch],
+        pub: Published,
+        pending: int,
+        drain_s: float | None,
+        metrics: dict[str, float],
+    ) -> int:
+        finals: dict[str, Any] = {}
+        errors: list[str] = []
+        error_count = 0
+        for fp in self.fleet:
+            if fp.final is None:
+                errors.append(f"fleet process {fp.k} sent no report")
+                error_count += 1
+                continue
+            finals.update(fp.final["vehicles"])
+            errors += fp.final["errors"]
+            error_count += fp.final["error_count"]
+        if self.platform is not None:
+            error_count += len(self.platform.errors) + len(self.platform.rpc_errors)
+            errors += [repr(e) for e in self.platform.errors]
+
+        role = {s["vin"]: s["role"] for s in specs}
+        deliveries = acked = held = heartbeats = foreign = out_of_order = max_inflight = 0
+        dups: Counter[str] = Counter()  # why a vehicle got the same request and payload again
+        fate: Counter[str] = Counter()
+        missing: list[tuple[str, str]] = []
+        late_backlog: list[int] = []
+        late_drain: list[float] = []
+        stamps: list[float] = []
+        for vin in vins:
+            f = finals.get(vin)
+            if f is None:
+                missing.append((vin, "*"))
+                continue
+            max_inflight = max(max_inflight, f["max_inflight"])
+            acked += f["acked"]
+            held += f["held_count"]
+            heartbeats += f["heartbeats"]
+            held_keys = {(rid, d) for rid, d in f["held"]}
+            seen: Counter[tuple[str, str]] = Counter()
+            last = 0
+            backlog: list[float] = []
+            online_at = self.came_online.get("late", 0.0)
+            for rid, digest, t in f["rx"]:
+                deliveries += 1
+                stamps.append(t)
+                n = pub.version.get((vin, rid, digest))
+                if n is None:
+                    foreign += 1  # on another VIN's topic, or a payload never sent to this VIN
+                    continue
+                out_of_order += n < last  # each delivery is the oldest pending row: batch numbers never go down
+                last = max(last, n)
+                seen[rid, digest] += 1
+                if seen[rid, digest] > 1:
+                    if (rid, digest) not in held_keys:
+                        dups["unexpected"] += 1
+                    else:
+                        dups["resumed" if role[vin] == "resume" else "clean"] += 1
+                if role[vin] == "late" and pub.wall[n] < online_at:
+                    backlog.append(t)
+            missing += [(vin, rid) for (v, rid), d in pub.expected.items() if v == vin and (rid, d) not in seen]
+            for key in held_keys:  # what became of a request unacked when its connection dropped
+                if seen[key] > 1:
+                    fate["again"] += 1
+                elif pub.expected.get((vin, key[0])) != key[1]:
+                    fate["replaced"] += 1  # a newer version of the request went out instead
+                else:
+                    fate["lost"] += 1
+            if role[vin] == "late" and backlog:
+                late_backlog.append(len(backlog))
+                late_drain.append(max(backlog) - online_at)
+        stamps.sort()
+        peak = lo = 0
+        for hi, t in enumerate(stamps):
+            while t - stamps[lo] > 1.0:
+                lo += 1
+            peak = max(peak, hi - lo + 1)
+        span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+
+        stats = self.store.stats() if self.store is not None else None
+        ev = self.server_events()
+        kinds = Counter(b.kind for b in batches)
+        roles = Counter(role.values())
+        unique_bytes = sum(pub.blobs.values())
+        ingest = sorted(pub.ingest_ms)
+        delivered_all = not missing
+        ok = pending == 0 and delivered_all and max_inflight <= 1 and foreign == 0 and not fate["lost"]
+        n_dups = sum(dups.values())
+
+        table: list[tuple[str, str]] = [
+            (
+                "vehicles",
+                f"{len(vins)}: {roles['online']} online throughout, {roles['late']} came online late, "
+                f"{roles['reconnect']} reconnected clean, {roles['resume']} resumed a persistent session; "
+                f"{heartbeats:,} heartbeats",
+            ),
+            (
+                "batches",
+                f"{pub.batches} ({kinds['ota']} ota, {kinds['cfg']} cfg, {kinds['diag']} diag; "
+                f"{sum(b.replaces for b in batches)} re-sent an earlier request id with new data); "
+                f"server log: {ev['batch_stored']} batch_stored, {ev['batch_rejected']} batch_rejected",
+            ),
+            (
+                "ingest",
+                f"each hook answered after its LMDB commit: {ingest[len(ingest) // 2]:.1f} ms median, "
+                f"{ingest[-1]:.1f} ms max",
+            ),
+            (
+                "rows",
+                f"{pub.rows:,} (VIN, request) rows written for {len(pub.expected):,} distinct pairs; "
+                f"{ev['rows_replaced']:,} replaced a row still pending",
+            ),
+            (
+                "unique blobs",
+                f"{len(pub.blobs)} payloads, each stored once (LMDB data table: {stats.blobs if stats else '?'}): "
+                f"{human_bytes(pub.logical_bytes)} of row payloads in {human_bytes(unique_bytes)}, "
+                f"dedup ratio {pub.logical_bytes / max(unique_bytes, 1):,.0f}x",
+            ),
+            (
+                "deliveries",
+                f"{deliveries:,} received by vehicles, {acked:,} PUBACKed; {held} were unacked when their "
+                "connection dropped"
+                + (f": {fate['again']} came again" if held else "")
+                + (f", {fate['replaced']} were replaced by a newer version first" if fate["replaced"] else "")
+                + (f", {fate['lost']} NEVER came again" if fate["lost"] else ""),
+            ),
+            (
+                "duplicates",
+                f"{n_dups} (same request and payload twice to one vehicle): {dups['resumed']} redelivered by "
+                f"the broker on session resume, {dups['clean']} re-sent by the server after a clean reconnect, "
+                f"{dups['unexpected']} otherwise",
+            ),
+            ("max in flight", f"{max_inflight} per vehicle (must be 1)"),
+            (
+                "order",
+                "oldest first on every vehicle" if not out_of_order else f"{out_of_order} deliveries out of order",
+            ),
+        ]
+        if late_backlog:
+            table.append(
+                (
+                    "late vehicles",
+                    f"{len(late_backlog)} got their backlog ({min(late_backlog)}-{max(late_backlog)} requests) "
+                    f"within {max(late_drain):.1f} s of coming online",
+                )
+            )
+        table += [
+            (
+                "throughput",
+                f"{deliveries / span:,.0f} deliveries/s on average over {span:.1f} s (batches are paced), "
+                f"peak {peak:,} in one second"
+                if span
+                else "n/a",
+            ),
+            (
+                "time to drain",
+                f"{drain_s:.1f} s after the last batch (batches took {pub.last_at - pub.first_at:.1f} s)"
+                if drain_s is not None
+                else f"not drained within {self.args.drain_timeout:g} s of the last batch",
+            ),
+        ]
+        if metrics:
+            acked_m = {k: v for k, v in metrics.items() if k.startswith("sdv_fanout_deliveries_acked_total{")}
+            table.append(
+                (
+                    "server metrics",
+                    f"deliveries sent {metrics.get('sdv_fanout_deliveries_sent_total', 0):,.0f}, "
+                    f"re-sent {metrics.get('sdv_fanout_deliveries_resent_total', 0):,.0f}; acks "
+                    + ", ".join(f"{k.split('=')[1][:-1]} {v:,.0f}" for k, v in sorted(acked_m.items())),
+                )
+            )
+        if foreign:
+            table.append(("foreign", f"{foreign} deliveries on another VIN's topic or never published to it"))
+        table += [
+            (
+                "every row delivered",
+                ("yes" if delivered_all else f"NO: {len(missing):,} (VIN, request) pairs without their latest payload")
+                + f"; {pending:,} rows pending in LMDB",
+            ),
+            (
+                "errors",
+                f"{error_count} in the simulation; server log: {ev['level:warning']} warnings, "
+                f"{ev['level:error'] + ev['level:critical'] + ev['level:other']} errors",
+            ),
+        ]
+        print()
+        print("Summary")
+        width = max(len(k) for k, _ in table)
+        for k, v in table:
+            print(f"  {k:<{width}}  {v}")
+        for e in errors[:5]:
+            print(f"  ! {e}")
+        for vin, rid in missing[:5]:
+            print(f"  ! {vin} has not received the latest {rid}")
+        print()
+        if ok:
+            print("PASS: every row reached its vehicle, was acknowledged and deleted, one in flight per vehicle")
+        else:
+            print("FAIL: see above")
+        return 0 if ok else 1
+
+    # -- teardown -------------------------------------------------------------------------------
+    def stop(self) -> None:
+        for fp in self.fleet:
+            fp.send({"cmd": "stop"})
+            with contextlib.suppress(OSError, ValueError):
+                assert fp.proc.stdin is not None
+                fp.proc.stdin.close()
+        for fp in self.fleet:
+            try:
+                fp.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                fp.proc.kill()
+                fp.proc.wait(5)
+            if fp.reader is not None:
+                fp.reader.join(5)
+        if self.platform is not None:
+            self.platform.close(check=False)
+        if self.store is not None:
+            self.store.close()
+        if self.server is not None and self.server.poll() is None:
+            self.server.send_signal(signal.SIGTERM)
+            try:
+                self.server.wait(20)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+                self.server.wait(5)
+        if self.server_log is not None:
+            self.server_log.close()
+        if self.broker is not None:
+            self.broker.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="demo/run.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--vehicles", type=int, default=200, help="fleet size (default 200)")
+    p.add_argument("--batches", type=int, default=36, help="batches the platform publishes (default 36)")
+    p.add_argument("--interval", type=float, default=0.75, help="seconds between batches (default 0.75)")
+    p.add_argument("--seed", type=int, default=7, help="random seed: same seed, same scenario (default 7)")
+    p.add_argument("--late", type=float, default=0.10, help="share of vehicles offline at first (default 0.10)")
+    p.add_argument("--reconnect", type=float, default=0.075, help="share that reconnect clean (default 0.075)")
+    p.add_argument("--resume", type=float, default=0.05, help="share that resume a session (default 0.05)")
+    p.add_argument("--per-proc", type=int, default=100, help="vehicles per fleet process (default 100, max ~300)")
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds after the last batch (default 60)")
+    p.add_argument("--log-dir", help="server, broker and fleet logs (default: var/demo in the checkout)")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (LMDB data) for `sdv-fanout stats`")
+    p.add_argument("--fleet-worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.fleet_worker:
+        return fleet_worker_main()
+    if not 1 <= args.vehicles <= 10_000 or args.batches < 1 or args.interval < 0 or not 1 <= args.per_proc <= 300:
+        p.error("need 1 <= --vehicles <= 10000, --batches >= 1, --interval >= 0, 1 <= --per-proc <= 300")
+    if args.late + args.reconnect + args.resume > 1:
+        p.error("--late + --reconnect + --resume must not exceed 1")
+    if args.log_dir is None:
+        args.log_dir = str(ROOT / "var" / "demo")
+
+    received: list[int] = []
+
+    def on_term(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    demo = Demo(args)
+    code = 1
+    try:
+        code = demo.run()
+    except KeyboardInterrupt:
+        demo.status.done()
+        print("\ninterrupted: stopping everything", flush=True)
+        code = 128 + (received[0] if received else signal.SIGINT)
+    except Exception as exc:
+        demo.status.done()
+        traceback.print_exc()
+        print(f"\ndemo failed: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the clean-up
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            demo.stop()
+        finally:
+            print(f"logs: {demo.log_dir} (server.log, mosquitto-*.log, fleet-*.log)")
+            if args.keep:
+                print(f"kept: {demo.tmp}  (try: .venv/bin/sdv-fanout stats --data-dir {demo.tmp / 'lmdb'})")
+            else:
+                shutil.rmtree(demo.tmp, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
