@@ -52,6 +52,7 @@ class MqttDelivery:
         self._host = url.hostname or "127.0.0.1"
         self._port = url.port or (8883 if url.scheme == "mqtts" else 1883)
         self._connected = threading.Event()
+        self._stopping = False
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
             client_id=self.clientid,
@@ -81,6 +82,7 @@ class MqttDelivery:
 
     def stop(self) -> None:
         """Disconnect cleanly and stop paho's thread."""
+        self._stopping = True
         self._client.disconnect()
         self._client.loop_stop()
 
@@ -108,7 +110,10 @@ class MqttDelivery:
         was = self._connected.is_set()
         self._connected.clear()
         if was:
-            log.warning("mqtt_disconnected", reason=str(reason))
+            if self._stopping:
+                log.info("mqtt_disconnected", reason="shutdown")
+            else:
+                log.warning("mqtt_disconnected", reason=str(reason))
             self._notify(False)
 
     def _notify(self, up: bool) -> None:

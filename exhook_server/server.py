@@ -80,6 +80,9 @@ class FanoutServer:
                 ("grpc.max_send_message_length", limit),
                 # EMQX keeps its pool connections open for hours; answer its pings.
                 ("grpc.keepalive_permit_without_calls", 1),
+                # gRPC shares ports by default (SO_REUSEPORT): a second server started by mistake
+                # on another data dir would silently take half of EMQX's calls. Fail loudly instead.
+                ("grpc.so_reuseport", 0),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ]
         )
@@ -122,17 +125,23 @@ class FanoutServer:
             log.warning("delivery_disabled", reason="mqtt_url is empty: batches are stored, not delivered")
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         credentials = server_credentials(self.cfg)
-        if credentials is None:
-            self.port = self._server.add_insecure_port(address)
-        else:
-            self.port = self._server.add_secure_port(address, credentials)
+        try:
+            if credentials is None:
+                self.port = self._server.add_insecure_port(address)
+            else:
+                self.port = self._server.add_secure_port(address, credentials)
+        except RuntimeError as exc:  # grpc reports a failed bind this way
+            raise ConfigError(f"cannot listen on {self.cfg.listen}: {exc}") from None
         if not self.port:
-            raise OSError(f"cannot listen on {self.cfg.listen}")
-        await self._server.start()
+            raise ConfigError(f"cannot listen on {self.cfg.listen}")
         if self.cfg.metrics_listen:
             mhost, mport = split_host_port(self.cfg.metrics_listen)
-            self._metrics_http, _ = prometheus_client.start_http_server(mport, mhost)
+            try:
+                self._metrics_http, _ = prometheus_client.start_http_server(mport, mhost)
+            except OSError as exc:
+                raise ConfigError(f"metrics_listen {self.cfg.metrics_listen}: {exc.strerror}") from None
             self.metrics_port = self._metrics_http.server_port
+        await self._server.start()
         self._tasks += [
             asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
             asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer), name="gc"),

@@ -95,6 +95,9 @@ class Worker:
         self.presence: dict[str, Session] = {}
         #: VIN → the one delivery waiting for its PUBACK.
         self.inflight: dict[str, InFlight] = {}
+        #: VIN → (request_id, sha1) last published and not yet acked, even if the in-flight
+        #: entry was voided since: sending it again counts as a re-send in the metrics.
+        self._unacked: dict[str, tuple[str, bytes]] = {}
 
     def handle(self, cmd: Command) -> None:
         if isinstance(cmd, MaybeSend):
@@ -102,6 +105,8 @@ class Worker:
         elif isinstance(cmd, Acknowledge):
             self._acknowledge(cmd)
         elif isinstance(cmd, AckCommitted):
+            if self._unacked.get(cmd.vin) == (cmd.request_id, cmd.sha1):
+                del self._unacked[cmd.vin]
             entry = self.inflight.get(cmd.vin)
             if entry is not None and entry.request_id == cmd.request_id and entry.sha1 == cmd.sha1:
                 del self.inflight[cmd.vin]
@@ -149,14 +154,12 @@ class Worker:
         if session is None:
             return
         entry = self.inflight.get(vin)
-        resend = False
         if entry is not None:
             if entry.acking:
                 return
             fresh = self._clock() - entry.sent_at < self._timeout
             if fresh and entry.session.same_connection(session):
                 return
-            resend = True
         found = self._rows.oldest(vin)
         if found is None:
             self.inflight.pop(vin, None)
@@ -165,6 +168,8 @@ class Worker:
         if not self._publisher.publish(vin, row.request_id, payload):
             return  # no broker connection: BrokerBack will try again
         self.inflight[vin] = InFlight(row.request_id, row.sha1, session, self._clock())
+        resend = self._unacked.get(vin) == (row.request_id, row.sha1)
+        self._unacked[vin] = (row.request_id, row.sha1)
         (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
         log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)
 

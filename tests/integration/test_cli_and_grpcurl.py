@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,3 +166,16 @@ def test_admin_api_through_grpcurl(proc: SubprocessServer) -> None:
     assert json.loads(shown.stdout)["online"] is True
     stats_cli = run(str(BIN / "sdv-fanout"), "stats", "--server", f"127.0.0.1:{proc.port}", "--json")
     assert int(json.loads(stats_cli.stdout)["rows"]) >= 2
+
+
+def test_port_in_use_is_a_clear_error(proc: SubprocessServer, tmp_path: Path) -> None:
+    """A second server on a taken port exits 2 with a one-line reason, not a traceback."""
+    out = subprocess.run(
+        [str(BIN / "sdv-fanout"), "serve", "--listen", f"127.0.0.1:{proc.port}", "--data-dir", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SDV_FANOUT_METRICS_LISTEN": "", "SDV_FANOUT_MQTT_URL": ""},
+    )
+    assert out.returncode == 2 and "cannot listen" in out.stderr
+    assert "Traceback" not in out.stderr

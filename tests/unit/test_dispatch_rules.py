@@ -244,3 +244,21 @@ def test_new_connection_of_client_drops_stale_presence(rig: Rig) -> None:
     rig.rows.add("VIN1", "task_a_1", b"x")
     rig.do(MaybeSend(Trigger.NEW_BATCH, "VIN1"))
     assert rig.pub.sent == []
+
+
+def test_sending_an_unacked_request_again_counts_as_resend(rig: Rig) -> None:
+    """After a discard voids the in-flight entry, sending the same request again is a re-send."""
+    from prometheus_client import REGISTRY
+
+    def resent() -> float:
+        return REGISTRY.get_sample_value("sdv_fanout_deliveries_resent_total") or 0.0
+
+    before = resent()
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1), Down("VIN1", S1, EndReason.DISCARDED))
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S2))
+    assert resent() == before + 1
+    rig.ack_last(S2)
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.NEW_BATCH, "VIN1"))
+    assert resent() == before + 1  # a new row after the ack is a first send

@@ -1,0 +1,149 @@
+"""Batch jobs over sdv-fanout exports (never the live LMDB): the GC plan and the fleet report.
+
+This module holds what both jobs share: the export layout, the session, and small-file I/O through
+the Hadoop FileSystem API, so every path may be a plain local path or any Hadoop URI (file://,
+s3a://, hdfs://). Only the driver runs this code; executors run DataFrame operations alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession
+
+EXPORT_FORMAT = "sdv-fanout-export"
+EXPORT_FORMAT_VERSION = 1
+
+#: The export's tables (storage/export.py), read with these schemas rather than inferred ones.
+EXPORT_SCHEMAS = {
+    "rows": "vin string, request_id string, ts_ms long, sha1 binary, size long",
+    "blobs": "sha1 binary, created_ms long, touched_ms long, size long",
+    "aliases": "data_id string, sha1 binary, ts_ms long",
+}
+
+_UNITS_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000, "": 1_000}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([dhms]?)\s*$")
+
+
+class ExportError(ValueError):
+    """The export is missing, of another format, or incomplete."""
+
+
+def parse_duration_ms(text: str) -> int:
+    """`7d`, `1h`, `30m`, `45s` or plain seconds (`90`, `1.5`) → milliseconds."""
+    m = _DURATION.match(text)
+    if m is None:
+        raise ValueError(f"bad duration {text!r}: use e.g. 7d, 1h, 30m, 45s or plain seconds")
+    return round(float(m.group(1)) * _UNITS_MS[m.group(2)])
+
+
+def session(app_name: str, master: str | None = None) -> SparkSession:
+    """The job's session: `master` if given, else what spark-submit configured, else local[*]."""
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
+    spark = builder.getOrCreate()
+    # spark-submit without --master and `python -m` both default to local[*]; say so in the log.
+    print(f"{app_name}: master {spark.sparkContext.master}", file=sys.stderr, flush=True)
+    return spark
+
+
+def child(uri: str, name: str) -> str:
+    return uri.rstrip("/") + "/" + name
+
+
+def _path(spark: SparkSession, uri: str) -> tuple[Any, Any]:
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    path = jvm.org.apache.hadoop.fs.Path(uri)
+    return path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), path
+
+
+def qualify(spark: SparkSession, uri: str) -> str:
+    """The absolute URI of `uri` on its file system (`/x` → `file:///x` locally, hdfs://nn/x on HDFS)."""
+    fs, path = _path(spark, uri)
+    text = str(fs.makeQualified(path).toString())
+    return "file:///" + text[len("file:/") :].lstrip("/") if text.startswith("file:/") else text
+
+
+def exists(spark: SparkSession, uri: str) -> bool:
+    fs, path = _path(spark, uri)
+    return bool(fs.exists(path))
+
+
+def read_bytes(spark: SparkSession, uri: str) -> bytes:
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    fs, path = _path(spark, uri)
+    stream = fs.open(path)
+    try:
+        return bytes(jvm.org.apache.commons.io.IOUtils.toByteArray(stream))
+    finally:
+        stream.close()
+
+
+def delete(spark: SparkSession, uri: str) -> None:
+    fs, path = _path(spark, uri)
+    fs.delete(path, False)
+
+
+def write_bytes(spark: SparkSession, uri: str, data: bytes) -> None:
+    """Write one real file at `uri`, replacing it; it appears complete or not at all.
+
+    Written beside it under a `_`-prefixed name (which Spark and pyarrow readers skip), then
+    renamed; a fresh FileSystem instance without checksums, so no `.crc` files are left behind.
+    """
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    path = jvm.org.apache.hadoop.fs.Path(uri)
+    tmp = jvm.org.apache.hadoop.fs.Path(path.getParent(), "_" + path.getName() + ".tmp")
+    fs = jvm.org.apache.hadoop.fs.FileSystem.newInstance(path.toUri(), conf)
+    try:
+        fs.setWriteChecksum(False)
+        stream = fs.create(tmp, True)
+        try:
+            stream.write(bytearray(data))
+        finally:
+            stream.close()
+        fs.delete(path, False)
+        if not fs.rename(tmp, path):
+            raise OSError(f"could not rename {tmp.toString()} to {uri}")
+    finally:
+        fs.close()
+
+
+def write_json(spark: SparkSession, uri: str, doc: dict[str, Any]) -> None:
+    write_bytes(spark, uri, (json.dumps(doc, indent=2) + "\n").encode())
+
+
+def read_manifest(spark: SparkSession, export_uri: str) -> dict[str, Any]:
+    """The export's manifest.json, checked for format and version (it is written last: no manifest, no export)."""
+    uri = child(export_uri, "manifest.json")
+    if not exists(spark, uri):
+        raise ExportError(f"{export_uri}: no manifest.json (not an export, or the export did not finish)")
+    manifest: dict[str, Any] = json.loads(read_bytes(spark, uri))
+    if manifest.get("format") != EXPORT_FORMAT or manifest.get("format_version") != EXPORT_FORMAT_VERSION:
+        raise ExportError(
+            f"{export_uri}: format {manifest.get('format')!r} version {manifest.get('format_version')!r}, "
+            f"this job reads {EXPORT_FORMAT!r} version {EXPORT_FORMAT_VERSION}"
+        )
+    if not isinstance(manifest.get("snapshot_ms"), int):
+        raise ExportError(f"{export_uri}: manifest.json has no integer snapshot_ms")
+    return manifest
+
+
+def read_table(spark: SparkSession, export_uri: str, table: str) -> DataFrame:
+    return spark.read.schema(EXPORT_SCHEMAS[table]).parquet(child(export_uri, table))
+
+
+def check_count(manifest: dict[str, Any], table: str, df: DataFrame) -> int:
+    """Count `df` (Parquet footers only) and compare with the manifest: a lost part file must not pass."""
+    n = df.count()
+    expected = manifest.get("counts", {}).get(table)
+    if expected is not None and expected != n:
+        raise ExportError(f"export table {table!r} has {n} rows, its manifest says {expected}: export incomplete")
+    return n

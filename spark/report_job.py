@@ -1,0 +1,243 @@
+"""Fleet report over an export: what is pending, of which kind, how old, and which vehicles lag most.
+
+    spark-submit spark/report_job.py --export OUT --out REPORT
+    python -m spark.report_job --export OUT --out REPORT [--master local[4]]
+
+Every row of an export is a request not yet acknowledged by its vehicle ("pending"). Writes, each table
+as REPORT/parquet/<table>/ and REPORT/csv/<table>/ (one file each, CSV with a header):
+  by_task_type   request ids `task_<type>_<n>` grouped by <type> (anything else: "other")
+  age_histogram  pending rows by age at the snapshot: <1h, 1-6h, 6-24h, 1-3d, 3-7d, >7d
+  top_vins       the 20 vehicles with the most pending requests
+plus REPORT/report.png (the three as charts), REPORT/report.json and REPORT/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # spark-submit spark/report_job.py: make the `spark` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pyspark.sql import DataFrame, Row, SparkSession
+from pyspark.sql import functions as sf
+
+from spark import check_count, child, qualify, read_manifest, read_table, session, write_bytes, write_json
+
+REPORT_FORMAT = "sdv-fanout-fleet-report"
+TOP_VINS = 20
+#: request_id `task_<type>_<n>`: <type> may contain `_`; <n> is the last `_`-separated part.
+TASK_TYPE_RE = r"^task_(.+)_[^_]+$"
+OTHER = "other"
+
+_H = 3_600_000
+#: (label, lower bound inclusive, upper bound exclusive) of age = snapshot_ms - ts_ms. Negative ages (clock
+#: skew) count as <1h.
+AGE_BUCKETS: list[tuple[str, int | None, int | None]] = [
+    ("<1h", None, _H),
+    ("1-6h", _H, 6 * _H),
+    ("6-24h", 6 * _H, 24 * _H),
+    ("1-3d", 24 * _H, 72 * _H),
+    ("3-7d", 72 * _H, 168 * _H),
+    (">7d", 168 * _H, None),
+]
+
+SCHEMAS = {
+    "by_task_type": "task_type string, pending long, vins long, bytes long, oldest_ts_ms long",
+    "age_histogram": "bucket_index int, bucket string, min_age_ms long, max_age_ms long, pending long, bytes long",
+    "top_vins": "rank int, vin string, pending long, bytes long, oldest_ts_ms long, oldest_age_ms long",
+}
+
+README = """# sdv-fanout fleet report
+
+Export: {export}
+Snapshot: {snapshot} (snapshot_ms {snapshot_ms}); {pending} pending requests for {vins} vehicles.
+
+Every row of the export is a request stored and not yet acknowledged by its vehicle: "pending".
+
+| file | what |
+|---|---|
+| `report.png` | the three tables below as charts |
+| `parquet/by_task_type/`, `csv/by_task_type/` | pending requests per task type: request ids `task_<type>_<n>` \
+grouped by `<type>`, others as `other`; distinct vehicles, bytes, oldest request time (ms) |
+| `parquet/age_histogram/`, `csv/age_histogram/` | pending requests by age at the snapshot (snapshot_ms - ts_ms): \
+<1h, 1-6h, 6-24h, 1-3d, 3-7d, >7d; bounds in ms, lower inclusive |
+| `parquet/top_vins/`, `csv/top_vins/` | the {top} vehicles with the most pending requests (ties: oldest first) |
+| `report.json` | the snapshot, the totals, and the same tables as JSON |
+
+A row's time is when it was last written (a newer batch with the same VIN and request id replaces it).
+`bytes` is what delivery would send (the payload size, once per row); a payload shared by many rows is
+stored once. Rows older than the retention period (7 days by default: the >7d bucket) are still here
+until GC deletes them.
+
+Not in this report: deliveries per day. An export holds only what is pending; acknowledged requests are
+deleted from the store, so delivered counts are not in it (they are in the server's Prometheus metrics).
+"""
+
+
+def pending_rows(rows: DataFrame, snapshot_ms: int) -> DataFrame:
+    """Rows with their task type and age bucket."""
+    extracted = sf.regexp_extract("request_id", TASK_TYPE_RE, 1)
+    age = sf.lit(snapshot_ms) - sf.col("ts_ms")
+    bucket = sf.lit(len(AGE_BUCKETS) - 1)
+    for i, (_, _, upper) in reversed(list(enumerate(AGE_BUCKETS[:-1]))):
+        bucket = sf.when(age < upper, i).otherwise(bucket)
+    return rows.select(
+        "vin",
+        "ts_ms",
+        "size",
+        sf.when(extracted == "", OTHER).otherwise(extracted).alias("task_type"),
+        age.alias("age_ms"),
+        bucket.cast("int").alias("bucket_index"),
+    )
+
+
+def report_tables(spark: SparkSession, pending: DataFrame, snapshot_ms: int) -> dict[str, list[Row]]:
+    """The three tables, computed on the cluster and collected (they are small by construction)."""
+    by_type = (
+        pending.groupBy("task_type")
+        .agg(
+            sf.count(sf.lit(1)).alias("pending"),
+            sf.countDistinct("vin").alias("vins"),
+            sf.coalesce(sf.sum("size"), sf.lit(0)).alias("bytes"),
+            sf.min("ts_ms").alias("oldest_ts_ms"),
+        )
+        .orderBy(sf.desc("pending"), "task_type")
+    )
+    counts = {
+        r["bucket_index"]: r
+        for r in pending.groupBy("bucket_index")
+        .agg(sf.count(sf.lit(1)).alias("pending"), sf.coalesce(sf.sum("size"), sf.lit(0)).alias("bytes"))
+        .collect()
+    }
+    histogram = [
+        Row(
+            bucket_index=i,
+            bucket=label,
+            min_age_ms=lo,
+            max_age_ms=hi,
+            pending=counts[i]["pending"] if i in counts else 0,
+            bytes=counts[i]["bytes"] if i in counts else 0,
+        )
+        for i, (label, lo, hi) in enumerate(AGE_BUCKETS)
+    ]
+    top = (
+        pending.groupBy("vin")
+        .agg(
+            sf.count(sf.lit(1)).alias("pending"),
+            sf.coalesce(sf.sum("size"), sf.lit(0)).alias("bytes"),
+            sf.min("ts_ms").alias("oldest_ts_ms"),
+        )
+        .orderBy(sf.desc("pending"), "oldest_ts_ms", "vin")
+        .limit(TOP_VINS)
+        .collect()
+    )
+    top_vins = [
+        Row(
+            rank=n,
+            vin=r["vin"],
+            pending=r["pending"],
+            bytes=r["bytes"],
+            oldest_ts_ms=r["oldest_ts_ms"],
+            oldest_age_ms=snapshot_ms - r["oldest_ts_ms"],
+        )
+        for n, r in enumerate(top, 1)
+    ]
+    return {"by_task_type": by_type.collect(), "age_histogram": histogram, "top_vins": top_vins}
+
+
+def chart_png(tables: dict[str, list[Row]], title: str, total: int) -> bytes:
+    """Three panels: pending by task type, age histogram, top VINs."""
+    from matplotlib.figure import Figure  # Agg canvas; no pyplot, no display
+
+    fig = Figure(figsize=(18, 6), layout="constrained")
+    fig.suptitle(title)
+    ax_type, ax_age, ax_vin = fig.subplots(1, 3, width_ratios=[1, 1, 1.2])
+
+    types = tables["by_task_type"][:15][::-1]
+    bars = ax_type.barh([r["task_type"] for r in types], [r["pending"] for r in types], color="tab:blue")
+    ax_type.bar_label(bars, padding=2)
+    more = len(tables["by_task_type"]) - 15
+    ax_type.set_title("Pending requests by task type" + (f" (top 15 of {more + 15})" if more > 0 else ""))
+    ax_type.set_xlabel("pending requests")
+
+    hist = tables["age_histogram"]
+    colors = ["tab:green", "tab:green", "tab:olive", "tab:orange", "tab:orange", "tab:red"]
+    bars = ax_age.bar([r["bucket"] for r in hist], [r["pending"] for r in hist], color=colors)
+    ax_age.bar_label(bars, padding=2)
+    ax_age.set_title("Age of pending requests at the snapshot")
+    ax_age.set_ylabel("pending requests")
+
+    top = tables["top_vins"][::-1]
+    bars = ax_vin.barh([r["vin"] for r in top], [r["pending"] for r in top], color="tab:purple")
+    ax_vin.bar_label(bars, padding=2)
+    ax_vin.set_title(f"Top {TOP_VINS} vehicles by backlog")
+    ax_vin.set_xlabel("pending requests")
+    ax_vin.tick_params(axis="y", labelsize=8)
+
+    for ax in (ax_type, ax_age, ax_vin):
+        ax.margins(x=0.12, y=0.08)
+        if total == 0:
+            ax.text(0.5, 0.5, "nothing pending", ha="center", va="center", transform=ax.transAxes, color="gray")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def build_report(spark: SparkSession, export_uri: str, out_uri: str) -> dict[str, Any]:
+    """Write the report under `out_uri` (any Hadoop URI); returns report.json's content."""
+    manifest = read_manifest(spark, export_uri)
+    snapshot_ms: int = manifest["snapshot_ms"]
+    rows = read_table(spark, export_uri, "rows")
+    total = check_count(manifest, "rows", rows)
+    tables = report_tables(spark, pending_rows(rows, snapshot_ms), snapshot_ms)
+    for name, data in tables.items():
+        df = spark.createDataFrame(data, SCHEMAS[name]).coalesce(1)
+        df.write.mode("overwrite").parquet(child(child(out_uri, "parquet"), name))
+        df.write.mode("overwrite").option("header", True).csv(child(child(out_uri, "csv"), name))
+    vins = rows.select("vin").distinct().count()
+    snapshot = datetime.fromtimestamp(snapshot_ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    export = qualify(spark, export_uri)
+    title = f"sdv-fanout fleet report: {total} pending requests, {vins} vehicles, snapshot {snapshot}"
+    write_bytes(spark, child(out_uri, "report.png"), chart_png(tables, title, total))
+    text = README.format(
+        export=export, snapshot=snapshot, snapshot_ms=snapshot_ms, pending=total, vins=vins, top=TOP_VINS
+    )
+    write_bytes(spark, child(out_uri, "README.md"), text.encode())
+    report = {
+        "format": REPORT_FORMAT,
+        "format_version": 1,
+        "export": export,
+        "snapshot_ms": snapshot_ms,
+        "pending": total,
+        "vins": vins,
+        "tables": {name: [r.asDict() for r in data] for name, data in tables.items()},
+    }
+    write_json(spark, child(out_uri, "report.json"), report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="report_job", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--export", required=True, help="export directory or URI (holds manifest.json)")
+    parser.add_argument("--out", required=True, help="report directory or URI to write (its tables are replaced)")
+    parser.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
+    args = parser.parse_args(argv)
+    spark = session("sdv-fanout-fleet-report", args.master)
+    try:
+        report = build_report(spark, args.export, args.out)
+    finally:
+        spark.stop()
+    print(json.dumps({k: v for k, v in report.items() if k != "tables"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
