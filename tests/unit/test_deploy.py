@@ -1,0 +1,106 @@
+"""The container image and the Kubernetes manifests, checked offline (no Docker engine or cluster here)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from exhook_server import metrics
+from exhook_server.config import Config
+from tests.harness import BIN, ROOT
+
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES_VERSIONS = ["1.30.0", "1.37.0"]
+
+
+def resources(kustomization: Path) -> list[dict[str, Any]]:
+    """Every document of every file a kustomization lists (directories are other kustomizations)."""
+    spec = yaml.safe_load(kustomization.read_text())
+    docs: list[dict[str, Any]] = []
+    for entry in spec["resources"]:
+        path = (kustomization.parent / entry).resolve()
+        if path.is_dir():
+            docs += resources(path / "kustomization.yaml")
+        else:
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def by_kind(kind: str) -> dict[str, Any]:
+    [doc] = [d for d in resources(K8S / "kustomization.yaml") if d["kind"] == kind]
+    return doc
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_manifests_validate_strictly(version: str) -> None:
+    """Every core manifest validates against the Kubernetes schemas, unknown fields rejected."""
+    docs = resources(K8S / "kustomization.yaml")
+    assert {d["kind"] for d in docs} == {"Namespace", "ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_validation_catches_a_typo() -> None:
+    """The schema check is real: a misspelt field fails it."""
+    sts = by_kind("StatefulSet")
+    sts["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def test_configmap_is_a_valid_server_config() -> None:
+    """The config.toml in the ConfigMap loads with the server's own loader."""
+    text = by_kind("ConfigMap")["data"]["config.toml"]
+    cfg = Config(**tomllib.loads(text))
+    assert cfg.shutdown_timeout_s < by_kind("StatefulSet")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert cfg.data_dir.startswith("/var/lib/sdv-fanout")
+
+
+def test_pod_runs_non_root_read_only_with_grpc_probes() -> None:
+    """securityContext, probes and ports match what the server serves."""
+    pod = by_kind("StatefulSet")["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] and c["securityContext"]["readOnlyRootFilesystem"]
+    assert {p["containerPort"] for p in c["ports"]} == {Config().host_port[1], int(Config().metrics_listen.split(":")[1])}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == Config().host_port[1]
+
+
+def test_service_monitor_scrapes_the_metrics_port() -> None:
+    """The optional ServiceMonitor points at the Service's metrics port."""
+    docs = resources(K8S / "monitoring" / "kustomization.yaml")
+    [sm] = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    service_ports = {p["name"] for d in docs if d["kind"] == "Service" for p in d["spec"]["ports"]}
+    assert sm["spec"]["endpoints"][0]["port"] in service_ports
+
+
+def test_dockerfile_lints_clean_and_runs_the_server() -> None:
+    """hadolint finds nothing; the image's entrypoint command works in the venv."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    lint = subprocess.run([str(BIN / "hadolint"), "-"], input=dockerfile, capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert 'ENTRYPOINT ["sdv-fanout", "serve"]' in dockerfile and re.search(r"^USER 10001", dockerfile, re.M)
+    out = subprocess.run([str(BIN / "sdv-fanout"), "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--listen" in out.stdout
+
+
+def test_grafana_dashboard_uses_only_metrics_we_export() -> None:
+    """Every metric a dashboard panel queries exists in exhook_server.metrics."""
+    dash = json.loads((ROOT / "deploy" / "grafana" / "sdv-fanout.json").read_text())
+    exported = {
+        name
+        for m in vars(metrics).values()
+        if hasattr(m, "_name")
+        for name in (m._name, m._name + "_total", m._name + "_bucket")
+    }
+    used = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"sdv_fanout_\w+", t["expr"])}
+    assert used and used <= exported, used - exported
