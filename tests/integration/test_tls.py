@@ -72,9 +72,9 @@ class TlsMosquitto(Mosquitto):
                 f"listener {self.port} 127.0.0.1",
                 f"listener {self.port} 127.0.0.1\ncafile {self.pki.ca}\ncertfile {self.pki.server_cert}\n"
                 f"keyfile {self.pki.server_key}\nrequire_certificate false\n"
-            # As root, mosquitto drops to its own user before reading certificates, which then
-            # cannot enter pytest's private tmp dir: keep the privileges of whoever runs the tests.
-            f"user {getpass.getuser()}",
+                # As root, mosquitto drops to its own user before reading certificates, which then
+                # cannot enter pytest's private tmp dir: keep the privileges of whoever runs the tests.
+                f"user {getpass.getuser()}",
             )
         )
 

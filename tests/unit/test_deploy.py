@@ -69,7 +69,10 @@ def test_pod_runs_non_root_read_only_with_grpc_probes() -> None:
     pod = by_kind("StatefulSet")["spec"]["template"]["spec"]
     [c] = pod["containers"]
     assert pod["securityContext"]["runAsNonRoot"] and c["securityContext"]["readOnlyRootFilesystem"]
-    assert {p["containerPort"] for p in c["ports"]} == {Config().host_port[1], int(Config().metrics_listen.split(":")[1])}
+    assert {p["containerPort"] for p in c["ports"]} == {
+        Config().host_port[1],
+        int(Config().metrics_listen.split(":")[1]),
+    }
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == Config().host_port[1]
 
