@@ -78,9 +78,11 @@ def run_measured(code: str, *args: str, env: dict[str, str] | None = None) -> tu
     Each step gets its own process because ru_maxrss is a high-water mark per process."""
     wrapper = (
         "import resource, sys, runpy\n"
-        f"sys.argv = {list(args)!r}\n"
-        f"{code}\n"
-        "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        f"sys.argv = {['step', *args]!r}\n"
+        "try:\n"
+        f"    {code}\n"
+        "finally:\n"
+        "    print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
     )
     seconds, out = timed([sys.executable, "-c", wrapper], env)
     peak = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("PEAK_RSS_KB"))
@@ -101,13 +103,12 @@ def main() -> int:
         fill(tmp / "a", args.rows, args.seed)
         fill_s = time.monotonic() - t0
         shutil.copytree(tmp / "a", tmp / "b")
-        cli = "from exhook_server.cli import main; sys.exit(main(sys.argv[1:]))"
+        cli = "from exhook_server.cli import main; rc = main(sys.argv[1:]); assert rc == 0"
         export_s, export_rss, _ = run_measured(
             cli, "export", "--data-dir", str(tmp / "a"), "--out", str(tmp / "export"), env=env
         )
         spark_s, spark_rss, _ = run_measured(
             "runpy.run_module('spark.gc_job', run_name='__main__')",
-            "gc_job",
             "--export",
             str(tmp / "export"),
             "--plan",
