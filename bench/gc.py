@@ -72,21 +72,30 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, str
     return time.monotonic() - start, out
 
 
-def run_measured(code: str, *args: str, env: dict[str, str] | None = None) -> tuple[float, float, str]:
-    """Run python code in a fresh process that prints its own peak RSS last; (s, MiB, stdout).
+def run_measured(code: str, *args: str, env: dict[str, str] | None = None) -> tuple[float, float, float, str]:
+    """Run python code in a fresh process that prints its own peak RSS last; (s, RSS MiB, anon MiB, stdout).
 
     Each step gets its own process because ru_maxrss is a high-water mark per process."""
+    # RssAnon (heap) is sampled: LMDB's mapped file pages also count in RSS but are page cache.
     wrapper = (
-        "import resource, sys, runpy\n"
+        "import resource, sys, runpy, threading, time\n"
+        "peak = [0]\n"
+        "def sample():\n"
+        "    while True:\n"
+        "        for line in open('/proc/self/status'):\n"
+        "            if line.startswith('RssAnon:'):\n"
+        "                peak[0] = max(peak[0], int(line.split()[1]))\n"
+        "        time.sleep(0.05)\n"
+        "threading.Thread(target=sample, daemon=True).start()\n"
         f"sys.argv = {['step', *args]!r}\n"
         "try:\n"
         f"    {code}\n"
         "finally:\n"
-        "    print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
+        "    print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, peak[0], flush=True)\n"
     )
     seconds, out = timed([sys.executable, "-c", wrapper], env)
-    peak = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("PEAK_RSS_KB"))
-    return seconds, peak / 1024, out
+    rss, anon = next(map(int, line.split()[1:]) for line in out.splitlines() if line.startswith("PEAK_RSS_KB"))
+    return seconds, rss / 1024, anon / 1024, out
 
 
 def main() -> int:
@@ -104,10 +113,10 @@ def main() -> int:
         fill_s = time.monotonic() - t0
         shutil.copytree(tmp / "a", tmp / "b")
         cli = "from exhook_server.cli import main; rc = main(sys.argv[1:]); assert rc == 0"
-        export_s, export_rss, _ = run_measured(
+        export_s, export_rss, export_anon, _ = run_measured(
             cli, "export", "--data-dir", str(tmp / "a"), "--out", str(tmp / "export"), env=env
         )
-        spark_s, spark_rss, _ = run_measured(
+        spark_s, spark_rss, spark_anon, _ = run_measured(
             "runpy.run_module('spark.gc_job', run_name='__main__')",
             "--export",
             str(tmp / "export"),
@@ -121,10 +130,10 @@ def main() -> int:
             args.master,
             env=env,
         )
-        apply_s, apply_rss, apply_out = run_measured(
+        apply_s, apply_rss, apply_anon, apply_out = run_measured(
             cli, "gc", "apply", str(tmp / "plan"), "--data-dir", str(tmp / "a"), "--json", env=env
         )
-        gc_s, gc_rss, gc_out = run_measured(cli, "gc", "run", "--data-dir", str(tmp / "b"), "--json", env=env)
+        gc_s, gc_rss, gc_anon, gc_out = run_measured(cli, "gc", "run", "--data-dir", str(tmp / "b"), "--json", env=env)
         applied = json.loads(apply_out.splitlines()[0])
         embedded = json.loads(gc_out.splitlines()[0])
         result = {
@@ -134,23 +143,27 @@ def main() -> int:
                 "s": round(export_s, 2),
                 "rows_per_s": round(args.rows / export_s),
                 "peak_rss_mib": round(export_rss),
+                "peak_anon_mib": round(export_anon),
             },
             "spark_plan": {
                 "s": round(spark_s, 2),
                 "master": args.master,
                 "peak_rss_mib_driver_python": round(spark_rss),
+                "peak_anon_mib": round(spark_anon),
             },
             "apply": {
                 "s": round(apply_s, 2),
                 "rows_deleted": applied["rows_deleted"],
                 "rows_per_s": round(applied["rows_deleted"] / apply_s),
                 "peak_rss_mib": round(apply_rss),
+                "peak_anon_mib": round(apply_anon),
             },
             "embedded_gc": {
                 "s": round(gc_s, 2),
                 "rows_deleted": embedded["rows_expired"],
                 "rows_per_s": round(embedded["rows_expired"] / gc_s),
                 "peak_rss_mib": round(gc_rss),
+                "peak_anon_mib": round(gc_anon),
             },
             "agree": applied["rows_deleted"] == embedded["rows_expired"]
             and applied["blobs_deleted"] == embedded["blobs_deleted"],
@@ -158,7 +171,7 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"## GC pipeline, {args.rows:,} rows (half expired), Spark {args.master}\n")
-    print("| step | wall s | rows/s | peak RSS MiB |\n|---|---:|---:|---:|")
+    print("| step | wall s | rows/s | peak RSS MiB | peak heap (RssAnon) MiB |\n|---|---:|---:|---:|---:|")
     table = [
         ("export (LMDB -> Parquet)", result["export"], f"{result['export']['rows_per_s']:,}"),
         ("Spark plan", result["spark_plan"], "n/a"),
@@ -167,10 +180,11 @@ def main() -> int:
     ]
     for name, step, rate in table:
         rss = step.get("peak_rss_mib", step.get("peak_rss_mib_driver_python"))
-        print(f"| {name} | {step['s']} | {rate} | {rss} |")
+        print(f"| {name} | {step['s']} | {rate} | {rss} | {step['peak_anon_mib']} |")
     print(
         f"\nplan+apply and embedded GC agree: {result['agree']}; fill took {result['fill_s']} s; "
-        "wall times include process start-up; Spark RSS is the Python driver only (the JVM is separate)."
+        "wall times include process start-up; Spark RSS is the Python driver only (the JVM is separate); "
+        "RSS includes LMDB's mapped file pages (page cache), RssAnon is the process's own heap."
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
