@@ -1,0 +1,881 @@
+"""End-to-end delivery: sdv-fanout + mosquitto + a real paho fleet, against raw paho QoS 1, same run.
+
+One mosquitto 2 broker and one `sdv-fanout serve` subprocess (delivery to that
+broker) live for the whole run. Fleets are helper processes (bench/e2e_fleet.py,
+about 250 paho clients each):
+
+* sim fleets: N vehicles of tests/emqx_sim.py, connected and subscribed to
+  `agent/<VIN>/proxy/request/+`; their driver calls our ExHook RPCs as EMQX would
+  (presence hooks, then one `message.acked` per PUBACK);
+* raw fleets: N plain paho subscribers on `refer/<VIN>/proxy/request/+`, PUBACK on
+  arrival, plus a raw publisher process (one paho client, in-flight window 50 like
+  our delivery client). Other topics and clientids, so neither side sees the other's
+  traffic.
+
+Measured, in R rounds (order alternating round by round):
+
+1. ours: B batches, each naming all N VINs, through FakeEmqx.publish_batch
+   (OnMessagePublish); time from the first publish to the store holding 0 rows,
+   i.e. every delivery PUBACKed, its `message.acked` handled and its row deleted.
+   → delivered+acked msgs/s = N x B / time.
+2. raw (a): the publisher sends the same N x B QoS 1 messages (same payload size)
+   batch-major, unconstrained; done when it has every PUBACK and every subscriber
+   got every message. raw (b): one in flight per subscriber, as our rule: each
+   subscriber PUBACKs and then publishes a QoS 0 ack signal; the publisher sends a
+   VIN's next message only on its signal (the signal stands in for message.acked).
+   ours/raw ratios are paired per round.
+3. latency at about half load: batches paced at half of ours' median msgs/s; per
+   (VIN, request) the time from publish_batch returning to the vehicle's paho
+   on_message (time.time() in both processes, one machine clock).
+4. RSS per online VIN: the server's VmRSS before the fleet connects vs with N
+   vehicles subscribed; then a fresh server with delivery disabled (it still tracks
+   presence) gets S synthetic OnSessionSubscribed RPCs (default 100,000 sessions,
+   clientid = VIN), RSS delta / S.
+
+CPU use of every process is sampled per phase (/proc), to tell what limited the
+throughput. Markdown tables to stdout, progress to stderr, --json for the numbers.
+
+    .venv/bin/python bench/e2e.py [--vehicles 1000] [--batches 20] [--rounds 3] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import queue
+import random
+import shutil
+import signal
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+import paho.mqtt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
+
+from exhook_server._proto import exhook_v3_pb2 as pb
+from storage.store import Store
+from tests.emqx_sim import FakeEmqx, Mosquitto
+from tests.harness import ExHookClient, SubprocessServer
+
+HERE = Path(__file__).resolve().parent
+FLEET = HERE / "e2e_fleet.py"
+VIN_CHARS = "ABCDEFGHJKLMNPRSTUVWXYZ" + string.digits  # no I, O, Q, as in real VINs
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+MAX_PER_PROC = 300  # paho's select() loop: about 330 clients per process
+SUBSCRIBED = "/emqx.exhook.v3.HookProvider/OnSessionSubscribed"
+#: Loopback only, and no clash with another server on the default metrics port.
+SERVER_ENV = {"SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0"}
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def quiesce(pid: int, timeout_s: float = 30.0, idle_share: float = 0.03) -> None:
+    """Wait until the process used under idle_share of a core in two 0.2 s windows running."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        c0, t0 = proc_cpu_s(pid), time.monotonic()
+        time.sleep(0.2)
+        busy = (proc_cpu_s(pid) - c0) / (time.monotonic() - t0)
+        quiet = quiet + 1 if busy < idle_share else 0
+
+
+class Child:
+    """A helper process speaking JSON lines (bench/e2e_fleet.py); stderr goes to a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"read-{name}", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"{self.name}: no answer within {timeout_s:.0f} s\n{self.log_tail()}") from None
+        if line is None:
+            raise RuntimeError(f"{self.name} exited ({self.proc.wait(5)}):\n{self.log_tail()}")
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def log_tail(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "quit"})
+                self.proc.stdin.close()  # type: ignore[union-attr]
+                self.proc.wait(15)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+def stop_server(server: SubprocessServer) -> None:
+    if server.proc.poll() is None:
+        try:
+            server.terminate(20)
+        except Exception:
+            server.kill()
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all CPUs spent busy (not idle or iowait) since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / CLK_TCK  # user nice system irq softirq steal
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """utime + stime per thread of a process."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+class CpuMeter:
+    """CPU of named groups of processes over one phase, as a share of one core; plus the rest of the
+    machine (processes that are not this bench's) and the busiest thread of the server."""
+
+    def __init__(self, groups: dict[str, list[int]], server_pid: int) -> None:
+        self.groups = groups
+        self.server_pid = server_pid
+        self.t0 = time.monotonic()
+        self.c0 = {g: sum(proc_cpu_s(p) for p in pids) for g, pids in groups.items()}
+        self.self0 = proc_cpu_s(os.getpid())
+        self.machine0 = machine_busy_s()
+        self.threads0 = thread_cpu_s(server_pid)
+
+    def shares(self) -> dict[str, float]:
+        wall = time.monotonic() - self.t0
+        out = {g: (sum(proc_cpu_s(p) for p in pids) - self.c0[g]) / wall for g, pids in self.groups.items()}
+        out["bench"] = (proc_cpu_s(os.getpid()) - self.self0) / wall
+        out["total"] = sum(out.values())
+        out["other processes"] = max(0.0, (machine_busy_s() - self.machine0) / wall - out["total"])
+        threads = thread_cpu_s(self.server_pid)
+        out["server busiest thread"] = (
+            max((c - self.threads0.get(tid, 0.0) for tid, c in threads.items()), default=0.0) / wall
+        )
+        return out
+
+
+# -- workload -----------------------------------------------------------------------------------
+
+
+def make_vins(seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    vins: dict[str, None] = {}
+    while len(vins) < n:
+        vins["LSV" + "".join(rng.choices(VIN_CHARS, k=14))] = None
+    return list(vins)
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class Rig:
+    """Broker, server (delivery on), the bench's FakeEmqx (the platform's publishes), fleets."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path, vins: list[str]) -> None:
+        self.args = args
+        self.tmp = tmp
+        self.vins = vins
+        self.children: list[Child] = []
+        self.broker = Mosquitto(tmp, verbose=False).start()  # no per-packet debug log
+        self.server: SubprocessServer | None = None
+        self.emqx: FakeEmqx | None = None
+        self.store: Store | None = None
+        self.sims: list[Child] = []
+        self.raws: list[Child] = []
+        self.pub: Child | None = None
+
+    def start_server(self) -> None:
+        env = {**SERVER_ENV, "SDV_FANOUT_MQTT_URL": self.broker.url}
+        self.server = SubprocessServer(self.tmp / "lmdb", "--log-level", self.args.log_level, env=env)
+        server = self.server
+        deadline = time.monotonic() + 30
+        clientid = None
+        while clientid is None:
+            clientid = next((e["clientid"] for e in server.events() if e.get("event") == "mqtt_connected"), None)
+            if clientid is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"delivery client did not connect:\n{server.log()[-3000:]}")
+                time.sleep(0.05)  # bounded wait for the server's own log line
+        self.delivery_clientid = clientid
+        self.emqx = FakeEmqx(server.port, self.broker.port, delivery_clientid=clientid)
+        self.emqx.load()
+        self.store = Store(self.tmp / "lmdb", readonly=True)
+
+    def _spawn(self, role: str, k: int, vins: list[str], *extra: str) -> Child:
+        argv = [sys.executable, str(FLEET), "--role", role, "--mqtt-port", str(self.broker.port)]
+        argv += ["--vins", ",".join(vins), "--timeout-s", str(self.args.deadline_s), *extra]
+        child = Child(f"{role}{k}", argv, self.tmp / f"{role}{k}.log")
+        self.children.append(child)
+        return child
+
+    def slices(self) -> list[list[str]]:
+        return [self.vins[k :: self.args.procs] for k in range(self.args.procs)]
+
+    def start_sims(self) -> None:
+        assert self.server is not None
+        extra = ["--exhook-port", str(self.server.port), "--delivery-clientid", self.delivery_clientid]
+        self.sims = [self._spawn("sim", k, s, *extra) for k, s in enumerate(self.slices())]
+        for c in self.sims:
+            c.recv(self.args.deadline_s)  # {"ready": n}
+
+    def start_raws(self) -> None:
+        self.raws = [self._spawn("raw", k, s) for k, s in enumerate(self.slices())]
+        self.pub = self._spawn("pub", 0, self.vins, "--max-inflight", str(self.args.max_inflight))
+        for c in [*self.raws, self.pub]:
+            c.recv(self.args.deadline_s)
+
+    def rows(self) -> int:
+        assert self.store is not None
+        with self.store.read() as txn:
+            return int(txn.stat(self.store.tables.ids)["entries"])
+
+    def last_txnid(self) -> int:
+        """LMDB's last committed write transaction: one per group commit (one fsync each)."""
+        assert self.store is not None
+        return int(self.store.env.info()["last_txnid"])
+
+    def wait_rows_zero(self) -> float:
+        deadline = time.monotonic() + self.args.deadline_s
+        while self.rows():
+            if time.monotonic() > deadline:
+                assert self.store is not None
+                stuck = [(v, [r.request_id for r in self.store.pending(v)]) for v in self.vins]
+                stuck = [s for s in stuck if s[1]]
+                raise RuntimeError(
+                    f"{self.rows()} rows still pending after {self.args.deadline_s} s on {len(stuck)} VINs, "
+                    f"e.g. {stuck[:3]}"
+                )
+            time.sleep(0.005)  # a progress poll (cheap: one LMDB stat) with a deadline
+        return time.time()
+
+    def cpu(self, sides: Sequence[str]) -> CpuMeter:
+        assert self.server is not None and self.broker.proc is not None
+        groups = {"server": [self.server.proc.pid], "mosquitto": [self.broker.proc.pid]}
+        if "sim" in sides:
+            groups["sim fleet"] = [c.proc.pid for c in self.sims]
+        if "raw" in sides:
+            assert self.pub is not None
+            groups["raw fleet"] = [c.proc.pid for c in self.raws]
+            groups["raw publisher"] = [self.pub.proc.pid]
+        return CpuMeter(groups, self.server.proc.pid)
+
+    def arm(self, fleets: list[Child], expect: int, **extra: Any) -> None:
+        for c in fleets:
+            c.send({"cmd": "phase", "expect": expect, "deadline_s": self.args.deadline_s, **extra})
+        for c in fleets:
+            if not c.recv(30).get("armed"):
+                raise RuntimeError(f"{c.name} did not arm")
+
+    def collect(self, fleets: list[Child], expect_total: int) -> list[dict[str, Any]]:
+        done = [c.recv(self.args.deadline_s + 30)["done"] for c in fleets]
+        distinct = sum(d["distinct"] for d in done)
+        if distinct != expect_total or any(d["short"] for d in done):
+            raise RuntimeError(f"fleet got {distinct} distinct messages of {expect_total}")
+        return done
+
+    def close(self) -> None:
+        for c in self.children:
+            c.stop()
+        if self.emqx is not None:
+            self.emqx.close(check=False)
+        if self.store is not None:
+            self.store.close()
+        if self.server is not None:
+            stop_server(self.server)
+        self.broker.stop()
+
+
+# -- phases -------------------------------------------------------------------------------------
+
+
+def rpc_error(rig: Rig) -> str:
+    """The last failed hook RPC of the bench's FakeEmqx (e.g. DEADLINE_EXCEEDED: EMQX's 5 s timeout)."""
+    errors = rig.emqx.rpc_errors if rig.emqx is not None else []
+    return f"{errors[-1][0]}: {errors[-1][1]!r}" if errors else "no answer"
+
+
+def cycle_stats(done: list[dict[str, Any]]) -> dict[str, float]:
+    """Percentiles of the per-vehicle cycle and its two parts, from the fleets' samples."""
+    out = {}
+    for key in ("cycle", "fleet", "turn", "rpc"):
+        values = [v for d in done for v in d.get(key, ())]
+        for q in (50, 99):
+            out[f"{key}_p{q}_ms"] = pct(values, q / 100) * 1000 if values else 0.0
+    return out
+
+
+class Probe:
+    """A no-op hook RPC (OnMessagePublish on a topic we do not handle: IGNORE, no storage) every
+    0.1 s on its own channel: how long any hook call waits in the server while deliveries run."""
+
+    def __init__(self, port: int) -> None:
+        self.client = ExHookClient(port)
+        self.times: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            t = time.perf_counter()
+            try:
+                self.client.publish("bench/probe", b"")
+            except grpc.RpcError:
+                continue
+            self.times.append(time.perf_counter() - t)
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join(30)
+        self.client.close()
+        return self.times
+
+
+def run_ours(rig: Rig, tag: str, payload_bytes: int, seed: int) -> dict[str, Any]:
+    assert rig.emqx is not None
+    n, b = len(rig.vins), rig.args.batches
+    rng = random.Random(seed)
+    rids = [f"task_{tag}_{k}" for k in range(b)]
+    payloads = [rng.randbytes(payload_bytes) for _ in rids]
+    rig.arm(rig.sims, b)
+    txn0 = rig.last_txnid()
+    assert rig.server is not None
+    probe = Probe(rig.server.port)
+    meter = rig.cpu(["sim"])
+    calls = []
+    t0 = time.time()
+    for rid, payload in zip(rids, payloads, strict=True):
+        t = time.perf_counter()
+        resp = rig.emqx.publish_batch(rig.vins, rid, payload)
+        calls.append(time.perf_counter() - t)
+        if resp is None or resp.type != pb.ValuedResponse.STOP_AND_RETURN:
+            raise RuntimeError(f"batch {rid} not stored: {resp or rpc_error(rig)}")
+    published = time.time()
+    try:
+        end = rig.wait_rows_zero()
+    finally:
+        probes = probe.stop()
+    cpu = meter.shares()
+    commits = rig.last_txnid() - txn0
+    done = rig.collect(rig.sims, n * b)
+    seconds = end - t0
+    return {
+        "seconds": seconds,
+        "msgs_per_s": n * b / seconds,
+        "publish_s": published - t0,
+        "publish_p50_ms": statistics.median(calls) * 1000,
+        "publish_max_ms": max(calls) * 1000,
+        "probe_p50_ms": pct(probes, 0.5) * 1000 if probes else 0.0,
+        "probe_p99_ms": pct(probes, 0.99) * 1000 if probes else 0.0,
+        "last_receive_s": max(d["last"] for d in done) - t0,
+        **cycle_stats(done),
+        "duplicates": sum(d["count"] - d["distinct"] for d in done),
+        "hook_rpcs_per_s": (n * b + b) / seconds,  # one message.acked per delivery + the batches
+        "commits_per_s": commits / seconds,
+        "ops_per_commit": (n * b + b) / commits if commits else 0.0,  # row deletes + batch ingests
+        "cpu": cpu,
+        "cpu_us_per_msg": {g: v * seconds / (n * b) * 1e6 for g, v in cpu.items()},
+    }
+
+
+def run_raw(rig: Rig, mode: str, tag: str, payload_bytes: int, seed: int) -> dict[str, Any]:
+    assert rig.pub is not None
+    n, b = len(rig.vins), rig.args.batches
+    rids = [f"task_{tag}_{k}" for k in range(b)]
+    rig.arm(rig.raws, b, signal=mode == "b")
+    meter = rig.cpu(["raw"])
+    rig.pub.send(
+        {"cmd": "run", "mode": mode, "rids": rids, "payload_bytes": payload_bytes, "seed": seed,
+         "deadline_s": rig.args.deadline_s}
+    )  # fmt: skip
+    res = rig.pub.recv(rig.args.deadline_s + 30)["done"]
+    cpu = meter.shares()
+    if not res["ok"]:
+        raise RuntimeError(f"raw ({mode}) publisher did not finish: {res}")
+    done = rig.collect(rig.raws, n * b)
+    end = max(res["last_puback"], res["last_signal"], *(d["last"] for d in done))
+    seconds = end - res["first"]
+    return {
+        "seconds": seconds,
+        "msgs_per_s": n * b / seconds,
+        **cycle_stats(done),
+        "duplicates": sum(d["count"] - d["distinct"] for d in done),
+        "cpu": cpu,
+        "cpu_us_per_msg": {g: v * seconds / (n * b) * 1e6 for g, v in cpu.items()},
+    }
+
+
+def run_latency(rig: Rig, msgs_per_s: float, batches: int, payload_bytes: int, seed: int) -> dict[str, Any]:
+    """Batches paced at about half of the measured throughput; per-message publish→receive latency."""
+    assert rig.emqx is not None
+    n = len(rig.vins)
+    offered = msgs_per_s / 2
+    interval = n / offered
+    rng = random.Random(seed)
+    rids = [f"task_lat_{k}" for k in range(batches)]
+    payloads = [rng.randbytes(payload_bytes) for _ in rids]
+    rig.arm(rig.sims, batches, times=True)
+    meter = rig.cpu(["sim"])
+    called: dict[str, float] = {}
+    returned: dict[str, float] = {}
+    t0 = time.time()
+    for k, (rid, payload) in enumerate(zip(rids, payloads, strict=True)):
+        delay = t0 + k * interval - time.time()
+        if delay > 0:
+            time.sleep(delay)  # pacing
+        called[rid] = time.time()
+        resp = rig.emqx.publish_batch(rig.vins, rid, payload)
+        returned[rid] = time.time()
+        if resp is None or resp.type != pb.ValuedResponse.STOP_AND_RETURN:
+            raise RuntimeError(f"batch {rid} not stored: {resp or rpc_error(rig)}")
+    end = rig.wait_rows_zero()
+    cpu = meter.shares()
+    done = rig.collect(rig.sims, n * batches)
+    lat = [t - returned[rid] for d in done for rid, t in d["times"]]
+    lat_call = [t - called[rid] for d in done for rid, t in d["times"]]
+    return {
+        "batches": batches,
+        "interval_s": interval,
+        "offered_msgs_per_s": offered,
+        "achieved_msgs_per_s": n * batches / (end - t0),
+        "samples": len(lat),
+        "p50_ms": pct(lat, 0.50) * 1000,
+        "p90_ms": pct(lat, 0.90) * 1000,
+        "p99_ms": pct(lat, 0.99) * 1000,
+        "max_ms": max(lat) * 1000,
+        "min_ms": min(lat) * 1000,
+        "before_return": sum(x < 0 for x in lat),
+        "call_p50_ms": pct(lat_call, 0.50) * 1000,
+        "call_p99_ms": pct(lat_call, 0.99) * 1000,
+        "publish_p50_ms": statistics.median(returned[r] - called[r] for r in rids) * 1000,
+        "cpu": cpu,
+    }
+
+
+# -- synthetic presence: S OnSessionSubscribed, delivery off --------------------------------------
+
+
+def _subscribed_request(i: int) -> bytes:
+    vin = f"SYN{i:014d}"
+    info = pb.ClientInfo(
+        node="emqx@127.0.0.1",
+        clientid=vin,
+        username=vin,
+        peerhost="127.0.0.1",
+        sockport=1883,
+        protocol="mqtt",
+        mountpoint="",
+        anonymous=True,
+        peerport=1024 + i % 60000,
+    )
+    req = pb.SessionSubscribedRequest(
+        clientinfo=info,
+        topic=f"agent/{vin}/proxy/request/+",
+        subopts=pb.SubOpts(qos=1),
+        meta=pb.RequestMeta(node="emqx@127.0.0.1", version="5.9.1", sysdescr="EMQX", cluster_name="emqxcl"),
+    )
+    return bytes(req.SerializeToString())
+
+
+async def _drive(port: int, requests: list[bytes], clients: int) -> float:
+    """Send every request from `clients` channels (one connection each), closed loop; returns seconds."""
+    channels = [
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(clients)
+    ]
+    try:
+        stubs = [ch.unary_unary(SUBSCRIBED) for ch in channels]
+        it = iter(requests)
+
+        async def client(stub: Any) -> None:
+            for req in it:
+                await stub(req, timeout=30)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(s) for s in stubs))
+        return time.perf_counter() - t0
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+def run_presence(tmp: Path, sessions: int, warm: int, clients: int, log_level: str) -> dict[str, Any]:
+    requests = [_subscribed_request(i) for i in range(sessions + warm)]
+    # SubprocessServer sets SDV_FANOUT_MQTT_URL="": no delivery, presence is still tracked.
+    server = SubprocessServer(tmp / "lmdb", "--log-level", log_level, env=SERVER_ENV)
+    pid = server.proc.pid
+    try:
+        asyncio.run(_drive(server.port, requests[:warm], clients))  # channels, pools, first allocations
+        quiesce(pid)
+        base = rss_bytes(pid)
+        points = []
+        done = warm
+        rpc_s = 0.0
+        cpu_s = 0.0
+        for share in (0.25, 0.5, 1.0):
+            upto = warm + round(sessions * share)
+            c0 = proc_cpu_s(pid)
+            rpc_s += asyncio.run(_drive(server.port, requests[done:upto], clients))
+            cpu_s += proc_cpu_s(pid) - c0
+            done = upto
+            quiesce(pid)
+            rss = rss_bytes(pid)
+            points.append({"sessions": upto - warm, "rss": rss, "bytes_per_vin": (rss - base) / (upto - warm)})
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"presence server died:\n{server.log()[-3000:]}")
+    finally:
+        stop_server(server)
+    return {
+        "sessions": sessions,
+        "warm": warm,
+        "rss_base": base,
+        "points": points,
+        "bytes_per_vin": points[-1]["bytes_per_vin"],
+        "rpc_per_s": sessions / rpc_s,
+        "server_cpu_us_per_rpc": cpu_s / sessions * 1e6,
+    }
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def _mmm(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    return f"{fmt(min(values))} | {fmt(statistics.median(values))} | {fmt(max(values))}"
+
+
+def num(v: float) -> str:
+    return f"{v:,.0f}"
+
+
+def dec(v: float) -> str:
+    return f"{v:.2f}"
+
+
+def share(v: float) -> str:
+    return f"{v * 100:.0f} %"
+
+
+def mib(v: float) -> str:
+    return f"{v / (1 << 20):.1f}"
+
+
+def summarise(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    series: dict[str, list[float]] = {
+        "ours_msgs_per_s": [r["ours"]["msgs_per_s"] for r in rounds],
+        "raw_a_msgs_per_s": [r["raw_a"]["msgs_per_s"] for r in rounds],
+        "raw_b_msgs_per_s": [r["raw_b"]["msgs_per_s"] for r in rounds],
+        "ratio_ours_over_raw_a": [r["ratio_a"] for r in rounds],
+        "ratio_ours_over_raw_b": [r["ratio_b"] for r in rounds],
+    }
+    return {k: {"min": min(v), "median": statistics.median(v), "max": max(v)} for k, v in series.items()}
+
+
+def markdown(rounds: list[dict[str, Any]], lat: dict[str, Any], rss: dict[str, Any], meta: dict[str, Any]) -> str:
+    n, b = meta["vehicles"], meta["batches"]
+
+    def col(side: str, key: str) -> list[float]:
+        return [r[side][key] for r in rounds]
+
+    def cpu(side: str, group: str) -> list[float]:
+        return [r[side]["cpu"].get(group, 0.0) for r in rounds]
+
+    lines = [
+        f"### End to end: {n:,} vehicles x {b} batches = {n * b:,} QoS 1 deliveries per measurement, "
+        f"{meta['rounds']} rounds",
+        "",
+        "| metric | min | median | max |",
+        "|---|---:|---:|---:|",
+        f"| ours (batch → LMDB → MQTT → PUBACK → acked hook → row deleted) msgs/s | {_mmm(col('ours', 'msgs_per_s'), num)} |",  # noqa: E501
+        f"| raw (a) paho QoS 1, unconstrained, msgs/s | {_mmm(col('raw_a', 'msgs_per_s'), num)} |",
+        f"| raw (b) paho QoS 1, one in flight per subscriber, msgs/s | {_mmm(col('raw_b', 'msgs_per_s'), num)} |",
+        f"| **ratio ours/raw (a)** (paired per round) | {_mmm([r['ratio_a'] for r in rounds], dec)} |",
+        f"| **ratio ours/raw (b)** (paired per round) | {_mmm([r['ratio_b'] for r in rounds], dec)} |",
+        f"| ours seconds (first publish → 0 rows) | {_mmm(col('ours', 'seconds'), dec)} |",
+        f"| ours: the {b} publish_batch calls took s | {_mmm(col('ours', 'publish_s'), dec)} |",
+        f"| ours: one publish_batch ({n:,} VINs) p50 ms | {_mmm(col('ours', 'publish_p50_ms'), dec)} |",
+        f"| ours: one publish_batch max ms | {_mmm(col('ours', 'publish_max_ms'), dec)} |",
+        f"| ours: a no-op hook RPC meanwhile (IGNOREd publish, every 0.1 s) p50 ms | "
+        f"{_mmm(col('ours', 'probe_p50_ms'), dec)} |",
+        f"| ours: no-op hook RPC p99 ms | {_mmm(col('ours', 'probe_p99_ms'), dec)} |",
+        f"| ours: last vehicle receive at s | {_mmm(col('ours', 'last_receive_s'), dec)} |",
+        f"| ours: per-vehicle cycle (receive → next receive) p50 ms | {_mmm(col('ours', 'cycle_p50_ms'), dec)} |",
+        f"| ours: per-vehicle cycle p99 ms | {_mmm(col('ours', 'cycle_p99_ms'), dec)} |",
+        f"| ours: fleet part (receive → PUBACK + acked RPC answered) p50 ms | "
+        f"{_mmm(col('ours', 'fleet_p50_ms'), dec)} |",
+        f"| ours: of which the message.acked RPC round trip p50 ms | {_mmm(col('ours', 'rpc_p50_ms'), dec)} |",
+        f"| ours: server part (acked RPC answered → next receive) p50 ms | {_mmm(col('ours', 'turn_p50_ms'), dec)} |",
+        f"| raw (b): per-vehicle cycle p50 ms | {_mmm(col('raw_b', 'cycle_p50_ms'), dec)} |",
+        f"| ours hook RPCs/s handled (acked + batches) | {_mmm(col('ours', 'hook_rpcs_per_s'), num)} |",
+        f"| ours LMDB commits/s (group commits, 1 fsync each) | {_mmm(col('ours', 'commits_per_s'), num)} |",
+        f"| ours write ops per commit (row deletes + batches) | {_mmm(col('ours', 'ops_per_commit'), dec)} |",
+        "",
+        "| round | order | ours msgs/s | raw (a) msgs/s | raw (b) msgs/s | ours/(a) | ours/(b) | ours s |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for i, r in enumerate(rounds, 1):
+        lines.append(
+            f"| {i} | {r['order']} | {r['ours']['msgs_per_s']:,.0f} | {r['raw_a']['msgs_per_s']:,.0f} | "
+            f"{r['raw_b']['msgs_per_s']:,.0f} | {r['ratio_a']:.2f} | {r['ratio_b']:.2f} | "
+            f"{r['ours']['seconds']:.2f} |"
+        )
+
+    def med(side: str, key: str, group: str) -> float:
+        return float(statistics.median(r[side][key].get(group, 0.0) for r in rounds))
+
+    lines += [
+        "",
+        "#### Where the CPU went (median over rounds): µs of CPU per delivered message, and share of one core",
+        "",
+        "| process | ours µs/msg | ours core | raw (a) µs/msg | raw (a) core | raw (b) µs/msg | raw (b) core |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, ours_group, raw_group in (
+        ("sdv-fanout server / raw publisher", "server", "raw publisher"),
+        ("mosquitto", "mosquitto", "mosquitto"),
+        ("fleet: sim (vehicles + EMQX hook driver) / raw subscribers", "sim fleet", "raw fleet"),
+        ("this bench process", "bench", "bench"),
+        ("**all of the above**", "total", "total"),
+        ("other processes on the machine (not this bench)", "other processes", "other processes"),
+    ):
+        cells = [f"{med('ours', 'cpu_us_per_msg', ours_group):,.0f}", share(med("ours", "cpu", ours_group))]
+        for side in ("raw_a", "raw_b"):
+            cells += [f"{med(side, 'cpu_us_per_msg', raw_group):,.0f}", share(med(side, "cpu", raw_group))]
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    lines.append(
+        f"| server's busiest thread | {med('ours', 'cpu_us_per_msg', 'server busiest thread'):,.0f} | "
+        f"{share(med('ours', 'cpu', 'server busiest thread'))} | | | | |"
+    )
+    dups = sum(r[s]["duplicates"] for r in rounds for s in ("ours", "raw_a", "raw_b"))
+    lines += [
+        "",
+        f"### Batch → vehicle latency at about half load: {lat['batches']} batches of {n:,} VINs, "
+        f"one every {lat['interval_s']:.2f} s",
+        "",
+        "| metric | value |",
+        "|---|---:|",
+        f"| offered (half of ours' median) msgs/s | {lat['offered_msgs_per_s']:,.0f} |",
+        f"| achieved (first publish → 0 rows) msgs/s | {lat['achieved_msgs_per_s']:,.0f} |",
+        f"| samples (VIN, request) | {lat['samples']:,} |",
+        f"| latency from publish_batch returning: p50 ms | {lat['p50_ms']:.1f} |",
+        f"| p90 ms | {lat['p90_ms']:.1f} |",
+        f"| p99 ms | {lat['p99_ms']:.1f} |",
+        f"| max ms | {lat['max_ms']:.1f} |",
+        f"| min ms (negative: received before the hook's answer was back) | {lat['min_ms']:.1f} |",
+        f"| received before publish_batch returned | {lat['before_return']:,} |",
+        f"| latency from publish_batch called: p50 / p99 ms | {lat['call_p50_ms']:.1f} / {lat['call_p99_ms']:.1f} |",
+        f"| publish_batch call ({n:,} VINs, durable) p50 ms | {lat['publish_p50_ms']:.1f} |",
+        f"| CPU server / mosquitto / sim fleet / other processes (of one core) | {share(lat['cpu']['server'])} / "
+        f"{share(lat['cpu']['mosquitto'])} / {share(lat['cpu']['sim fleet'])} / "
+        f"{share(lat['cpu']['other processes'])} |",
+        "",
+        "### Server RSS per online VIN",
+        "",
+        "| measure | VINs | RSS before MiB | RSS after MiB | bytes per VIN |",
+        "|---|---:|---:|---:|---:|",
+        f"| e2e: {n:,} vehicles connected + subscribed (delivery on; includes fleet gRPC channels) | {n:,} | "
+        f"{mib(rss['e2e_before'])} | {mib(rss['e2e_after'])} | "
+        f"{(rss['e2e_after'] - rss['e2e_before']) / n:,.0f} |",
+    ]
+    pres = rss["presence"]
+    for p in pres["points"]:
+        lines.append(
+            f"| synthetic OnSessionSubscribed, delivery off (after {pres['warm']:,} warm-up sessions) | "
+            f"{p['sessions']:,} | {mib(pres['rss_base'])} | {mib(p['rss'])} | {p['bytes_per_vin']:,.0f} |"
+        )
+    lines += [
+        "",
+        f"Synthetic presence: {pres['rpc_per_s']:,.0f} OnSessionSubscribed RPC/s from {meta['presence_clients']} "
+        f"channels, {pres['server_cpu_us_per_rpc']:.0f} µs server CPU per RPC. "
+        f"Duplicate deliveries over all rounds: {dups}. Payload {meta['payload_bytes']} B, mosquitto "
+        f"max_inflight_messages 32, publisher window {meta['max_inflight']}, server workers = CPUs. "
+        f"{meta['cpus']} CPUs shared by broker, server, fleets and bench; 1-min load average "
+        f"{meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after; {meta['wall_s']:.0f} s "
+        f"wall. Seed {meta['seed']}.",
+    ]
+    return "\n".join(lines)
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="sdv-fanout end-to-end delivery vs raw paho QoS 1 (same run).")
+    p.add_argument("--vehicles", type=int, default=1000, help="online vehicles (default 1000)")
+    p.add_argument("--batches", type=int, default=20, help="batches per measurement, each naming all (default 20)")
+    p.add_argument("--rounds", type=int, default=3, help="paired rounds of ours / raw (a) / raw (b) (default 3)")
+    p.add_argument("--procs", type=int, default=4, help="processes per fleet (default 4; <= 300 vehicles each)")
+    p.add_argument("--latency-batches", type=int, default=0, help="paced batches for latency (default --batches)")
+    p.add_argument("--presence-sessions", type=int, default=100_000, help="synthetic sessions (default 100000)")
+    p.add_argument("--presence-clients", type=int, default=8, help="gRPC channels for the synthetic run")
+    p.add_argument("--payload-bytes", type=int, default=256, help="delivered payload size (default 256)")
+    p.add_argument("--max-inflight", type=int, default=50, help="raw publisher window (server default: 50)")
+    p.add_argument("--deadline-s", type=float, default=180, help="give up on a phase after this (default 180)")
+    p.add_argument("--seed", type=int, default=20240611)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="server log level (default info, as in production)")  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--keep-tmp", action="store_true", help="keep the tmp dir (logs, LMDB) even after a successful run")
+    args = p.parse_args(argv)
+    if min(args.vehicles, args.batches, args.rounds, args.procs, args.presence_sessions) < 1:
+        p.error("--vehicles, --batches, --rounds, --procs and --presence-sessions must be positive")
+    args.procs = max(args.procs, -(-args.vehicles // MAX_PER_PROC))
+    latency_batches = args.latency_batches or args.batches
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally blocks
+    wall0 = time.monotonic()
+    load_before = os.getloadavg()[0]
+    vins = make_vins(args.seed, args.vehicles)
+    tmp_root = Path(tempfile.mkdtemp(prefix="sdv-bench-e2e-"))
+    rounds: list[dict[str, Any]] = []
+    completed = False  # a failed run keeps its tmp dir for the post-mortem
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - wall0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        (tmp_root / "e2e").mkdir()
+        rig = Rig(args, tmp_root / "e2e", vins)
+        try:
+            rig.start_server()
+            assert rig.server is not None
+            pid = rig.server.proc.pid
+            quiesce(pid)
+            rss_before = rss_bytes(pid)
+            say(f"server up (pid {pid}, RSS {mib(rss_before)} MiB); connecting {args.vehicles} sim vehicles")
+            rig.start_sims()
+            quiesce(pid)
+            rss_after = rss_bytes(pid)
+            say(f"sim fleet subscribed (server RSS {mib(rss_after)} MiB); connecting the raw fleet")
+            rig.start_raws()
+            for r in range(args.rounds):
+                order = ("ours", "raw_a", "raw_b") if r % 2 == 0 else ("raw_b", "raw_a", "ours")
+                result: dict[str, Any] = {"order": "->".join(order)}
+                for side in order:
+                    seed = args.seed + 1000 * r + len(result)
+                    if side == "ours":
+                        result[side] = run_ours(rig, f"r{r}", args.payload_bytes, seed)
+                    else:
+                        result[side] = run_raw(rig, side[-1], f"r{r}{side[-1]}", args.payload_bytes, seed)
+                result["ratio_a"] = result["ours"]["msgs_per_s"] / result["raw_a"]["msgs_per_s"]
+                result["ratio_b"] = result["ours"]["msgs_per_s"] / result["raw_b"]["msgs_per_s"]
+                rounds.append(result)
+                say(
+                    f"round {r + 1}/{args.rounds}: ours {result['ours']['msgs_per_s']:,.0f} msgs/s, "
+                    f"raw (a) {result['raw_a']['msgs_per_s']:,.0f}, raw (b) {result['raw_b']['msgs_per_s']:,.0f}, "
+                    f"ours/(a) {result['ratio_a']:.2f}, ours/(b) {result['ratio_b']:.2f}"
+                )
+            median_ours = statistics.median(r["ours"]["msgs_per_s"] for r in rounds)
+            lat = run_latency(rig, median_ours, latency_batches, args.payload_bytes, args.seed + 7)
+            say(f"latency at {lat['offered_msgs_per_s']:,.0f} msgs/s offered: p50 {lat['p50_ms']:.0f} ms, "
+                f"p99 {lat['p99_ms']:.0f} ms")  # fmt: skip
+        finally:
+            rig.close()
+        (tmp_root / "presence").mkdir()
+        warm = min(1000, args.presence_sessions)
+        say(f"synthetic presence: {args.presence_sessions:,} OnSessionSubscribed on a server without delivery")
+        presence = run_presence(
+            tmp_root / "presence", args.presence_sessions, warm, args.presence_clients, args.log_level
+        )
+        say(f"presence: {presence['bytes_per_vin']:,.0f} bytes per VIN")
+        completed = True
+    finally:
+        if args.keep_tmp or not completed:
+            print(f"kept {tmp_root} (server, broker and fleet logs, LMDB)", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp_root, ignore_errors=True)
+
+    rss = {"e2e_before": rss_before, "e2e_after": rss_after, "presence": presence}
+    meta = {
+        "vehicles": args.vehicles,
+        "batches": args.batches,
+        "rounds": args.rounds,
+        "procs": args.procs,
+        "latency_batches": latency_batches,
+        "presence_sessions": args.presence_sessions,
+        "presence_clients": args.presence_clients,
+        "payload_bytes": args.payload_bytes,
+        "max_inflight": args.max_inflight,
+        "seed": args.seed,
+        "log_level": args.log_level,
+        "cpus": os.cpu_count(),
+        "loadavg_1m_before": load_before,
+        "loadavg_1m_after": os.getloadavg()[0],
+        "wall_s": time.monotonic() - wall0,
+        "python": platform.python_version(),
+        "grpc": grpc.__version__,
+        "paho": paho.mqtt.__version__,
+    }
+    print(markdown(rounds, lat, rss, meta))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"meta": meta, "summary": summarise(rounds), "rounds": rounds, "latency": lat, "rss": rss}, indent=2
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,425 @@
+"""Helper processes of bench/e2e.py: a slice of the fleet, or the raw reference publisher.
+
+paho's select() loop caps one process at about 330 clients, so bench/e2e.py
+spreads the fleet over several of these. Roles:
+
+* `sim`: vehicles driven by tests/emqx_sim.FakeEmqx (real paho MQTT 5 clients on
+  mosquitto; the driver calls our ExHook RPCs as EMQX would: connect, subscribe,
+  and one `message.acked` per PUBACK). Like tests/fleet_proc.py, but long-lived and
+  phase by phase, reporting every receive time.
+* `raw`: plain paho MQTT 5 subscribers on `<prefix>/<VIN>/proxy/request/+`, QoS 1,
+  acking each message as it arrives; with `signal`, each then publishes a QoS 0
+  `<ack-prefix>/<VIN>` so the publisher can keep one message in flight per VIN.
+* `pub`: the raw reference publisher: one paho MQTT 5 client, QoS 1, the same
+  in-flight window as the server's delivery client, mode `a` (everything at once)
+  or `b` (next message to a VIN only after that VIN's ack signal).
+
+Protocol: JSON lines. The process prints {"ready": n}; then for each command read
+from stdin it answers on stdout. Fleets: {"cmd": "phase", "expect": k, ...} →
+{"armed": true} at once, then {"done": {...}} when every vehicle got k new distinct
+messages (or the deadline passed). Publisher: {"cmd": "run", ...} → {"done": {...}}.
+{"cmd": "quit"} or EOF on stdin ends the process. Times are time.time() (one machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.emqx_sim
+
+from tests.emqx_sim import LOOPBACK, FakeEmqx
+
+POLL_S = 0.02  # progress polls with a deadline; the timings come from receive stamps
+
+
+def emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def commands() -> Any:
+    """Commands from stdin until EOF or quit."""
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "quit":
+            return
+        yield cmd
+
+
+# -- fleets ------------------------------------------------------------------------------------
+
+
+class Fleet:
+    """What both fleet kinds share: per-VIN receive logs of (request_id, time) and phase waiting."""
+
+    def __init__(self, vins: list[str]) -> None:
+        self.vins = vins
+
+    def count(self, vin: str) -> int:
+        """Messages `vin` received so far (cheap: polled)."""
+        raise NotImplementedError
+
+    def entries(self, vin: str, start: int) -> list[tuple[str, float, float]]:
+        """(request_id, receive time, handled time) of what `vin` received from index `start` on;
+        handled = PUBACK sent and, for sim vehicles, the message.acked RPC answered."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise if the fleet saw an error."""
+
+    def phase(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        expect = int(cmd["expect"])
+        starts = {vin: self.count(vin) for vin in self.vins}
+        emit({"armed": True})
+        deadline = time.monotonic() + float(cmd.get("deadline_s", 120))
+        pending = set(self.vins)
+        while pending and time.monotonic() < deadline:
+            self.check()
+            for vin in list(pending):
+                start = starts[vin]
+                if self.count(vin) - start >= expect and len({e[0] for e in self.entries(vin, start)}) >= expect:
+                    pending.discard(vin)
+            if pending:
+                time.sleep(POLL_S)
+        self.check()
+        count = 0
+        first_seen: dict[tuple[str, str], tuple[float, float]] = {}
+        for vin in self.vins:
+            new = self.entries(vin, starts[vin])
+            count += len(new)
+            for rid, t, done in new:
+                first_seen.setdefault((vin, rid), (t, done))
+        stamps = [t for t, _ in first_seen.values()]
+        # Per vehicle: receive → handled (the fleet's part: PUBACK, message.acked RPC), then
+        # handled → next receive (the server's part: ack → row delete → next publish → broker).
+        per_vin: dict[str, list[tuple[float, float]]] = {}
+        for (vin, _), td in first_seen.items():
+            per_vin.setdefault(vin, []).append(td)
+        cycle, fleet, turn = [], [], []
+        for tds in per_vin.values():
+            tds.sort()
+            fleet += [d - t for t, d in tds]
+            for (t0, d0), (t1, _) in itertools.pairwise(tds):
+                cycle.append(t1 - t0)
+                turn.append(t1 - d0)
+        out: dict[str, Any] = {
+            "count": count,
+            "distinct": len(first_seen),
+            "short": len(pending),
+            "first": min(stamps, default=0.0),
+            "last": max(stamps, default=0.0),
+            # samples are enough for percentiles
+            "cycle": sorted(cycle)[:: max(1, len(cycle) // 500)],
+            "fleet": sorted(fleet)[:: max(1, len(fleet) // 500)],
+            "turn": sorted(turn)[:: max(1, len(turn) // 500)],
+        }
+        if cmd.get("times"):
+            out["times"] = [[rid, t] for (_, rid), (t, _) in first_seen.items()]
+        return out
+
+
+class _Stamped(list):  # type: ignore[type-arg]
+    """Vehicle.received, also noting when each entry was appended (after its hooks ran)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done: list[float] = []
+
+    def append(self, item: Any) -> None:
+        self.done.append(time.time())
+        super().append(item)
+
+
+class SimFleet(Fleet):
+    """Vehicles of tests/emqx_sim.py: our hooks are called as EMQX would call them."""
+
+    def __init__(self, vins: list[str], exhook_port: int, mqtt_port: int, delivery_clientid: str) -> None:
+        super().__init__(vins)
+        self.emqx = FakeEmqx(exhook_port, mqtt_port, delivery_clientid=delivery_clientid)
+        self.rpc_s: list[float] = []  # round trips of message.acked RPCs, as this process sees them
+        call = self.emqx.client.call
+
+        def timed_call(method: str, request: Any, timeout_s: float = 10.0) -> Any:
+            t = time.perf_counter()
+            try:
+                return call(method, request, timeout_s)
+            finally:
+                if method == "OnMessageAcked":
+                    self.rpc_s.append(time.perf_counter() - t)
+
+        self.emqx.client.call = timed_call  # type: ignore[method-assign]
+        self.emqx.load()
+        self.vehicles = {}
+        for vin in vins:
+            v = self.emqx.vehicle(vin)
+            v.received = _Stamped()
+            v.connect()
+            v.subscribe()
+            self.vehicles[vin] = v
+
+    def count(self, vin: str) -> int:
+        return len(self.vehicles[vin].received)
+
+    def entries(self, vin: str, start: int) -> list[tuple[str, float, float]]:
+        # Received.time is time.time() in paho's on_message, before any hook runs; it is appended
+        # once PUBACK and message.acked are done.
+        got = self.vehicles[vin].received
+        done = got.done  # type: ignore[attr-defined]
+        return [(r.topic.rsplit("/", 1)[1], r.time, d) for r, d in zip(got[start:], done[start:], strict=False)]
+
+    def check(self) -> None:
+        self.emqx.check()
+
+    def phase(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        start = len(self.rpc_s)
+        out = super().phase(cmd)
+        rpc = sorted(self.rpc_s[start:])
+        out["rpc"] = rpc[:: max(1, len(rpc) // 500)]
+        return out
+
+    def close(self) -> None:
+        self.emqx.close(check=False)
+
+
+class RawFleet(Fleet):
+    """Plain paho subscribers: QoS 1, PUBACK as each message arrives, optional ack signal."""
+
+    def __init__(self, vins: list[str], mqtt_port: int, prefix: str, ack_prefix: str, timeout_s: float) -> None:
+        super().__init__(vins)
+        self.logs: dict[str, list[tuple[str, float, float]]] = {}
+        self.signal = False
+        self.closing = False
+        self.errors: list[str] = []
+        self.clients: list[mqtt.Client] = []
+        subscribed = threading.Semaphore(0)
+        for vin in vins:
+            self.logs[vin] = []
+            c = mqtt.Client(
+                CallbackAPIVersion.VERSION2,
+                client_id=f"raw-{vin}",
+                protocol=mqtt.MQTTv5,
+                manual_ack=True,
+                reconnect_on_failure=False,
+            )
+            c.on_connect = self._on_connect(vin, prefix)
+            c.on_subscribe = lambda *_a: subscribed.release()
+            c.on_message = self._on_message(vin, f"{ack_prefix}/{vin}")
+            c.on_disconnect = self._on_disconnect(vin)
+            c.connect(LOOPBACK, mqtt_port, keepalive=60, clean_start=True)
+            c.loop_start()
+            self.clients.append(c)
+        deadline = time.monotonic() + timeout_s
+        for _ in vins:
+            if not subscribed.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise SystemExit(f"raw fleet: not every subscriber subscribed within {timeout_s} s")
+
+    def _on_connect(self, vin: str, prefix: str) -> Any:
+        def on_connect(client: mqtt.Client, _u: Any, _flags: Any, rc: Any, _props: Any) -> None:
+            if rc.is_failure:
+                self.errors.append(f"{vin}: CONNACK {rc}")
+                return
+            client.subscribe(f"{prefix}/{vin}/proxy/request/+", options=SubscribeOptions(qos=1))
+
+        return on_connect
+
+    def _on_disconnect(self, vin: str) -> Any:
+        def on_disconnect(_c: Any, _u: Any, _flags: Any, rc: Any, _props: Any) -> None:
+            if not self.closing:
+                self.errors.append(f"{vin}: disconnected {rc}")
+
+        return on_disconnect
+
+    def _on_message(self, vin: str, ack_topic: str) -> Any:
+        log = self.logs[vin]
+
+        def on_message(client: mqtt.Client, _u: Any, message: mqtt.MQTTMessage) -> None:
+            t = time.time()
+            rid = message.topic.rsplit("/", 1)[1]
+            client.ack(message.mid, message.qos)  # PUBACK first, then the signal (as ack → hook)
+            if self.signal:
+                client.publish(ack_topic, rid.encode(), qos=0)
+            log.append((rid, t, time.time()))
+
+        return on_message
+
+    def count(self, vin: str) -> int:
+        return len(self.logs[vin])
+
+    def entries(self, vin: str, start: int) -> list[tuple[str, float, float]]:
+        return self.logs[vin][start:]
+
+    def phase(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.signal = bool(cmd.get("signal"))
+        return super().phase(cmd)
+
+    def check(self) -> None:
+        if self.errors:
+            raise RuntimeError(f"raw fleet: {len(self.errors)} error(s); first: {self.errors[0]}")
+
+    def close(self) -> None:
+        self.closing = True
+        for c in self.clients:
+            c.disconnect()
+        for c in self.clients:
+            c.loop_stop()
+
+
+# -- the raw reference publisher -----------------------------------------------------------------
+
+
+class Publisher:
+    """One paho client publishing QoS 1 to `<prefix>/<VIN>/proxy/request/<rid>`."""
+
+    def __init__(self, vins: list[str], mqtt_port: int, prefix: str, ack_prefix: str, max_inflight: int) -> None:
+        self.vins = vins
+        self.prefix = prefix
+        self.ack_prefix = ack_prefix
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.connected = threading.Event()
+        self.subscribed = threading.Event()
+        self.reset("a", 0)
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="raw-publisher", protocol=mqtt.MQTTv5)
+        c.max_inflight_messages_set(max_inflight)  # as the server's delivery client (mqtt_max_inflight)
+        c.max_queued_messages_set(0)
+        c.on_connect = lambda *_a: self.connected.set()
+        c.on_subscribe = lambda *_a: self.subscribed.set()
+        c.on_publish = self._on_publish
+        c.on_message = self._on_signal
+        c.connect(LOOPBACK, mqtt_port, keepalive=60, clean_start=True)
+        c.loop_start()
+        self.client = c
+        if not self.connected.wait(10):
+            raise SystemExit("publisher: no CONNACK")
+        c.subscribe(f"{ack_prefix}/+", options=SubscribeOptions(qos=0))
+        if not self.subscribed.wait(10):
+            raise SystemExit("publisher: no SUBACK")
+
+    def reset(self, mode: str, total: int) -> None:
+        self.mode = mode
+        self.total = total
+        self.pubacks = 0
+        self.signals = 0
+        self.last_puback = 0.0
+        self.last_signal = 0.0
+        self.payloads: dict[str, bytes] = {}
+        self.queues: dict[str, list[str]] = {}
+        self.done.clear()
+
+    def _publish(self, vin: str, rid: str) -> None:
+        info = self.client.publish(f"{self.prefix}/{vin}/proxy/request/{rid}", self.payloads[rid], qos=1)
+        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            raise RuntimeError(f"publish failed: {info.rc}")
+
+    def _finished(self) -> bool:
+        if self.pubacks < self.total:
+            return False
+        return self.mode == "a" or self.signals >= self.total
+
+    def _on_publish(self, _c: Any, _u: Any, _mid: int, _rc: Any, _props: Any) -> None:
+        with self.lock:
+            self.pubacks += 1
+            self.last_puback = time.time()
+            if self._finished():
+                self.done.set()
+
+    def _on_signal(self, _c: Any, _u: Any, message: mqtt.MQTTMessage) -> None:
+        vin = message.topic.rsplit("/", 1)[1]
+        with self.lock:
+            self.signals += 1
+            self.last_signal = time.time()
+            queue = self.queues.get(vin)
+            nxt = queue.pop() if queue else None
+            if self._finished():
+                self.done.set()
+        if nxt is not None:
+            self._publish(vin, nxt)
+
+    def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        rids: list[str] = cmd["rids"]
+        rng = random.Random(cmd.get("seed", 0))
+        with self.lock:
+            self.reset(cmd["mode"], len(rids) * len(self.vins))
+            self.payloads = {rid: rng.randbytes(int(cmd["payload_bytes"])) for rid in rids}
+        first = time.time()
+        if self.mode == "a":
+            # Batch-major, like B batches each naming every VIN; paho's window paces the broker.
+            for rid in rids:
+                for vin in self.vins:
+                    self._publish(vin, rid)
+        else:
+            with self.lock:
+                self.queues = {vin: list(reversed(rids[1:])) for vin in self.vins}  # pop() = oldest
+            for vin in self.vins:
+                self._publish(vin, rids[0])
+        ok = self.done.wait(float(cmd.get("deadline_s", 120)))
+        with self.lock:
+            return {
+                "ok": ok,
+                "first": first,
+                "published": self.total,
+                "pubacks": self.pubacks,
+                "signals": self.signals,
+                "last_puback": self.last_puback,
+                "last_signal": self.last_signal,
+            }
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=("sim", "raw", "pub"), required=True)
+    p.add_argument("--mqtt-port", type=int, required=True)
+    p.add_argument("--vins", required=True, help="comma-separated")
+    p.add_argument("--exhook-port", type=int, default=0)
+    p.add_argument("--delivery-clientid", default="")
+    p.add_argument("--prefix", default="refer", help="raw topics: <prefix>/<VIN>/proxy/request/<rid>")
+    p.add_argument("--ack-prefix", default="refer-ack")
+    p.add_argument("--max-inflight", type=int, default=50)
+    p.add_argument("--timeout-s", type=float, default=120)
+    args = p.parse_args()
+    vins = args.vins.split(",")
+    worker: Any
+    if args.role == "sim":
+        worker = SimFleet(vins, args.exhook_port, args.mqtt_port, args.delivery_clientid)
+    elif args.role == "raw":
+        worker = RawFleet(vins, args.mqtt_port, args.prefix, args.ack_prefix, args.timeout_s)
+    else:
+        worker = Publisher(vins, args.mqtt_port, args.prefix, args.ack_prefix, args.max_inflight)
+    try:
+        emit({"ready": len(vins)})
+        for cmd in commands():
+            if cmd["cmd"] == "phase" and isinstance(worker, Fleet):
+                emit({"done": worker.phase(cmd)})
+            elif cmd["cmd"] == "run" and isinstance(worker, Publisher):
+                emit({"done": worker.run(cmd)})
+            else:
+                raise SystemExit(f"unknown command for {args.role}: {cmd}")
+    finally:
+        worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
