@@ -114,7 +114,7 @@ class AdminServicer:
         return answer
 
 
-def generic_handler(servicer: AdminServicer) -> grpc.GenericRpcHandler:
+def method_handlers(servicer: AdminServicer) -> dict[str, grpc.RpcMethodHandler]:
     service = apb.DESCRIPTOR.services_by_name["Admin"]
     methods: dict[str, Any] = {}
     for method in service.methods:
@@ -124,4 +124,4 @@ def generic_handler(servicer: AdminServicer) -> grpc.GenericRpcHandler:
         methods[method.name] = grpc.unary_unary_rpc_method_handler(
             fn, request_deserializer=request_cls.FromString, response_serializer=response_cls.SerializeToString
         )
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+    return methods

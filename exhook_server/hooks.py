@@ -278,8 +278,12 @@ class HookServicer:
         return no_opinion
 
 
-def generic_handlers(servicer: HookServicer) -> list[grpc.GenericRpcHandler]:
-    """One handler per service name, both backed by the same servicer and v3 classes."""
+def method_handlers(servicer: HookServicer) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
+    """Service name → method handlers; both services are backed by the same servicer and v3 classes.
+
+    Registered (not generic) handlers: grpc.aio then accepts calls per method, instead of one
+    generic call at a time for the whole server, which queued hook calls under load.
+    """
     # Importing v2 registers its descriptors, so reflection can describe emqx.exhook.v2.
     assert exhook_v2_pb2.DESCRIPTOR.package == "emqx.exhook.v2"
     methods = {
@@ -290,4 +294,4 @@ def generic_handlers(servicer: HookServicer) -> list[grpc.GenericRpcHandler]:
         )
         for name, request_cls, response_cls in _rpc_names()
     }
-    return [grpc.method_handlers_generic_handler(service, methods) for service in SERVICE_NAMES]
+    return {service: methods for service in SERVICE_NAMES}

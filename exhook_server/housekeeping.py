@@ -72,9 +72,10 @@ async def gc_loop(cfg: Config, store: Store, committer: GroupCommitter) -> None:
         await asyncio.sleep(cfg.gc_interval_s)
 
 
-async def gauge_loop(dispatcher: Dispatcher, store: Store, interval_s: float = 5.0) -> None:
-    """Keep the level gauges (online, in flight, pending rows) fresh for scrapes."""
+async def tick_loop(dispatcher: Dispatcher, store: Store, interval_s: float = 5.0) -> None:
+    """Every few seconds: re-send timed-out deliveries, refresh the level gauges for scrapes."""
     while True:
+        dispatcher.sweep()
         dispatcher.refresh_gauges()
         with contextlib.suppress(StorageError):
             metrics.PENDING_ROWS.set(store.row_count())

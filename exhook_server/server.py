@@ -86,7 +86,8 @@ class FanoutServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ]
         )
-        self._server.add_generic_rpc_handlers(hooks.generic_handlers(self.servicer))
+        for service, methods in hooks.method_handlers(self.servicer).items():
+            self._server.add_registered_method_handlers(service, methods)
         self.admin = admin.AdminServicer(
             cfg,
             self.store,
@@ -94,7 +95,7 @@ class FanoutServer:
             self.dispatcher,
             lambda: self.delivery is not None and self.delivery.connected,
         )
-        self._server.add_generic_rpc_handlers([admin.generic_handler(self.admin)])
+        self._server.add_registered_method_handlers(admin.SERVICE_NAME, admin.method_handlers(self.admin))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (
@@ -145,7 +146,10 @@ class FanoutServer:
         self._tasks += [
             asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
             asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer), name="gc"),
-            asyncio.create_task(housekeeping.gauge_loop(self.dispatcher, self.store), name="gauges"),
+            asyncio.create_task(
+                housekeeping.tick_loop(self.dispatcher, self.store, min(5.0, self.cfg.inflight_timeout_s / 4)),
+                name="tick",
+            ),
         ]
         for service in ("", *hooks.SERVICE_NAMES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -45,6 +45,8 @@ class Trigger(enum.StrEnum):
     BROKER_BACK = "broker_back"
     #: An operator asked (Admin.Requeue): forget the in-flight entry and send again.
     REQUEUE = "requeue"
+    #: The periodic sweep found a delivery unacked for longer than the in-flight timeout.
+    TIMEOUT = "timeout"
 
 
 class EndReason(enum.StrEnum):
@@ -118,4 +120,10 @@ class BrokerBack:
     """Internal, to every worker: our MQTT connection is back; send to everyone online."""
 
 
-Command = MaybeSend | Acknowledge | Connected | Down | Requeue | AckCommitted | BrokerLost | BrokerBack
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """Internal, to every worker: re-send deliveries older than the in-flight timeout
+    to vehicles still online (a lost PUBACK must not wait for the next heartbeat)."""
+
+
+Command = MaybeSend | Acknowledge | Connected | Down | Requeue | AckCommitted | BrokerLost | BrokerBack | Sweep

@@ -26,6 +26,7 @@ from exhook_server.dispatch.commands import (
     MaybeSend,
     Requeue,
     Session,
+    Sweep,
     Trigger,
 )
 from exhook_server.dispatch.ring import HashRing
@@ -89,7 +90,7 @@ class Dispatcher:
     # -- routing ---------------------------------------------------------------
     def submit(self, cmd: Command) -> None:
         """Queue a command on the worker that owns its VIN (event-loop thread only)."""
-        assert not isinstance(cmd, BrokerLost | BrokerBack)
+        assert not isinstance(cmd, BrokerLost | BrokerBack | Sweep)
         self._queues[self.ring.owner(cmd.vin)].put_nowait(cmd)
 
     def _broadcast(self, cmd: Command) -> None:
@@ -148,6 +149,10 @@ class Dispatcher:
         """Our MQTT connection changed state (event-loop thread)."""
         metrics.MQTT_CONNECTED.set(1 if up else 0)
         self._broadcast(BrokerBack() if up else BrokerLost())
+
+    def sweep(self) -> None:
+        """Re-send timed-out deliveries (called periodically by the server)."""
+        self._broadcast(Sweep())
 
     # -- introspection -----------------------------------------------------------
     def refresh_gauges(self) -> None:

@@ -35,6 +35,7 @@ from exhook_server.dispatch.commands import (
     MaybeSend,
     Requeue,
     Session,
+    Sweep,
     Trigger,
 )
 from storage.keys import Row
@@ -123,6 +124,11 @@ class Worker:
         elif isinstance(cmd, BrokerLost):
             # Whatever our client had not delivered is gone with its connection.
             self.inflight.clear()
+        elif isinstance(cmd, Sweep):
+            now = self._clock()
+            late = [v for v, e in self.inflight.items() if not e.acking and now - e.sent_at >= self._timeout]
+            for vin in late:
+                self._try_send(vin, Trigger.TIMEOUT)
         elif isinstance(cmd, BrokerBack):
             for vin in list(self.presence):
                 self._try_send(vin, Trigger.BROKER_BACK)

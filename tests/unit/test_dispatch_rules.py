@@ -13,6 +13,7 @@ from exhook_server.dispatch.commands import (
     EndReason,
     MaybeSend,
     Session,
+    Sweep,
     Trigger,
 )
 from exhook_server.dispatch.worker import Worker
@@ -262,3 +263,18 @@ def test_sending_an_unacked_request_again_counts_as_resend(rig: Rig) -> None:
     rig.rows.add("VIN1", "task_a_1", b"x")
     rig.do(MaybeSend(Trigger.NEW_BATCH, "VIN1"))
     assert resent() == before + 1  # a new row after the ack is a first send
+
+
+def test_sweep_resends_timed_out_delivery_without_a_trigger(rig: Rig) -> None:
+    """A lost PUBACK does not wait for the next heartbeat: the periodic sweep re-sends after the timeout."""
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.do(Sweep())
+    assert rig.sent_rids == ["task_a_1"]
+    rig.clock.now += 61
+    rig.do(Sweep())
+    assert rig.sent_rids == ["task_a_1", "task_a_1"]
+    rig.do(Down("VIN1", S1, EndReason.OFFLINE))
+    rig.clock.now += 61
+    rig.do(Sweep())
+    assert rig.sent_rids == ["task_a_1", "task_a_1"]  # offline: nothing to send to
