@@ -70,6 +70,14 @@ class MaybeSend:
 
 
 @dataclass(frozen=True, slots=True)
+class NewBatch:
+    """New rows for these VINs, all owned by one worker: one queue entry per worker per batch
+    instead of one per VIN (a batch names hundreds of mostly offline vehicles)."""
+
+    vins: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Acknowledge:
     """The vehicle PUBACKed our delivery of `request_id` whose payload hashes to `sha1`."""
 
@@ -126,4 +134,6 @@ class Sweep:
     to vehicles still online (a lost PUBACK must not wait for the next heartbeat)."""
 
 
-Command = MaybeSend | Acknowledge | Connected | Down | Requeue | AckCommitted | BrokerLost | BrokerBack | Sweep
+Command = (
+    MaybeSend | NewBatch | Acknowledge | Connected | Down | Requeue | AckCommitted | BrokerLost | BrokerBack | Sweep
+)

@@ -24,6 +24,7 @@ from exhook_server.dispatch.commands import (
     Down,
     EndReason,
     MaybeSend,
+    NewBatch,
     Requeue,
     Session,
     Sweep,
@@ -90,7 +91,7 @@ class Dispatcher:
     # -- routing ---------------------------------------------------------------
     def submit(self, cmd: Command) -> None:
         """Queue a command on the worker that owns its VIN (event-loop thread only)."""
-        assert not isinstance(cmd, BrokerLost | BrokerBack | Sweep)
+        assert not isinstance(cmd, BrokerLost | BrokerBack | Sweep | NewBatch)
         self._queues[self.ring.owner(cmd.vin)].put_nowait(cmd)
 
     def _broadcast(self, cmd: Command) -> None:
@@ -115,8 +116,12 @@ class Dispatcher:
 
     # -- events from hooks -------------------------------------------------------
     def new_batch(self, vins: Iterable[str], request_id: str = "") -> None:
+        by_worker: dict[str, list[str]] = {}
+        owner = self.ring.owner
         for vin in vins:
-            self.submit(MaybeSend(Trigger.NEW_BATCH, vin))
+            by_worker.setdefault(owner(vin), []).append(vin)
+        for name, mine in by_worker.items():
+            self._queues[name].put_nowait(NewBatch(tuple(mine)))
 
     def subscribed(self, session: Session, vin: str) -> None:
         self._remember(session.clientid, vin)

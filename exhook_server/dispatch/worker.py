@@ -33,6 +33,7 @@ from exhook_server.dispatch.commands import (
     Down,
     EndReason,
     MaybeSend,
+    NewBatch,
     Requeue,
     Session,
     Sweep,
@@ -101,7 +102,12 @@ class Worker:
         self._unacked: dict[str, tuple[str, bytes]] = {}
 
     def handle(self, cmd: Command) -> None:
-        if isinstance(cmd, MaybeSend):
+        if isinstance(cmd, NewBatch):
+            presence = self.presence
+            for vin in cmd.vins:
+                if vin in presence:
+                    self._try_send(vin, Trigger.NEW_BATCH)
+        elif isinstance(cmd, MaybeSend):
             self._maybe_send(cmd)
         elif isinstance(cmd, Acknowledge):
             self._acknowledge(cmd)
