@@ -14,6 +14,7 @@ import structlog
 from exhook_server import metrics
 from exhook_server.config import Config
 from exhook_server.dispatch.pool import Dispatcher
+from exhook_server.ingest import report_expired_early
 from storage import gc
 from storage.errors import StorageError
 from storage.store import Store, now_ms
@@ -59,15 +60,7 @@ async def gc_loop(cfg: Config, store: Store, committer: GroupCommitter) -> None:
                 ("early", report.early_expired),
             ):
                 metrics.GC_DELETED.labels(kind).inc(n)
-            for e in report.expired_early:
-                log.warning(
-                    "early_trigger_expired",
-                    reason="data_never_arrived",
-                    data_id=e.data_id,
-                    request_id=e.request_id,
-                    vins=e.vins,
-                    age_ms=e.age_ms,
-                )
+            report_expired_early(report.expired_early)
             log.info("gc_finished", **report.as_dict())
         await asyncio.sleep(cfg.gc_interval_s)
 

@@ -28,6 +28,20 @@ log = structlog.get_logger("sdv_fanout.ingest")
 StoredListener = Callable[[tuple[str, ...], str], None]
 
 
+def report_expired_early(expired: list[ops.EarlyExpired]) -> None:
+    """One log line and one count per early trigger whose data never came (sweeper and GC alike)."""
+    for e in expired:
+        metrics.EARLY_EXPIRED.inc()
+        log.warning(
+            "early_trigger_expired",
+            reason="data_never_arrived",
+            data_id=e.data_id,
+            request_id=e.request_id,
+            vins=e.vins,
+            age_ms=e.age_ms,
+        )
+
+
 class IngestTimeout(StorageError):
     """The commit did not finish within ingest_timeout_s (it may still land later)."""
 
@@ -157,16 +171,7 @@ class Ingestor:
                 limit=self._cfg.early_max_count,
             )
         )
-        for e in expired:
-            metrics.EARLY_EXPIRED.inc()
-            log.warning(
-                "early_trigger_expired",
-                reason="data_never_arrived",
-                data_id=e.data_id,
-                request_id=e.request_id,
-                vins=e.vins,
-                age_ms=e.age_ms,
-            )
+        report_expired_early(expired)
         return expired
 
     async def run_early_sweeper(self) -> None:
