@@ -216,3 +216,14 @@ class SubprocessServer:
         code = self.proc.wait(timeout_s)
         self._log.close()
         return code
+
+
+def put(writer: Any, store: Any, vins: list[str], rid: str, blob: bytes, at: int) -> None:
+    """Store one seed-format batch directly (no gRPC), committed, with row timestamp `at` (ms)."""
+    import functools
+
+    from storage import ops
+
+    writer.submit(
+        functools.partial(ops.store_batch, t=store.tables, vins=vins, request_id=rid, blob=blob, now_ms=at)
+    ).result()

@@ -6,7 +6,6 @@ import functools
 import hashlib
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,25 +16,11 @@ from storage.export import export
 from storage.plan import apply_plan
 from storage.store import Store, now_ms
 from storage.writer import GroupCommitter
-from tests.harness import BIN
+from tests.harness import BIN, put
 from tests.plan_reference import read, reference_plan, write_plan
 
 HOUR = 3_600_000
 DAY = 24 * HOUR
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[tuple[Store, GroupCommitter]]:
-    store = Store(tmp_path / "db")
-    writer = GroupCommitter(store)
-    yield store, writer
-    writer.close()
-    store.close()
-
-
-def put(writer: GroupCommitter, store: Store, vins: list[str], rid: str, blob: bytes, at: int) -> None:
-    op = functools.partial(ops.store_batch, t=store.tables, vins=vins, request_id=rid, blob=blob, now_ms=at)
-    writer.submit(op).result()
 
 
 def test_export_is_a_faithful_snapshot(env: tuple[Store, GroupCommitter], tmp_path: Path) -> None:

@@ -6,33 +6,15 @@ import functools
 import hashlib
 import random
 import threading
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from storage import gc, keys, ops
 from storage.store import Store
 from storage.writer import GroupCommitter
+from tests.harness import put
 
 HOUR = 3_600_000
 DAY = 24 * HOUR
 NOW = 100 * DAY
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[tuple[Store, GroupCommitter]]:
-    store = Store(tmp_path / "db")
-    writer = GroupCommitter(store)
-    yield store, writer
-    writer.close()
-    store.close()
-
-
-def put(writer: GroupCommitter, store: Store, vins: list[str], rid: str, blob: bytes, at: int) -> None:
-    writer.submit(
-        functools.partial(ops.store_batch, t=store.tables, vins=vins, request_id=rid, blob=blob, now_ms=at)
-    ).result()
 
 
 def run(store: Store, writer: GroupCommitter, *, dry_run: bool = False, now: int = NOW) -> gc.GcReport:
