@@ -34,9 +34,9 @@ check: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m exhook_server.protogen
 
-## bench: the benchmarks in bench/ (not part of `make test`)
+## bench: every benchmark in bench/ (~2-3 min), writes docs/BENCHMARKS.md and docs/bench_*.png (not part of `make test`)
 bench: $(STAMP)
-	$(BIN)/python bench/ingest.py
+	$(BIN)/python bench/run_all.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info var
