@@ -1,7 +1,8 @@
 """The `sdv.fanout.v1.Admin` service: what an operator asks a running server, through grpcurl.
 
 Read-only views of the store and of the dispatch state, plus two actions (GC now, requeue one
-vehicle). It runs on the event loop that owns the dispatch state, so reads need no locks.
+vehicle). It runs on the event loop that owns the dispatch state, so reads need no locks; with
+several server processes, the state other processes own is asked for over local IPC.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class AdminServicer:
 
     async def GetStats(self, request: apb.GetStatsRequest, context: grpc.aio.ServicerContext) -> apb.Stats:
         stats = await asyncio.to_thread(self._store.stats)  # scans: keep it off the event loop
+        online, in_flight, backlog = await self._dispatch.group_totals()
         return apb.Stats(
             rows=stats.rows,
             blobs=stats.blobs,
@@ -61,21 +63,20 @@ class AdminServicer:
             map_size_bytes=stats.map_size_bytes,
             map_used_bytes=stats.map_used_bytes,
             schema_version=stats.schema_version,
-            online_vehicles=len(self._dispatch.online()),
-            in_flight=self._dispatch.in_flight_count(),
-            dispatch_backlog=self._dispatch.backlog(),
+            online_vehicles=online,
+            in_flight=in_flight,
+            dispatch_backlog=backlog,
             mqtt_connected=self._mqtt_connected(),
         )
 
     async def GetVehicle(self, request: apb.GetVehicleRequest, context: grpc.aio.ServicerContext) -> apb.Vehicle:
         vin = request.vin
-        worker = self._dispatch.worker_of(vin)
-        out = apb.Vehicle(vin=vin, worker=worker.name)
-        session = worker.presence.get(vin)
+        out = apb.Vehicle(vin=vin, worker=self._dispatch.ring.owner(vin))
+        # With several server processes, the owning one holds presence and in-flight state.
+        session, entry = await self._dispatch.vehicle_state(vin)
         if session is not None:
             out.online = True
             out.session.CopyFrom(_session(session))
-        entry = worker.inflight.get(vin)
         if entry is not None:
             out.in_flight.CopyFrom(
                 apb.InFlight(
@@ -94,7 +95,7 @@ class AdminServicer:
         self, request: apb.ListOnlineRequest, context: grpc.aio.ServicerContext
     ) -> apb.ListOnlineResponse:
         size = min(request.page_size or 100, _MAX_PAGE)
-        vins = self._dispatch.online()
+        vins = await self._dispatch.group_online()
         start = bisect.bisect_right(vins, request.page_token) if request.page_token else 0
         page = vins[start : start + size]
         more = start + size < len(vins)
@@ -106,10 +107,8 @@ class AdminServicer:
         return apb.GCReport(**d)
 
     async def Requeue(self, request: apb.RequeueRequest, context: grpc.aio.ServicerContext) -> apb.RequeueResponse:
-        worker = self._dispatch.worker_of(request.vin)
-        answer = apb.RequeueResponse(
-            was_in_flight=request.vin in worker.inflight, online=request.vin in worker.presence
-        )
+        session, entry = await self._dispatch.vehicle_state(request.vin)
+        answer = apb.RequeueResponse(was_in_flight=entry is not None, online=session is not None)
         self._dispatch.requeue(request.vin)
         return answer
 

@@ -7,7 +7,6 @@ data dir of a running server (LMDB readers never block its writer).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import os
@@ -88,10 +87,9 @@ def _data_dir(args: argparse.Namespace) -> str:
 def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
     log.configure(cfg.log_format, cfg.log_level)
-    from exhook_server.server import serve  # grpc is imported only when serving
+    from exhook_server.procs import serve_main
 
-    asyncio.run(serve(cfg, ready_file=args.ready_file))
-    return 0
+    return serve_main(cfg, args.ready_file)
 
 
 def _admin_call(server: str, method: str, request: Any) -> dict[str, Any]:

@@ -41,6 +41,10 @@ class Config:
     # Prometheus /metrics (plain HTTP, its own port as scrapers expect); "" = off.
     metrics_listen: str = "0.0.0.0:9100"
 
+    # Server processes sharing the port (SO_REUSEPORT) and the LMDB environment; 0 = one per
+    # CPU: a Python process answers hooks on one core, so this is how the server uses them all.
+    processes: int = 0
+
     # Whole SIGTERM drain, below Kubernetes' default 30 s terminationGracePeriodSeconds.
     shutdown_timeout_s: float = 20.0
 
@@ -132,6 +136,11 @@ class Config:
         _validate(self)
 
     @property
+    def process_count(self) -> int:
+        """Server processes actually started: `processes`, or one per CPU."""
+        return self.processes or os.cpu_count() or 1
+
+    @property
     def worker_count(self) -> int:
         """Workers actually started: `workers`, or one per CPU."""
         return self.workers or os.cpu_count() or 1
@@ -207,6 +216,8 @@ def _validate(cfg: Config) -> None:
     for topic in cfg.heartbeat_topics:
         if topic.count("{VIN}") != 1 or any(c in topic for c in "+#"):
             raise ConfigError(f"heartbeat topic {topic!r} must contain {{VIN}} once and no wildcards")
+    if cfg.processes < 0:
+        raise ConfigError("processes must be >= 0 (0 = one per CPU)")
     if cfg.workers < 0 or cfg.mqtt_max_inflight <= 0 or cfg.inflight_timeout_s <= 0:
         raise ConfigError("workers must be >= 0; mqtt_max_inflight and inflight_timeout_s positive")
     if cfg.mqtt_url and not cfg.mqtt_url.startswith(("mqtt://", "mqtts://")):

@@ -40,10 +40,27 @@ DELIVERIES_ACKED = Counter(
     "PUBACKs of our deliveries; deleted = row removed, kept = row was replaced or already gone",
     ["result"],
 )
-ONLINE_VEHICLES = Gauge("sdv_fanout_online_vehicles", "VINs with a live session known to dispatch")
-IN_FLIGHT = Gauge("sdv_fanout_in_flight", "Deliveries waiting for their PUBACK")
-MQTT_CONNECTED = Gauge("sdv_fanout_mqtt_connected", "1 while the delivery client is connected to the broker")
+# Gauges say how to combine the server processes' values (prometheus-client's multiprocess
+# mode, used when processes > 1; ignored with one process).
+ONLINE_VEHICLES = Gauge(
+    "sdv_fanout_online_vehicles", "VINs with a live session known to dispatch", multiprocess_mode="livesum"
+)
+IN_FLIGHT = Gauge("sdv_fanout_in_flight", "Deliveries waiting for their PUBACK", multiprocess_mode="livesum")
+MQTT_CONNECTED = Gauge(
+    "sdv_fanout_mqtt_connected",
+    "1 while the delivery client of every server process is connected to the broker",
+    multiprocess_mode="livemin",
+)
+FORWARDED = Counter(
+    "sdv_fanout_dispatch_forwarded_total", "Dispatch events handed to the server process that owns their VIN"
+)
 GC_RUNS = Counter("sdv_fanout_gc_runs_total", "Garbage collection passes, by outcome", ["outcome"])
 GC_DELETED = Counter("sdv_fanout_gc_deleted_total", "What GC removed, by kind (rows, aliases, blobs, early)", ["kind"])
-PENDING_ROWS = Gauge("sdv_fanout_pending_rows", "(VIN, request_id) rows waiting for delivery")
-MAP_USAGE = Gauge("sdv_fanout_lmdb_map_usage_ratio", "Used pages / LMDB map size (the map grows when full)")
+PENDING_ROWS = Gauge(
+    "sdv_fanout_pending_rows", "(VIN, request_id) rows waiting for delivery", multiprocess_mode="livemostrecent"
+)
+MAP_USAGE = Gauge(
+    "sdv_fanout_lmdb_map_usage_ratio",
+    "Used pages / LMDB map size (the map grows when full)",
+    multiprocess_mode="livemostrecent",
+)

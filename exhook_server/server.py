@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,12 @@ from grpc_reflection.v1alpha import reflection
 from exhook_server import admin, hooks, housekeeping
 from exhook_server.config import Config, split_host_port
 from exhook_server.delivery import MqttDelivery
+from exhook_server.dispatch.peers import Group, Peers
 from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.dispatch.rows import StoreRows
 from exhook_server.errors import ConfigError
 from exhook_server.ingest import Ingestor
+from exhook_server.procs import write_ready_file
 from storage.store import Store
 from storage.writer import GroupCommitter
 
@@ -54,10 +56,16 @@ def server_credentials(cfg: Config) -> grpc.ServerCredentials | None:
 
 
 class FanoutServer:
-    """One running sdv-fanout server; `start()`, then `stop()`."""
+    """One running sdv-fanout server process; `start()`, then `stop()`.
 
-    def __init__(self, cfg: Config) -> None:
+    With a `group` it is one of several processes (see `procs`): it binds the group's port
+    with SO_REUSEPORT, forwards dispatch events to the process owning their VIN, and only
+    process 0 runs the store-wide housekeeping (GC, early-trigger sweep).
+    """
+
+    def __init__(self, cfg: Config, group: Group | None = None) -> None:
         self.cfg = cfg
+        self.group = group
         self.store = Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes)
         self.committer = GroupCommitter(self.store, max_ops=cfg.group_commit_max_ops)
         self.ingestor = Ingestor(cfg, self.store, self.committer)
@@ -69,7 +77,12 @@ class FanoutServer:
             workers=cfg.worker_count,
             inflight_timeout_s=cfg.inflight_timeout_s,
             vin_from_clientid=(lambda c: vin_re.fullmatch(c) is not None) if cfg.vin_from_clientid else None,
+            process=group.index if group else 0,
+            processes=group.size if group else 1,
+            forward=(lambda process, item: self._peers().send(process, item)) if group else None,
+            ask=(lambda process, query: self._peers().ask(process, query)) if group else None,
         )
+        self.peers = Peers(group, self.dispatcher.receive, self.dispatcher.answer) if group else None
         self.ingestor.listeners.append(self.dispatcher.new_batch)
         self.servicer = hooks.HookServicer(cfg, self.ingestor, self.dispatcher)
         self.health = health.aio.HealthServicer()
@@ -81,8 +94,9 @@ class FanoutServer:
                 # EMQX keeps its pool connections open for hours; answer its pings.
                 ("grpc.keepalive_permit_without_calls", 1),
                 # gRPC shares ports by default (SO_REUSEPORT): a second server started by mistake
-                # on another data dir would silently take half of EMQX's calls. Fail loudly instead.
-                ("grpc.so_reuseport", 0),
+                # on another data dir would silently take half of EMQX's calls. Fail loudly instead,
+                # unless this process is one of a group that shares the port on purpose.
+                ("grpc.so_reuseport", 1 if group else 0),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ]
         )
@@ -111,6 +125,10 @@ class FanoutServer:
         self._metrics_http: Any = None
         self._tasks: list[asyncio.Task[None]] = []
 
+    def _peers(self) -> Peers:
+        assert self.peers is not None
+        return self.peers
+
     def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
         """The dispatcher's Publisher: the MQTT delivery client, once started."""
         return self.delivery is not None and self.delivery.publish(vin, request_id, payload)
@@ -118,6 +136,9 @@ class FanoutServer:
     async def start(self) -> int:
         """Bind, start serving, report SERVING; returns the bound port."""
         host, port = self.cfg.host_port
+        if self.group is not None:
+            port = self.group.port
+            await self.peers.start()  # type: ignore[union-attr]
         self.dispatcher.start()
         if self.cfg.mqtt_url:
             self.delivery = MqttDelivery(self.cfg, asyncio.get_running_loop(), self.dispatcher.broker_connected)
@@ -143,14 +164,17 @@ class FanoutServer:
                 raise ConfigError(f"metrics_listen {self.cfg.metrics_listen}: {exc.strerror}") from None
             self.metrics_port = self._metrics_http.server_port
         await self._server.start()
-        self._tasks += [
-            asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
-            asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer), name="gc"),
+        self._tasks.append(
             asyncio.create_task(
                 housekeeping.tick_loop(self.dispatcher, self.store, min(5.0, self.cfg.inflight_timeout_s / 4)),
                 name="tick",
-            ),
-        ]
+            )
+        )
+        if self.group is None or self.group.index == 0:  # store-wide work: once per data dir
+            self._tasks += [
+                asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
+                asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer), name="gc"),
+            ]
         for service in ("", *hooks.SERVICE_NAMES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -161,6 +185,7 @@ class FanoutServer:
             data_dir=str(self.store.path),
             stale_readers_cleared=self.store.stale_readers_cleared,
             pid=os.getpid(),
+            process=f"{self.group.index + 1}/{self.group.size}" if self.group else "1/1",
         )
         return self.port
 
@@ -171,6 +196,8 @@ class FanoutServer:
         if self.delivery is not None:
             await asyncio.to_thread(self.delivery.stop)
         await self.dispatcher.stop()
+        if self.peers is not None:
+            await self.peers.stop()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -186,14 +213,20 @@ class FanoutServer:
         await self._server.wait_for_termination()
 
 
-async def serve(cfg: Config, ready_file: str | None = None) -> None:
+async def serve(
+    cfg: Config,
+    ready_file: str | None = None,
+    *,
+    group: Group | None = None,
+    on_ready: Callable[[int], None] | None = None,
+) -> None:
     """Run until SIGTERM or SIGINT, then stop gracefully."""
-    server = FanoutServer(cfg)
+    server = FanoutServer(cfg, group)
     port = await server.start()
     if ready_file:
-        tmp = Path(ready_file + ".tmp")
-        tmp.write_text(json.dumps({"port": port, "metrics_port": server.metrics_port, "pid": os.getpid()}))
-        tmp.replace(ready_file)
+        write_ready_file(ready_file, {"port": port, "metrics_port": server.metrics_port, "pid": os.getpid()})
+    if on_ready is not None:
+        on_ready(port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -189,29 +189,38 @@ class Store:
     @contextlib.contextmanager
     def read(self) -> Iterator[lmdb.Transaction]:
         """A read-only snapshot; values are memoryviews valid inside the block."""
-        with self._gate.shared():
-            try:
-                txn = self.env.begin(buffers=True)
-            except lmdb.MapResizedError:
-                # Another process (the server) grew the map: adopt its size and retry once.
-                self.env.set_mapsize(0)
-                txn = self.env.begin(buffers=True)
-            try:
-                yield txn
-            finally:
-                txn.abort()
+        with self._txn(write=False) as txn:
+            yield txn
 
     @contextlib.contextmanager
     def write(self) -> Iterator[lmdb.Transaction]:
         """One write transaction, committed (and fsynced) when the block ends cleanly."""
-        with self._gate.shared():
-            txn = self.env.begin(write=True, buffers=True)
-            try:
-                yield txn
-            except BaseException:
-                txn.abort()
-                raise
-            txn.commit()
+        with self._txn(write=True) as txn:
+            yield txn
+
+    @contextlib.contextmanager
+    def _txn(self, *, write: bool) -> Iterator[lmdb.Transaction]:
+        while True:
+            with self._gate.shared():
+                try:
+                    txn = self.env.begin(write=write, buffers=True)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    try:
+                        yield txn
+                    except BaseException:
+                        txn.abort()
+                        raise
+                    if write:
+                        txn.commit()
+                    else:
+                        txn.abort()
+                    return
+            # Another process sharing the environment (a server process of the same group, or
+            # `gc run`) grew the map. Adopting its size needs every transaction of ours closed.
+            with self._gate.exclusive():
+                self.env.set_mapsize(0)
 
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])

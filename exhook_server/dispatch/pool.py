@@ -4,13 +4,19 @@ Hook handlers call the event methods here and return at once; the work runs
 behind the answer on the workers' queues. The pool also keeps which VINs each
 MQTT client stands for, because disconnect and resume hooks carry only the
 client, not the VIN.
+
+With several server processes the ring spans all of their workers: an event
+for a VIN (or client) another process owns is forwarded to it over local IPC
+(`peers.Peers`), so each VIN still has exactly one owner, whose state needs no locks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -37,6 +43,17 @@ log = structlog.get_logger("sdv_fanout.dispatch")
 
 _NO_VINS: frozenset[str] = frozenset()
 
+#: Dispatcher methods a peer process may ask this one to run for a client it owns.
+_CLIENT_EVENTS = frozenset({"subscribed", "resumed", "heartbeat", "connected", "ended"})
+
+
+@dataclass(frozen=True, slots=True)
+class ClientEvent:
+    """A client-level event handed to the process that owns the clientid (see _client_elsewhere)."""
+
+    method: str
+    args: tuple[Any, ...]
+
 
 class Dispatcher:
     """N workers, one asyncio queue each; a VIN's commands always go to the same worker, in order."""
@@ -49,14 +66,31 @@ class Dispatcher:
         workers: int,
         inflight_timeout_s: float,
         vin_from_clientid: Callable[[str], bool] | None = None,
+        process: int = 0,
+        processes: int = 1,
+        forward: Callable[[int, Any], None] | None = None,
+        ask: Callable[[int, Any], Awaitable[Any]] | None = None,
     ) -> None:
-        names = [f"w{i}" for i in range(workers)]
-        self.ring = HashRing(names)
-        self._queues: dict[str, asyncio.Queue[Command]] = {n: asyncio.Queue() for n in names}
+        if processes > 1 and forward is None:
+            raise ValueError("a dispatcher in a group of processes needs a way to forward to them")
+        # One ring over every worker of every process: a VIN hashes once to its owner, and a
+        # clientid hashes the same way, so a vehicle whose clientid is its VIN stays in one process.
+        if processes == 1:
+            where = {f"w{i}": 0 for i in range(workers)}
+        else:
+            where = {f"p{p}w{i}": p for p in range(processes) for i in range(workers)}
+        self.ring = HashRing(where)
+        self._process_of_node = where
+        self._process = process
+        self._forward = forward
+        self._ask = ask
+        self._processes = processes
+        local = [n for n, p in where.items() if p == process]
+        self._queues: dict[str, asyncio.Queue[Command]] = {n: asyncio.Queue() for n in local}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.workers = {
             n: Worker(n, rows, publisher, inflight_timeout_s=inflight_timeout_s, requeue=self._requeue_threadsafe)
-            for n in names
+            for n in local
         }
         self._vin_from_clientid = vin_from_clientid
         #: clientid → the VINs it subscribed or heartbeated for since start-up.
@@ -90,9 +124,42 @@ class Dispatcher:
 
     # -- routing ---------------------------------------------------------------
     def submit(self, cmd: Command) -> None:
-        """Queue a command on the worker that owns its VIN (event-loop thread only)."""
+        """Queue a command on the worker that owns its VIN, here or in another process
+        (event-loop thread only)."""
         assert not isinstance(cmd, BrokerLost | BrokerBack | Sweep | NewBatch)
-        self._queues[self.ring.owner(cmd.vin)].put_nowait(cmd)
+        node = self.ring.owner(cmd.vin)
+        queue = self._queues.get(node)
+        if queue is not None:
+            queue.put_nowait(cmd)
+        else:
+            self._send_to(self._process_of_node[node], cmd)
+
+    def _send_to(self, process: int, item: Any) -> None:
+        assert self._forward is not None
+        metrics.FORWARDED.inc()
+        self._forward(process, item)
+
+    def _client_elsewhere(self, method: str, *args: Any) -> bool:
+        """Hand a client-level event to the process that owns the clientid: only it knows which
+        VINs the client stands for. True when handed over."""
+        if self._forward is None:
+            return False
+        session: Session = args[0]
+        process = self._process_of_node[self.ring.owner(session.clientid)]
+        if process == self._process:
+            return False
+        self._send_to(process, ClientEvent(method, args))
+        return True
+
+    def receive(self, item: Any) -> None:
+        """An item another process forwarded here (event-loop thread)."""
+        if isinstance(item, ClientEvent):
+            assert item.method in _CLIENT_EVENTS
+            getattr(self, item.method)(*item.args)
+        elif isinstance(item, NewBatch):
+            self.new_batch(item.vins)
+        else:
+            self.submit(item)
 
     def _broadcast(self, cmd: Command) -> None:
         for queue in self._queues.values():
@@ -116,22 +183,35 @@ class Dispatcher:
 
     # -- events from hooks -------------------------------------------------------
     def new_batch(self, vins: Iterable[str], request_id: str = "") -> None:
-        by_worker: dict[str, list[str]] = {}
+        by_node: dict[str, list[str]] = {}
         owner = self.ring.owner
         for vin in vins:
-            by_worker.setdefault(owner(vin), []).append(vin)
-        for name, mine in by_worker.items():
-            self._queues[name].put_nowait(NewBatch(tuple(mine)))
+            by_node.setdefault(owner(vin), []).append(vin)
+        elsewhere: dict[int, list[str]] = {}
+        for node, mine in by_node.items():
+            queue = self._queues.get(node)
+            if queue is not None:
+                queue.put_nowait(NewBatch(tuple(mine)))
+            else:
+                elsewhere.setdefault(self._process_of_node[node], []).extend(mine)
+        for process, theirs in elsewhere.items():
+            self._send_to(process, NewBatch(tuple(theirs)))
 
     def subscribed(self, session: Session, vin: str) -> None:
+        if self._client_elsewhere("subscribed", session, vin):
+            return
         self._remember(session.clientid, vin)
         self.submit(MaybeSend(Trigger.SESSION_SUBSCRIBED, vin, session))
 
     def resumed(self, session: Session) -> None:
+        if self._client_elsewhere("resumed", session):
+            return
         for vin in self.vins_of(session.clientid):
             self.submit(MaybeSend(Trigger.SESSION_RESUMED, vin, session))
 
     def heartbeat(self, session: Session, vin: str) -> None:
+        if self._client_elsewhere("heartbeat", session, vin):
+            return
         self._remember(session.clientid, vin)
         self.submit(MaybeSend(Trigger.HEARTBEAT, vin, session))
 
@@ -139,10 +219,14 @@ class Dispatcher:
         self.submit(Acknowledge(vin, session, request_id, sha1))
 
     def connected(self, session: Session) -> None:
+        if self._client_elsewhere("connected", session):
+            return
         for vin in self.vins_of(session.clientid):
             self.submit(Connected(vin, session))
 
     def ended(self, session: Session, reason: EndReason) -> None:
+        if self._client_elsewhere("ended", session, reason):
+            return
         for vin in self.vins_of(session.clientid):
             self.submit(Down(vin, session, reason))
 
@@ -164,8 +248,44 @@ class Dispatcher:
         metrics.ONLINE_VEHICLES.set(sum(len(w.presence) for w in self.workers.values()))
         metrics.IN_FLIGHT.set(sum(len(w.inflight) for w in self.workers.values()))
 
-    def worker_of(self, vin: str) -> Worker:
-        return self.workers[self.ring.owner(vin)]
+    # -- the whole group's view (Admin API) ---------------------------------------
+    def answer(self, query: tuple[Any, ...]) -> Any:
+        """This process's part of a group-wide question (asked by a peer's Admin API)."""
+        if query[0] == "vehicle":
+            worker = self.worker_of(query[1])
+            return (None, None) if worker is None else (worker.presence.get(query[1]), worker.inflight.get(query[1]))
+        if query[0] == "online":
+            return self.online()
+        if query[0] == "totals":
+            return len(self.online()), self.in_flight_count(), self.backlog()
+        raise ValueError(f"unknown query {query[0]!r}")
+
+    async def _ask_all(self, query: tuple[Any, ...]) -> list[Any]:
+        answers = [self.answer(query)]
+        if self._ask is not None:
+            others = [p for p in range(self._processes) if p != self._process]
+            answers += await asyncio.gather(*(self._ask(p, query) for p in others))
+        return answers
+
+    async def vehicle_state(self, vin: str) -> tuple[Any, Any]:
+        """(presence session, in-flight entry) of `vin`, from whichever process owns it."""
+        worker = self.worker_of(vin)
+        if worker is not None or self._ask is None:
+            return self.answer(("vehicle", vin))  # type: ignore[no-any-return]
+        return await self._ask(self._process_of_node[self.ring.owner(vin)], ("vehicle", vin))  # type: ignore[no-any-return]
+
+    async def group_online(self) -> list[str]:
+        """Every VIN online in any process of the group, sorted (for paging)."""
+        return sorted(vin for part in await self._ask_all(("online",)) for vin in part)
+
+    async def group_totals(self) -> tuple[int, int, int]:
+        """(online vehicles, deliveries in flight, queued commands) over the group."""
+        parts = await self._ask_all(("totals",))
+        return sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
+
+    def worker_of(self, vin: str) -> Worker | None:
+        """The local worker that owns `vin`; None when another process of the group owns it."""
+        return self.workers.get(self.ring.owner(vin))
 
     def online(self) -> list[str]:
         """Every VIN with a live session, sorted (for paging)."""

@@ -1,0 +1,170 @@
+"""Local IPC between the server processes of one host: dispatch items travel to the process
+that owns their VIN (or client).
+
+Each process listens on an abstract Unix socket (Linux: no file to clean up, gone with the
+process). Items for one peer go over one connection in the order they were sent, batched into
+length-prefixed pickle frames; both ends are forks of one parent, so pickle is trusted here.
+Until a peer answers (it may still be starting), its items wait in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("sdv_fanout.peers")
+
+_LEN = struct.Struct(">I")
+#: A reconnect waits this long at first, doubling up to _RETRY_MAX_S.
+_RETRY_FIRST_S = 0.01
+_RETRY_MAX_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """This process's place among the server processes of one `sdv-fanout serve`."""
+
+    index: int
+    size: int
+    #: Unique per serve invocation (the parent's pid and a random tag): names the sockets.
+    key: str
+    #: The gRPC port every process of the group binds (SO_REUSEPORT).
+    port: int
+
+    def address(self, index: int) -> str:
+        return f"\0sdv-fanout-{self.key}-{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """A question for another process (the Admin API's view of state it owns)."""
+
+    ident: int
+    origin: int
+    query: Any
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    ident: int
+    answer: Any
+
+
+class Peers:
+    """Links from this process to every other process of its group.
+
+    `send` is fire-and-forget (dispatch events); `ask` waits for the answer of `on_query` in
+    the other process (read-only Admin views).
+    """
+
+    def __init__(self, group: Group, on_item: Callable[[Any], None], on_query: Callable[[Any], Any]) -> None:
+        self.group = group
+        self._on_item = on_item
+        self._on_query = on_query
+        self._asked: dict[int, asyncio.Future[Any]] = {}
+        self._next_ident = 0
+        self._out: dict[int, deque[Any]] = {i: deque() for i in range(group.size) if i != group.index}
+        self._wake: dict[int, asyncio.Event] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._server: asyncio.AbstractServer | None = None
+        #: Items sent and received, for metrics and tests.
+        self.sent = 0
+        self.received = 0
+
+    async def start(self) -> None:
+        """Listen for peers, and start one sender per peer (they connect when the peer is up)."""
+        self._server = await asyncio.start_unix_server(self._serve, path=self.group.address(self.group.index))
+        for index in self._out:
+            self._wake[index] = asyncio.Event()
+            self._tasks.append(asyncio.create_task(self._sender(index), name=f"peer-send-{index}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    def send(self, index: int, item: Any) -> None:
+        """Queue `item` for process `index` (event-loop thread only); never blocks."""
+        self._out[index].append(item)
+        self._wake[index].set()
+
+    async def ask(self, index: int, query: Any, timeout_s: float = 2.0) -> Any:
+        """`on_query(query)` as answered by process `index`; TimeoutError if it does not answer."""
+        self._next_ident += 1
+        ident = self._next_ident
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._asked[ident] = future
+        self.send(index, _Ask(ident, self.group.index, query))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._asked.pop(ident, None)
+
+    # -- internals ---------------------------------------------------------------
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, _Ask):
+            self.send(item.origin, _Reply(item.ident, self._on_query(item.query)))
+        elif isinstance(item, _Reply):
+            future = self._asked.get(item.ident)
+            if future is not None and not future.done():
+                future.set_result(item.answer)
+        else:
+            self._on_item(item)
+
+    async def _sender(self, index: int) -> None:
+        queue, wake = self._out[index], self._wake[index]
+        delay = _RETRY_FIRST_S
+        while True:
+            try:
+                _, writer = await asyncio.open_unix_connection(self.group.address(index))
+            except OSError:
+                await asyncio.sleep(delay)  # the peer is still starting (or restarting)
+                delay = min(delay * 2, _RETRY_MAX_S)
+                continue
+            delay = _RETRY_FIRST_S
+            try:
+                while True:
+                    await wake.wait()
+                    wake.clear()
+                    items = list(queue)
+                    queue.clear()
+                    body = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+                    writer.write(_LEN.pack(len(body)) + body)
+                    self.sent += len(items)
+                    await writer.drain()
+            except (ConnectionError, OSError) as exc:
+                # The peer died; the parent stops the whole group then. Dispatch state is soft
+                # (heartbeats and the in-flight sweep repair it), so the lost frame is only logged.
+                log.warning("peer_link_lost", peer=index, error=repr(exc))
+            finally:
+                writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readexactly(_LEN.size)
+                items = pickle.loads(await reader.readexactly(_LEN.unpack(head)[0]))
+                self.received += len(items)
+                for item in items:
+                    try:
+                        self._handle(item)
+                    except Exception:  # one bad item must not cut the link
+                        log.exception("peer_item_failed", item=repr(item))
+        except asyncio.IncompleteReadError:
+            pass  # the peer closed the link
+        finally:
+            writer.close()
