@@ -258,6 +258,7 @@ def _child(cfg: Config, group: Any, ready_w: int, parent: int) -> int:
         return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)  # the child's event loop installs its own
+    structlog.contextvars.bind_contextvars(process=group.index)  # on every log line of this process
     try:
         from exhook_server.server import serve
 

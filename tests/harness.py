@@ -42,6 +42,15 @@ def poll(predicate: Callable[[], Any], timeout_s: float = 10.0, interval_s: floa
         time.sleep(interval_s)
 
 
+def alive(pid: int) -> bool:
+    """Is `pid` a running process (a zombie waiting for its reaper does not count)?"""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return "\nState:\tZ" not in status
+
+
 class ExHookClient:
     """Calls HookProvider RPCs over a real loopback channel, the way EMQX's pool does."""
 
@@ -49,7 +58,12 @@ class ExHookClient:
         # EMQX's client takes echoed payloads of any size; so must ours.
         self.channel = grpc.insecure_channel(
             f"127.0.0.1:{port}",
-            options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)],
+            options=[
+                ("grpc.max_receive_message_length", -1),
+                ("grpc.max_send_message_length", -1),
+                # Its own TCP connection, as each of EMQX's pool workers has (gRPC would share one).
+                ("grpc.use_local_subchannel_pool", 1),
+            ],
         )
         self.package = package
 
@@ -184,6 +198,8 @@ class SubprocessServer:
             raise AssertionError(f"server did not start:\n{self.log()}") from None
         self.port: int = info["port"]
         self.metrics_port: int = info["metrics_port"]
+        #: The server processes under the parent when it runs several (SDV_FANOUT_PROCESSES).
+        self.pids: list[int] = info.get("pids", [])
 
     def _read_ready(self) -> dict[str, Any] | None:
         if self.proc.poll() is not None:
@@ -208,12 +224,14 @@ class SubprocessServer:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+        poll(lambda: not any(map(alive, self.pids)))  # they die with the parent (PR_SET_PDEATHSIG)
         self._log.close()
 
     def terminate(self, timeout_s: float = 20.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(timeout_s)
+        assert not any(map(alive, self.pids)), "server processes outlived their parent"
         self._log.close()
         return code
 

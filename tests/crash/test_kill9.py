@@ -213,7 +213,8 @@ def test_kill9_during_concurrent_ingest_loses_no_acknowledged_batch(tmp_path: Pa
     for rnd in range(ROUNDS):
         where = f"seed {SEED}, round {rnd}"
         problems: list[str] = []
-        srv = SubprocessServer(data_dir)
+        # One server process, then a group of two sharing the port and the LMDB environment.
+        srv = SubprocessServer(data_dir, env={"SDV_FANOUT_PROCESSES": str(1 + rnd % 2)})
         go, stop = threading.Event(), threading.Event()
         threads = [
             threading.Thread(

@@ -1,0 +1,160 @@
+"""Several server processes on one port and one LMDB environment (`processes` > 1).
+
+Every test runs the real `sdv-fanout serve` with SDV_FANOUT_PROCESSES=2 and talks to it over
+separate gRPC connections, which the kernel spreads over the processes (SO_REUSEPORT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from storage.store import Store
+from tests.emqx_sim import FakeEmqx, Mosquitto
+from tests.harness import ExHookClient, SubprocessServer, alive, poll
+
+pytestmark = pytest.mark.slow
+
+GROUP = {"SDV_FANOUT_PROCESSES": "2"}
+#: With this many connections, all of them landing on one of two processes has odds 2**-15.
+CONNECTIONS = 16
+
+
+def metric(srv: SubprocessServer, name: str) -> float:
+    """A counter summed over the group, from the parent's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def rows(data_dir: Path) -> int:
+    with Store(data_dir, readonly=True) as store:
+        return store.row_count()
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[SubprocessServer]:
+    srv = SubprocessServer(tmp_path / "lmdb", env=GROUP)
+    yield srv
+    if srv.proc.poll() is None:
+        assert srv.terminate() == 0
+    else:
+        srv.kill()  # already gone: only reaps and closes its log
+
+
+def test_every_process_ingests_and_all_batches_land_in_one_store(group: SubprocessServer, tmp_path: Path) -> None:
+    """Batches over many connections are stored by both processes into the one shared environment."""
+    assert len(group.pids) == 2
+    clients = [ExHookClient(group.port) for _ in range(CONNECTIONS)]
+    try:
+        with ThreadPoolExecutor(CONNECTIONS) as pool:
+            answers = list(
+                pool.map(
+                    lambda i: clients[i % CONNECTIONS].batch([f"VIN{i:03d}", "SHARED"], f"task_mp_{i}", f"p{i % 3}"),
+                    range(64),
+                )
+            )
+    finally:
+        for c in clients:
+            c.close()
+    assert all(a.type == a.STOP_AND_RETURN for a in answers)
+    assert rows(tmp_path / "lmdb") == 128
+    stored_by = {e.get("process") for e in group.events() if e.get("event") == "batch_stored"}
+    assert stored_by == {0, 1}
+    assert metric(group, "sdv_fanout_rows_stored_total") == 128
+
+
+def test_vehicles_get_deliveries_whichever_process_owns_them(tmp_path: Path) -> None:
+    """Hooks reaching a process that does not own the VIN are forwarded; every row is delivered and acked."""
+    with Mosquitto(tmp_path).start() as broker:
+        srv = SubprocessServer(tmp_path / "lmdb", env={**GROUP, "SDV_FANOUT_MQTT_URL": broker.url})
+        try:
+            # One EMQX channel: all hooks reach one process, which owns only part of the VINs.
+            emqx = FakeEmqx(srv.port, broker.port)
+            emqx.load()
+            vins = [f"LSVMP{n:012d}" for n in range(60)]
+            fleet = [emqx.vehicle(vin) for vin in vins]
+            for v in fleet:
+                v.connect()
+                v.subscribe()
+            for n in range(3):
+                emqx.publish_batch(vins, f"task_mp_{n}", f"payload {n}")
+            poll(lambda: all(len(v.received) >= 3 for v in fleet), timeout_s=60)
+            poll(lambda: rows(tmp_path / "lmdb") == 0, timeout_s=30)
+            for v in fleet:
+                assert [r.topic.rsplit("/", 1)[1] for r in v.received] == ["task_mp_0", "task_mp_1", "task_mp_2"]
+            assert metric(srv, "sdv_fanout_dispatch_forwarded_total") > 0
+            # The Admin API answers for the whole group, whichever process takes the call.
+            for _ in range(4):
+                admin = ExHookClient(srv.port)
+                try:
+                    stats = _admin(admin, "GetStats", {})
+                    vehicle = _admin(admin, "GetVehicle", {"vin": vins[7]})
+                finally:
+                    admin.close()
+                assert int(stats["online_vehicles"]) == 60
+                assert vehicle["online"] is True
+            emqx.close()
+        finally:
+            srv.terminate()
+
+
+def _admin(client: ExHookClient, method: str, request: dict[str, object]) -> dict[str, object]:
+    from google.protobuf import json_format
+
+    from exhook_server._proto import admin_pb2
+
+    req = getattr(admin_pb2, f"{method}Request")()
+    json_format.ParseDict(request, req)
+    response_cls = {"GetStats": admin_pb2.Stats, "GetVehicle": admin_pb2.Vehicle}[method]
+    stub = client.channel.unary_unary(
+        f"/sdv.fanout.v1.Admin/{method}",
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=response_cls.FromString,
+    )
+    return json.loads(
+        json_format.MessageToJson(
+            stub(req, timeout=10), always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+        )
+    )  # type: ignore[no-any-return]
+
+
+def test_a_dead_server_process_stops_the_group(group: SubprocessServer) -> None:
+    """kill -9 of one process: the parent stops the other and exits 1, so the pod restarts whole."""
+    victim, other = group.pids
+    os.kill(victim, signal.SIGKILL)
+    assert group.proc.wait(30) == 1
+    poll(lambda: not alive(other))
+    died = [e for e in group.events() if e.get("event") == "server_process_died"]
+    assert died and died[0]["pid"] == victim
+
+
+def test_map_grows_while_two_processes_write(tmp_path: Path) -> None:
+    """A map grown by one process is adopted by the other; no batch fails."""
+    srv = SubprocessServer(tmp_path / "lmdb", env={**GROUP, "SDV_FANOUT_MAP_SIZE_BYTES": str(256 << 10)})
+    clients = [ExHookClient(srv.port) for _ in range(CONNECTIONS)]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(
+                pool.map(
+                    lambda i: clients[i % CONNECTIONS].batch([f"VIN{i}"], f"task_big_{i}", os.urandom(48 << 10)),
+                    range(48),
+                )
+            )
+        assert all(a.type == a.STOP_AND_RETURN for a in answers)
+        assert any(e.get("event") == "lmdb_map_grown" for e in srv.events())
+    finally:
+        for c in clients:
+            c.close()
+        assert srv.terminate() == 0
+    with Store(tmp_path / "lmdb", readonly=True) as store:
+        stats = store.stats()
+    assert (stats.rows, stats.blobs) == (48, 48)
+    assert stats.map_size_bytes > 256 << 10
