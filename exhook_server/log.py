@@ -38,6 +38,8 @@ def configure(fmt: str = "console", level: str = "info", stream: TextIO | None =
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        # One write() per event (print() makes two): the processes of a group share stderr, and
+        # their lines must not interleave.
+        logger_factory=structlog.WriteLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=cache,
     )
