@@ -77,6 +77,7 @@ VIN_CHARS = "0123456789ABCDEFGHJKLMNPRSTUVWXYZ"  # no I, O, Q, as in real VINs
 _VIN_SLOT = "~" * 17  # placeholders in the templates; same length as what replaces them
 _TASK_SLOT = "^" * 6
 MAX_OUTSTANDING = 5000  # open loop: calls in flight before arrivals are counted as skipped
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 META = pb.RequestMeta(node="emqx@127.0.0.1", version="5.8.9", cluster_name="emqxcl")
 
 
@@ -126,6 +127,13 @@ def tree_run_ns(pids: Iterable[int]) -> int:
         except OSError:
             pass
     return total
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every CPU spent neither idle nor in iowait since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
 
 
 def tree_rss_bytes(pids: Iterable[int]) -> int:
@@ -363,16 +371,16 @@ async def _closed(
                     latencies.append(clock() - t)
                     counts[kind] += 1
 
-        async def window() -> tuple[float, float, float]:
+        async def window() -> tuple[float, float, float, float]:
             await asyncio.sleep(max(0.0, t_start - clock()))
-            t0, c0, s0 = clock(), own_cpu_s(), tree_cpu_s(pids)
+            t0, c0, s0, m0 = clock(), own_cpu_s(), tree_cpu_s(pids), machine_busy_s()
             await asyncio.sleep(max(0.0, t_end - clock()))
-            return clock() - t0, own_cpu_s() - c0, tree_cpu_s(pids) - s0
+            return clock() - t0, own_cpu_s() - c0, tree_cpu_s(pids) - s0, machine_busy_s() - m0
 
         timing = asyncio.create_task(window())
         await asyncio.gather(*(run(pair) for pair in stubs))
         elapsed = clock() - t_start
-        window_s, client_cpu, server_cpu = await timing
+        window_s, client_cpu, server_cpu, machine_cpu = await timing
         s_before = tree_cpu_s(pids)
         drain_s = await _drain(pids)
         drain_cpu = tree_cpu_s(pids) - s_before
@@ -392,6 +400,8 @@ async def _closed(
         "server_cpu": server_cpu / window_s,
         "server_cpu_us_per_rpc": server_cpu / window_s / rps * 1e6,
         "client_cpu": client_cpu / window_s,
+        # the rest of the machine: anything but this load generator and the server disturbs the numbers
+        "other_cpu": max(0.0, machine_cpu - client_cpu - server_cpu) / window_s,
         "drain_s": drain_s,
         "server_cpu_us_per_rpc_incl_drain": (server_cpu + drain_cpu) / calls_done * 1e6,
     }
@@ -440,7 +450,7 @@ async def _open(
         due = clock()
         while due < t_end:
             if not cpu and due >= t_start:
-                cpu.update(t=clock(), client=own_cpu_s(), server=tree_cpu_s(pids))
+                cpu.update(t=clock(), client=own_cpu_s(), server=tree_cpu_s(pids), machine=machine_busy_s())
             now = clock()
             while due <= now and due < t_end:
                 kind, wire = calls[i % n]
@@ -457,9 +467,10 @@ async def _open(
                 due += rng.expovariate(rate)
             await asyncio.sleep(max(0.0, due - clock()))
         if not cpu:  # a window too short for any arrival
-            cpu.update(t=t_start, client=own_cpu_s(), server=tree_cpu_s(pids))
+            cpu.update(t=t_start, client=own_cpu_s(), server=tree_cpu_s(pids), machine=machine_busy_s())
         window_s = max(1e-6, clock() - cpu["t"])
         client_cpu, server_cpu = own_cpu_s() - cpu["client"], tree_cpu_s(pids) - cpu["server"]
+        machine_cpu = machine_busy_s() - cpu["machine"]
         if tasks:
             await asyncio.wait(tasks, timeout=15)
     finally:
@@ -483,6 +494,7 @@ async def _open(
         "server_cpu": server_cpu / window_s,
         "server_cpu_us_per_rpc": server_cpu / max(1, offered) * 1e6,
         "client_cpu": client_cpu / window_s,
+        "other_cpu": max(0.0, machine_cpu - client_cpu - server_cpu) / window_s,
     }
 
 
@@ -553,13 +565,22 @@ def _row(label: str, values: Sequence[float], fmt: str) -> str:
 def summarise(rounds: list[dict[str, Any]], scale: dict[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for t in TARGETS:
-        for key in ("rpc_per_s", "server_cpu_us_per_rpc", "server_cpu", "client_cpu", "p50_ms", "p99_ms", "drain_s"):
+        for key in (
+            "rpc_per_s",
+            "server_cpu_us_per_rpc",
+            "server_cpu",
+            "client_cpu",
+            "other_cpu",
+            "p50_ms",
+            "p99_ms",
+            "drain_s",
+        ):
             out[f"{t}_{key}"] = mmm([r["closed"][t][key] for r in rounds])
     out["ratio_ours_over_noop"] = mmm([r["ratio_ours_over_noop"] for r in rounds])
     out["ratio_ours_over_example"] = mmm([r["ratio_ours_over_example"] for r in rounds])
     half: dict[str, Any] = {"offered_rpc_per_s": mmm([r["half_rate"] for r in rounds])}
     for t in ("ours", "noop"):
-        for key in ("achieved_rpc_per_s", "p50_ms", "p99_ms", "send_lag_p99_ms", "server_cpu_us_per_rpc"):
+        for key in ("achieved_rpc_per_s", "p50_ms", "p99_ms", "send_lag_p99_ms", "server_cpu_us_per_rpc", "other_cpu"):
             half[f"{t}_{key}"] = mmm([r["open"][t][key] for r in rounds])
     out["half_load"] = half
     if scale:
@@ -627,6 +648,13 @@ def markdown(rounds: list[dict[str, Any]], scale: dict[str, Any] | None, meta: d
     lines.append(
         _row("client CPU (% of one core), ours runs", [100 * r["closed"]["ours"]["client_cpu"] for r in rounds], ".0f")
     )
+    lines.append(
+        _row(
+            "**other processes' CPU** (% of one core; should be ~0)",
+            [100 * r["closed"][t]["other_cpu"] for r in rounds for t in TARGETS],
+            ".0f",
+        )
+    )
     lines += [
         "",
         "### Latency at half load (open loop, Poisson arrivals at half of ours' closed-loop RPC/s of the round)",
@@ -643,6 +671,7 @@ def markdown(rounds: list[dict[str, Any]], scale: dict[str, Any] | None, meta: d
             _row(f"**{names[t]} p99 ms**" if t == "ours" else f"{names[t]} p99 ms", [x["p99_ms"] for x in o], ".3f"),
             _row(f"{names[t]} server CPU µs/RPC", [x["server_cpu_us_per_rpc"] for x in o], ".0f"),
             _row(f"load generator send lag p99 ms, {t} runs", [x["send_lag_p99_ms"] for x in o], ".3f"),
+            _row(f"other processes' CPU (% of one core), {t} runs", [100 * x["other_cpu"] for x in o], ".0f"),
         ]
     bad = sum(r["open"][t]["skipped"] + sum(r["open"][t]["errors"].values()) for r in rounds for t in ("ours", "noop"))
     lines += [
@@ -679,7 +708,13 @@ def markdown(rounds: list[dict[str, Any]], scale: dict[str, Any] | None, meta: d
                 f"| {rr['median']:.2f} | {lv['online_vehicles']:,} | {lv['rss_bytes'] / 2**20:.0f} |"
             )
         pre = ", ".join(f"{int(n):,} in {p['s']:.1f} s ({p['rpc_per_s']:,.0f}/s)" for n, p in scale["prefill"].items())
-        lines += ["", f"Prefill (heartbeats, 8 in flight per channel): {pre}."]
+        others = [100 * r[str(n)]["other_cpu"] for r in scale["rounds"] for n in scale["levels"]]
+        lines += [
+            "",
+            f"Prefill (heartbeats, 8 in flight per channel): {pre}. Other processes' CPU during the scale "
+            f"measurements: {min(others):.0f} / {statistics.median(others):.0f} / {max(others):.0f} % of one core "
+            "(min / median / max).",
+        ]
     procs = meta["processes"]
     lines += [
         "",

@@ -1,6 +1,6 @@
 """Run every benchmark in bench/ with moderate settings and write docs/BENCHMARKS.md + PNG charts.
 
-    .venv/bin/python bench/run_all.py            # what `make bench` runs (~2-3 min on 2 cores)
+    .venv/bin/python bench/run_all.py            # what `make bench` runs (~5 min on 2 cores)
 
 Each script runs as its own subprocess, one after the other (never in parallel: they share the
 machine's CPUs), with --json into a tmp dir. The summary table is built from those JSON files;
@@ -43,7 +43,12 @@ SCRIPTS: list[tuple[str, str, list[str], str]] = [
         "End-to-end delivery (bench/e2e.py)",
     ),
     ("gc", "bench/gc.py", ["--rows", "300000"], "GC pipeline (bench/gc.py)"),
+    ("hooks", "bench/hooks.py", [], "Heartbeat and ack hook RPC path (bench/hooks.py)"),
 ]
+
+#: Scale linearity: CPU per RPC at 10x / 100x distinct VINs over the 1x level may grow this much
+#: before it counts as worse than linear (the paired ratio moves ~10 % from noise alone on 2 cores).
+COST_RATIO_MAX = 1.2
 
 
 def mmm(values: list[float]) -> dict[str, float]:
@@ -104,16 +109,7 @@ def summary_rows(res: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, st
         )
     )
 
-    rows.append(
-        (
-            "Hook RPC/s (heartbeat / ack hooks), our server",
-            "no-op ExHook server",
-            "≥ 0.8x",
-            "not measured yet: bench/grpc_flavour.py compares two no-op servers (aio vs sync), "
-            "no scenario drives our server's hooks against a no-op one",
-            "not measured",
-        )
-    )
+    rows += hook_rows(res["hooks"]["data"])
 
     e2e = res["e2e"]["data"]
     for key, label in (
@@ -168,6 +164,73 @@ def summary_rows(res: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, st
     else:
         meas = "n/a"
     rows.append(("GC pipeline rows/s and peak RSS", "—", "report", meas, "reported" if gc else "run failed"))
+    return rows
+
+
+def hook_rows(hk: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
+    """bench/hooks.py: ours vs the no-op server and the EMQX example shape, latency, VIN scale."""
+    sm = hk["summary"] if hk else None
+    rows: list[tuple[str, str, str, str, str]] = []
+    for key, ref, ref_key, target in (
+        ("ratio_ours_over_noop", "no-op ExHook server (grpc.aio, same proto, answers at once)", "noop", 0.8),
+        (
+            "ratio_ours_over_example",
+            "EMQX's Python example server, re-created minimal (sync ThreadPool(10), returns at once)",
+            "example",
+            1.0,
+        ),
+    ):
+        s = sm[key] if sm else None
+        meas = fmt_mmm(s) + "x" if sm and s else "n/a"
+        if sm:
+            meas += (
+                f" (ours {sm['ours_rpc_per_s']['median']:,.0f} vs {sm[ref_key + '_rpc_per_s']['median']:,.0f} "
+                "RPC/s, medians)"
+            )
+        rows.append(("Heartbeat + ack hook RPC/s, 8 channels", ref, f"≥ {target:.1f}x", meas, verdict(s, target)))
+
+    half = sm["half_load"] if sm else None
+    if half:
+        meas = (
+            f"p99 {fmt_mmm(half['ours_p99_ms'])} ms, p50 {half['ours_p50_ms']['median']:.2f} ms (median) at "
+            f"{half['offered_rpc_per_s']['median']:,.0f} RPC/s offered; no-op at the same rate: p99 "
+            f"{half['noop_p99_ms']['median']:.2f} ms (median)"
+        )
+    else:
+        meas = "n/a"
+    rows.append(
+        (
+            "Heartbeat + ack hook latency at half load (open loop)",
+            "no-op server at the same offered rate (shown)",
+            "p99 ≤ 2 ms",
+            meas,
+            verdict(half["ours_p99_ms"] if half else None, 2.0, higher_is_better=False),
+        )
+    )
+
+    levels = sm.get("scale") if sm else None
+    if levels and len(levels) > 1:
+        first = levels[0]
+        meas = "; ".join(
+            f"{lv['factor']:g}x ({lv['vins']:,} VINs): {fmt_mmm(lv['cost_ratio_vs_first'])}x, "
+            f"{lv['server_cpu_us_per_rpc']['median']:.0f} µs/RPC"
+            for lv in levels[1:]
+        )
+        meas += f" (1x: {first['server_cpu_us_per_rpc']['median']:.0f} µs/RPC)"
+        worst = max(levels[1:], key=lambda lv: lv["cost_ratio_vs_first"]["median"])["cost_ratio_vs_first"]
+        status = verdict(worst, COST_RATIO_MAX, higher_is_better=False)
+        ref = f"ours at {first['vins']:,} distinct VINs (1x), same run"
+    else:
+        meas, status, ref = "n/a", "not measured (run failed)" if not sm else "not measured (no scale levels)", "—"
+    rows.append(
+        (
+            "Hook cost at 10x / 100x distinct VINs: server CPU per RPC",
+            ref,
+            f"linear or better: ratio ≤ {COST_RATIO_MAX:.1f}x",
+            meas,
+            status,
+        )
+    )
     return rows
 
 
@@ -239,7 +302,56 @@ def charts(res: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
             {"rows/s": [gc[key]["rows_per_s"] for _, key in steps]},
         )
         made.append(("bench_gc.png", "GC pipeline rows/s per step"))
+
+    hk = res["hooks"]["data"]
+    if hk:
+        hooks_chart(plt, hk, DOCS / "bench_hooks.png")
+        made.append(("bench_hooks.png", "Heartbeat + ack hook RPC/s per round, latency at half load, VIN scale"))
     return made
+
+
+def hooks_chart(plt: Any, hk: dict[str, Any], path: Path) -> None:
+    """Three panels: RPC/s per round, latency at half load, CPU per RPC per VIN level."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    rounds = hk["rounds"]
+    ax = axes[0]
+    names = (("ours", "ours"), ("noop", "no-op (aio)"), ("example", "EMQX example (sync)"))
+    for i, (key, label) in enumerate(names):
+        xs = [x + (i - 1) * 0.27 for x in range(len(rounds))]
+        ax.bar(xs, [r["closed"][key]["rpc_per_s"] for r in rounds], 0.27, label=label)
+    ax.set_xticks(range(len(rounds)), [f"round {i}" for i in range(1, len(rounds) + 1)])
+    ax.set_title("Heartbeat + ack, closed loop, 8 channels")
+    ax.set_ylabel("RPC/s")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+    ax = axes[1]
+    for i, (key, label) in enumerate(names[:2]):
+        xs = [x + (i - 0.5) * 0.4 for x in range(len(rounds))]
+        ax.bar(xs, [r["open"][key]["p99_ms"] for r in rounds], 0.4, label=f"{label} p99")
+        ax.plot(xs, [r["open"][key]["p50_ms"] for r in rounds], "k_", markersize=12)
+    ax.axhline(2.0, color="red", linestyle="--", linewidth=1, label="target p99 2 ms")
+    ax.set_xticks(range(len(rounds)), [f"r{i}: {r['half_rate']:,.0f}/s" for i, r in enumerate(rounds, 1)])
+    ax.set_title("Latency at half of ours' max (bars p99, ticks p50)")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+    ax = axes[2]
+    levels = hk["summary"].get("scale") or []
+    if levels:
+        med = [lv["server_cpu_us_per_rpc"]["median"] for lv in levels]
+        lo = [m - lv["server_cpu_us_per_rpc"]["min"] for m, lv in zip(med, levels, strict=True)]
+        hi = [lv["server_cpu_us_per_rpc"]["max"] - m for m, lv in zip(med, levels, strict=True)]
+        ax.bar(range(len(levels)), med, 0.6, yerr=[lo, hi], capsize=4, label="ours, median (min-max)")
+        ax.set_xticks(range(len(levels)), [f"{lv['vins']:,} VINs ({lv['factor']:g}x)" for lv in levels])
+        ax.legend(fontsize=8)
+    ax.set_title("Server CPU per RPC vs distinct VINs (flat = linear)")
+    ax.set_ylabel("µs/RPC")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 # -- report -------------------------------------------------------------------------------
