@@ -42,7 +42,8 @@ class Config:
     metrics_listen: str = "0.0.0.0:9100"
 
     # Server processes sharing the port (SO_REUSEPORT) and the LMDB environment; 0 = one per
-    # CPU: a Python process answers hooks on one core, so this is how the server uses them all.
+    # CPU this process may run on: a Python process answers hooks on one core, so this is how
+    # the server uses them all. In a pod, set it to the CPU request (deploy/k8s does).
     processes: int = 0
 
     # Whole SIGTERM drain, below Kubernetes' default 30 s terminationGracePeriodSeconds.
@@ -138,7 +139,7 @@ class Config:
     @property
     def process_count(self) -> int:
         """Server processes actually started: `processes`, or one per CPU."""
-        return self.processes or os.cpu_count() or 1
+        return self.processes or len(os.sched_getaffinity(0)) or 1
 
     @property
     def worker_count(self) -> int:
