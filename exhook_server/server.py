@@ -8,7 +8,6 @@ no thread per call; bench/grpc_flavour.py measures it against the sync server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import signal
@@ -23,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from exhook_server import admin, hooks, housekeeping
+from exhook_server.aio import cancel_all
 from exhook_server.config import Config, split_host_port
 from exhook_server.delivery import MqttDelivery
 from exhook_server.dispatch.peers import Group, Peers
@@ -198,10 +198,7 @@ class FanoutServer:
         await self.dispatcher.stop()
         if self.peers is not None:
             await self.peers.stop()
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self._tasks)
         await asyncio.to_thread(self.committer.close)
         self.store.close()
         if self._metrics_http is not None:

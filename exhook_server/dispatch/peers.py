@@ -20,6 +20,8 @@ from typing import Any
 
 import structlog
 
+from exhook_server.aio import cancel_all
+
 log = structlog.get_logger("sdv_fanout.peers")
 
 _LEN = struct.Struct(">I")
@@ -87,11 +89,7 @@ class Peers:
             self._tasks.append(asyncio.create_task(self._sender(index), name=f"peer-send-{index}"))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self._tasks)
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
