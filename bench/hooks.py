@@ -43,6 +43,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -184,6 +185,8 @@ class OursServer:
             time.sleep(0.02)
         self.port: int = info["port"]
         self.pid: int = info["pid"]
+        #: Server processes answering hooks: the children when the ready-file pid supervises a group.
+        self.processes = len(info.get("pids") or [self.pid])
 
     def pids(self) -> list[int]:
         found = descendants(self.pid)
@@ -716,16 +719,15 @@ def markdown(rounds: list[dict[str, Any]], scale: dict[str, Any] | None, meta: d
             "(min / median / max).",
         ]
     procs = meta["processes"]
+    setting = f"SDV_FANOUT_PROCESSES={procs}" if procs is not None else "processes setting left at its default"
     lines += [
         "",
-        f"Ours: `sdv-fanout serve`, delivery and metrics off, "
-        f"{'SDV_FANOUT_PROCESSES=' + str(procs) if procs is not None else 'default process count'}; its CPU "
-        f"counts the server and its child processes. No-op: bench/noop_server.py --flavour aio. EMQX example "
-        f"shape: bench/noop_server.py --flavour sync. Ack payload {meta['payload_bytes']} B. {meta['cpus']} CPUs "
-        f"shared by the load generator and the servers (one loaded at a time); 1-min load average "
-        f"{meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after; {meta['wall_s']:.0f} s in all. "
-        f"Python {meta['python']}, "
-        f"grpcio {meta['grpc']}. Seed {meta['seed']}."
+        f"Ours: `sdv-fanout serve`, delivery and metrics off, {setting} ({meta['ours_processes']} server "
+        "process(es)); its CPU counts the ready-file pid and its children. No-op: bench/noop_server.py --flavour "
+        f"aio. EMQX example shape: bench/noop_server.py --flavour sync. Ack payload {meta['payload_bytes']} B. "
+        f"{meta['cpus']} CPUs shared by the load generator and the servers (one loaded at a time); 1-min load "
+        f"average {meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after; "
+        f"{meta['wall_s']:.0f} s in all. Python {meta['python']}, grpcio {meta['grpc']}. Seed {meta['seed']}."
         + (f" **{bad} open-loop calls skipped or failed.**" if bad else ""),
     ]
     return "\n".join(lines)
@@ -740,10 +742,10 @@ def profile(server: OursServer, work: Work, args: argparse.Namespace, out: Path)
     if not spy.exists():
         raise SystemExit("py-spy is not installed: .venv/bin/pip install py-spy")
     seconds = args.profile_seconds
-    cmd = [str(spy), "record", "--native", "--rate", "200", "--format", "raw", "--nonblocking"]
-    cmd += ["--duration", str(int(seconds)), "-o", str(out), "--pid", str(server.pid)]
-    if args.processes is not None:
-        cmd.append("--subprocesses")
+    cmd = [str(spy), "record", "--rate", str(args.profile_rate), "--format", "raw", "--duration", str(int(seconds))]
+    cmd += ["-o", str(out), "--pid", str(server.pid), "--subprocesses"]  # processes > 1: the pid only supervises
+    # --nonblocking: read the stacks without pausing the server (not possible with --native)
+    cmd.append("--native" if args.profile_native else "--nonblocking")
     spy_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         time.sleep(1.0)
@@ -754,40 +756,79 @@ def profile(server: OursServer, work: Work, args: argparse.Namespace, out: Path)
             spy_proc.terminate()
             spy_proc.wait(10)
     log(f"profiled {res['rpc_per_s']:,.0f} RPC/s under py-spy (sampling slows the server)")
-    return top_functions(out.read_text(), args.profile_top)
+    if not out.exists():
+        err = spy_proc.stderr.read().decode(errors="replace") if spy_proc.stderr else ""
+        raise SystemExit(f"py-spy wrote nothing:\n{err}")
+    return f"{res['rpc_per_s']:,.0f} RPC/s while sampled. " + top_functions(out.read_text(), args.profile_top)
+
+
+_PY_FRAME = re.compile(r"^(?P<func>.+) \((?P<file>[^()]+\.py|<frozen [^>]+>):\d+\)$")
+#: Leaf frames of a thread that waits rather than works (py-spy's own idle filter misses some).
+_IDLE_LEAVES = (
+    "epoll_wait",
+    "poll (",
+    "select (",
+    "pthread_cond_wait",
+    "pthread_cond_timedwait",
+    "sem_wait",
+    "sem_timedwait",
+    "nanosleep",
+    "EpollSelector.select",
+)
+
+
+def _py_name(frame: str) -> str | None:
+    m = _PY_FRAME.match(frame)
+    return f"{m['file']}:{m['func']}" if m else None
 
 
 def top_functions(raw: str, top: int) -> str:
-    """Self and inclusive shares per function from py-spy's collapsed stacks, idle threads left out."""
-    own: Counter[str] = Counter()
-    incl: Counter[str] = Counter()
+    """From py-spy's collapsed stacks: per Python function, the samples whose innermost Python frame
+    it is (native callees such as sendmsg or an LMDB call count for their Python caller) and the
+    samples it is anywhere on the stack of; with --native also the native leaf functions."""
+    py_self: Counter[str] = Counter()
+    py_incl: Counter[str] = Counter()
+    leaves: Counter[str] = Counter()
     total = 0
-    idle_markers = ("epoll_wait", "poll (", "_poll ", "select (", "pthread_cond_wait", "pthread_cond_timedwait")
     for line in raw.splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
             continue
-        frames = stack.split(";")[1:]  # the first frame names the thread/process
-        if not frames or any(m in frames[-1] for m in idle_markers):
+        frames = [f for f in stack.split(";") if not f.startswith(("process ", "thread "))]
+        if not frames or any(m in frames[-1] for m in _IDLE_LEAVES):
             continue
         count = int(n)
         total += count
-        own[frames[-1]] += count
-        for f in set(frames):
-            incl[f] += count
+        leaves[re.sub(r"0x[0-9a-f]+", "?", frames[-1])] += count
+        names = [x for x in map(_py_name, frames) if x]
+        if names:
+            py_self[names[-1]] += count
+            for name in set(names):
+                py_incl[name] += count
     if not total:
         return "(no busy samples)"
     lines = [
         f"Busy samples: {total:,} (threads waiting in epoll/poll/condition variables left out).",
         "",
-        "| # | function (file:line) | self | inclusive |",
+        "| # | innermost Python function (file:function) | share of busy samples | inclusive |",
         "|---:|---|---:|---:|",
     ]
-    for i, (f, c) in enumerate(own.most_common(top), 1):
-        lines.append(f"| {i} | `{f}` | {100 * c / total:.1f} % | {100 * incl[f] / total:.1f} % |")
-    lines += ["", "| # | function, by inclusive share | inclusive |", "|---:|---|---:|"]
-    for i, (f, c) in enumerate(incl.most_common(top * 2), 1):
-        lines.append(f"| {i} | `{f}` | {100 * c / total:.1f} % |")
+    for i, (f, c) in enumerate(py_self.most_common(top), 1):
+        lines.append(f"| {i} | `{f}` | {100 * c / total:.1f} % | {100 * py_incl[f] / total:.1f} % |")
+    entry = ("exhook_server/cli.py:", "exhook_server/procs.py:", "exhook_server/server.py:serve")
+    ours = [(f, c) for f, c in py_incl.most_common() if f.startswith(("exhook_server/", "storage/"))]
+    ours = [(f, c) for f, c in ours if not f.startswith(entry)]  # the entry points hold every sample
+    lines += [
+        "",
+        "| # | project function (exhook_server/, storage/), inclusive | inclusive | self |",
+        "|---:|---|---:|---:|",
+    ]
+    for i, (f, c) in enumerate(ours[:top], 1):
+        lines.append(f"| {i} | `{f}` | {100 * c / total:.1f} % | {100 * py_self[f] / total:.1f} % |")
+    if any(".so" in k for k in leaves):  # --native
+        lines += ["", "| # | leaf frame (native or Python) | share |", "|---:|---|---:|"]
+        for i, (f, c) in enumerate(leaves.most_common(top), 1):
+            lines.append(f"| {i} | `{f}` | {100 * c / total:.1f} % |")
     return "\n".join(lines)
 
 
@@ -816,6 +857,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", metavar="PATH", help="only profile ours with py-spy (raw stacks to PATH)")
     p.add_argument("--profile-seconds", type=float, default=20.0, help="length of the profile (default 20)")
     p.add_argument("--profile-top", type=int, default=15, help="functions listed (default 15)")
+    p.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second (default 100)")
+    p.add_argument("--profile-native", action="store_true", help="py-spy --native: C frames too (slows more)")
     p.add_argument("--json", metavar="PATH", help="also write every number as JSON here")
     args = p.parse_args(argv)
     if args.smoke:
@@ -840,13 +883,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rounds: list[dict[str, Any]] = []
     scale: dict[str, Any] | None = None
+    ours_processes = 0
     with tempfile.TemporaryDirectory(prefix="sdv-bench-hooks-") as tmp_s:
         tmp = Path(tmp_s)
         try:
             if args.profile:
                 ours = start(lambda: OursServer("ours", tmp, args.processes))
                 prefill(ours, work, args)
-                print(f"## py-spy profile of ours, heartbeat + ack closed loop ({args.vins:,} VINs)\n")
+                print(
+                    f"## py-spy profile of ours ({ours.processes} server process(es)), heartbeat + ack closed loop, "
+                    f"{args.clients} channels, {args.vins:,} VINs\n"
+                )
                 print(profile(ours, work, args, Path(args.profile)))
                 return 0
             log(f"starting servers; {args.vins:,} VINs")
@@ -856,6 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "example": start(lambda: Reference("example", "sync", tmp)),
             }
             targets: dict[str, Server] = {"ours": ours, **refs}
+            ours_processes = ours.processes
             pre = prefill(ours, work, args)
             log(f"prefill: {pre['heartbeats']:,} heartbeats in {pre['s']:.1f} s, {pre['online_vehicles']:,} online")
             for r in range(args.rounds):
@@ -897,6 +945,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ack_share": args.ack_share,
         "payload_bytes": args.payload_bytes,
         "processes": args.processes,
+        "ours_processes": ours_processes,
         "seed": args.seed,
         "cpus": os.cpu_count(),
         "loadavg_1m_before": load_before,
