@@ -7,31 +7,107 @@ an asyncio task, later possibly another process).
 from __future__ import annotations
 
 import enum
+import socket
+import sys
 from dataclasses import dataclass
 
+#: Marks a packed IPv6 address (an IPv4 one fits below it).
+_V6 = 1 << 144
 
-@dataclass(frozen=True, slots=True)
+
+def _pack_addr(host: str, port: int) -> int | tuple[str, int]:
+    """Peer address and port as one int when the host is an IP address in canonical text
+    (what EMQX sends), else as they came: one 32-48 B int instead of a string and an int."""
+    if 0 <= port <= 0xFFFF:
+        for family, flag in ((socket.AF_INET, 0), (socket.AF_INET6, _V6)):
+            try:
+                raw = socket.inet_pton(family, host)
+            except OSError:
+                continue
+            # Only an exact round trip: `peerhost` must give back the very text EMQX sent.
+            if socket.inet_ntop(family, raw) == host:
+                return flag | int.from_bytes(raw) << 16 | port
+    return (host, port)
+
+
 class Session:
     """One live MQTT connection, as EMQX describes it; stands in for the seed's channel pid.
 
     EMQX before 5.4 sends no peerport (0): then two connections of one client
     from one host look the same, and only the order and disconnect reasons of
     the hooks tell them apart.
+
+    Immutable, and small because every online VIN keeps one: the node name is
+    interned (a cluster has a few), host and port are packed into one int, and
+    `with_clientid` lets the presence map share the VIN string it is keyed by.
     """
 
+    __slots__ = ("_addr", "clientid", "node")
     node: str
     clientid: str
-    peerhost: str
-    peerport: int = 0
+    _addr: int | tuple[str, int]
+
+    def __init__(self, node: str, clientid: str, peerhost: str, peerport: int = 0) -> None:
+        object.__setattr__(self, "node", sys.intern(node))
+        object.__setattr__(self, "clientid", clientid)
+        object.__setattr__(self, "_addr", _pack_addr(peerhost, peerport))
+
+    @property
+    def peerhost(self) -> str:
+        addr = self._addr
+        if isinstance(addr, tuple):
+            return addr[0]
+        if addr & _V6:
+            return socket.inet_ntop(socket.AF_INET6, ((addr ^ _V6) >> 16).to_bytes(16))
+        return socket.inet_ntop(socket.AF_INET, (addr >> 16).to_bytes(4))
+
+    @property
+    def peerport(self) -> int:
+        addr = self._addr
+        return addr[1] if isinstance(addr, tuple) else addr & 0xFFFF
+
+    def with_clientid(self, clientid: str) -> Session:
+        """This session holding `clientid`, an equal string object (e.g. the presence map's key)."""
+        assert clientid == self.clientid
+        twin = object.__new__(Session)
+        object.__setattr__(twin, "node", self.node)
+        object.__setattr__(twin, "clientid", clientid)
+        object.__setattr__(twin, "_addr", self._addr)
+        return twin
 
     def same_connection(self, other: Session) -> bool:
         """True when both may be the same connection (an unknown port matches any port)."""
+        if self.clientid != other.clientid or self.node != other.node:
+            return False
+        a, b = self._addr, other._addr
+        if a == b:
+            return True
+        if isinstance(a, int) and isinstance(b, int):
+            return a >> 16 == b >> 16 and not (a & 0xFFFF and b & 0xFFFF)
+        return self.peerhost == other.peerhost and (not self.peerport or not other.peerport)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Session is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Session is immutable: cannot delete {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Session):
+            return NotImplemented
+        return self.clientid == other.clientid and self._addr == other._addr and self.node == other.node
+
+    def __hash__(self) -> int:
+        return hash((self.node, self.clientid, self._addr))
+
+    def __repr__(self) -> str:
         return (
-            self.clientid == other.clientid
-            and self.peerhost == other.peerhost
-            and self.node == other.node
-            and (self.peerport == other.peerport or not self.peerport or not other.peerport)
+            f"Session(node={self.node!r}, clientid={self.clientid!r}, "
+            f"peerhost={self.peerhost!r}, peerport={self.peerport!r})"
         )
+
+    def __reduce__(self) -> tuple[type[Session], tuple[str, str, str, int]]:
+        return Session, (self.node, self.clientid, self.peerhost, self.peerport)
 
 
 class Trigger(enum.StrEnum):

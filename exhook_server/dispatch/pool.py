@@ -93,7 +93,8 @@ class Dispatcher:
             for n in local
         }
         self._vin_from_clientid = vin_from_clientid
-        #: clientid → the VINs it subscribed or heartbeated for since start-up.
+        #: clientid → the VINs it subscribed or heartbeated for since start-up; none for a client
+        #: that only stands for the VIN it is named after (see _remember).
         self._clients: dict[str, set[str]] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -170,7 +171,16 @@ class Dispatcher:
         self._loop.call_soon_threadsafe(self.submit, cmd)
 
     def _remember(self, clientid: str, vin: str) -> None:
-        self._clients.setdefault(clientid, set()).add(vin)
+        known = self._clients.get(clientid)
+        if known is not None:
+            known.add(vin)
+            return
+        itself = self._vin_from_clientid is not None and self._vin_from_clientid(clientid)
+        # The convention (clientid = VIN) needs no entry, vins_of falls back to the clientid: a set
+        # per client would be the biggest part of what is kept per online vehicle. A client named
+        # like a VIN keeps standing for it when it also stands for others.
+        if vin != clientid or not itself:
+            self._clients[clientid] = {clientid, vin} if itself else {vin}
 
     def vins_of(self, clientid: str) -> frozenset[str] | set[str]:
         known = self._clients.get(clientid)

@@ -93,12 +93,15 @@ class Worker:
         self._timeout = inflight_timeout_s
         self._requeue = requeue
         self._clock = clock
-        #: VIN → the live session that can receive its deliveries.
+        #: VIN → the live session that can receive its deliveries. The biggest state of the
+        #: server (one entry per online vehicle): the session shares the key's string when
+        #: the clientid is the VIN, see `_own`.
         self.presence: dict[str, Session] = {}
         #: VIN → the one delivery waiting for its PUBACK.
         self.inflight: dict[str, InFlight] = {}
-        #: VIN → (request_id, sha1) last published and not yet acked, even if the in-flight
-        #: entry was voided since: sending it again counts as a re-send in the metrics.
+        #: VIN → (request_id, sha1) of a delivery published and not acked whose in-flight entry
+        #: was voided since: sending it again counts as a re-send in the metrics. While a
+        #: delivery is in flight, its entry says so instead (no second entry per VIN).
         self._unacked: dict[str, tuple[str, bytes]] = {}
 
     def handle(self, cmd: Command) -> None:
@@ -125,11 +128,12 @@ class Worker:
             if current is not None and not current.same_connection(cmd.session):
                 del self.presence[cmd.vin]
         elif isinstance(cmd, Requeue):
-            self.inflight.pop(cmd.vin, None)
+            self._void(cmd.vin)
             self._try_send(cmd.vin, Trigger.REQUEUE)
         elif isinstance(cmd, BrokerLost):
             # Whatever our client had not delivered is gone with its connection.
-            self.inflight.clear()
+            for vin in list(self.inflight):
+                self._void(vin)
         elif isinstance(cmd, Sweep):
             now = self._clock()
             late = [v for v, e in self.inflight.items() if not e.acking and now - e.sent_at >= self._timeout]
@@ -139,10 +143,26 @@ class Worker:
             for vin in list(self.presence):
                 self._try_send(vin, Trigger.BROKER_BACK)
 
+    # -- state -------------------------------------------------------------------
+    @staticmethod
+    def _own(vin: str, session: Session) -> Session:
+        """The session to keep for `vin`: when its clientid is the VIN (the convention), holding
+        the same string object as the maps' key, so a VIN is stored once."""
+        if session.clientid is not vin and session.clientid == vin:
+            return session.with_clientid(vin)
+        return session
+
+    def _void(self, vin: str) -> None:
+        """Forget the VIN's in-flight delivery unacked: it may be sent again (as a re-send)."""
+        entry = self.inflight.pop(vin, None)
+        if entry is not None:
+            self._unacked[vin] = (entry.request_id, entry.sha1)
+
     # -- rules -------------------------------------------------------------------
     def _maybe_send(self, cmd: MaybeSend) -> None:
         vin, session = cmd.vin, cmd.session
         if session is not None:
+            session = self._own(vin, session)
             if cmd.trigger is Trigger.HEARTBEAT:
                 current = self.presence.get(vin)
                 # A heartbeat proves presence; keep the more precise identity from subscribe.
@@ -158,7 +178,7 @@ class Worker:
             fresh_subscription = cmd.trigger is Trigger.SESSION_SUBSCRIBED
             if entry is not None and fresh_subscription and not entry.session.same_connection(session):
                 # A new clean subscription: what the old connection held is gone.
-                del self.inflight[vin]
+                self._void(vin)
         self._try_send(vin, cmd.trigger)
 
     def _try_send(self, vin: str, trigger: Trigger) -> None:
@@ -174,14 +194,17 @@ class Worker:
                 return
         found = self._rows.oldest(vin)
         if found is None:
-            self.inflight.pop(vin, None)
+            self._void(vin)
             return
         row, payload = found
         if not self._publisher.publish(vin, row.request_id, payload):
             return  # no broker connection: BrokerBack will try again
+        if entry is not None:
+            resend = entry.request_id == row.request_id and entry.sha1 == row.sha1
+        else:
+            resend = self._unacked.get(vin) == (row.request_id, row.sha1)
         self.inflight[vin] = InFlight(row.request_id, row.sha1, session, self._clock())
-        resend = self._unacked.get(vin) == (row.request_id, row.sha1)
-        self._unacked[vin] = (row.request_id, row.sha1)
+        self._unacked.pop(vin, None)
         (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
         log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)
 
@@ -211,4 +234,4 @@ class Worker:
         gone = cmd.reason in (EndReason.DISCARDED, EndReason.TERMINATED)
         # OFFLINE keeps the entry: a resume redelivers it, a clean subscribe or the timeout replaces it.
         if entry is not None and gone and entry.session.same_connection(cmd.session):
-            del self.inflight[cmd.vin]
+            self._void(cmd.vin)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import pickle
+import tracemalloc
+
 import pytest
 
 from exhook_server.dispatch.commands import (
@@ -16,6 +20,7 @@ from exhook_server.dispatch.commands import (
     Sweep,
     Trigger,
 )
+from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.dispatch.worker import Worker
 from tests.dispatch_fakes import ManualClock, MemoryRows, RecordingPublisher, Requeue, sha1
 
@@ -278,3 +283,93 @@ def test_sweep_resends_timed_out_delivery_without_a_trigger(rig: Rig) -> None:
     rig.clock.now += 61
     rig.do(Sweep())
     assert rig.sent_rids == ["task_a_1", "task_a_1"]  # offline: nothing to send to
+
+
+def test_timed_out_delivery_sent_again_counts_as_resend(rig: Rig) -> None:
+    """A delivery re-sent after the in-flight timeout is a re-send; the next row after its ack is not."""
+    from prometheus_client import REGISTRY
+
+    def resent() -> float:
+        return REGISTRY.get_sample_value("sdv_fanout_deliveries_resent_total") or 0.0
+
+    before = resent()
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.rows.add("VIN1", "task_a_2", b"y")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.clock.now += 61
+    rig.do(Sweep())
+    assert rig.sent_rids == ["task_a_1", "task_a_1"] and resent() == before + 1
+    rig.ack_last()
+    assert rig.sent_rids == ["task_a_1", "task_a_1", "task_a_2"] and resent() == before + 1
+
+
+# -- what is kept per online vehicle -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "port"),
+    [("10.0.0.1", 40001), ("10.0.0.1", 0), ("::ffff:10.0.0.1", 1883), ("fe80::1", 7), ("", 0), ("broker-lb", 70000)],
+)
+def test_session_gives_back_what_emqx_sent(host: str, port: int) -> None:
+    """However compactly a session is kept, its fields, equality and pickled form are what EMQX sent."""
+    s = Session("emqx@n1", "VIN1", host, port)
+    assert (s.node, s.clientid, s.peerhost, s.peerport) == ("emqx@n1", "VIN1", host, port)
+    assert s == Session("emqx@n1", "VIN1", host, port) and hash(s) == hash(Session("emqx@n1", "VIN1", host, port))
+    assert s != Session("emqx@n1", "VIN1", host, port + 1) and s != Session("emqx@n2", "VIN1", host, port)
+    assert pickle.loads(pickle.dumps(s)) == s
+    assert s.same_connection(Session("emqx@n1", "VIN1", host, 0))
+    assert not s.same_connection(Session("emqx@n1", "VIN1", "10.9.9.9", port))
+    with pytest.raises(AttributeError):
+        s.clientid = "VIN2"  # type: ignore[misc]
+
+
+def test_presence_shares_the_vin_string_with_its_session(rig: Rig) -> None:
+    """A vehicle whose clientid is its VIN has that string stored once: key and session hold one object."""
+    vin = "".join(["VIN", "1"])  # an equal string, not the same object, as protobuf parsing makes
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", Session("emqx@n1", vin, "10.0.0.1", 40001)))
+    key = next(iter(rig.worker.presence))
+    assert rig.worker.presence[key] == S1 and rig.worker.presence[key].clientid is key
+
+
+def test_client_named_after_its_vin_needs_no_client_entry() -> None:
+    """clientid = VIN keeps no client map entry, yet its disconnect reaches the VIN; a VIN-named
+    client standing for another VIN too stands for both."""
+    d = Dispatcher(MemoryRows(), RecordingPublisher(), workers=2, inflight_timeout_s=60, vin_from_clientid=str.isalnum)
+    d.subscribed(S1, "VIN1")
+    d.heartbeat(Session("emqx@n1", "GW-7", "10.0.0.9"), "VIN7")
+    assert d._clients == {"GW-7": {"VIN7"}}
+    assert set(d.vins_of("VIN1")) == {"VIN1"} and set(d.vins_of("GW-7")) == {"VIN7"}
+    d.heartbeat(S1, "VIN9")
+    assert set(d.vins_of("VIN1")) == {"VIN1", "VIN9"}
+
+
+def test_presence_costs_under_250_bytes_per_online_vin() -> None:
+    """Presence of 5,000 vehicles (clientid = VIN, fresh strings as from protobuf) stays under 250 B each."""
+    n = 5_000
+    topics = [f"agent/LSV{i:014d}/proxy/request/+".encode() for i in range(n)]
+
+    async def fill() -> int:
+        d = Dispatcher(
+            MemoryRows(), RecordingPublisher(), workers=2, inflight_timeout_s=60, vin_from_clientid=str.isalnum
+        )
+        d.start()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            for i, topic in enumerate(topics):
+                vin = topic.decode().split("/")[1]
+                clientid = topic[6:23].decode()  # equal to the VIN, another object
+                d.subscribed(Session(b"emqx@n1".decode(), clientid, f"10.0.{i >> 8 & 255}.{i & 255}", 40000), vin)
+                if i % 500 == 0:
+                    await asyncio.sleep(0)
+            while d.backlog():
+                await asyncio.sleep(0)
+            used = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+        assert sum(len(w.presence) for w in d.workers.values()) == n
+        await d.stop()
+        return used
+
+    per_vin = asyncio.run(fill()) / n
+    assert per_vin < 250, per_vin

@@ -96,10 +96,12 @@ async def settle(d: Dispatcher) -> None:
     raise AssertionError("dispatch did not settle")
 
 
-async def simulate(seed: int) -> Fleet:
+async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
     rng = random.Random(seed)
     fleet = Fleet(rng)
-    d = Dispatcher(fleet.rows, fleet, workers=4, inflight_timeout_s=1e9)
+    # With vin_from_clientid the pool keeps no client map for these vehicles (clientid = VIN).
+    named = (lambda clientid: True) if vin_from_clientid else None
+    d = Dispatcher(fleet.rows, fleet, workers=4, inflight_timeout_s=1e9, vin_from_clientid=named)
     d.start()
     vins = list(fleet.vehicles)
     rids = [f"task_{t}_{n}" for t in ("ota", "cfg") for n in range(4)]
@@ -179,10 +181,11 @@ async def simulate(seed: int) -> Fleet:
     return fleet
 
 
+@pytest.mark.parametrize("vin_from_clientid", [False, True], ids=["client-map", "clientid-is-vin"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_random_fleet_keeps_invariants_and_drains(seed: int) -> None:
+def test_random_fleet_keeps_invariants_and_drains(seed: int, vin_from_clientid: bool) -> None:
     """Random interleavings never put two deliveries in flight, never mix VINs, and drain every row."""
-    fleet = asyncio.run(simulate(seed))
+    fleet = asyncio.run(simulate(seed, vin_from_clientid))
     assert fleet.violations == [], f"seed {seed}: {fleet.violations[:5]}"
     assert fleet.rows.rows == {}, f"seed {seed}: {len(fleet.rows.rows)} rows never delivered"
     assert fleet.published > 100
