@@ -30,12 +30,15 @@ Measured, in R rounds (order alternating round by round):
 4. RSS per online VIN: the server's VmRSS before the fleet connects vs with N
    vehicles subscribed; then a fresh server with delivery disabled (it still tracks
    presence) gets S synthetic OnSessionSubscribed RPCs (default 100,000 sessions,
-   clientid = VIN), RSS delta / S.
+   clientid = VIN, one peer address each), RSS delta / S. `--presence-only` runs just this.
 
-CPU use of every process is sampled per phase (/proc), to tell what limited the
-throughput. Markdown tables to stdout, progress to stderr, --json for the numbers.
+The server may run several processes (SDV_FANOUT_PROCESSES, `--server-processes`):
+its RSS and CPU are summed over the parent and its children. CPU use of every
+process is sampled per phase (/proc), to tell what limited the throughput.
+Markdown tables to stdout, progress to stderr, --json for the numbers.
 
     .venv/bin/python bench/e2e.py [--vehicles 1000] [--batches 20] [--rounds 3] [--json F]
+    .venv/bin/python bench/e2e.py --presence-only [--presence-sessions 1000000]
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ SUBSCRIBED = "/emqx.exhook.v3.HookProvider/OnSessionSubscribed"
 SERVER_ENV = {"SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0"}
 
 
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    """The servers' environment: SERVER_ENV, and --server-processes when given (else the default)."""
+    if args.server_processes:
+        return {**SERVER_ENV, "SDV_FANOUT_PROCESSES": str(args.server_processes)}
+    return dict(SERVER_ENV)
+
+
 # -- processes ----------------------------------------------------------------------------------
 
 
@@ -93,22 +103,43 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+def process_group(pid: int) -> list[int]:
+    """`pid` and every process below it: the server's processes when it runs several."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
 
 
-def quiesce(pid: int, timeout_s: float = 30.0, idle_share: float = 0.03) -> None:
-    """Wait until the process used under idle_share of a core in two 0.2 s windows running."""
+def rss_bytes(pids: list[int]) -> int:
+    """VmRSS summed over processes (each counts the pages it shares with its parent too; only
+    differences of this sum are reported)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as f:
+            total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return total
+
+
+def quiesce(pids: list[int], timeout_s: float = 30.0, idle_share: float = 0.03) -> None:
+    """Wait until the processes used under idle_share of a core in two 0.2 s windows running."""
     deadline = time.monotonic() + timeout_s
     quiet = 0
     while quiet < 2 and time.monotonic() < deadline:
-        c0, t0 = proc_cpu_s(pid), time.monotonic()
+        c0, t0 = sum(map(proc_cpu_s, pids)), time.monotonic()
         time.sleep(0.2)
-        busy = (proc_cpu_s(pid) - c0) / (time.monotonic() - t0)
+        busy = (sum(map(proc_cpu_s, pids)) - c0) / (time.monotonic() - t0)
         quiet = quiet + 1 if busy < idle_share else 0
 
 
@@ -176,30 +207,31 @@ def machine_busy_s() -> float:
     return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / CLK_TCK  # user nice system irq softirq steal
 
 
-def thread_cpu_s(pid: int) -> dict[int, float]:
-    """utime + stime per thread of a process."""
+def thread_cpu_s(pids: list[int]) -> dict[int, float]:
+    """utime + stime per thread of some processes."""
     out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            out[int(task.name)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
     return out
 
 
 class CpuMeter:
     """CPU of named groups of processes over one phase, as a share of one core; plus the rest of the
-    machine (processes that are not this bench's) and the busiest thread of the server."""
+    machine (processes that are not this bench's) and the busiest thread of the server (over all
+    its processes)."""
 
-    def __init__(self, groups: dict[str, list[int]], server_pid: int) -> None:
+    def __init__(self, groups: dict[str, list[int]]) -> None:
         self.groups = groups
-        self.server_pid = server_pid
         self.t0 = time.monotonic()
         self.c0 = {g: sum(proc_cpu_s(p) for p in pids) for g, pids in groups.items()}
         self.self0 = proc_cpu_s(os.getpid())
         self.machine0 = machine_busy_s()
-        self.threads0 = thread_cpu_s(server_pid)
+        self.threads0 = thread_cpu_s(groups["server"])
 
     def shares(self) -> dict[str, float]:
         wall = time.monotonic() - self.t0
@@ -207,7 +239,7 @@ class CpuMeter:
         out["bench"] = (proc_cpu_s(os.getpid()) - self.self0) / wall
         out["total"] = sum(out.values())
         out["other processes"] = max(0.0, (machine_busy_s() - self.machine0) / wall - out["total"])
-        threads = thread_cpu_s(self.server_pid)
+        threads = thread_cpu_s(self.groups["server"])
         out["server busiest thread"] = (
             max((c - self.threads0.get(tid, 0.0) for tid, c in threads.items()), default=0.0) / wall
         )
@@ -247,9 +279,11 @@ class Rig:
         self.pub: Child | None = None
 
     def start_server(self) -> None:
-        env = {**SERVER_ENV, "SDV_FANOUT_MQTT_URL": self.broker.url}
+        env = {**server_env(self.args), "SDV_FANOUT_MQTT_URL": self.broker.url}
         self.server = SubprocessServer(self.tmp / "lmdb", "--log-level", self.args.log_level, env=env)
         server = self.server
+        #: The server's processes: the parent and, when it runs several, its children.
+        self.server_pids = process_group(server.proc.pid)
         deadline = time.monotonic() + 30
         clientid = None
         while clientid is None:
@@ -312,14 +346,14 @@ class Rig:
 
     def cpu(self, sides: Sequence[str]) -> CpuMeter:
         assert self.server is not None and self.broker.proc is not None
-        groups = {"server": [self.server.proc.pid], "mosquitto": [self.broker.proc.pid]}
+        groups = {"server": self.server_pids, "mosquitto": [self.broker.proc.pid]}
         if "sim" in sides:
             groups["sim fleet"] = [c.proc.pid for c in self.sims]
         if "raw" in sides:
             assert self.pub is not None
             groups["raw fleet"] = [c.proc.pid for c in self.raws]
             groups["raw publisher"] = [self.pub.proc.pid]
-        return CpuMeter(groups, self.server.proc.pid)
+        return CpuMeter(groups)
 
     def arm(self, fleets: list[Child], expect: int, **extra: Any) -> None:
         for c in fleets:
@@ -523,7 +557,7 @@ def _subscribed_request(i: int) -> bytes:
         node="emqx@127.0.0.1",
         clientid=vin,
         username=vin,
-        peerhost="127.0.0.1",
+        peerhost=f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}",  # one address per vehicle, as in a fleet
         sockport=1883,
         protocol="mqtt",
         mountpoint="",
@@ -561,27 +595,29 @@ async def _drive(port: int, requests: list[bytes], clients: int) -> float:
             await ch.close()
 
 
-def run_presence(tmp: Path, sessions: int, warm: int, clients: int, log_level: str) -> dict[str, Any]:
+def run_presence(
+    tmp: Path, sessions: int, warm: int, clients: int, log_level: str, env: dict[str, str]
+) -> dict[str, Any]:
     requests = [_subscribed_request(i) for i in range(sessions + warm)]
     # SubprocessServer sets SDV_FANOUT_MQTT_URL="": no delivery, presence is still tracked.
-    server = SubprocessServer(tmp / "lmdb", "--log-level", log_level, env=SERVER_ENV)
-    pid = server.proc.pid
+    server = SubprocessServer(tmp / "lmdb", "--log-level", log_level, env=env)
+    pids = process_group(server.proc.pid)
     try:
         asyncio.run(_drive(server.port, requests[:warm], clients))  # channels, pools, first allocations
-        quiesce(pid)
-        base = rss_bytes(pid)
+        quiesce(pids)
+        base = rss_bytes(pids)
         points = []
         done = warm
         rpc_s = 0.0
         cpu_s = 0.0
         for share in (0.25, 0.5, 1.0):
             upto = warm + round(sessions * share)
-            c0 = proc_cpu_s(pid)
+            c0 = sum(map(proc_cpu_s, pids))
             rpc_s += asyncio.run(_drive(server.port, requests[done:upto], clients))
-            cpu_s += proc_cpu_s(pid) - c0
+            cpu_s += sum(map(proc_cpu_s, pids)) - c0
             done = upto
-            quiesce(pid)
-            rss = rss_bytes(pid)
+            quiesce(pids)
+            rss = rss_bytes(pids)
             points.append({"sessions": upto - warm, "rss": rss, "bytes_per_vin": (rss - base) / (upto - warm)})
         if server.proc.poll() is not None:
             raise RuntimeError(f"presence server died:\n{server.log()[-3000:]}")
@@ -590,6 +626,7 @@ def run_presence(tmp: Path, sessions: int, warm: int, clients: int, log_level: s
     return {
         "sessions": sessions,
         "warm": warm,
+        "server_processes": max(1, len(pids) - 1),  # a parent with children only runs several
         "rss_base": base,
         "points": points,
         "bytes_per_vin": points[-1]["bytes_per_vin"],
@@ -730,14 +767,29 @@ def markdown(rounds: list[dict[str, Any]], lat: dict[str, Any], rss: dict[str, A
         f"{share(lat['cpu']['mosquitto'])} / {share(lat['cpu']['sim fleet'])} / "
         f"{share(lat['cpu']['other processes'])} |",
         "",
-        "### Server RSS per online VIN",
+        rss_markdown(rss, meta),
+        "",
+        f"Duplicate deliveries over all rounds: {dups}. Payload {meta['payload_bytes']} B, mosquitto "
+        f"max_inflight_messages 32, publisher window {meta['max_inflight']}, server workers = CPUs.",
+    ]
+    return "\n".join(lines)
+
+
+def rss_markdown(rss: dict[str, Any], meta: dict[str, Any]) -> str:
+    """The RSS-per-VIN table (RSS summed over the server's processes) and the run's conditions."""
+    lines = [
+        f"### Server RSS per online VIN ({meta['server_processes']} server process(es) after the parent; "
+        "RSS summed over all)",
         "",
         "| measure | VINs | RSS before MiB | RSS after MiB | bytes per VIN |",
         "|---|---:|---:|---:|---:|",
-        f"| e2e: {n:,} vehicles connected + subscribed (delivery on; includes fleet gRPC channels) | {n:,} | "
-        f"{mib(rss['e2e_before'])} | {mib(rss['e2e_after'])} | "
-        f"{(rss['e2e_after'] - rss['e2e_before']) / n:,.0f} |",
     ]
+    if "e2e_before" in rss:
+        n = meta["vehicles"]
+        lines.append(
+            f"| e2e: {n:,} vehicles connected + subscribed (delivery on; includes fleet gRPC channels) | {n:,} | "
+            f"{mib(rss['e2e_before'])} | {mib(rss['e2e_after'])} | {(rss['e2e_after'] - rss['e2e_before']) / n:,.0f} |"
+        )
     pres = rss["presence"]
     for p in pres["points"]:
         lines.append(
@@ -748,8 +800,6 @@ def markdown(rounds: list[dict[str, Any]], lat: dict[str, Any], rss: dict[str, A
         "",
         f"Synthetic presence: {pres['rpc_per_s']:,.0f} OnSessionSubscribed RPC/s from {meta['presence_clients']} "
         f"channels, {pres['server_cpu_us_per_rpc']:.0f} µs server CPU per RPC. "
-        f"Duplicate deliveries over all rounds: {dups}. Payload {meta['payload_bytes']} B, mosquitto "
-        f"max_inflight_messages 32, publisher window {meta['max_inflight']}, server workers = CPUs. "
         f"{meta['cpus']} CPUs shared by broker, server, fleets and bench; 1-min load average "
         f"{meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after; {meta['wall_s']:.0f} s "
         f"wall. Seed {meta['seed']}.",
@@ -777,6 +827,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="server log level (default info, as in production)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--keep-tmp", action="store_true", help="keep the tmp dir (logs, LMDB) even after a successful run")
+    p.add_argument("--presence-only", action="store_true", help="only the synthetic RSS-per-VIN measurement")
+    p.add_argument("--server-processes", type=int, default=0,
+                   help="SDV_FANOUT_PROCESSES for the servers (default: theirs, one per CPU)")  # fmt: skip
     args = p.parse_args(argv)
     if min(args.vehicles, args.batches, args.rounds, args.procs, args.presence_sessions) < 1:
         p.error("--vehicles, --batches, --rounds, --procs and --presence-sessions must be positive")
@@ -794,51 +847,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(f"[{time.monotonic() - wall0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
+    rss: dict[str, Any] = {}
+    lat: dict[str, Any] = {}
     try:
-        (tmp_root / "e2e").mkdir()
-        rig = Rig(args, tmp_root / "e2e", vins)
-        try:
-            rig.start_server()
-            assert rig.server is not None
-            pid = rig.server.proc.pid
-            quiesce(pid)
-            rss_before = rss_bytes(pid)
-            say(f"server up (pid {pid}, RSS {mib(rss_before)} MiB); connecting {args.vehicles} sim vehicles")
-            rig.start_sims()
-            quiesce(pid)
-            rss_after = rss_bytes(pid)
-            say(f"sim fleet subscribed (server RSS {mib(rss_after)} MiB); connecting the raw fleet")
-            rig.start_raws()
-            for r in range(args.rounds):
-                order = ("ours", "raw_a", "raw_b") if r % 2 == 0 else ("raw_b", "raw_a", "ours")
-                result: dict[str, Any] = {"order": "->".join(order)}
-                for side in order:
-                    seed = args.seed + 1000 * r + len(result)
-                    if side == "ours":
-                        result[side] = run_ours(rig, f"r{r}", args.payload_bytes, seed)
-                    else:
-                        result[side] = run_raw(rig, side[-1], f"r{r}{side[-1]}", args.payload_bytes, seed)
-                result["ratio_a"] = result["ours"]["msgs_per_s"] / result["raw_a"]["msgs_per_s"]
-                result["ratio_b"] = result["ours"]["msgs_per_s"] / result["raw_b"]["msgs_per_s"]
-                rounds.append(result)
-                say(
-                    f"round {r + 1}/{args.rounds}: ours {result['ours']['msgs_per_s']:,.0f} msgs/s, "
-                    f"raw (a) {result['raw_a']['msgs_per_s']:,.0f}, raw (b) {result['raw_b']['msgs_per_s']:,.0f}, "
-                    f"ours/(a) {result['ratio_a']:.2f}, ours/(b) {result['ratio_b']:.2f}"
-                )
-            median_ours = statistics.median(r["ours"]["msgs_per_s"] for r in rounds)
-            lat = run_latency(rig, median_ours, latency_batches, args.payload_bytes, args.seed + 7)
-            say(f"latency at {lat['offered_msgs_per_s']:,.0f} msgs/s offered: p50 {lat['p50_ms']:.0f} ms, "
-                f"p99 {lat['p99_ms']:.0f} ms")  # fmt: skip
-        finally:
-            rig.close()
+        if not args.presence_only:
+            rss, lat = run_e2e(args, tmp_root, vins, rounds, latency_batches, say)
         (tmp_root / "presence").mkdir()
         warm = min(1000, args.presence_sessions)
         say(f"synthetic presence: {args.presence_sessions:,} OnSessionSubscribed on a server without delivery")
-        presence = run_presence(
-            tmp_root / "presence", args.presence_sessions, warm, args.presence_clients, args.log_level
+        rss["presence"] = run_presence(
+            tmp_root / "presence", args.presence_sessions, warm, args.presence_clients, args.log_level, server_env(args)
         )
-        say(f"presence: {presence['bytes_per_vin']:,.0f} bytes per VIN")
+        say(f"presence: {rss['presence']['bytes_per_vin']:,.0f} bytes per VIN")
         completed = True
     finally:
         if args.keep_tmp or not completed:
@@ -846,12 +866,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             shutil.rmtree(tmp_root, ignore_errors=True)
 
-    rss = {"e2e_before": rss_before, "e2e_after": rss_after, "presence": presence}
     meta = {
         "vehicles": args.vehicles,
         "batches": args.batches,
         "rounds": args.rounds,
         "procs": args.procs,
+        "server_processes": rss["presence"]["server_processes"],
         "latency_batches": latency_batches,
         "presence_sessions": args.presence_sessions,
         "presence_clients": args.presence_clients,
@@ -867,14 +887,63 @@ def main(argv: Sequence[str] | None = None) -> int:
         "grpc": grpc.__version__,
         "paho": paho.mqtt.__version__,
     }
-    print(markdown(rounds, lat, rss, meta))
+    if args.presence_only:
+        print(rss_markdown(rss, meta))
+        out: dict[str, Any] = {"meta": meta, "rss": rss}
+    else:
+        print(markdown(rounds, lat, rss, meta))
+        out = {"meta": meta, "summary": summarise(rounds), "rounds": rounds, "latency": lat, "rss": rss}
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"meta": meta, "summary": summarise(rounds), "rounds": rounds, "latency": lat, "rss": rss}, indent=2
-            )
-        )
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
+
+
+def run_e2e(
+    args: argparse.Namespace,
+    tmp_root: Path,
+    vins: list[str],
+    rounds: list[dict[str, Any]],
+    latency_batches: int,
+    say: Callable[[str], None],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The delivery measurements (rounds appended to `rounds`); returns (RSS of the e2e server, latency)."""
+    (tmp_root / "e2e").mkdir()
+    rig = Rig(args, tmp_root / "e2e", vins)
+    try:
+        rig.start_server()
+        pids = rig.server_pids
+        quiesce(pids)
+        rss_before = rss_bytes(pids)
+        say(f"server up (pids {pids}, RSS {mib(rss_before)} MiB); connecting {args.vehicles} sim vehicles")
+        rig.start_sims()
+        quiesce(pids)
+        rss_after = rss_bytes(pids)
+        say(f"sim fleet subscribed (server RSS {mib(rss_after)} MiB); connecting the raw fleet")
+        rig.start_raws()
+        for r in range(args.rounds):
+            order = ("ours", "raw_a", "raw_b") if r % 2 == 0 else ("raw_b", "raw_a", "ours")
+            result: dict[str, Any] = {"order": "->".join(order)}
+            for side in order:
+                seed = args.seed + 1000 * r + len(result)
+                if side == "ours":
+                    result[side] = run_ours(rig, f"r{r}", args.payload_bytes, seed)
+                else:
+                    result[side] = run_raw(rig, side[-1], f"r{r}{side[-1]}", args.payload_bytes, seed)
+            result["ratio_a"] = result["ours"]["msgs_per_s"] / result["raw_a"]["msgs_per_s"]
+            result["ratio_b"] = result["ours"]["msgs_per_s"] / result["raw_b"]["msgs_per_s"]
+            rounds.append(result)
+            say(
+                f"round {r + 1}/{args.rounds}: ours {result['ours']['msgs_per_s']:,.0f} msgs/s, "
+                f"raw (a) {result['raw_a']['msgs_per_s']:,.0f}, raw (b) {result['raw_b']['msgs_per_s']:,.0f}, "
+                f"ours/(a) {result['ratio_a']:.2f}, ours/(b) {result['ratio_b']:.2f}"
+            )
+        median_ours = statistics.median(r["ours"]["msgs_per_s"] for r in rounds)
+        lat = run_latency(rig, median_ours, latency_batches, args.payload_bytes, args.seed + 7)
+        say(f"latency at {lat['offered_msgs_per_s']:,.0f} msgs/s offered: p50 {lat['p50_ms']:.0f} ms, "
+            f"p99 {lat['p99_ms']:.0f} ms")  # fmt: skip
+    finally:
+        rig.close()
+    return {"e2e_before": rss_before, "e2e_after": rss_after}, lat
 
 
 if __name__ == "__main__":
