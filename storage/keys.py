@@ -8,6 +8,7 @@ are big-endian so that byte order is numeric order.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from typing import NamedTuple
 
 SEP = b"\x00"
@@ -56,6 +57,18 @@ def row_value(ts_ms: int, sha1: bytes, size: int) -> bytes:
 
 def row_ts(value: bytes | memoryview) -> int:
     return int(_ROW.unpack(value)[0])
+
+
+def row_keys(vins: Iterable[str], request_id: str) -> list[bytes]:
+    """`ids` keys of many VINs for one request id (the batch path builds 200 at a time)."""
+    tail = SEP + request_id.encode()
+    return [vin.encode() + tail for vin in vins]
+
+
+def expiry_entries(ts_ms: int, rkeys: Iterable[bytes]) -> list[tuple[bytes, bytes]]:
+    """`expiry` (key, empty value) pairs of rows written at `ts_ms`, in `rkeys` order."""
+    head = _U64.pack(ts_ms)
+    return [(head + rkey, b"") for rkey in rkeys]
 
 
 def expiry_key(ts_ms: int, rkey: bytes) -> bytes:
