@@ -13,7 +13,6 @@ for a VIN (or client) another process owns is forwarded to it over local IPC
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import structlog
 
 from exhook_server import metrics
+from exhook_server.aio import cancel_all
 from exhook_server.dispatch.commands import (
     Acknowledge,
     BrokerBack,
@@ -104,11 +104,7 @@ class Dispatcher:
         self._tasks = [asyncio.create_task(self._run(n), name=f"dispatch-{n}") for n in self._queues]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self._tasks)
 
     async def _run(self, name: str) -> None:
         queue, worker = self._queues[name], self.workers[name]
