@@ -15,6 +15,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
+HEADING = re.compile(r"^#{2,5} ")
 
 # (name, script, args, title): moderate settings, chosen so the whole run stays under ~10 min.
 SCRIPTS: list[tuple[str, str, list[str], str]] = [
@@ -237,7 +239,8 @@ def hook_rows(hk: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]
 # -- charts -------------------------------------------------------------------------------
 
 
-def charts(res: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+def charts(res: dict[str, dict[str, Any]], out_dir: Path) -> list[tuple[str, str]]:
+    """PNG charts next to the report (it links them by file name)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -264,7 +267,7 @@ def charts(res: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
     if ing:
         rounds = ing["rounds"]
         bars(
-            DOCS / "bench_ingest.png",
+            out_dir / "bench_ingest.png",
             "Durable ingest: ours vs raw py-lmdb, per round",
             "VIN-rows/s",
             [f"round {i}" for i in range(1, len(rounds) + 1)],
@@ -279,7 +282,7 @@ def charts(res: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
     if e2e:
         rounds = e2e["rounds"]
         bars(
-            DOCS / "bench_e2e.png",
+            out_dir / "bench_e2e.png",
             "End to end: ours vs raw paho QoS 1, per round",
             "delivered (+acked) msgs/s",
             [f"round {i}" for i in range(1, len(rounds) + 1)],
@@ -295,7 +298,7 @@ def charts(res: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
     if gc:
         steps = [("export", "export"), ("gc apply", "apply"), ("embedded GC", "embedded_gc")]
         bars(
-            DOCS / "bench_gc.png",
+            out_dir / "bench_gc.png",
             f"GC pipeline, {gc['rows']:,} rows (half expired)",
             "rows/s (export: read; others: deleted)",
             [label for label, _ in steps],
@@ -305,7 +308,7 @@ def charts(res: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
 
     hk = res["hooks"]["data"]
     if hk:
-        hooks_chart(plt, hk, DOCS / "bench_hooks.png")
+        hooks_chart(plt, hk, out_dir / "bench_hooks.png")
         made.append(("bench_hooks.png", "Heartbeat + ack hook RPC/s per round, latency at half load, VIN scale"))
     return made
 
@@ -439,17 +442,22 @@ def write_report(
             "",
             f"`{r['cmd']}` — exit {r['rc']}, {r['wall_s']:.0f} s",
             "",
-            # a script's own top-level "## " heading sits under this section's "## ", so demote it
-            "\n".join("#" + ln if ln.startswith("## ") else ln for ln in r["markdown"].splitlines()) or "_(no output)_",
+            # a script's own headings sit under this section's "## ", so each goes one level down
+            "\n".join("#" + ln if HEADING.match(ln) else ln for ln in r["markdown"].splitlines()) or "_(no output)_",
         ]
     return "\n".join(lines).rstrip() + "\n"
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(DOCS / "BENCHMARKS.md"), help="report path (default docs/BENCHMARKS.md)")
+    p.add_argument(
+        "--out",
+        default=str(DOCS / "BENCHMARKS.md"),
+        help="report path (default docs/BENCHMARKS.md); the charts are written next to it",
+    )
     args = p.parse_args()
-    DOCS.mkdir(exist_ok=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.UTC)
     load_before = os.getloadavg()
     t0 = time.monotonic()
@@ -458,12 +466,12 @@ def main() -> int:
         for name, script, script_args, _ in SCRIPTS:
             res[name] = run_script(name, script, script_args, Path(tmp))
     load_after = os.getloadavg()
-    made = charts(res)
+    made = charts(res, out.parent)
     wall = time.monotonic() - t0
     report = write_report(res, started, wall, load_before, load_after, made)
-    Path(args.out).write_text(report)
-    print(f"wrote {args.out} and {', '.join('docs/' + f for f, _ in made) or 'no charts'} in {wall:.0f} s",
-          file=sys.stderr)  # fmt: skip
+    out.write_text(report)
+    shown = ", ".join(str(out.parent / f) for f, _ in made) or "no charts"
+    print(f"wrote {out} and {shown} in {wall:.0f} s", file=sys.stderr)
     return 0 if all(r["rc"] == 0 for r in res.values()) else 1
 
 
