@@ -27,7 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-HEADING = re.compile(r"^#{2,5} ")
+HEADING = re.compile(r"^(#{2,6}) ")  # a script has no "# " title of its own
 
 # (name, script, args, title): moderate settings, chosen so the whole run stays under ~10 min.
 SCRIPTS: list[tuple[str, str, list[str], str]] = [
@@ -334,7 +334,7 @@ def hooks_chart(plt: Any, hk: dict[str, Any], path: Path) -> None:
         ax.bar(xs, [r["open"][key]["p99_ms"] for r in rounds], 0.4, label=f"{label} p99")
         ax.plot(xs, [r["open"][key]["p50_ms"] for r in rounds], "k_", markersize=12)
     ax.axhline(2.0, color="red", linestyle="--", linewidth=1, label="target p99 2 ms")
-    ax.set_xticks(range(len(rounds)), [f"r{i}: {r['half_rate']:,.0f}/s" for i, r in enumerate(rounds, 1)])
+    ax.set_xticks(range(len(rounds)), [f"r{i}\n{r['half_rate']:,.0f}/s" for i, r in enumerate(rounds, 1)])
     ax.set_title("Latency at half of ours' max (bars p99, ticks p50)")
     ax.set_ylabel("ms")
     ax.legend(fontsize=8)
@@ -387,6 +387,18 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def nest(markdown: str) -> str:
+    """A script's markdown under this report's "## " section: its top heading level becomes "###",
+    the others keep their distance to it."""
+    levels = [len(m[1]) for ln in markdown.splitlines() if (m := HEADING.match(ln))]
+    shift = max(0, 3 - min(levels)) if levels else 0
+    out = []
+    for ln in markdown.splitlines():
+        m = HEADING.match(ln)
+        out.append("#" * min(6, len(m[1]) + shift) + ln[len(m[1]) :] if m else ln)
+    return "\n".join(out)
 
 
 def write_report(
@@ -442,8 +454,7 @@ def write_report(
             "",
             f"`{r['cmd']}` — exit {r['rc']}, {r['wall_s']:.0f} s",
             "",
-            # a script's own headings sit under this section's "## ", so each goes one level down
-            "\n".join("#" + ln if HEADING.match(ln) else ln for ln in r["markdown"].splitlines()) or "_(no output)_",
+            nest(r["markdown"]) or "_(no output)_",
         ]
     return "\n".join(lines).rstrip() + "\n"
 
