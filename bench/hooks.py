@@ -28,7 +28,7 @@ Scale: ours with 1k, 10k and 100k distinct VINs (presence map prefilled with one
 closed loop, RPC/s and CPU per RPC per level, cost ratio vs the first level, paired per round.
 
     .venv/bin/python bench/hooks.py [--rounds 5 --duration 2 --clients 8 --vins 1000 --json F]
-    .venv/bin/python bench/hooks.py --smoke          # ~20 s
+    .venv/bin/python bench/hooks.py --smoke          # ~15 s
     .venv/bin/python bench/hooks.py --profile /tmp/hooks.txt   # py-spy on ours under load, top functions
 
 Markdown to stdout, progress to stderr.
