@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -853,7 +854,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scale-duration", type=float, default=1.5, help="seconds per scale measurement (default 1.5)")
     p.add_argument("--processes", type=int, default=None, help="pass SDV_FANOUT_PROCESSES=N to our server")
     p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument("--smoke", action="store_true", help="1 round of 0.5 s, scale 100/1k/10k VINs (~20 s)")
+    p.add_argument("--smoke", action="store_true", help="1 round of 0.5 s, scale 100/1k/10k VINs (~15 s)")
     p.add_argument("--profile", metavar="PATH", help="only profile ours with py-spy (raw stacks to PATH)")
     p.add_argument("--profile-seconds", type=float, default=20.0, help="length of the profile (default 20)")
     p.add_argument("--profile-top", type=int, default=15, help="functions listed (default 15)")
@@ -970,7 +971,7 @@ def run_scale(
     servers: dict[int, OursServer] = {}
     prefills: dict[str, Any] = {}
     for n in levels:
-        servers[n] = start(lambda n=n: OursServer(f"scale-{n}", tmp, args.processes))
+        servers[n] = start(functools.partial(OursServer, f"scale-{n}", tmp, args.processes))
         prefills[str(n)] = prefill(servers[n], works[n], args)
         log(f"scale {n:,} VINs: prefilled in {prefills[str(n)]['s']:.1f} s")
     rounds = []
