@@ -253,6 +253,13 @@ class Store:
         rows.sort(key=lambda r: (r.ts_ms, r.request_id))
         return rows
 
+    def row(self, vin: str, request_id: str) -> keys.Row | None:
+        """The pending row (vin, request_id), or None."""
+        rkey = keys.row_key(vin, request_id)
+        with self.read() as txn:
+            value = txn.get(rkey, db=self.tables.ids)
+            return None if value is None else keys.decode_row(rkey, value)
+
     def pending(self, vin: str) -> list[keys.Row]:
         """The vehicle's pending requests in delivery order."""
         with self.read() as txn:

@@ -13,6 +13,7 @@ for a VIN (or client) another process owns is forwarded to it over local IPC
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -97,10 +98,14 @@ class Dispatcher:
         #: that only stands for the VIN it is named after (see _remember).
         self._clients: dict[str, set[str]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._loop_thread = 0
+        self._from_threads: list[Command] = []
+        self._from_threads_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._tasks = [asyncio.create_task(self._run(n), name=f"dispatch-{n}") for n in self._queues]
 
     async def stop(self) -> None:
@@ -163,8 +168,24 @@ class Dispatcher:
             queue.put_nowait(cmd)
 
     def _requeue_threadsafe(self, cmd: Command) -> None:
+        """Queue a command from any thread (the writer thread completes ack deletes)."""
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self.submit, cmd)
+        if threading.get_ident() == self._loop_thread:
+            self._loop.call_soon(self.submit, cmd)
+            return
+        # One commit completes many acks: wake the event loop once for all of them, not once
+        # each (every wake-up is a write to the loop's self-pipe and a context switch).
+        with self._from_threads_lock:
+            self._from_threads.append(cmd)
+            if len(self._from_threads) > 1:
+                return  # a wake-up is already on its way
+        self._loop.call_soon_threadsafe(self._drain_from_threads)
+
+    def _drain_from_threads(self) -> None:
+        with self._from_threads_lock:
+            cmds, self._from_threads = self._from_threads, []
+        for cmd in cmds:
+            self.submit(cmd)
 
     def _remember(self, clientid: str, vin: str) -> None:
         known = self._clients.get(clientid)

@@ -26,6 +26,14 @@ class StoreRows:
         return self._store.oldest(vin)
 
     def ack(self, vin: str, request_id: str, sha1: bytes) -> Future[bool]:
+        row = self._store.row(vin, request_id)
+        if row is None or row.sha1 != sha1:
+            # Nothing of ours to delete (a duplicate PUBACK, or the row was replaced since): no
+            # write and no hop to the writer thread. The delete re-checks inside its transaction,
+            # so this read only ever saves work, it never decides a delete.
+            nothing: Future[bool] = Future()
+            nothing.set_result(False)
+            return nothing
         # A lost delete only means one duplicate delivery (QoS 1 allows it), but it shares the
         # ingest commit anyway, so there is no cheaper path worth a second writer.
         return self._committer.submit(
