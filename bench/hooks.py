@@ -17,8 +17,10 @@ does work for:
   presence update + an LMDB read for the VIN's oldest pending row;
 * ack: OnMessageAcked of `agent/<VIN>/proxy/request/task_ota_<n>` published by
   `sdv-fanout-bench-1` (our delivery client prefix), clientinfo of the vehicle -> sha1 of the
-  payload + a conditional row delete through the group committer (the row does not exist: the
-  cost of a duplicate ack) + the follow-up send check.
+  payload + a conditional row delete through the group committer + the follow-up send check.
+  Each ack names a different (VIN, request) whose row the prefill stored with that very payload
+  (`--rows-per-vin` 4 pending rows per vehicle, at least 6,000 rows), so each one really deletes a
+  row and commits; the report says how many rows the acks deleted and whether any ack repeated.
 
 Per round (order of the servers alternating round by round): closed-loop max RPC/s of each server,
 one call in flight per channel, same requests, same duration -> paired ratios ours/noop and
@@ -27,7 +29,7 @@ ours and on noop -> p50/p99 latency. Server CPU per RPC counts the server proces
 Scale: ours with 1k, 10k and 100k distinct VINs (presence map prefilled with one heartbeat per VIN),
 closed loop, RPC/s and CPU per RPC per level, cost ratio vs the first level, paired per round.
 
-    .venv/bin/python bench/hooks.py [--rounds 5 --duration 2 --clients 8 --vins 1000 --json F]
+    .venv/bin/python bench/hooks.py [--rounds 5 --duration 2 --clients 8 --vins 10000 --json F]
     .venv/bin/python bench/hooks.py --smoke          # ~15 s
     .venv/bin/python bench/hooks.py --profile /tmp/hooks.txt   # py-spy on ours under load, top functions
 
@@ -53,7 +55,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -231,6 +233,19 @@ class Work:
     vins: int
     calls: list[tuple[int, bytes]]  # (HEARTBEAT | ACK, serialised request), cycled by the load
     heartbeats: list[bytes]  # one per VIN: the presence prefill
+    batches: list[bytes]  # OnMessagePublish requests storing the rows the acks delete
+    ack_rows: int  # rows those batches store (= distinct acks before the calls cycle)
+    #: Server name -> calls issued to it so far: each measurement goes on where the last one
+    #: stopped, so an ack never names a row an earlier measurement already deleted.
+    cursors: dict[str, int] = field(default_factory=dict)
+
+    def resume(self, server: str) -> list[tuple[int, bytes]]:
+        """The calls rotated to where `server`'s last measurement stopped."""
+        c = self.cursors.get(server, 0) % len(self.calls)
+        return self.calls[c:] + self.calls[:c]
+
+    def advance(self, server: str, issued: int) -> None:
+        self.cursors[server] = self.cursors.get(server, 0) + issued
 
 
 def _message(topic: str, sender: str, payload: bytes, headers: dict[str, str]) -> pb.Message:
@@ -288,7 +303,11 @@ def make_vins(n: int, seed: int) -> list[str]:
     return list(seen)
 
 
-def make_work(n_vins: int, seed: int, ack_share: float, payload_bytes: int) -> Work:
+#: Fewest rows stored for the acks, so that a small fleet's run does not run out of rows to ack.
+MIN_ACK_ROWS = 6_000
+
+
+def make_work(n_vins: int, seed: int, ack_share: float, payload_bytes: int, rows_per_vin: int = 4) -> Work:
     rng = random.Random(seed)
     vins = make_vins(n_vins, seed)
     payload = bytes(rng.choice(b"abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(payload_bytes))
@@ -296,26 +315,46 @@ def make_work(n_vins: int, seed: int, ack_share: float, payload_bytes: int) -> W
     slot, task = _VIN_SLOT.encode(), _TASK_SLOT.encode()
     assert hb_t.count(slot) == 2 and ack_t.count(slot) == 2 and ack_t.count(task) == 1
     heartbeats = [hb_t.replace(slot, v.encode()) for v in vins]
-    acks = [ack_t.replace(slot, v.encode()).replace(task, b"%06d" % rng.randrange(1_000_000)) for v in vins]
+    # Request numbers per VIN, so that the acks of the whole run name distinct rows.
+    per_vin = max(rows_per_vin, -(-MIN_ACK_ROWS // n_vins))
+    acks = [ack_t.replace(slot, v.encode()).replace(task, b"%06d" % n) for n in range(per_vin) for v in vins]
+    text = payload.decode()
+    batches = [
+        pb.MessagePublishRequest(
+            message=_message(
+                "$SDV-FANOUT",
+                "sdv-platform",
+                json.dumps({"ids": vins[i : i + 5000], "request_id": f"task_ota_{n:06d}", "data": text}).encode(),
+                {"username": "platform", "protocol": "mqtt", "peerhost": "127.0.0.1"},
+            ),
+            meta=META,
+        ).SerializeToString()
+        for n in range(per_vin)
+        for i in range(0, n_vins, 5000)
+    ]
     # Spot-check that the substituted requests parse to what EMQX would send.
     hb = pb.MessagePublishRequest.FromString(heartbeats[-1])
     assert hb.message.topic == f"ecp/{vins[-1]}/online" and getattr(hb.message, "from") == vins[-1]
     ak = pb.MessageAckedRequest.FromString(acks[-1])
     assert ak.clientinfo.clientid == vins[-1] and ak.message.topic.startswith(f"agent/{vins[-1]}/proxy/request/")
     # The mix: each slot is an ack with probability ack_share; each kind walks its own shuffled VIN order.
-    hb_order, ack_order = list(range(n_vins)), list(range(n_vins))
+    hb_order = list(range(n_vins))
     rng.shuffle(hb_order)
-    rng.shuffle(ack_order)
+    # Request number by request number, VINs in a shuffled order: every ack is for a new row.
+    vin_order = list(range(n_vins))
+    rng.shuffle(vin_order)
+    ack_order = [n * n_vins + i for n in range(per_vin) for i in vin_order]
     calls: list[tuple[int, bytes]] = []
     nh = na = 0
-    for _ in range(max(2 * n_vins, 4000)):
+    length = max(2 * n_vins, 4000, int(len(acks) / ack_share) if ack_share else 0)
+    for _ in range(length):
         if rng.random() < ack_share:
-            calls.append((ACK, acks[ack_order[na % n_vins]]))
+            calls.append((ACK, acks[ack_order[na % len(acks)]]))
             na += 1
         else:
             calls.append((HEARTBEAT, heartbeats[hb_order[nh % n_vins]]))
             nh += 1
-    return Work(n_vins, calls, heartbeats)
+    return Work(n_vins, calls, heartbeats, batches if ack_share else [], per_vin * n_vins if ack_share else 0)
 
 
 # -- load generator -------------------------------------------------------------------------------
@@ -398,6 +437,7 @@ async def _closed(
     return {
         "rpc_per_s": rps,
         "calls": calls_done,
+        "issued": cursor,
         "acks": counts[ACK],
         "p50_ms": _pct(latencies, 0.5) * 1000,
         "p99_ms": _pct(latencies, 0.99) * 1000,
@@ -488,6 +528,7 @@ async def _open(
         "offered_rpc_per_s": rate,
         "achieved_rpc_per_s": len(latencies) / duration_s,
         "calls": len(latencies),
+        "issued": i,
         "skipped": skipped,
         "errors": dict(errors),
         "p50_ms": _pct(latencies, 0.5) * 1000,
@@ -526,6 +567,23 @@ async def _prefill(port: int, wires: list[bytes], channels: int, depth: int, pid
             await ch.close()
 
 
+async def _store_rows(port: int, batches: list[bytes]) -> int:
+    """Store the rows the acks will delete (one batch per request number); returns the row count."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        publish = ch.unary_unary(METHODS[HEARTBEAT])
+        for wire in batches:
+            await publish(wire, timeout=30)
+        return await pending_rows(port)
+
+
+async def pending_rows(port: int) -> int:
+    """Rows waiting in the server's store (Admin GetStats)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = ch.unary_unary("/sdv.fanout.v1.Admin/GetStats")
+        reply = admin_pb2.Stats.FromString(await stub(admin_pb2.GetStatsRequest().SerializeToString(), timeout=30))
+        return int(reply.rows)
+
+
 async def _online_vehicles(port: int) -> int:
     """The Admin API's count of VINs with a live session (of the process that takes this call)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -535,18 +593,25 @@ async def _online_vehicles(port: int) -> int:
 
 
 def closed(server: Server, work: Work, args: argparse.Namespace, duration_s: float) -> dict[str, Any]:
-    return asyncio.run(_closed(server.port, work.calls, args.clients, args.warmup, duration_s, server.pids()))
+    calls = work.resume(server.name)
+    out = asyncio.run(_closed(server.port, calls, args.clients, args.warmup, duration_s, server.pids()))
+    work.advance(server.name, out["issued"])
+    return out
 
 
 def open_loop(server: Server, work: Work, args: argparse.Namespace, rate: float, seed: int) -> dict[str, Any]:
-    return asyncio.run(
-        _open(server.port, work.calls, args.clients, rate, args.warmup, args.duration, seed, server.pids())
-    )
+    calls = work.resume(server.name)
+    out = asyncio.run(_open(server.port, calls, args.clients, rate, args.warmup, args.duration, seed, server.pids()))
+    work.advance(server.name, out["issued"])
+    return out
 
 
 def prefill(server: OursServer, work: Work, args: argparse.Namespace) -> dict[str, Any]:
     out = asyncio.run(_prefill(server.port, work.heartbeats, args.clients, 8, server.pids()))
     out["online_vehicles"] = asyncio.run(_online_vehicles(server.port))
+    out["rows"] = asyncio.run(_store_rows(server.port, work.batches))
+    if out["rows"] != work.ack_rows:
+        raise RuntimeError(f"prefill stored {out['rows']} rows, expected {work.ack_rows}")
     out["rss_bytes"] = tree_rss_bytes(server.pids())
     return out
 
@@ -721,6 +786,15 @@ def markdown(rounds: list[dict[str, Any]], scale: dict[str, Any] | None, meta: d
         ]
     procs = meta["processes"]
     setting = f"SDV_FANOUT_PROCESSES={procs}" if procs is not None else "processes setting left at its default"
+    acked = meta.get("ack_rows") or {}
+    if acked:
+        cycled = acked["calls_issued_to_ours"] > acked["calls_before_repeating"]
+        lines += [
+            "",
+            f"Acks are real: the prefill stored {acked['rows_stored']:,} rows with the acked payload and the "
+            f"acks deleted {acked['rows_deleted_by_acks']:,} of them (each delete a group-committed write)"
+            + (", but the calls cycled: later acks repeated earlier ones." if cycled else "; no ack repeated."),
+        ]
     lines += [
         "",
         f"Ours: `sdv-fanout serve`, delivery and metrics off, {setting} ({meta['ours_processes']} server "
@@ -842,8 +916,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=2.0, help="seconds measured per server and round (default 2)")
     p.add_argument("--warmup", type=float, default=0.4, help="unrecorded load before each measurement (default 0.4)")
     p.add_argument("--clients", type=int, default=8, help="channels, like EMQX pool_size (default 8)")
-    p.add_argument("--vins", type=int, default=1000, help="distinct VINs in the main comparison (default 1000)")
+    p.add_argument("--vins", type=int, default=10_000, help="distinct VINs in the main comparison (default 10000)")
     p.add_argument("--ack-share", type=float, default=0.5, help="share of acks in the mix (default 0.5)")
+    p.add_argument(
+        "--rows-per-vin",
+        type=int,
+        default=4,
+        help=f"pending rows per VIN stored for the acks to delete (at least {MIN_ACK_ROWS:,} in all; default 4)",
+    )
     p.add_argument("--payload-bytes", type=int, default=1024, help="payload of the acked delivery (default 1024)")
     p.add_argument(
         "--scale-vins",
@@ -863,7 +943,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write every number as JSON here")
     args = p.parse_args(argv)
     if args.smoke:
-        args.rounds, args.duration, args.warmup = 1, 0.5, 0.2
+        args.rounds, args.duration, args.warmup, args.vins = 1, 0.5, 0.2, 1000
         args.scale_vins, args.scale_rounds, args.scale_duration = "100,1000,10000", 1, 0.5
     levels = [int(x) for x in args.scale_vins.split(",") if x.strip()]
     if args.rounds < 1 or args.clients < 1 or args.duration <= 0 or args.warmup < 0 or args.vins < 1:
@@ -874,7 +954,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
-    work = make_work(args.vins, args.seed, args.ack_share, args.payload_bytes)
+    work = make_work(args.vins, args.seed, args.ack_share, args.payload_bytes, args.rows_per_vin)
     servers: list[Server] = []
 
     def start(make: Callable[[], Server]) -> Any:
@@ -883,6 +963,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return server
 
     rounds: list[dict[str, Any]] = []
+    deleted: dict[str, Any] = {}
     scale: dict[str, Any] | None = None
     ours_processes = 0
     with tempfile.TemporaryDirectory(prefix="sdv-bench-hooks-") as tmp_s:
@@ -928,6 +1009,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{res['ratio_ours_over_example']:.2f}); at {res['half_rate']:,.0f}/s p99 ours "
                     f"{o['ours']['p99_ms']:.2f} ms, noop {o['noop']['p99_ms']:.2f} ms"
                 )
+            remaining = asyncio.run(pending_rows(ours.port))
+            deleted = {
+                "rows_stored": pre["rows"],
+                "rows_deleted_by_acks": pre["rows"] - remaining,
+                "calls_issued_to_ours": work.cursors.get("ours", 0),
+                "calls_before_repeating": len(work.calls),
+            }
+            log(f"acks deleted {deleted['rows_deleted_by_acks']:,} of {pre['rows']:,} stored rows")
             for server in servers:
                 server.stop()
             servers.clear()
@@ -947,6 +1036,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "payload_bytes": args.payload_bytes,
         "processes": args.processes,
         "ours_processes": ours_processes,
+        "ack_rows": deleted,
         "seed": args.seed,
         "cpus": os.cpu_count(),
         "loadavg_1m_before": load_before,
@@ -967,7 +1057,7 @@ def run_scale(
     levels: list[int], args: argparse.Namespace, tmp: Path, start: Callable[[Callable[[], Server]], Any]
 ) -> dict[str, Any]:
     """One fresh server per level, prefilled, then rounds over the levels in alternating order."""
-    works = {n: make_work(n, args.seed, args.ack_share, args.payload_bytes) for n in levels}
+    works = {n: make_work(n, args.seed, args.ack_share, args.payload_bytes, args.rows_per_vin) for n in levels}
     servers: dict[int, OursServer] = {}
     prefills: dict[str, Any] = {}
     for n in levels:
