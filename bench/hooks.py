@@ -933,6 +933,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scale-rounds", type=int, default=3, help="rounds over the scale levels (default 3)")
     p.add_argument("--scale-duration", type=float, default=1.5, help="seconds per scale measurement (default 1.5)")
     p.add_argument("--processes", type=int, default=None, help="pass SDV_FANOUT_PROCESSES=N to our server")
+    p.add_argument(
+        "--group-rounds",
+        type=int,
+        default=3,
+        help="paired rounds of ours with 1 process vs one per CPU (0 = skip; default 3)",
+    )
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--smoke", action="store_true", help="1 round of 0.5 s, scale 100/1k/10k VINs (~15 s)")
     p.add_argument("--profile", metavar="PATH", help="only profile ours with py-spy (raw stacks to PATH)")
@@ -945,6 +951,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         args.rounds, args.duration, args.warmup, args.vins = 1, 0.5, 0.2, 1000
         args.scale_vins, args.scale_rounds, args.scale_duration = "100,1000,10000", 1, 0.5
+        args.group_rounds = 1
     levels = [int(x) for x in args.scale_vins.split(",") if x.strip()]
     if args.rounds < 1 or args.clients < 1 or args.duration <= 0 or args.warmup < 0 or args.vins < 1:
         p.error("--rounds, --clients, --vins and --duration must be positive")
@@ -964,6 +971,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rounds: list[dict[str, Any]] = []
     deleted: dict[str, Any] = {}
+    group: dict[str, Any] | None = None
     scale: dict[str, Any] | None = None
     ours_processes = 0
     with tempfile.TemporaryDirectory(prefix="sdv-bench-hooks-") as tmp_s:
@@ -1022,6 +1030,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             servers.clear()
             if levels:
                 scale = run_scale(levels, args, tmp, start)
+                for server in servers:
+                    server.stop()
+                servers.clear()
+            if args.group_rounds:
+                group = run_group(args, tmp, start)
         finally:
             for server in servers:
                 server.stop()
@@ -1046,11 +1059,91 @@ def main(argv: Sequence[str] | None = None) -> int:
         "grpc": grpc.__version__,
     }
     print(markdown(rounds, scale, meta))
+    if group:
+        print(group_markdown(group))
     if args.json:
+        summary = summarise(rounds, scale)
+        if group:
+            summary["group"] = group["summary"]
         Path(args.json).write_text(
-            json.dumps({"meta": meta, "summary": summarise(rounds, scale), "rounds": rounds, "scale": scale})
+            json.dumps({"meta": meta, "summary": summary, "rounds": rounds, "scale": scale, "group": group})
         )
     return 0
+
+
+def run_group(args: argparse.Namespace, tmp: Path, start: Callable[[Callable[[], Server]], Any]) -> dict[str, Any]:
+    """Ours with one server process against ours with one per CPU: same load, paired rounds."""
+    n = len(os.sched_getaffinity(0))
+    sides = {"one": 1, "group": n}
+    servers: dict[str, OursServer] = {}
+    works: dict[str, Work] = {}
+    for side, processes in sides.items():
+        works[side] = make_work(args.vins, args.seed, args.ack_share, args.payload_bytes, args.rows_per_vin)
+        servers[side] = start(functools.partial(OursServer, f"group-{side}", tmp, processes))
+        prefill(servers[side], works[side], args)
+    rounds = []
+    for r in range(args.group_rounds):
+        order = ("one", "group") if r % 2 == 0 else ("group", "one")
+        res: dict[str, Any] = {"order": "->".join(order)}
+        for side in order:
+            res[side] = closed(servers[side], works[side], args, args.duration)
+        res["ratio"] = res["group"]["rpc_per_s"] / res["one"]["rpc_per_s"]
+        rounds.append(res)
+        log(
+            f"group round {r + 1}/{args.group_rounds}: 1 process {res['one']['rpc_per_s']:,.0f} RPC/s, "
+            f"{n} processes {res['group']['rpc_per_s']:,.0f} RPC/s ({res['ratio']:.2f}x)"
+        )
+    summary = {
+        "processes": n,
+        "ratio_group_over_one": mmm([r["ratio"] for r in rounds]),
+        # What the group could answer with the cores to itself (EMQX on other machines, as in
+        # production), estimated from CPU per RPC: n cores / its cost, over one core / one's cost.
+        "capacity_estimate_group_over_one": mmm(
+            [n * r["one"]["server_cpu_us_per_rpc"] / r["group"]["server_cpu_us_per_rpc"] for r in rounds]
+        ),
+        **{
+            f"{side}_{key}": mmm([r[side][key] for r in rounds])
+            for side in sides
+            for key in ("rpc_per_s", "server_cpu", "server_cpu_us_per_rpc", "client_cpu", "other_cpu")
+        },
+    }
+    return {"processes": n, "rounds": rounds, "summary": summary}
+
+
+def group_markdown(group: dict[str, Any]) -> str:
+    s, n = group["summary"], group["processes"]
+
+    def row(label: str, key: str, scale: float = 1.0, fmt: str = ",.0f") -> str:
+        v = s[key]
+        return f"| {label} | " + " | ".join(format(v[k] * scale, fmt) for k in ("min", "median", "max")) + " |"
+
+    return "\n".join(
+        [
+            "",
+            f"### One server process vs {n} (one per CPU), same load, {len(group['rounds'])} paired rounds",
+            "",
+            "| metric | min | median | max |",
+            "|---|---:|---:|---:|",
+            row("1 process RPC/s", "one_rpc_per_s"),
+            row(f"{n} processes RPC/s", "group_rpc_per_s"),
+            row(f"**ratio {n} processes / 1** (paired)", "ratio_group_over_one", fmt=".2f"),
+            row(
+                f"capacity with {n} cores to itself, {n} processes / 1 (estimate: {n} x 1-process CPU/RPC "
+                f"over {n}-process CPU/RPC)",
+                "capacity_estimate_group_over_one",
+                fmt=".2f",
+            ),
+            row("1 process: server CPU (% of one core)", "one_server_cpu", 100),
+            row(f"{n} processes: server CPU (% of one core)", "group_server_cpu", 100),
+            row("1 process: server CPU µs/RPC", "one_server_cpu_us_per_rpc"),
+            row(f"{n} processes: server CPU µs/RPC", "group_server_cpu_us_per_rpc"),
+            row("load generator CPU (% of one core), 1-process runs", "one_client_cpu", 100),
+            row(f"load generator CPU (% of one core), {n}-process runs", "group_client_cpu", 100),
+            "",
+            f"The load generator shares the {n} CPUs with the server, so the group can use at most what the "
+            "generator leaves over; the server CPU rows show how much each side got.",
+        ]
+    )
 
 
 def run_scale(
