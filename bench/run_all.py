@@ -233,6 +233,21 @@ def hook_rows(hk: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]
             status,
         )
     )
+
+    grp = sm.get("group") if sm else None
+    if grp:
+        n = grp["processes"]
+        med = {k: v["median"] for k, v in grp.items() if isinstance(v, dict)}
+        meas = (
+            f"{fmt_mmm(grp['ratio_group_over_one'])}x measured with the load generator on the same {n} CPUs "
+            f"(1 process {med['one_rpc_per_s']:,.0f}, {n} processes {med['group_rpc_per_s']:,.0f} RPC/s, "
+            f"medians); {fmt_mmm(grp['capacity_estimate_group_over_one'])}x estimated for {n} cores of its own "
+            f"({med['one_server_cpu_us_per_rpc']:.0f} vs {med['group_server_cpu_us_per_rpc']:.0f} µs/RPC)"
+        )
+        status = verdict(grp["ratio_group_over_one"], 1.6)
+    else:
+        meas, status = "n/a", "not measured"
+    rows.append(("Hook RPC/s with one server process per CPU", "ours with 1 process, same run", "≥ 1.6x", meas, status))
     return rows
 
 
