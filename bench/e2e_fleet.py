@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 
 from tests.emqx_sim import LOOPBACK, FakeEmqx
 
-POLL_S = 0.02  # progress polls with a deadline; the timings come from receive stamps
+POLL_S = 0.1  # progress polls with a deadline; the timings come from receive stamps, not from these
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -152,17 +152,12 @@ class SimFleet(Fleet):
         super().__init__(vins)
         self.emqx = FakeEmqx(exhook_port, mqtt_port, delivery_clientid=delivery_clientid)
         self.rpc_s: list[float] = []  # round trips of message.acked RPCs, as this process sees them
-        call = self.emqx.client.call
 
-        def timed_call(method: str, request: Any, timeout_s: float = 10.0) -> Any:
-            t = time.perf_counter()
-            try:
-                return call(method, request, timeout_s)
-            finally:
-                if method == "OnMessageAcked":
-                    self.rpc_s.append(time.perf_counter() - t)
+        def timed(method: str, seconds: float) -> None:
+            if method == "OnMessageAcked":
+                self.rpc_s.append(seconds)
 
-        self.emqx.client.call = timed_call  # type: ignore[method-assign]
+        self.emqx.on_rpc = timed
         self.emqx.load()
         self.vehicles = {}
         for vin in vins:

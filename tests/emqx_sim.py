@@ -14,9 +14,14 @@ What is EMQX-like on purpose:
 * `load()` calls OnProviderLoaded and, like EMQX, afterwards only calls the hooks the server listed,
   with the `topics` filters of the four message hooks (`+`/`#` do not match `$` topics; `$SYS/` is
   never sent). Before `load()` (or after `unload()`) no hook is called at all.
-* Hooks of one clientid run one after another on one worker thread (EMQX runs them in the client's
-  channel process); different clientids run in parallel. Takeover/discard hooks of an old
-  connection run on the same worker as the new connection's hooks, so their order is exact.
+* Hooks of one clientid run one after another, in the order their causes happened (EMQX runs
+  them in the client's channel process); different clientids run in parallel. A client's hook jobs
+  form a lane run by whichever thread finds it idle (the vehicle's paho thread for what mosquitto
+  did, the test's thread for what the test did), so a message costs no thread hand-off.
+  Takeover/discard hooks of an old connection run in the new connection's lane, so their order is
+  exact.
+* RPCs go over a pool of `pool_size` (8, EMQX's default) channels, each its own TCP connection,
+  picked by clientid as EMQX's `key_dispatch` does: one client's calls share one connection.
 * A failed RPC does not stop the MQTT side (EMQX logs it and goes on): it is stored in
   `FakeEmqx.rpc_errors`, and `close()` fails the test for it unless `strict_rpc=False`.
 * Everything the harness itself gets wrong (an exception in a paho callback or in a hook job, or a
@@ -51,9 +56,10 @@ import socket
 import subprocess
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -96,9 +102,20 @@ HOOK_RPC: dict[str, tuple[str, type[Any]]] = {
     "message.acked": ("OnMessageAcked", pb.MessageAckedRequest),
     "message.dropped": ("OnMessageDropped", pb.MessageDroppedRequest),
 }
+#: RPCs that answer something else than EmptySuccess.
+HOOK_RESPONSE: dict[str, type[Any]] = {
+    "OnProviderLoaded": pb.LoadedResponse,
+    "OnClientAuthenticate": pb.ValuedResponse,
+    "OnClientAuthorize": pb.ValuedResponse,
+    "OnMessagePublish": pb.ValuedResponse,
+}
 MESSAGE_HOOKS = frozenset({"message.publish", "message.delivered", "message.acked", "message.dropped"})
 NOT_SIMULATED_HOOKS = frozenset({"client.authenticate", "client.authorize"})
 BROKER_VERSION = {"v2": "5.8.9", "v3": "5.9.1"}
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()  # type: ignore[no-any-return]
 
 
 class SimulationError(AssertionError):
@@ -326,6 +343,19 @@ def _result_code(rc: ReasonCode) -> str:
     return "success" if not rc.is_failure else re.sub(r"\W+", "_", rc.getName().strip().lower())
 
 
+class _Lane:
+    """The hook jobs of one clientid, run one at a time in the order they were submitted."""
+
+    __slots__ = ("busy", "jobs", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        #: (future, or None for a job nobody waits for, function, arguments)
+        self.jobs: deque[tuple[Future[Any] | None, Callable[..., Any], tuple[Any, ...]]] = deque()
+        #: A thread is running this lane's jobs (it runs the ones queued meanwhile too).
+        self.busy = False
+
+
 class _Conn:
     """One MQTT connection of a vehicle = one EMQX channel (state: connecting/open/idle/gone)."""
 
@@ -389,6 +419,7 @@ class FakeEmqx:
         request_timeout_s: float = 5.0,
         strict_rpc: bool = True,
         job_timeout_s: float = 30.0,
+        pool_size: int = 8,
     ) -> None:
         if package not in BROKER_VERSION:
             raise ValueError(f"package must be one of {sorted(BROKER_VERSION)}")
@@ -409,7 +440,12 @@ class FakeEmqx:
         self.request_timeout_s = request_timeout_s
         self.strict_rpc = strict_rpc
         self.job_timeout_s = job_timeout_s
-        self.client = ExHookClient(exhook_port, package)
+        #: EMQX's pool: one channel (TCP connection) per worker, chosen by clientid.
+        self.pool = [ExHookClient(exhook_port, package) for _ in range(pool_size)]
+        self.client = self.pool[0]
+        #: Called with (rpc, seconds) after each hook RPC, answered or failed (e.g. by a benchmark).
+        self.on_rpc: Callable[[str, float], None] | None = None
+        self._stubs: dict[tuple[int, str], Any] = {}
         self.meta = pb.RequestMeta(node=node, version=self.version, sysdescr="EMQX", cluster_name=cluster_name)
         self.hooks: dict[str, list[str]] | None = None  # registered hook -> topic filters
         self.calls: deque[HookCall] = deque(maxlen=100_000)
@@ -420,7 +456,7 @@ class FakeEmqx:
         self._guid = _Guid(node)
         self._lock = threading.Lock()
         self._channels: dict[str, _Conn] = {}  # clientid -> live or idle (persistent) channel
-        self._workers: dict[str, ThreadPoolExecutor] = {}
+        self._lanes: dict[str, _Lane] = {}
         self._inflight: dict[tuple[str, str, bytes], pb.Message] = {}  # unacked deliveries
         self._closed = False
 
@@ -474,19 +510,44 @@ class FakeEmqx:
             return not filters or any(topic_matches(f, topic) for f in filters)
         return True
 
+    def _stub(self, request: Any, method: str) -> Any:
+        """The callable for `method` on the pool channel of the request's client (EMQX's
+        `key_dispatch`: clientinfo.clientid, else conninfo.clientid, else message.from)."""
+        key = ""
+        for field, attr in (("clientinfo", "clientid"), ("conninfo", "clientid"), ("message", "from")):
+            if field in request.DESCRIPTOR.fields_by_name and request.HasField(field):
+                key = getattr(getattr(request, field), attr)
+                break
+        k = zlib.crc32(key.encode()) % len(self.pool)
+        stub = self._stubs.get((k, method))
+        if stub is None:
+            response_cls = HOOK_RESPONSE.get(method, pb.EmptySuccess)
+            stub = self.pool[k].channel.unary_unary(
+                f"/emqx.exhook.{self.package}.HookProvider/{method}",
+                request_serializer=_serialize,
+                response_deserializer=response_cls.FromString,
+            )
+            self._stubs[k, method] = stub
+        return stub
+
     def _call(self, hook: str, request: Any, topic: str | None = None) -> Any:
         """Call `hook` if registered; RPC failures are recorded, never raised (EMQX carries on)."""
         if not self.registered(hook, topic):
             return None
         method, _ = HOOK_RPC[hook]
         request.meta.CopyFrom(self.meta)
+        stub = self._stub(request, method)
+        t = time.perf_counter()
         try:
-            resp = self.client.call(method, request, timeout_s=self.request_timeout_s)
+            resp = stub(request, timeout=self.request_timeout_s)
         except grpc.RpcError as exc:
             with self._lock:
                 self.rpc_errors.append((hook, exc))
             self.calls.append(HookCall(hook, method, request, None))
             return None
+        finally:
+            if self.on_rpc is not None:
+                self.on_rpc(method, time.perf_counter() - t)
         self.calls.append(HookCall(hook, method, request, resp))
         return resp
 
@@ -594,26 +655,61 @@ class FakeEmqx:
         """The vehicle's request subscription, e.g. `agent/<vin>/proxy/request/+`."""
         return self.request_prefix.replace("{VIN}", vin) + "/+"
 
-    def _worker(self, clientid: str) -> ThreadPoolExecutor:
+    def _lane(self, clientid: str) -> _Lane:
         with self._lock:
             if self._closed:
                 raise RuntimeError("FakeEmqx is closed")
-            w = self._workers.get(clientid)
-            if w is None:
-                w = self._workers[clientid] = ThreadPoolExecutor(1, thread_name_prefix=f"emqx-sim-{clientid}")
-            return w
+            lane = self._lanes.get(clientid)
+            if lane is None:
+                lane = self._lanes[clientid] = _Lane()
+            return lane
 
-    def _submit(self, clientid: str, fn: Callable[..., Any], *args: Any, background: bool = False) -> Future[Any]:
-        """Queue a hook job behind the clientid's earlier ones; background failures go to errors."""
-        fut = self._worker(clientid).submit(fn, *args)
-        if background:
-            fut.add_done_callback(self._record_failure)
+    def _submit(self, clientid: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run a hook job after the clientid's earlier ones; its outcome is the future's.
+
+        If no earlier job is still running, the calling thread runs it (and whatever is queued
+        behind it meanwhile) before returning; else it is queued for the thread running them."""
+        fut: Future[Any] = Future()
+        self._enqueue(clientid, fut, fn, args)
         return fut
 
-    def _record_failure(self, fut: Future[Any]) -> None:
-        exc = None if fut.cancelled() else fut.exception()
-        if exc is not None:
-            self.errors.append(exc)
+    def _post(self, clientid: str, fn: Callable[..., Any], *args: Any) -> None:
+        """`_submit` for a job nobody waits for (one per delivered message): a failure goes to errors."""
+        self._enqueue(clientid, None, fn, args)
+
+    def _enqueue(self, clientid: str, fut: Future[Any] | None, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        lane = self._lane(clientid)
+        with lane.lock:
+            lane.jobs.append((fut, fn, args))
+            if lane.busy:
+                return
+            lane.busy = True
+        self._run_lane(lane)
+
+    def _run_lane(self, lane: _Lane) -> None:
+        while True:
+            with lane.lock:
+                if not lane.jobs:
+                    lane.busy = False
+                    return
+                fut, fn, args = lane.jobs.popleft()
+            if fut is None:
+                if not self._closed:
+                    try:
+                        fn(*args)
+                    except BaseException as exc:
+                        self.errors.append(exc)
+                continue
+            if self._closed:
+                fut.cancel()  # as a closed executor cancels what it had not started
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
 
     def _wait(self, fut: Future[Any]) -> Any:
         return fut.result(self.job_timeout_s)
@@ -711,15 +807,22 @@ class FakeEmqx:
             v.close()
         with self._lock:
             self._closed = True
-            workers = list(self._workers.values())
-            self._workers.clear()
+            lanes = list(self._lanes.values())
+            self._lanes.clear()
             channels = list(self._channels.values())
         for c in channels:
             if c.expiry_timer is not None:
                 c.expiry_timer.cancel()
-        for w in workers:
-            w.shutdown(wait=True, cancel_futures=True)
-        self.client.close()
+        for lane in lanes:
+            with lane.lock:
+                queued, lane.jobs = list(lane.jobs), deque()
+            for fut, _, _ in queued:
+                if fut is not None:
+                    fut.cancel()
+        # A job still running (say on a session-expiry timer) finishes before its channel closes.
+        poll(lambda: not any(lane.busy for lane in lanes), timeout_s=self.job_timeout_s)
+        for client in self.pool:
+            client.close()
         if check:
             self.check()
 
@@ -826,15 +929,16 @@ class Vehicle:
         def run() -> None:
             with conn.lock:
                 topic, opts = conn.pending_subs.pop(mid)
-                conn.sub_jobs[mid] = self.emqx._submit(
-                    self.clientid, self._job_subscribed, conn, topic, opts, list(reason_codes)
-                )
+            # Outside the lock: the job may run right here, in paho's thread.
+            conn.sub_jobs[mid] = self.emqx._submit(
+                self.clientid, self._job_subscribed, conn, topic, opts, list(reason_codes)
+            )
 
         self._guard(run)
 
     def _on_message(self, conn: _Conn, message: mqtt.MQTTMessage) -> None:
         def run() -> None:
-            self.emqx._submit(
+            self.emqx._post(
                 self.clientid,
                 self._job_message,
                 conn,
@@ -844,7 +948,6 @@ class Vehicle:
                 message.qos,
                 bool(message.dup),
                 time.time(),
-                background=True,
             )
 
         self._guard(run)
@@ -983,7 +1086,7 @@ class Vehicle:
                 self.emqx._unregister(conn)
 
         def submit() -> None:
-            self.emqx._submit(self.clientid, job, background=True)
+            self.emqx._post(self.clientid, job)
 
         self._guard(submit)
 
