@@ -1,9 +1,12 @@
 """Publishes deliveries to the broker over MQTT 5 (paho-mqtt 2.x); the only module that speaks MQTT.
 
-paho runs its network loop in its own thread and reconnects with backoff.
-Connection changes are handed to the event loop (`on_state`), where dispatch
-clears in-flight state on loss and sends again when the link is back.
-`publish` never blocks: paho queues the message and its in-flight window
+paho's socket lives on the server's event loop rather than in a thread of its
+own: publishes of one loop iteration are written right after it and PUBACKs are
+read as they come, with no thread hand-off per message. Only the blocking part
+of (re)connecting (TCP and TLS handshakes) runs in a worker thread, retried with
+backoff until the broker answers. Connection changes reach dispatch through
+`on_state`, which voids in-flight state on loss and sends again when the link is
+back. `publish` never blocks: paho queues the message and its in-flight window
 (kept small: large windows collapse throughput) paces the broker.
 """
 
@@ -30,9 +33,21 @@ from exhook_server.topics import RequestTopics
 
 log = structlog.get_logger("sdv_fanout.delivery")
 
+#: Reconnect backoff: doubles from the first delay to the last; a link that was up starts over.
+_RETRY_FIRST_S = 1.0
+_RETRY_MAX_S = 30.0
+#: How often paho's keepalive bookkeeping runs (PINGREQ due, PINGRESP overdue).
+_HOUSEKEEPING_S = 1.0
+#: How long `stop` waits for the DISCONNECT to be written.
+_STOP_TIMEOUT_S = 5.0
+
 
 class MqttDelivery:
-    """The delivery client: one MQTT connection, QoS 1 publishes on the request topics."""
+    """The delivery client: one MQTT connection, QoS 1 publishes on the request topics.
+
+    Built, started and published to on the event loop's thread; `stop` is called from
+    another thread while the loop runs.
+    """
 
     def __init__(
         self,
@@ -44,6 +59,7 @@ class MqttDelivery:
     ) -> None:
         self._cfg = cfg
         self._loop = loop
+        self._loop_thread = threading.get_ident()
         self._on_state = on_state
         self._topics = RequestTopics(cfg.request_topic_prefix)
         #: Acks are matched by the prefix; the rest keeps replicas apart.
@@ -51,7 +67,7 @@ class MqttDelivery:
         url = urlsplit(cfg.mqtt_url)
         self._host = url.hostname or "127.0.0.1"
         self._port = url.port or (8883 if url.scheme == "mqtts" else 1883)
-        self._connected = threading.Event()
+        self._connected = False
         self._stopping = False
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
@@ -65,58 +81,171 @@ class MqttDelivery:
             client.tls_set_context(context)
         client.max_inflight_messages_set(cfg.mqtt_max_inflight)
         client.max_queued_messages_set(0)
-        client.reconnect_delay_set(min_delay=1, max_delay=30)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
+        client.on_socket_open = self._on_socket_open
+        client.on_socket_close = self._on_socket_close
+        client.on_socket_register_write = self._on_want_write
         self._client = client
         self._props: Properties | None = None
         if cfg.mqtt_message_expiry_s:
             self._props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
             self._props.MessageExpiryInterval = cfg.mqtt_message_expiry_s
+        #: The socket the loop watches (None between connections), and whether for writing too.
+        self._sock: Any = None
+        self._writing = False
+        self._flush_due = False
+        self._was_up = False
+        self._housekeeping_timer: asyncio.TimerHandle | None = None
+        #: Set once the watched socket is gone: the connector then connects again.
+        self._gone = asyncio.Event()
+        self._connector: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Connect in the background; paho retries with backoff until the broker answers."""
+        """Connect in the background; retries with backoff until the broker answers."""
         self._client.connect_async(self._host, self._port, keepalive=self._cfg.mqtt_keepalive_s, clean_start=True)
-        self._client.loop_start()
+        self._connector = self._loop.create_task(self._connect_forever(), name="mqtt-delivery")
         log.info("mqtt_connecting", host=self._host, port=self._port, clientid=self.clientid)
 
     def stop(self) -> None:
-        """Disconnect cleanly and stop paho's thread."""
+        """Disconnect cleanly (bounded in time) and stop reconnecting."""
         self._stopping = True
-        self._client.disconnect()
-        self._client.loop_stop()
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(_STOP_TIMEOUT_S + 5)
 
     @property
     def connected(self) -> bool:
-        return self._connected.is_set()
+        return self._connected
 
     def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
         """Queue one QoS 1 delivery; False (nothing queued) while disconnected."""
-        if not self._connected.is_set():
+        if not self._connected:
             return False
         info = self._client.publish(self._topics.delivery(vin, request_id), payload, qos=1, properties=self._props)
         return info.rc == mqtt.MQTT_ERR_SUCCESS
 
-    # -- paho thread ---------------------------------------------------------------
+    # -- connecting ------------------------------------------------------------------------
+    async def _connect_forever(self) -> None:
+        delay = _RETRY_FIRST_S
+        while not self._stopping:
+            self._gone.clear()
+            self._was_up = False
+            try:
+                # Blocking handshakes in a worker thread; paho hands the socket over (_on_socket_open).
+                await asyncio.to_thread(self._client.reconnect)
+            except (OSError, ValueError) as exc:
+                log.warning("mqtt_connect_failed", host=self._host, port=self._port, error=str(exc), retry_s=delay)
+            else:
+                await self._gone.wait()
+                if self._was_up:
+                    delay = _RETRY_FIRST_S
+            if self._stopping:
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _RETRY_MAX_S)
+
+    async def _shutdown(self) -> None:
+        if self._connector is not None:
+            self._connector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._connector
+        if self._sock is not None:
+            self._client.disconnect()  # queued; paho closes the socket once it is written
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gone.wait(), _STOP_TIMEOUT_S)
+        self._unwatch()
+
+    # -- paho's socket on the event loop ------------------------------------------------------
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run fn on the loop's thread: now if this is it, else soon (paho calls back from the
+        connecting worker thread too)."""
+        if threading.get_ident() == self._loop_thread:
+            fn(*args)
+        else:
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _on_socket_open(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
+        self._on_loop(self._watch, sock)
+
+    def _watch(self, sock: Any) -> None:
+        if self._stopping:
+            sock.close()  # connected while shutting down: nobody will serve it
+            return
+        self._sock = sock
+        self._loop.add_reader(sock, self._read)
+        self._housekeeping_timer = self._loop.call_later(_HOUSEKEEPING_S, self._housekeeping)
+        self._want_flush()  # the CONNECT packet
+
+    def _on_socket_close(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
+        # Called before paho closes it: stop watching the descriptor while it is still open.
+        self._on_loop(self._socket_gone, sock)
+
+    def _socket_gone(self, sock: Any) -> None:
+        if sock is self._sock:
+            self._unwatch()
+            self._gone.set()
+
+    def _unwatch(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._loop.remove_reader(sock)
+            if self._writing:
+                self._loop.remove_writer(sock)
+        self._writing = False
+        if self._housekeeping_timer is not None:
+            self._housekeeping_timer.cancel()
+            self._housekeeping_timer = None
+
+    def _read(self) -> None:
+        self._client.loop_read()
+        # TLS may hold decrypted bytes that the socket will not signal again.
+        while isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
+            self._client.loop_read()
+
+    def _on_want_write(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
+        self._on_loop(self._want_flush)
+
+    def _want_flush(self) -> None:
+        # Everything queued in this loop iteration is written together, right after it.
+        if not self._flush_due and self._sock is not None:
+            self._flush_due = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        sock = self._sock
+        if sock is None:
+            return
+        self._client.loop_write()
+        # What the socket did not take waits until it is writable again.
+        pending = self._sock is not None and self._client.want_write()
+        if pending != self._writing:
+            if pending:
+                self._loop.add_writer(sock, self._flush)
+            else:
+                self._loop.remove_writer(sock)
+            self._writing = pending
+
+    def _housekeeping(self) -> None:
+        self._housekeeping_timer = None
+        if self._sock is not None:
+            self._client.loop_misc()
+        if self._sock is not None:
+            self._housekeeping_timer = self._loop.call_later(_HOUSEKEEPING_S, self._housekeeping)
+
+    # -- paho callbacks (the loop's thread) ---------------------------------------------------
     def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         if reason.is_failure:
             log.error("mqtt_connect_refused", reason=str(reason))
             return
-        self._connected.set()
+        self._connected = self._was_up = True
         log.info("mqtt_connected", host=self._host, port=self._port, clientid=self.clientid)
-        self._notify(True)
+        self._on_state(True)
 
     def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
-        was = self._connected.is_set()
-        self._connected.clear()
+        was, self._connected = self._connected, False
         if was:
             if self._stopping:
                 log.info("mqtt_disconnected", reason="shutdown")
             else:
                 log.warning("mqtt_disconnected", reason=str(reason))
-            self._notify(False)
-
-    def _notify(self, up: bool) -> None:
-        # RuntimeError: the event loop is already closed, we are shutting down.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._on_state, up)
+            self._on_state(False)
