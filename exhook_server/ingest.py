@@ -209,8 +209,14 @@ class Ingestor:
             format=fmt,
             **fields,
         )
+        if self.listeners:
+            # After the answer, not before: the hook's reply (and EMQX's next batch) need not wait
+            # for dispatch to sort 200 VINs onto its workers; call_soon keeps the batches' order.
+            asyncio.get_running_loop().call_soon(self._notify, written.vins, written.request_id)
+
+    def _notify(self, vins: tuple[str, ...], request_id: str) -> None:
         for listener in self.listeners:
-            listener(written.vins, written.request_id)
+            listener(vins, request_id)
 
     async def sweep_early(self) -> list[ops.EarlyExpired]:
         """Drop early triggers whose data never came, each with a logged reason."""
