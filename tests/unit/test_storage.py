@@ -109,3 +109,49 @@ def test_readonly_open_of_missing_store_is_a_clear_error(tmp_path: Path) -> None
     with pytest.raises(StorageError, match="no sdv-fanout data"):
         Store(tmp_path / "nothing", readonly=True)
     assert not (tmp_path / "nothing").exists()
+
+
+def _index_matches_rows(store: Store) -> tuple[set[bytes], set[bytes]]:
+    """(expiry keys, expiry keys the ids rows call for) from one snapshot."""
+    from storage import keys
+
+    with store.read() as txn:
+        index = {bytes(k) for k, _ in txn.cursor(store.tables.expiry)}
+        wanted = {keys.expiry_key(keys.row_ts(v), bytes(k)) for k, v in txn.cursor(store.tables.ids)}
+    return index, wanted
+
+
+def test_expiry_index_matches_rows_whatever_the_timestamps(store: Store) -> None:
+    """Same-millisecond, older (clock stepped back), replacing and duplicate-VIN batches leave one
+    expiry entry per row, at the row's timestamp, and nothing else."""
+    writer = GroupCommitter(store)
+    plan = [
+        (["B", "D", "F"], "task_a_1", 100),
+        (["A", "C", "E", "G"], "task_a_2", 100),  # same ms, keys interleave with the previous batch
+        (["A", "Z"], "task_a_3", 50),  # clock stepped back: all below the last expiry key
+        (["C", "Y"], "task_a_1", 120),  # C is new for task_a_1, Y new, at a later time
+        (["B", "D"], "task_a_1", 90),  # replaces B and D of task_a_1 with an older timestamp
+        (["Q", "Q", "R"], "task_a_4", 130),  # a repeated VIN (the parser folds these; ops must not break)
+    ]
+    for vins, rid, at in plan:
+        writer.submit(batch_op(store, vins, rid, b"p", now=at)).result(10)
+    writer.close()
+    index, wanted = _index_matches_rows(store)
+    assert index == wanted
+    assert len(index) == store.row_count() == 13
+    assert [r.ts_ms for r in store.pending("B")] == [90]
+
+
+def test_replacement_is_counted_once_per_existing_row(store: Store) -> None:
+    """A batch reusing (VIN, request_id) pairs reports how many rows it replaced."""
+    writer = GroupCommitter(store)
+    first = writer.submit(batch_op(store, ["V1", "V2"], "task_a_1", b"one", now=10)).result(10)
+    again = writer.submit(batch_op(store, ["V2", "V3", "V1"], "task_a_1", b"two", now=20)).result(10)
+    writer.close()
+    assert (first.replaced, again.replaced) == (0, 2)
+    assert again.vins == ("V2", "V3", "V1")
+    assert {r.vin: r.ts_ms for r in (store.pending("V1") + store.pending("V2") + store.pending("V3"))} == {
+        "V1": 20,
+        "V2": 20,
+        "V3": 20,
+    }
