@@ -34,7 +34,7 @@ check: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m exhook_server.protogen
 
-## bench: every benchmark in bench/ (~2-3 min), writes docs/BENCHMARKS.md and docs/bench_*.png (not part of `make test`)
+## bench: every benchmark in bench/ (~6 min on 2 cores), writes docs/BENCHMARKS.md and docs/bench_*.png (not part of `make test`)
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
 
