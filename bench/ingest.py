@@ -63,7 +63,8 @@ import lmdb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.harness
 
-from e2e import machine_busy_s, process_group  # bench/ is sys.path[0] when run as a script
+# bench/ is sys.path[0] when run as a script; e2e.py has the /proc helpers and number formats.
+from e2e import dec, machine_busy_s, num, process_group, share
 
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage import keys
@@ -476,18 +477,6 @@ def disk_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _num(v: float) -> str:
-    return f"{v:,.0f}"
-
-
-def _dec(v: float) -> str:
-    return f"{v:.2f}"
-
-
-def _share(v: float) -> str:
-    return f"{v * 100:.0f} %"
-
-
 def markdown(rounds: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         f"### Durable ingest: {meta['batches']} batches x {meta['vins']} VINs per round, "
@@ -497,43 +486,43 @@ def markdown(rounds: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "|---|---:|---:|---:|",
     ]
     table = [
-        ("ours (gRPC -> sdv-fanout serve) VIN-rows/s", _col(rounds, "ours", "rows_per_s"), _num),
-        ("ours batches/s", _col(rounds, "ours", "batches_per_s"), _num),
-        ("raw (py-lmdb, 1 fsync'd txn per batch) VIN-rows/s", _col(rounds, "raw", "rows_per_s"), _num),
-        ("raw batches/s", _col(rounds, "raw", "batches_per_s"), _num),
-        ("**ratio ours/raw** (paired per round)", [r["ratio"] for r in rounds], _dec),
+        ("ours (gRPC -> sdv-fanout serve) VIN-rows/s", _col(rounds, "ours", "rows_per_s"), num),
+        ("ours batches/s", _col(rounds, "ours", "batches_per_s"), num),
+        ("raw (py-lmdb, 1 fsync'd txn per batch) VIN-rows/s", _col(rounds, "raw", "rows_per_s"), num),
+        ("raw batches/s", _col(rounds, "raw", "batches_per_s"), num),
+        ("**ratio ours/raw** (paired per round)", [r["ratio"] for r in rounds], dec),
         (
             "raw-tuned (same entries, the writer's py-lmdb calls) VIN-rows/s",
             _col(rounds, "raw_tuned", "rows_per_s"),
-            _num,
+            num,
         ),
-        ("ratio ours/raw-tuned (paired per round)", [r["ratio_tuned"] for r in rounds if "ratio_tuned" in r], _dec),
-        ("ours batches per commit (LMDB txn ids)", _col(rounds, "ours", "batches_per_commit"), _dec),
-        ("ours batch latency p50 ms", _col(rounds, "ours", "p50_ms"), _dec),
-        ("ours batch latency p99 ms", _col(rounds, "ours", "p99_ms"), _dec),
-        ("raw batch latency p50 ms", _col(rounds, "raw", "p50_ms"), _dec),
-        ("raw batch latency p99 ms", _col(rounds, "raw", "p99_ms"), _dec),
-        ("ours server CPU (of one core, all its processes)", _col(rounds, "ours", "server_cpu"), _share),
-        ("ours server CPU µs per VIN-row", _col(rounds, "ours", "server_cpu_us_per_row"), _dec),
-        ("ours client CPU (of one core)", _col(rounds, "ours", "client_cpu"), _share),
-        ("raw loop CPU (of one core)", _col(rounds, "raw", "client_cpu"), _share),
+        ("ratio ours/raw-tuned (paired per round)", [r["ratio_tuned"] for r in rounds if "ratio_tuned" in r], dec),
+        ("ours batches per commit (LMDB txn ids)", _col(rounds, "ours", "batches_per_commit"), dec),
+        ("ours batch latency p50 ms", _col(rounds, "ours", "p50_ms"), dec),
+        ("ours batch latency p99 ms", _col(rounds, "ours", "p99_ms"), dec),
+        ("raw batch latency p50 ms", _col(rounds, "raw", "p50_ms"), dec),
+        ("raw batch latency p99 ms", _col(rounds, "raw", "p99_ms"), dec),
+        ("ours server CPU (of one core, all its processes)", _col(rounds, "ours", "server_cpu"), share),
+        ("ours server CPU µs per VIN-row", _col(rounds, "ours", "server_cpu_us_per_row"), dec),
+        ("ours client CPU (of one core)", _col(rounds, "ours", "client_cpu"), share),
+        ("raw loop CPU (of one core)", _col(rounds, "raw", "client_cpu"), share),
         (
             "**other processes' CPU** (of one core; should be ~0)",
             [r[side]["other_cpu"] for r in rounds for side in SIDES if side in r],
-            _share,
+            share,
         ),
-        ("ours disk bytes per pending row (ids + expiry pages)", _disk_col(rounds, "ours", "bytes_per_row"), _num),
+        ("ours disk bytes per pending row (ids + expiry pages)", _disk_col(rounds, "ours", "bytes_per_row"), num),
         (
             "ours blob overhead bytes (data + touched pages - payload, per blob)",
             _disk_col(rounds, "ours", "blob_overhead_bytes"),
-            _num,
+            num,
         ),
         (
             "ours LMDB file bytes used per row (everything, free pages included)",
             _disk_col(rounds, "ours", "file_bytes_per_row"),
-            _num,
+            num,
         ),
-        ("raw disk bytes per row (ids + expiry pages)", _disk_col(rounds, "raw", "bytes_per_row"), _num),
+        ("raw disk bytes per row (ids + expiry pages)", _disk_col(rounds, "raw", "bytes_per_row"), num),
     ]
     for label, values, fmt in table:
         if values:
