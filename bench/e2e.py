@@ -68,6 +68,8 @@ import paho.mqtt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
 
+from hooks import descendants  # bench/ is sys.path[0] when run as a script
+
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage.store import Store
 from tests.emqx_sim import FakeEmqx, Mosquitto
@@ -101,25 +103,6 @@ def proc_cpu_s(pid: int) -> float:
     except FileNotFoundError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def process_group(pid: int) -> list[int]:
-    """`pid` and every process below it: the server's processes when it runs several."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 def rss_bytes(pids: list[int]) -> int:
@@ -283,7 +266,7 @@ class Rig:
         self.server = SubprocessServer(self.tmp / "lmdb", "--log-level", self.args.log_level, env=env)
         server = self.server
         #: The server's processes: the parent and, when it runs several, its children.
-        self.server_pids = process_group(server.proc.pid)
+        self.server_pids = descendants(server.proc.pid)
         deadline = time.monotonic() + 30
         clientid = None
         while clientid is None:
@@ -601,7 +584,7 @@ def run_presence(
     requests = [_subscribed_request(i) for i in range(sessions + warm)]
     # SubprocessServer sets SDV_FANOUT_MQTT_URL="": no delivery, presence is still tracked.
     server = SubprocessServer(tmp / "lmdb", "--log-level", log_level, env=env)
-    pids = process_group(server.proc.pid)
+    pids = descendants(server.proc.pid)
     try:
         asyncio.run(_drive(server.port, requests[:warm], clients))  # channels, pools, first allocations
         quiesce(pids)
