@@ -84,6 +84,32 @@ def _requests() -> dict[str, tuple[bytes, Any, str]]:
 # -- servers ----------------------------------------------------------------------
 
 
+def wait_ready(
+    proc: subprocess.Popen[bytes],
+    ready: Path,
+    log_path: Path,
+    log: Any,
+    name: str,
+    stop: Any,
+    timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    """The JSON a started server writes to its ready file, polled until it is there; a server
+    that exits first (its log closed and quoted) or takes longer than timeout_s (stopped) raises."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            log.close()
+            raise RuntimeError(f"{name} exited:\n{log_path.read_text(errors='replace')[-3000:]}")
+        try:
+            return json.loads(ready.read_text())  # type: ignore[no-any-return]
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        if time.monotonic() > deadline:
+            stop()
+            raise RuntimeError(f"{name} did not start within {timeout_s:.0f} s")
+        time.sleep(0.02)  # polling a file another process writes; bounded by the deadline
+
+
 class NoopServer:
     """bench/noop_server.py as a child process."""
 
@@ -97,20 +123,7 @@ class NoopServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                self._log.close()
-                raise RuntimeError(f"{flavour} server exited:\n{self.log_path.read_text(errors='replace')}")
-            try:
-                info = json.loads(ready.read_text())
-                break
-            except (FileNotFoundError, json.JSONDecodeError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{flavour} server did not start within 30 s")
-            time.sleep(0.02)
+        info = wait_ready(self.proc, ready, self.log_path, self._log, f"{flavour} server", self.stop)
         self.port: int = info["port"]
         self.pid: int = self.proc.pid
 

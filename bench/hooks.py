@@ -63,7 +63,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for exhook_server
 
-from grpc_flavour import NoopServer, own_cpu_s, proc_cpu_s  # bench/ is sys.path[0] when run as a script
+from grpc_flavour import NoopServer, own_cpu_s, proc_cpu_s, wait_ready  # bench/ is sys.path[0] when run as a script
 
 from exhook_server._proto import admin_pb2
 from exhook_server._proto import exhook_v3_pb2 as pb
@@ -172,20 +172,7 @@ class OursServer:
         argv = [str(exe), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(base / "lmdb")]
         argv += ["--ready-file", str(ready), "--log-level", "warning"]
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                self._log.close()
-                raise RuntimeError(f"{name} exited:\n{self.log_path.read_text(errors='replace')[-3000:]}")
-            try:
-                info = json.loads(ready.read_text())
-                break
-            except (FileNotFoundError, json.JSONDecodeError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{name} did not start within 30 s")
-            time.sleep(0.02)
+        info = wait_ready(self.proc, ready, self.log_path, self._log, name, self.stop)
         self.port: int = info["port"]
         self.pid: int = info["pid"]
         #: Server processes answering hooks: the children when the ready-file pid supervises a group.
