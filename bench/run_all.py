@@ -41,7 +41,7 @@ SCRIPTS: list[tuple[str, str, list[str], str]] = [
     (
         "e2e",
         "bench/e2e.py",
-        ["--vehicles", "500", "--batches", "10", "--rounds", "2", "--procs", "2"],
+        ["--vehicles", "500", "--batches", "10", "--rounds", "3", "--procs", "2"],
         "End-to-end delivery (bench/e2e.py)",
     ),
     ("gc", "bench/gc.py", ["--rows", "300000"], "GC pipeline (bench/gc.py)"),
