@@ -143,7 +143,11 @@ class _Supervisor:
                 return self._finish(1)
             metrics_port = 0
             if metrics_dir:
-                http, metrics_port = _serve_group_metrics(self.cfg.metrics_listen, metrics_dir)
+                try:
+                    http, metrics_port = _serve_group_metrics(self.cfg.metrics_listen, metrics_dir)
+                except ConfigError:
+                    self._finish(2)  # stop the children before reporting the bad address
+                    raise
             if self.ready_file:
                 write_ready_file(
                     self.ready_file,

@@ -158,3 +158,31 @@ def test_map_grows_while_two_processes_write(tmp_path: Path) -> None:
         stats = store.stats()
     assert (stats.rows, stats.blobs) == (48, 48)
     assert stats.map_size_bytes > 256 << 10
+
+
+def test_a_taken_metrics_port_stops_the_group_cleanly(tmp_path: Path) -> None:
+    """The parent binds /metrics after the children start: if it cannot, it stops them and exits 2."""
+    import socket
+    import subprocess
+
+    from tests.harness import BIN
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = subprocess.run(
+            [str(BIN / "sdv-fanout"), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "lmdb")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={
+                **os.environ,
+                **GROUP,
+                "SDV_FANOUT_MQTT_URL": "",
+                "SDV_FANOUT_METRICS_LISTEN": f"127.0.0.1:{taken.getsockname()[1]}",
+            },
+        )
+    assert out.returncode == 2 and "metrics_listen" in out.stderr
+    # The children held the data dir's lock too: a new server can take it only once they are gone.
+    srv = SubprocessServer(tmp_path / "lmdb", env=GROUP)
+    assert srv.terminate() == 0
