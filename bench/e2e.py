@@ -811,6 +811,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--keep-tmp", action="store_true", help="keep the tmp dir (logs, LMDB) even after a successful run")
     p.add_argument("--presence-only", action="store_true", help="only the synthetic RSS-per-VIN measurement")
+    p.add_argument("--levels", default="", help="also ours alone at these multiples of --level-batches, e.g. 1,10,100")
+    p.add_argument("--level-batches", type=int, default=1, help="batches at level 1x (default 1)")
     p.add_argument("--server-processes", type=int, default=0,
                    help="SDV_FANOUT_PROCESSES for the servers (default: theirs, one per CPU)")  # fmt: skip
     args = p.parse_args(argv)
@@ -832,9 +834,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rss: dict[str, Any] = {}
     lat: dict[str, Any] = {}
+    levels: list[dict[str, Any]] = []
     try:
         if not args.presence_only:
-            rss, lat = run_e2e(args, tmp_root, vins, rounds, latency_batches, say)
+            rss, lat = run_e2e(args, tmp_root, vins, rounds, latency_batches, say, levels)
         (tmp_root / "presence").mkdir()
         warm = min(1000, args.presence_sessions)
         say(f"synthetic presence: {args.presence_sessions:,} OnSessionSubscribed on a server without delivery")
@@ -875,10 +878,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         out: dict[str, Any] = {"meta": meta, "rss": rss}
     else:
         print(markdown(rounds, lat, rss, meta))
+        if levels:
+            print(levels_markdown(levels, args.vehicles))
         out = {"meta": meta, "summary": summarise(rounds), "rounds": rounds, "latency": lat, "rss": rss}
+        out["levels"] = levels
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
+
+
+def run_levels(rig: Rig, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Ours alone at 1x, 10x, 100x... the batches (same fleet): does the cost per message stay flat?"""
+    args = rig.args
+    base, out = args.batches, []
+    try:
+        for level in (int(x) for x in args.levels.split(",") if x.strip()):
+            args.batches = args.level_batches * level  # run_ours reads the batch count from here
+            res = run_ours(rig, f"lv{level}", args.payload_bytes, args.seed + 5000 + level)
+            out.append(
+                {
+                    "level": level,
+                    "messages": args.batches * len(rig.vins),
+                    "msgs_per_s": res["msgs_per_s"],
+                    "server_us_per_msg": res["cpu_us_per_msg"]["server"],
+                    "total_us_per_msg": res["cpu_us_per_msg"]["total"],
+                    "other_processes": res["cpu"]["other processes"],
+                }
+            )
+            say(f"level {level}x: {out[-1]['messages']:,} messages, {res['msgs_per_s']:,.0f} msgs/s, "
+                f"server {out[-1]['server_us_per_msg']:,.0f} us/msg")  # fmt: skip
+    finally:
+        args.batches = base
+    for lv in out:
+        lv["server_cost_vs_first"] = lv["server_us_per_msg"] / out[0]["server_us_per_msg"]
+        lv["msgs_per_s_vs_first"] = lv["msgs_per_s"] / out[0]["msgs_per_s"]
+    return out
+
+
+def levels_markdown(levels: list[dict[str, Any]], vehicles: int) -> str:
+    lines = [
+        "",
+        f"### Ours alone at growing work ({vehicles:,} vehicles, one run per level)",
+        "",
+        "| level | messages | msgs/s | server CPU µs/msg | **server cost vs 1x** | all processes µs/msg | other CPU |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lv in levels:
+        lines.append(
+            f"| {lv['level']}x | {lv['messages']:,} | {lv['msgs_per_s']:,.0f} | {lv['server_us_per_msg']:,.0f} | "
+            f"{lv['server_cost_vs_first']:.2f} | {lv['total_us_per_msg']:,.0f} | {lv['other_processes']:.0%} |"
+        )
+    return "\n".join(lines)
 
 
 def run_e2e(
@@ -888,6 +938,7 @@ def run_e2e(
     rounds: list[dict[str, Any]],
     latency_batches: int,
     say: Callable[[str], None],
+    levels: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The delivery measurements (rounds appended to `rounds`); returns (RSS of the e2e server, latency)."""
     (tmp_root / "e2e").mkdir()
@@ -924,6 +975,8 @@ def run_e2e(
         lat = run_latency(rig, median_ours, latency_batches, args.payload_bytes, args.seed + 7)
         say(f"latency at {lat['offered_msgs_per_s']:,.0f} msgs/s offered: p50 {lat['p50_ms']:.0f} ms, "
             f"p99 {lat['p99_ms']:.0f} ms")  # fmt: skip
+        if levels is not None:
+            levels += run_levels(rig, say)
     finally:
         rig.close()
     return {"e2e_before": rss_before, "e2e_after": rss_after}, lat

@@ -41,7 +41,7 @@ SCRIPTS: list[tuple[str, str, list[str], str]] = [
     (
         "e2e",
         "bench/e2e.py",
-        ["--vehicles", "500", "--batches", "10", "--rounds", "3", "--procs", "2"],
+        ["--vehicles", "500", "--batches", "10", "--rounds", "3", "--procs", "2", "--levels", "1,10,100"],
         "End-to-end delivery (bench/e2e.py)",
     ),
     ("gc", "bench/gc.py", ["--rows", "300000"], "GC pipeline (bench/gc.py)"),
@@ -128,6 +128,25 @@ def summary_rows(res: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, st
                 f"{e2e['summary'][raw_key]['median']:,.0f} msgs/s, medians)"
             )
         rows.append(("End-to-end delivered+acked msgs/s", label, "≥ 0.5x", meas, verdict(s, 0.5)))
+
+    levels = e2e.get("levels") if e2e else None
+    if levels and len(levels) > 1:
+        meas = "; ".join(
+            f"{lv['level']}x ({lv['messages']:,} msgs): {lv['server_cost_vs_first']:.2f}x, "
+            f"{lv['server_us_per_msg']:,.0f} µs/msg, {lv['msgs_per_s']:,.0f} msgs/s"
+            for lv in levels[1:]
+        )
+        meas += f" (1x: {levels[0]['messages']:,} msgs, {levels[0]['server_us_per_msg']:,.0f} µs/msg)"
+        worst = max(lv["server_cost_vs_first"] for lv in levels[1:])
+        rows.append(
+            (
+                "End-to-end cost at 10x / 100x the deliveries: server CPU per message",
+                "ours at 1x, same run",
+                f"linear or better: ratio ≤ {COST_RATIO_MAX:.1f}x",
+                meas,
+                "**PASS**" if worst <= COST_RATIO_MAX else "**FAIL**",
+            )
+        )
 
     if e2e:
         lat = e2e["latency"]
