@@ -63,6 +63,17 @@ def fmt_mmm(s: dict[str, float] | None, fmt: str = "{:.2f}") -> str:
     return " / ".join(fmt.format(s[k]) for k in ("min", "median", "max"))
 
 
+def linear_row(scenario: str, measured: str, worst_cost_ratio: float) -> tuple[str, str, str, str, str]:
+    """A summary row for "cost grows linearly or better": the worst level's cost over the 1x level's."""
+    return (
+        scenario,
+        "ours at 1x, same run",
+        f"linear or better: ratio ≤ {COST_RATIO_MAX:.1f}x",
+        measured,
+        "**PASS**" if worst_cost_ratio <= COST_RATIO_MAX else "**FAIL**",
+    )
+
+
 def verdict(s: dict[str, float] | None, target: float, higher_is_better: bool = True) -> str:
     if not s:
         return "not measured (run failed)"
@@ -138,15 +149,7 @@ def summary_rows(res: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, st
         )
         meas += f" (1x: {levels[0]['messages']:,} msgs, {levels[0]['server_us_per_msg']:,.0f} µs/msg)"
         worst = max(lv["server_cost_vs_first"] for lv in levels[1:])
-        rows.append(
-            (
-                "End-to-end cost at 10x / 100x the deliveries: server CPU per message",
-                "ours at 1x, same run",
-                f"linear or better: ratio ≤ {COST_RATIO_MAX:.1f}x",
-                meas,
-                "**PASS**" if worst <= COST_RATIO_MAX else "**FAIL**",
-            )
-        )
+        rows.append(linear_row("End-to-end cost at 10x / 100x the deliveries: server CPU per message", meas, worst))
 
     if e2e:
         lat = e2e["latency"]
@@ -234,15 +237,7 @@ def ingest_extra_rows(ing: dict[str, Any] | None) -> list[tuple[str, str, str, s
         )
         meas += f" (1x = {levels['level_batches']} batches: {res[0]['ours_rows_per_s']:,.0f} rows/s)"
         worst = max(r["cpu_per_row_vs_base"] for r in res[1:])
-        rows.append(
-            (
-                "Ingest cost at 10x / 100x the batches: server CPU per row",
-                "ours at 1x, same run",
-                f"linear or better: ratio ≤ {COST_RATIO_MAX:.1f}x",
-                meas,
-                "**PASS**" if worst <= COST_RATIO_MAX else "**FAIL**",
-            )
-        )
+        rows.append(linear_row("Ingest cost at 10x / 100x the batches: server CPU per row", meas, worst))
     return rows
 
 
