@@ -808,6 +808,8 @@ def profile(server: OursServer, work: Work, args: argparse.Namespace, out: Path)
     cmd += ["-o", str(out), "--pid", str(server.pid), "--subprocesses"]  # processes > 1: the pid only supervises
     # --nonblocking: read the stacks without pausing the server (not possible with --native)
     cmd.append("--native" if args.profile_native else "--nonblocking")
+    if args.profile_gil:
+        cmd.append("--gil")  # only the thread holding the GIL: Python CPU, not I/O waits
     spy_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         time.sleep(1.0)
@@ -933,6 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-top", type=int, default=15, help="functions listed (default 15)")
     p.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second (default 100)")
     p.add_argument("--profile-native", action="store_true", help="py-spy --native: C frames too (slows more)")
+    p.add_argument("--profile-gil", action="store_true", help="py-spy --gil: only samples holding the GIL")
     p.add_argument("--json", metavar="PATH", help="also write every number as JSON here")
     args = p.parse_args(argv)
     if args.smoke:

@@ -84,7 +84,6 @@ class AdminServicer:
                     sha1=entry.sha1.hex(),
                     session=_session(entry.session),
                     age_ms=int((time.monotonic() - entry.sent_at) * 1000),
-                    acking=entry.acking,
                 )
             )
         for row in self._store.pending(vin):

@@ -60,6 +60,10 @@ class Config:
     group_commit_max_ops: int = 1024
     # Answer EMQX before its default 5 s request_timeout expires, with a clear error.
     ingest_timeout_s: float = 4.0
+    # Row deletes after a vehicle's PUBACK wait up to this long to share one commit (they join
+    # any ingest commit sooner). A crash loses at most this window of deletes: those requests
+    # are delivered once more, which QoS 1 allows. 0 = commit each delete at once.
+    ack_commit_delay_ms: float = 50.0
 
     # -- topics ---------------------------------------------------------------
     # Seed 000's one-message batch topic.
@@ -219,6 +223,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"heartbeat topic {topic!r} must contain {{VIN}} once and no wildcards")
     if cfg.processes < 0:
         raise ConfigError("processes must be >= 0 (0 = one per CPU)")
+    if not 0 <= cfg.ack_commit_delay_ms <= 10_000:
+        raise ConfigError("ack_commit_delay_ms must be between 0 and 10000")
     if cfg.workers < 0 or cfg.mqtt_max_inflight <= 0 or cfg.inflight_timeout_s <= 0:
         raise ConfigError("workers must be >= 0; mqtt_max_inflight and inflight_timeout_s positive")
     if cfg.mqtt_url and not cfg.mqtt_url.startswith(("mqtt://", "mqtts://")):

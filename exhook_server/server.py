@@ -67,7 +67,9 @@ class FanoutServer:
         self.cfg = cfg
         self.group = group
         self.store = Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes)
-        self.committer = GroupCommitter(self.store, max_ops=cfg.group_commit_max_ops)
+        self.committer = GroupCommitter(
+            self.store, max_ops=cfg.group_commit_max_ops, lazy_delay_s=cfg.ack_commit_delay_ms / 1000
+        )
         self.ingestor = Ingestor(cfg, self.store, self.committer)
         self.delivery: MqttDelivery | None = None
         vin_re = re.compile(cfg.vin_pattern)

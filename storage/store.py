@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,11 +265,17 @@ class Store:
         with self.read() as txn:
             return self._queue(txn, vin)
 
-    def oldest(self, vin: str) -> tuple[keys.Row, bytes] | None:
+    def oldest(self, vin: str, hidden: Mapping[str, bytes] | None = None) -> tuple[keys.Row, bytes] | None:
         """The vehicle's next request and its payload, from one snapshot; None when nothing
-        is pending (a row whose blob is missing is skipped, as it can never be delivered)."""
+        is pending (a row whose blob is missing is skipped, as it can never be delivered).
+
+        `hidden` maps request ids to the sha1 of rows to pass over: acked, their delete not
+        committed yet. A row replaced since (another sha1) is not hidden.
+        """
         with self.read() as txn:
             for row in self._queue(txn, vin):
+                if hidden and hidden.get(row.request_id) == row.sha1:
+                    continue
                 blob = txn.get(row.sha1, db=self.tables.data)
                 if blob is not None:
                     return row, bytes(blob[keys.BLOB_HEAD_SIZE :])

@@ -5,12 +5,20 @@ that completes only after the transaction holding it is committed to disk.
 One thread does all writing: while one commit's fsync runs, new ops queue up
 and go into the next transaction together, so fsyncs per second stay bounded
 while throughput grows with concurrency.
+
+Some writes need not be durable at once: a row delete after a vehicle's PUBACK
+that a crash loses only causes one duplicate delivery, which QoS 1 allows
+(architecture.md §2). Such ops are submitted `lazy`: they ride along with the
+next durable group, or are committed on their own once the oldest has waited
+`lazy_delay_s`. Under a steady ack stream that is one commit per delay instead
+of one per few acks.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,6 +40,7 @@ log = structlog.get_logger("sdv_fanout.storage")
 class _Item:
     op: Op[Any]
     future: Future[Any]
+    lazy: bool = False
 
 
 class _Replay(Exception):
@@ -48,10 +57,14 @@ _STOP = object()
 class GroupCommitter:
     """The single writer of a Store."""
 
-    def __init__(self, store: Store, *, max_ops: int = 1024) -> None:
+    def __init__(self, store: Store, *, max_ops: int = 1024, lazy_delay_s: float = 0.05) -> None:
         self._store = store
         self._max_ops = max_ops
+        self._lazy_delay_s = lazy_delay_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: Lazy ops waiting for a group to join (writer thread only), and when they must go.
+        self._lazy: list[_Item] = []
+        self._lazy_due = 0.0
         self._closed = False
         #: Commits done and ops committed, for tests, benchmarks and metrics.
         self.commits = 0
@@ -59,13 +72,17 @@ class GroupCommitter:
         self._thread = threading.Thread(target=self._run, name="lmdb-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, op: Op[T]) -> Future[T]:
-        """Queue `op`; its future resolves with op's result once durably committed."""
+    def submit(self, op: Op[T], *, lazy: bool = False) -> Future[T]:
+        """Queue `op`; its future resolves with op's result once durably committed.
+
+        `lazy`: the op may wait up to `lazy_delay_s` for company before its commit (for writes
+        whose loss in a crash is harmless); it never delays the durable ops it joins.
+        """
         future: Future[T] = Future()
         if self._closed:
             future.set_exception(StorageError("the store is closed"))
             return future
-        self._queue.put(_Item(op, future))
+        self._queue.put(_Item(op, future, lazy))
         return future
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -80,10 +97,29 @@ class GroupCommitter:
     def _run(self) -> None:
         stopping = False
         while not stopping:
-            first = self._queue.get()
+            try:
+                if self._lazy:
+                    first = self._queue.get(timeout=max(0.0, self._lazy_due - time.monotonic()))
+                else:
+                    first = self._queue.get()
+            except queue.Empty:
+                first = None  # the oldest lazy op is due: commit the lazy ops alone
             if first is _STOP:
+                if self._lazy:
+                    self._group(None)
                 break
+            if first is not None and first.lazy:
+                self._park(first)
+                if time.monotonic() < self._lazy_due and len(self._lazy) < self._max_ops:
+                    continue
+                first = None
             stopping = self._group(first)
+
+    def _park(self, item: _Item) -> None:
+        """Keep a lazy op for the next group; the first one parked sets when that must be."""
+        if not self._lazy:
+            self._lazy_due = time.monotonic() + self._lazy_delay_s
+        self._lazy.append(item)
 
     def _take(self, items: list[_Item]) -> bool:
         """Move queued ops into `items` (up to max_ops) without waiting; True once _STOP is seen."""
@@ -98,15 +134,19 @@ class GroupCommitter:
                 items.append(nxt)
         return False
 
-    def _group(self, first: _Item) -> bool:
-        """Commit `first` with every op that queues up until its transaction is ready; True on _STOP.
+    def _group(self, first: _Item | None) -> bool:
+        """Commit `first` and the parked lazy ops with every op that queues up until the
+        transaction is ready; True on _STOP.
 
         The group is gathered inside the open transaction, not before it: beginning may wait
         for LMDB's write lock (another server process committing), and every op that arrives
         meanwhile, or while earlier ops of the group run, joins this commit instead of waiting
         for the next one. More batches per fsync, and no op waits for two commits.
         """
-        items: list[_Item] = [first] if first.future.set_running_or_notify_cancel() else []
+        parked, self._lazy = self._lazy, []
+        items = [i for i in parked if i.future.set_running_or_notify_cancel()]
+        if first is not None and first.future.set_running_or_notify_cancel():
+            items.append(first)
         stopping = False
         if not items:  # cancelled while queued: no transaction for nothing
             stopping = self._take(items)

@@ -7,10 +7,8 @@ the real LMDB store and a real broker instead.
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from exhook_server.dispatch.commands import Command
 from storage.keys import Row
 
 
@@ -24,8 +22,9 @@ class MemoryRows:
 
     rows: dict[tuple[str, str], tuple[int, bytes]] = field(default_factory=dict)
     clock: int = 0
-    #: Acks whose future is not completed yet (completed by `commit_acks`).
-    pending_acks: list[tuple[Future[bool], str, str, bytes]] = field(default_factory=list)
+    #: Acked rows whose delete is not committed yet (committed by `commit_acks`): hidden
+    #: from `oldest` meanwhile, as StoreRows hides them.
+    pending_acks: list[tuple[str, str, bytes]] = field(default_factory=list)
     defer_acks: bool = False
 
     def add(self, vin: str, request_id: str, payload: bytes) -> None:
@@ -33,27 +32,30 @@ class MemoryRows:
         self.rows[vin, request_id] = (self.clock, payload)
 
     def oldest(self, vin: str) -> tuple[Row, bytes] | None:
-        mine = [(ts, rid, p) for (v, rid), (ts, p) in self.rows.items() if v == vin]
+        hidden = {(v, rid, digest) for v, rid, digest in self.pending_acks}
+        mine = [
+            (ts, rid, p) for (v, rid), (ts, p) in self.rows.items() if v == vin and (v, rid, sha1(p)) not in hidden
+        ]
         if not mine:
             return None
         ts, rid, payload = min(mine)
         return Row(vin, rid, ts, sha1(payload), len(payload)), payload
 
-    def ack(self, vin: str, request_id: str, digest: bytes) -> Future[bool]:
-        future: Future[bool] = Future()
-        self.pending_acks.append((future, vin, request_id, digest))
+    def ack(self, vin: str, request_id: str, digest: bytes) -> bool:
+        current = self.rows.get((vin, request_id))
+        if current is None or sha1(current[1]) != digest or (vin, request_id, digest) in self.pending_acks:
+            return False
+        self.pending_acks.append((vin, request_id, digest))
         if not self.defer_acks:
             self.commit_acks()
-        return future
+        return True
 
     def commit_acks(self) -> None:
         acks, self.pending_acks = self.pending_acks, []
-        for future, vin, rid, digest in acks:
+        for vin, rid, digest in acks:
             current = self.rows.get((vin, rid))
-            deleted = current is not None and sha1(current[1]) == digest
-            if deleted:
+            if current is not None and sha1(current[1]) == digest:
                 del self.rows[vin, rid]
-            future.set_result(deleted)
 
 
 @dataclass
@@ -76,13 +78,3 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@dataclass
-class Requeue:
-    """Collects commands a worker schedules for itself (ack commits)."""
-
-    queue: list[Command] = field(default_factory=list)
-
-    def __call__(self, cmd: Command) -> None:
-        self.queue.append(cmd)

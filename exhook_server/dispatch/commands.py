@@ -186,15 +186,6 @@ class Requeue:
 
 
 @dataclass(frozen=True, slots=True)
-class AckCommitted:
-    """Internal: the row delete of an ack is committed; go on with the next row."""
-
-    vin: str
-    request_id: str
-    sha1: bytes
-
-
-@dataclass(frozen=True, slots=True)
 class BrokerLost:
     """Internal, to every worker: our MQTT connection dropped; in-flight entries are void."""
 
@@ -210,6 +201,4 @@ class Sweep:
     to vehicles still online (a lost PUBACK must not wait for the next heartbeat)."""
 
 
-Command = (
-    MaybeSend | NewBatch | Acknowledge | Connected | Down | Requeue | AckCommitted | BrokerLost | BrokerBack | Sweep
-)
+Command = MaybeSend | NewBatch | Acknowledge | Connected | Down | Requeue | BrokerLost | BrokerBack | Sweep

@@ -13,7 +13,6 @@ for a VIN (or client) another process owns is forwarded to it over local IPC
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -88,24 +87,17 @@ class Dispatcher:
         self._processes = processes
         local = [n for n, p in where.items() if p == process]
         self._queues: dict[str, asyncio.Queue[Command]] = {n: asyncio.Queue() for n in local}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.workers = {
-            n: Worker(n, rows, publisher, inflight_timeout_s=inflight_timeout_s, requeue=self._requeue_threadsafe)
-            for n in local
+            n: Worker(n, rows, publisher, inflight_timeout_s=inflight_timeout_s) for n in local
         }
         self._vin_from_clientid = vin_from_clientid
         #: clientid → the VINs it subscribed or heartbeated for since start-up; none for a client
         #: that only stands for the VIN it is named after (see _remember).
         self._clients: dict[str, set[str]] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._loop_thread = 0
-        self._from_threads: list[Command] = []
-        self._from_threads_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._tasks = [asyncio.create_task(self._run(n), name=f"dispatch-{n}") for n in self._queues]
 
     async def stop(self) -> None:
@@ -166,26 +158,6 @@ class Dispatcher:
     def _broadcast(self, cmd: Command) -> None:
         for queue in self._queues.values():
             queue.put_nowait(cmd)
-
-    def _requeue_threadsafe(self, cmd: Command) -> None:
-        """Queue a command from any thread (the writer thread completes ack deletes)."""
-        assert self._loop is not None
-        if threading.get_ident() == self._loop_thread:
-            self._loop.call_soon(self.submit, cmd)
-            return
-        # One commit completes many acks: wake the event loop once for all of them, not once
-        # each (every wake-up is a write to the loop's self-pipe and a context switch).
-        with self._from_threads_lock:
-            self._from_threads.append(cmd)
-            if len(self._from_threads) > 1:
-                return  # a wake-up is already on its way
-        self._loop.call_soon_threadsafe(self._drain_from_threads)
-
-    def _drain_from_threads(self) -> None:
-        with self._from_threads_lock:
-            cmds, self._from_threads = self._from_threads, []
-        for cmd in cmds:
-            self.submit(cmd)
 
     def _remember(self, clientid: str, vin: str) -> None:
         known = self._clients.get(clientid)

@@ -2,17 +2,27 @@
 
 Kept narrow (oldest row, conditional delete) so that another store can stand
 in later without touching hooks, workers or delivery.
+
+An acked row's delete is committed lazily (see `writer.GroupCommitter`), so the
+vehicle's next request must not wait for it: from the ack on, the row is hidden
+from `oldest` until its delete has committed. A crash in between only brings the
+row back, to be delivered once more (QoS 1 allows it).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from concurrent.futures import Future
+
+import structlog
 
 from storage import ops
 from storage.keys import Row
 from storage.store import Store
 from storage.writer import GroupCommitter
+
+log = structlog.get_logger("sdv_fanout.dispatch")
 
 
 class StoreRows:
@@ -21,21 +31,47 @@ class StoreRows:
     def __init__(self, store: Store, committer: GroupCommitter) -> None:
         self._store = store
         self._committer = committer
+        #: vin → request_id → sha1 of acked rows whose delete is not committed yet. Written by
+        #: the dispatch loop, cleared by the writer thread's completion callback.
+        self._deleting: dict[str, dict[str, bytes]] = {}
+        self._lock = threading.Lock()
 
     def oldest(self, vin: str) -> tuple[Row, bytes] | None:
-        return self._store.oldest(vin)
+        with self._lock:
+            hidden = self._deleting.get(vin)
+            hidden = dict(hidden) if hidden else None
+        return self._store.oldest(vin, hidden)
 
-    def ack(self, vin: str, request_id: str, sha1: bytes) -> Future[bool]:
+    def ack(self, vin: str, request_id: str, sha1: bytes) -> bool:
+        with self._lock:
+            if self._deleting.get(vin, {}).get(request_id) == sha1:
+                return False  # a duplicate PUBACK: its delete is already on its way
         row = self._store.row(vin, request_id)
         if row is None or row.sha1 != sha1:
             # Nothing of ours to delete (a duplicate PUBACK, or the row was replaced since): no
-            # write and no hop to the writer thread. The delete re-checks inside its transaction,
-            # so this read only ever saves work, it never decides a delete.
-            nothing: Future[bool] = Future()
-            nothing.set_result(False)
-            return nothing
-        # A lost delete only means one duplicate delivery (QoS 1 allows it), but it shares the
-        # ingest commit anyway, so there is no cheaper path worth a second writer.
-        return self._committer.submit(
-            functools.partial(ops.delete_row_if, t=self._store.tables, vin=vin, request_id=request_id, sha1=sha1)
+            # write at all. The delete re-checks inside its transaction, so this read only ever
+            # saves work, it never decides a delete.
+            return False
+        with self._lock:
+            self._deleting.setdefault(vin, {})[request_id] = sha1
+        future = self._committer.submit(
+            functools.partial(ops.delete_row_if, t=self._store.tables, vin=vin, request_id=request_id, sha1=sha1),
+            lazy=True,
         )
+        future.add_done_callback(functools.partial(self._deleted, vin, request_id, sha1))
+        return True
+
+    def _deleted(self, vin: str, request_id: str, sha1: bytes, future: Future[bool]) -> None:
+        with self._lock:
+            mine = self._deleting.get(vin)
+            if mine is not None and mine.get(request_id) == sha1:
+                del mine[request_id]
+                if not mine:
+                    del self._deleting[vin]
+        if future.exception() is not None:
+            # The row stays and is visible again: the next trigger delivers it once more.
+            log.error("ack_delete_failed", vin=vin, request_id=request_id, error=repr(future.exception()))
+
+    def deleting(self) -> int:
+        """Vehicles with an acked row whose delete is not committed yet."""
+        return len(self._deleting)

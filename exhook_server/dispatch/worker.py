@@ -2,8 +2,8 @@
 
 All commands of a VIN reach the same worker in order, so its state needs no
 locks. `handle` never waits: reads are short LMDB read transactions, publishes
-are queued by the MQTT client, and an ack's row delete completes later as an
-`AckCommitted` command on the same queue.
+are queued by the MQTT client, and an ack's row delete is committed behind it
+(the row source hides the acked row meanwhile, so the next one goes at once).
 
 Rules (architecture.md §3): nothing is sent to a VIN without a live session;
 at most one delivery per VIN is in flight; the oldest pending row goes first;
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +23,6 @@ import structlog
 
 from exhook_server import metrics
 from exhook_server.dispatch.commands import (
-    AckCommitted,
     Acknowledge,
     BrokerBack,
     BrokerLost,
@@ -59,8 +57,9 @@ class RowSource(Protocol):
         """The oldest pending row of `vin` with its payload, or None."""
         ...
 
-    def ack(self, vin: str, request_id: str, sha1: bytes) -> Future[bool]:
-        """Delete the row if it still holds `sha1`; True when deleted."""
+    def ack(self, vin: str, request_id: str, sha1: bytes) -> bool:
+        """Delete the row if it still holds `sha1` (durably soon, hidden from `oldest` at once);
+        True when a delete was started, False when there was nothing of that sha1 to delete."""
         ...
 
 
@@ -70,8 +69,6 @@ class InFlight:
     sha1: bytes
     session: Session
     sent_at: float
-    #: The vehicle acked it and the row delete is being committed.
-    acking: bool = False
 
 
 class Worker:
@@ -84,14 +81,12 @@ class Worker:
         publisher: Publisher,
         *,
         inflight_timeout_s: float,
-        requeue: Callable[[Command], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
         self._rows = rows
         self._publisher = publisher
         self._timeout = inflight_timeout_s
-        self._requeue = requeue
         self._clock = clock
         #: VIN → the live session that can receive its deliveries. The biggest state of the
         #: server (one entry per online vehicle): the session shares the key's string when
@@ -114,13 +109,6 @@ class Worker:
             self._maybe_send(cmd)
         elif isinstance(cmd, Acknowledge):
             self._acknowledge(cmd)
-        elif isinstance(cmd, AckCommitted):
-            if self._unacked.get(cmd.vin) == (cmd.request_id, cmd.sha1):
-                del self._unacked[cmd.vin]
-            entry = self.inflight.get(cmd.vin)
-            if entry is not None and entry.request_id == cmd.request_id and entry.sha1 == cmd.sha1:
-                del self.inflight[cmd.vin]
-            self._try_send(cmd.vin, Trigger.NEW_BATCH)
         elif isinstance(cmd, Down):
             self._down(cmd)
         elif isinstance(cmd, Connected):
@@ -136,7 +124,7 @@ class Worker:
                 self._void(vin)
         elif isinstance(cmd, Sweep):
             now = self._clock()
-            late = [v for v, e in self.inflight.items() if not e.acking and now - e.sent_at >= self._timeout]
+            late = [v for v, e in self.inflight.items() if now - e.sent_at >= self._timeout]
             for vin in late:
                 self._try_send(vin, Trigger.TIMEOUT)
         elif isinstance(cmd, BrokerBack):
@@ -187,8 +175,6 @@ class Worker:
             return
         entry = self.inflight.get(vin)
         if entry is not None:
-            if entry.acking:
-                return
             fresh = self._clock() - entry.sent_at < self._timeout
             if fresh and entry.session.same_connection(session):
                 return
@@ -209,20 +195,17 @@ class Worker:
         log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)
 
     def _acknowledge(self, cmd: Acknowledge) -> None:
-        entry = self.inflight.get(cmd.vin)
+        vin, rid, digest = cmd.vin, cmd.request_id, cmd.sha1
+        deleted = self._rows.ack(vin, rid, digest)
+        metrics.DELIVERIES_ACKED.labels("deleted" if deleted else "kept").inc()
+        if self._unacked.get(vin) == (rid, digest):
+            del self._unacked[vin]
+        entry = self.inflight.get(vin)
         # Only the ack of exactly what is in flight frees the slot: an older delivery of the same
         # request id (replaced since, or duplicated by a reconnect) must not free it.
-        if entry is not None and entry.request_id == cmd.request_id and entry.sha1 == cmd.sha1:
-            entry.acking = True
-        future = self._rows.ack(cmd.vin, cmd.request_id, cmd.sha1)
-        vin, rid, digest = cmd.vin, cmd.request_id, cmd.sha1
-
-        def done(f: Future[bool]) -> None:
-            deleted = f.exception() is None and f.result()
-            metrics.DELIVERIES_ACKED.labels("deleted" if deleted else "kept").inc()
-            self._requeue(AckCommitted(vin, rid, digest))
-
-        future.add_done_callback(done)
+        if entry is not None and entry.request_id == rid and entry.sha1 == digest:
+            del self.inflight[vin]
+        self._try_send(vin, Trigger.NEW_BATCH)
 
     def _down(self, cmd: Down) -> None:
         if cmd.reason is EndReason.TAKENOVER:

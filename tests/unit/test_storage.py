@@ -155,3 +155,55 @@ def test_replacement_is_counted_once_per_existing_row(store: Store) -> None:
         "V2": 20,
         "V3": 20,
     }
+
+
+def test_lazy_ops_wait_for_company_then_commit_alone(store: Store) -> None:
+    """Lazy ops share one commit: they join the next durable group at once, or go together
+    once the oldest has waited the delay; close() commits what is still parked."""
+    writer = GroupCommitter(store, lazy_delay_s=0.2)
+    lazy = [writer.submit(batch_op(store, [f"L{i}"], "task_a_1", b"x"), lazy=True) for i in range(50)]
+    done = [f.result(10) for f in lazy]  # the delay passes: committed without any durable op
+    assert [d.rows for d in done] == [1] * 50
+    assert writer.commits == 1, "50 lazy ops, one commit"
+
+    parked = writer.submit(batch_op(store, ["P"], "task_a_1", b"y"), lazy=True)
+    durable = writer.submit(batch_op(store, ["D"], "task_a_1", b"z"))
+    assert durable.result(10).rows == 1
+    assert parked.done(), "a lazy op rides along with the durable group behind it"
+    assert writer.commits == 2
+
+    last = GroupCommitter(store, lazy_delay_s=60)
+    late = last.submit(batch_op(store, ["LATE"], "task_a_1", b"w"), lazy=True)
+    assert not late.done()
+    last.close()
+    assert late.result(0).rows == 1
+    writer.close()
+    assert store.stats().rows == 53
+
+
+def test_acked_row_is_hidden_until_its_lazy_delete_commits(store: Store) -> None:
+    """StoreRows over the real store: an ack hides the row from `oldest` at once, so the next
+    row is served before the delete commits; a duplicate ack starts nothing; a row replaced
+    by another payload since is not hidden."""
+    from exhook_server.dispatch.rows import StoreRows
+
+    writer = GroupCommitter(store, lazy_delay_s=60)  # nothing lazy commits before close()
+    for rid, blob, ts in (("task_a_1", b"one", 1), ("task_a_2", b"two", 2), ("task_a_3", b"three", 3)):
+        writer.submit(batch_op(store, ["VIN1"], rid, blob, now=ts)).result(10)
+    rows = StoreRows(store, writer)
+    first = rows.oldest("VIN1")
+    assert first is not None and first[0].request_id == "task_a_1"
+    digest = hashlib.sha1(b"one").digest()
+    assert rows.ack("VIN1", "task_a_1", digest) is True
+    assert rows.ack("VIN1", "task_a_1", digest) is False, "duplicate PUBACK"
+    assert rows.ack("VIN1", "task_a_2", hashlib.sha1(b"other").digest()) is False, "not that payload"
+    nxt = rows.oldest("VIN1")
+    assert nxt is not None and nxt[0].request_id == "task_a_2"
+    assert store.row("VIN1", "task_a_1") is not None, "the delete is not committed yet"
+    # The platform re-sends task_a_1 with new data before the delete commits: deliver it.
+    writer.submit(batch_op(store, ["VIN1"], "task_a_1", b"new", now=0)).result(10)
+    again = rows.oldest("VIN1")
+    assert again is not None and again[0].request_id == "task_a_1" and again[1] == b"new"
+    writer.close()
+    assert store.row("VIN1", "task_a_1") is not None, "the replaced row survives the old ack"
+    assert rows.deleting() == 0
