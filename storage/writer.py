@@ -40,7 +40,6 @@ log = structlog.get_logger("sdv_fanout.storage")
 class _Item:
     op: Op[Any]
     future: Future[Any]
-    lazy: bool = False
 
 
 class _Replay(Exception):
@@ -52,6 +51,8 @@ class _Replay(Exception):
 
 
 _STOP = object()
+#: Queued when the first lazy op arrives: starts the writer's clock for the lazy ops.
+_LAZY = object()
 
 
 class GroupCommitter:
@@ -62,9 +63,12 @@ class GroupCommitter:
         self._max_ops = max_ops
         self._lazy_delay_s = lazy_delay_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        #: Lazy ops waiting for a group to join (writer thread only), and when they must go.
+        #: Lazy ops waiting for a group to join. They are not queued one by one: waking the writer
+        #: thread for each would cost a GIL hand-over and two context switches per op.
         self._lazy: list[_Item] = []
-        self._lazy_due = 0.0
+        self._lazy_lock = threading.Lock()
+        #: When the oldest lazy op must be committed (writer thread only); None: none is waiting.
+        self._lazy_due: float | None = None
         self._closed = False
         #: Commits done and ops committed, for tests, benchmarks and metrics.
         self.commits = 0
@@ -82,7 +86,14 @@ class GroupCommitter:
         if self._closed:
             future.set_exception(StorageError("the store is closed"))
             return future
-        self._queue.put(_Item(op, future, lazy))
+        if not lazy:
+            self._queue.put(_Item(op, future))
+            return future
+        with self._lazy_lock:
+            self._lazy.append(_Item(op, future))
+            first = len(self._lazy) == 1
+        if first:
+            self._queue.put(_LAZY)
         return future
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -97,29 +108,27 @@ class GroupCommitter:
     def _run(self) -> None:
         stopping = False
         while not stopping:
+            due = self._lazy_due
             try:
-                if self._lazy:
-                    first = self._queue.get(timeout=max(0.0, self._lazy_due - time.monotonic()))
-                else:
-                    first = self._queue.get()
+                first = self._queue.get() if due is None else self._queue.get(timeout=max(0.0, due - time.monotonic()))
             except queue.Empty:
                 first = None  # the oldest lazy op is due: commit the lazy ops alone
             if first is _STOP:
-                if self._lazy:
-                    self._group(None)
+                self._group(None)  # with the lazy ops still waiting, if any
                 break
-            if first is not None and first.lazy:
-                self._park(first)
-                if time.monotonic() < self._lazy_due and len(self._lazy) < self._max_ops:
+            if first is _LAZY:
+                if self._lazy_due is None:
+                    self._lazy_due = time.monotonic() + self._lazy_delay_s
+                if time.monotonic() < self._lazy_due:
                     continue
                 first = None
             stopping = self._group(first)
 
-    def _park(self, item: _Item) -> None:
-        """Keep a lazy op for the next group; the first one parked sets when that must be."""
-        if not self._lazy:
-            self._lazy_due = time.monotonic() + self._lazy_delay_s
-        self._lazy.append(item)
+    def _take_lazy(self, items: list[_Item]) -> None:
+        """Move the waiting lazy ops into `items`."""
+        with self._lazy_lock:
+            lazy, self._lazy = self._lazy, []
+        items.extend(i for i in lazy if i.future.set_running_or_notify_cancel())
 
     def _take(self, items: list[_Item]) -> bool:
         """Move queued ops into `items` (up to max_ops) without waiting; True once _STOP is seen."""
@@ -130,6 +139,8 @@ class GroupCommitter:
                 return False
             if nxt is _STOP:
                 return True
+            if nxt is _LAZY:
+                continue  # its ops are taken with the group's last _take_lazy
             if nxt.future.set_running_or_notify_cancel():
                 items.append(nxt)
         return False
@@ -143,13 +154,15 @@ class GroupCommitter:
         meanwhile, or while earlier ops of the group run, joins this commit instead of waiting
         for the next one. More batches per fsync, and no op waits for two commits.
         """
-        parked, self._lazy = self._lazy, []
-        items = [i for i in parked if i.future.set_running_or_notify_cancel()]
+        self._lazy_due = None
+        items: list[_Item] = []
+        self._take_lazy(items)
         if first is not None and first.future.set_running_or_notify_cancel():
             items.append(first)
         stopping = False
-        if not items:  # cancelled while queued: no transaction for nothing
+        if not items:  # cancelled while queued, or lazy ops taken already: no empty transaction
             stopping = self._take(items)
+            self._take_lazy(items)
             if not items:
                 return stopping
         results: list[Any] = []
@@ -163,6 +176,8 @@ class GroupCommitter:
                     if stopping:
                         break
                     stopping = self._take(items)
+                    # After _take: a lazy op whose _LAZY token _take consumed is in the list.
+                    self._take_lazy(items)
                     if len(items) == done:
                         break
         except Exception:

@@ -13,6 +13,7 @@ for a VIN (or client) another process owns is forwarded to it over local IPC
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,6 @@ from typing import Any
 import structlog
 
 from exhook_server import metrics
-from exhook_server.aio import cancel_all
 from exhook_server.dispatch.commands import (
     Acknowledge,
     BrokerBack,
@@ -42,6 +42,8 @@ from exhook_server.dispatch.worker import Publisher, RowSource, Worker
 log = structlog.get_logger("sdv_fanout.dispatch")
 
 _NO_VINS: frozenset[str] = frozenset()
+#: Commands handled per event-loop turn at most.
+_DRAIN_MAX = 512
 
 #: Dispatcher methods a peer process may ask this one to run for a client it owns.
 _CLIENT_EVENTS = frozenset({"subscribed", "resumed", "heartbeat", "connected", "ended"})
@@ -56,7 +58,12 @@ class ClientEvent:
 
 
 class Dispatcher:
-    """N workers, one asyncio queue each; a VIN's commands always go to the same worker, in order."""
+    """N workers; a VIN's commands always go to the same worker, in order.
+
+    Commands of this process's workers wait in one FIFO, drained by a loop callback: workers
+    never await, so a task and an asyncio.Queue per worker only added a future, a wake-up and
+    a task step per command (measured: about a fifth of an ack hook's CPU).
+    """
 
     def __init__(
         self,
@@ -86,7 +93,9 @@ class Dispatcher:
         self._ask = ask
         self._processes = processes
         local = [n for n, p in where.items() if p == process]
-        self._queues: dict[str, asyncio.Queue[Command]] = {n: asyncio.Queue() for n in local}
+        self._inbox: collections.deque[tuple[Worker, Command]] = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_handle: asyncio.Handle | None = None
         self.workers = {
             n: Worker(n, rows, publisher, inflight_timeout_s=inflight_timeout_s) for n in local
         }
@@ -94,27 +103,45 @@ class Dispatcher:
         #: clientid → the VINs it subscribed or heartbeated for since start-up; none for a client
         #: that only stands for the VIN it is named after (see _remember).
         self._clients: dict[str, set[str]] = {}
-        self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run(n), name=f"dispatch-{n}") for n in self._queues]
+        self._loop = asyncio.get_running_loop()
+        if self._inbox:
+            self._schedule()
 
     async def stop(self) -> None:
-        await cancel_all(self._tasks)
+        if self._drain_handle is not None:
+            self._drain_handle.cancel()
+            self._drain_handle = None
+        self._loop = None
 
-    async def _run(self, name: str) -> None:
-        queue, worker = self._queues[name], self.workers[name]
-        while True:
-            cmd = await queue.get()
+    def _enqueue(self, worker: Worker, cmd: Command) -> None:
+        self._inbox.append((worker, cmd))
+        if self._drain_handle is None and self._loop is not None:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        assert self._loop is not None
+        self._drain_handle = self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """Handle the queued commands, a bounded number per loop turn: hook calls arriving
+        meanwhile are answered between turns, whatever the backlog."""
+        self._drain_handle = None
+        inbox = self._inbox
+        for _ in range(min(len(inbox), _DRAIN_MAX)):
+            worker, cmd = inbox.popleft()
             try:
                 worker.handle(cmd)
-            except Exception:  # one bad command must not stop the worker
-                log.exception("dispatch_command_failed", worker=name, command=repr(cmd))
+            except Exception:  # one bad command must not stop the others
+                log.exception("dispatch_command_failed", worker=worker.name, command=repr(cmd))
+        if inbox and self._loop is not None:
+            self._schedule()
 
     def backlog(self) -> int:
         """Commands queued and not yet handled, over all workers."""
-        return sum(q.qsize() for q in self._queues.values())
+        return len(self._inbox)
 
     # -- routing ---------------------------------------------------------------
     def submit(self, cmd: Command) -> None:
@@ -122,9 +149,9 @@ class Dispatcher:
         (event-loop thread only)."""
         assert not isinstance(cmd, BrokerLost | BrokerBack | Sweep | NewBatch)
         node = self.ring.owner(cmd.vin)
-        queue = self._queues.get(node)
-        if queue is not None:
-            queue.put_nowait(cmd)
+        worker = self.workers.get(node)
+        if worker is not None:
+            self._enqueue(worker, cmd)
         else:
             self._send_to(self._process_of_node[node], cmd)
 
@@ -156,8 +183,8 @@ class Dispatcher:
             self.submit(item)
 
     def _broadcast(self, cmd: Command) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(cmd)
+        for worker in self.workers.values():
+            self._enqueue(worker, cmd)
 
     def _remember(self, clientid: str, vin: str) -> None:
         known = self._clients.get(clientid)
@@ -188,9 +215,9 @@ class Dispatcher:
             by_node.setdefault(owner(vin), []).append(vin)
         elsewhere: dict[int, list[str]] = {}
         for node, mine in by_node.items():
-            queue = self._queues.get(node)
-            if queue is not None:
-                queue.put_nowait(NewBatch(tuple(mine)))
+            worker = self.workers.get(node)
+            if worker is not None:
+                self._enqueue(worker, NewBatch(tuple(mine)))
             else:
                 elsewhere.setdefault(self._process_of_node[node], []).extend(mine)
         for process, theirs in elsewhere.items():
