@@ -47,7 +47,7 @@ def index_and_rows(store: Store) -> tuple[set[bytes], set[bytes]]:
 def rows_by_scan(store: Store, vin: str) -> list[keys.Row]:
     """The vehicle's rows straight from `ids`, in delivery order (the schema-1 way)."""
     with store.read() as txn:
-        rows = [r for r in (keys.decode_row(k, v) for k, v in txn.cursor(store.tables.ids)) if r.vin == vin]
+        rows = [keys.decode_row(k, v) for k, v in txn.cursor(store.tables.ids) if keys.decode_row(k, v).vin == vin]
     return sorted(rows, key=lambda r: (r.ts_ms, r.request_id))
 
 
