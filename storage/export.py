@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage import keys
-from storage.store import Store, now_ms
+from storage.store import SCHEMA_VERSION, Store, now_ms
 
 FORMAT = "sdv-fanout-export"
 FORMAT_VERSION = 1
@@ -104,8 +104,7 @@ def export(store: Store, out: str | os.PathLike[str], progress: Progress | None 
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        # The store's, as read: a read-only export of a schema-1 store is the same data.
-        "schema_version": store.schema_version,
+        "schema_version": SCHEMA_VERSION,
         "snapshot_ms": snapshot,
         "counts": counts,
     }

@@ -2,9 +2,8 @@
 
 What goes, and why it is safe:
 
-* rows older than the retention period (with their `expiry` and `queue` entries), walked oldest
-  first through the `expiry` index; a row replaced since its expiry entry was read is left alone
-  (its timestamp no longer matches);
+* rows older than the retention period, walked oldest first through the `expiry` index; a row
+  replaced since its expiry entry was read is left alone (its timestamp no longer matches);
 * aliases (platform data_ids) older than the retention period;
 * blobs that no row and no alias refers to (the mark, from one read snapshot) and that nothing
   created or touched within the grace period. Every write that refers to a blob touches it, so a
@@ -72,12 +71,11 @@ def expire_rows(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: int) ->
                 break
             doomed.append((ekey, ekey[8:], ts))
     for ekey, rkey, ts in doomed:
+        txn.delete(ekey, db=t.expiry)
         value = txn.get(rkey, db=t.ids)
         # A row replaced after this expiry entry was written has a newer ts and its own entry.
         if value is not None and keys.row_ts(value) == ts:
-            ops.delete_row(txn, t, rkey, ts)
-        else:
-            txn.delete(ekey, db=t.expiry)
+            txn.delete(rkey, db=t.ids)
     return len(doomed)
 
 
@@ -258,7 +256,8 @@ def delete_planned_rows(txn: lmdb.Transaction, t: Tables, planned: Sequence[tupl
         if keys.row_ts(value) != ts:
             kept += 1
             continue
-        ops.delete_row(txn, t, rkey, ts)
+        txn.delete(rkey, db=t.ids)
+        txn.delete(keys.expiry_key(ts, rkey), db=t.expiry)
         deleted += 1
     return deleted, kept
 

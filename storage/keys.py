@@ -1,9 +1,8 @@
 """Byte layout of every LMDB key and value; the only place that knows it.
 
 Keys sort the way the code walks them: a vehicle's rows are one prefix range,
-its queue index is that range in delivery order, the expiry index is in time
-order, early triggers group by data_id. Integers are big-endian so that byte
-order is numeric order.
+the expiry index is in time order, early triggers group by data_id. Integers
+are big-endian so that byte order is numeric order.
 """
 
 from __future__ import annotations
@@ -64,31 +63,6 @@ def row_keys(vins: Iterable[str], request_id: str) -> list[bytes]:
     """`ids` keys of many VINs for one request id (the batch path builds 200 at a time)."""
     tail = SEP + request_id.encode()
     return [vin.encode() + tail for vin in vins]
-
-
-def queue_key_of(rkey: bytes, ts_ms: int) -> bytes:
-    """`queue` key of the `ids` row `rkey` stamped `ts_ms`: VIN, NUL, ts_ms (u64), request_id.
-
-    The timestamp right after the VIN makes a vehicle's keys sort in delivery order.
-    """
-    cut = rkey.index(SEP) + 1
-    return rkey[:cut] + _U64.pack(ts_ms) + rkey[cut:]
-
-
-def queue_entries(ts_ms: int, request_id: str, rkeys: Iterable[bytes]) -> list[tuple[bytes, bytes]]:
-    """`queue` (key, empty value) pairs of one batch's rows (`rkeys`, all of `request_id`),
-    written at `ts_ms`, in `rkeys` order: sorted `rkeys` give sorted queue keys."""
-    rid = request_id.encode()
-    tail = _U64.pack(ts_ms) + rid
-    # The ingest hot path: swap the shared request id for ts + request id, no search for the NUL.
-    return [(rkey[: len(rkey) - len(rid)] + tail, b"") for rkey in rkeys]
-
-
-def queue_row(qkey: bytes | memoryview) -> tuple[bytes, int]:
-    """The `ids` key and the timestamp a `queue` key stands for."""
-    qkey = bytes(qkey)
-    cut = qkey.index(SEP) + 1
-    return qkey[:cut] + qkey[cut + _U64.size :], int(_U64.unpack_from(qkey, cut)[0])
 
 
 def expiry_entries(ts_ms: int, rkeys: Iterable[bytes]) -> list[tuple[bytes, bytes]]:

@@ -99,7 +99,6 @@ def put_rows(
     writer): keys go in sorted through one cursor per table, so each put lands
     next to the previous one in the tree, and `replace` inserts a new row in one
     descent (a plain get would cost a second one for every row that is new).
-    A replaced row's `expiry` and `queue` entries go with it (their keys hold its old ts).
     """
     rkeys = keys.row_keys(vins, request_id)
     if not rkeys:
@@ -111,10 +110,8 @@ def put_rows(
     for rkey in rkeys:
         old = rows.replace(rkey, value)
         if old is not None:
-            _unindex(txn, t, rkey, keys.row_ts(old))
+            txn.delete(keys.expiry_key(keys.row_ts(old), rkey), db=t.expiry)
             replaced += 1
-    # Sorted row keys of one request id give sorted queue keys: one cursor walks the tree once.
-    txn.cursor(t.queue).putmulti(keys.queue_entries(now_ms, request_id, rkeys))
     expiry = txn.cursor(t.expiry)
     entries = keys.expiry_entries(now_ms, rkeys)
     # Rows are stamped with the wall clock, so the new expiry keys almost always sort after
@@ -214,21 +211,6 @@ def delete_row_if(txn: lmdb.Transaction, t: Tables, vin: str, request_id: str, s
     row = keys.decode_row(rkey, value)
     if row.sha1 != sha1:
         return False
-    delete_row(txn, t, rkey, row.ts_ms)
-    return True
-
-
-def delete_row(txn: lmdb.Transaction, t: Tables, rkey: bytes, ts_ms: int) -> None:
-    """Delete the `ids` row `rkey`, known to carry `ts_ms`, and its index entries."""
     txn.delete(rkey, db=t.ids)
-    _unindex(txn, t, rkey, ts_ms)
-
-
-def _unindex(txn: lmdb.Transaction, t: Tables, rkey: bytes, ts_ms: int) -> None:
-    """Remove the `expiry` and `queue` entries of the row `rkey` stamped `ts_ms`.
-
-    Every path that deletes or replaces an `ids` row comes through here: that is what keeps
-    both indexes exactly in step with `ids` (one entry each per row, at the row's ts).
-    """
-    txn.delete(keys.expiry_key(ts_ms, rkey), db=t.expiry)
-    txn.delete(keys.queue_key_of(rkey, ts_ms), db=t.queue)
+    txn.delete(keys.expiry_key(row.ts_ms, rkey), db=t.expiry)
+    return True

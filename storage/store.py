@@ -1,4 +1,4 @@
-"""The LMDB environment: opening (and migrating) it, growing its map, and read-only queries.
+"""The LMDB environment: opening it, growing its map, and read-only queries.
 
 One environment holds every table (named databases, layout in `keys`). Reads
 run in the caller's thread; writes go through `writer.GroupCommitter`. Growing
@@ -18,16 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-import structlog
 
-from storage import keys, migrate
-from storage.errors import StorageError, StorageFull
+from storage import keys
+from storage.errors import StorageError
 
-#: 2 added the `queue` index (schema 1 stores are migrated when opened read-write).
-SCHEMA_VERSION = 2
-_DB_NAMES = ("data", "touched", "ids", "queue", "expiry", "aliases", "early", "meta")
-
-log = structlog.get_logger("sdv_fanout.storage")
+SCHEMA_VERSION = 1
+_DB_NAMES = ("data", "touched", "ids", "expiry", "aliases", "early", "meta")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +33,6 @@ class Tables:
     data: Any
     touched: Any
     ids: Any
-    #: None only in a read-only view of a schema-1 store (it has no `queue` yet).
-    queue: Any
     expiry: Any
     aliases: Any
     early: Any
@@ -160,25 +154,13 @@ class Store:
             #: Reader slots left behind by processes killed mid-read (kill -9).
             self.stale_readers_cleared = self.env.reader_check()
         try:
-            self.tables = Tables(**{name: self._open_db(name) for name in _DB_NAMES})
-            self.schema_version = self._check_schema()
-        except BaseException:
+            self.tables = Tables(**{name: self.env.open_db(name.encode(), create=not readonly) for name in _DB_NAMES})
+        except lmdb.Error as exc:
             self.env.close()
-            raise
-        #: Whether `queue` is complete; a read-only view of a schema-1 store scans `ids` instead.
-        self._indexed = self.schema_version >= 2
+            raise StorageError(f"{self.path} is not an sdv-fanout store: {exc}") from exc
+        self.schema_version = self._check_schema()
 
     # -- lifecycle -------------------------------------------------------------
-    def _open_db(self, name: str) -> Any:
-        try:
-            return self.env.open_db(name.encode(), create=not self.readonly)
-        except lmdb.NotFoundError:
-            if name == "queue" and self.readonly:
-                return None  # schema 1: `_check_schema` accepts it read-only, reads scan `ids`
-            raise StorageError(f"{self.path} is not an sdv-fanout store: no {name!r} table") from None
-        except lmdb.Error as exc:
-            raise StorageError(f"{self.path} is not an sdv-fanout store: {exc}") from exc
-
     def _check_schema(self) -> int:
         with self.env.begin(write=not self.readonly, db=self.tables.meta) as txn:
             raw = txn.get(b"schema_version")
@@ -189,43 +171,9 @@ class Store:
                 txn.put(b"created_at_ms", str(now_ms()).encode())
                 return SCHEMA_VERSION
         version = int(raw)
-        if version == 1 and self.readonly:
-            return version
-        if version == 1:
-            self._migrate_from_1()
-            return SCHEMA_VERSION
         if version != SCHEMA_VERSION:
             raise StorageError(f"{self.path} has schema version {version}; this build reads {SCHEMA_VERSION}")
         return version
-
-    def _migrate_from_1(self) -> None:
-        """Build `queue` from `ids` in committed chunks; the last one sets schema version 2.
-
-        Each run starts over (its first chunk empties `queue`), so a run cut short by a crash,
-        or rows changed by an old build in between, leave nothing wrong behind. Another process
-        opening the store meanwhile carries on from the committed mark.
-        """
-        started = time.monotonic()
-        restart = True
-        while True:
-            try:
-                with self.write() as txn:
-                    step = migrate.queue_chunk(txn, self.tables, restart=restart)
-            except lmdb.MapFullError:
-                if not self.grow():
-                    raise StorageFull(f"LMDB map is at map_max_bytes ({self.map_max_bytes})") from None
-                continue
-            restart = False
-            if step.done:
-                if step.rows is not None:
-                    log.info(
-                        "schema_migrated",
-                        from_version=1,
-                        to_version=SCHEMA_VERSION,
-                        rows=step.rows,
-                        seconds=round(time.monotonic() - started, 3),
-                    )
-                return
 
     def close(self) -> None:
         with self._gate.exclusive():
@@ -292,31 +240,8 @@ class Store:
             return True
 
     # -- queries ---------------------------------------------------------------
-    def _queue(self, txn: lmdb.Transaction, vin: str) -> Iterator[keys.Row]:
-        """A vehicle's rows in delivery order (oldest first, then by request id), lazily.
-
-        Walks the `queue` index, so the first row costs one seek and one `ids` get however
-        many rows the vehicle has.
-        """
-        if not self._indexed:
-            yield from self._scan_queue(txn, vin)
-            return
-        prefix = keys.vin_prefix(vin)
-        cur = txn.cursor(self.tables.queue)
-        if not cur.set_range(prefix):
-            return
-        for qkey in cur.iternext(values=False):
-            qkey = bytes(qkey)
-            if not qkey.startswith(prefix):
-                return
-            rkey, ts_ms = keys.queue_row(qkey)
-            value = txn.get(rkey, db=self.tables.ids)
-            # Writers keep `queue` in step with `ids`; a stray entry must not yield a row twice.
-            if value is not None and keys.row_ts(value) == ts_ms:
-                yield keys.decode_row(rkey, value)
-
-    def _scan_queue(self, txn: lmdb.Transaction, vin: str) -> list[keys.Row]:
-        """Schema 1 (read-only views only): every row of the vehicle, decoded and sorted."""
+    def _queue(self, txn: lmdb.Transaction, vin: str) -> list[keys.Row]:
+        """A vehicle's rows in delivery order: oldest first, then by request id."""
         prefix = keys.vin_prefix(vin)
         rows = []
         cur = txn.cursor(self.tables.ids)
@@ -338,7 +263,7 @@ class Store:
     def pending(self, vin: str) -> list[keys.Row]:
         """The vehicle's pending requests in delivery order."""
         with self.read() as txn:
-            return list(self._queue(txn, vin))
+            return self._queue(txn, vin)
 
     def oldest(self, vin: str, hidden: Mapping[str, bytes] | None = None) -> tuple[keys.Row, bytes] | None:
         """The vehicle's next request and its payload, from one snapshot; None when nothing
@@ -371,8 +296,7 @@ class Store:
     def counts(self) -> dict[str, int]:
         """Entries per table, O(1) (no scan)."""
         with self.read() as txn:
-            tables = {name: getattr(self.tables, name) for name in self.tables.__slots__}
-            return {name: int(txn.stat(db)["entries"]) for name, db in tables.items() if db is not None}
+            return {name: int(txn.stat(getattr(self.tables, name))["entries"]) for name in self.tables.__slots__}
 
     def row_count(self) -> int:
         """Pending rows, O(1)."""
