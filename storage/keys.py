@@ -55,6 +55,16 @@ def row_value(ts_ms: int, sha1: bytes, size: int) -> bytes:
     return _ROW.pack(ts_ms, sha1, size)
 
 
+def row_order(request_id: bytes, value: bytes | memoryview) -> tuple[bytes, bytes]:
+    """A row's place in delivery order (ts, then request id) without decoding it: the
+    timestamp is big-endian, and UTF-8 byte order is code point order."""
+    return bytes(value[:8]), request_id
+
+
+def row_sha1(value: bytes | memoryview) -> bytes:
+    return bytes(value[8:28])
+
+
 def row_ts(value: bytes | memoryview) -> int:
     return int(_ROW.unpack(value)[0])
 

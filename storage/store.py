@@ -272,7 +272,31 @@ class Store:
         `hidden` maps request ids to the sha1 of rows to pass over: acked, their delete not
         committed yet. A row replaced since (another sha1) is not hidden.
         """
+        prefix = keys.vin_prefix(vin)
+        skip = {rid.encode(): sha1 for rid, sha1 in hidden.items()} if hidden else None
         with self.read() as txn:
+            # One pass for the first row in delivery order, comparing raw bytes: a vehicle with
+            # a long queue costs a cursor step per row here, not a decode and a sort.
+            best: tuple[tuple[bytes, bytes], bytes, bytes] | None = None
+            cur = txn.cursor(self.tables.ids)
+            if cur.set_range(prefix):
+                n = len(prefix)
+                for key, value in cur:
+                    if key[:n] != prefix:
+                        break
+                    rid = bytes(key[n:])
+                    if skip and skip.get(rid) == keys.row_sha1(value):
+                        continue
+                    order = keys.row_order(rid, value)
+                    if best is None or order < best[0]:
+                        best = (order, bytes(key), bytes(value))
+            if best is None:
+                return None
+            row = keys.decode_row(best[1], best[2])
+            blob = txn.get(row.sha1, db=self.tables.data)
+            if blob is not None:
+                return row, bytes(blob[keys.BLOB_HEAD_SIZE :])
+            # Its blob is gone (lost data, never the normal case): walk the queue in order.
             for row in self._queue(txn, vin):
                 if hidden and hidden.get(row.request_id) == row.sha1:
                     continue

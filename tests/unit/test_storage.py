@@ -207,3 +207,26 @@ def test_acked_row_is_hidden_until_its_lazy_delete_commits(store: Store) -> None
     writer.close()
     assert store.row("VIN1", "task_a_1") is not None, "the replaced row survives the old ack"
     assert rows.deleting() == 0
+
+
+def test_oldest_is_the_first_pending_row_not_hidden(store: Store) -> None:
+    """The one-pass scan of `oldest` agrees with the sorted queue, whatever the mix of
+    timestamps, request ids (non-ASCII ones too) and hidden rows."""
+    import random
+
+    from exhook_server.dispatch.rows import StoreRows
+
+    rng = random.Random(7)
+    writer = GroupCommitter(store)
+    rids = [f"task_{c}_{n}" for c in ("a", "b", "ü", "z") for n in range(6)]
+    for step in range(60):
+        rid = rng.choice(rids)
+        blob = f"blob {rng.randrange(5)}".encode()
+        writer.submit(batch_op(store, ["VIN1"], rid, blob, now=rng.randrange(4))).result(10)
+        queue = store.pending("VIN1")
+        hidden = {r.request_id: r.sha1 for r in rng.sample(queue, k=min(len(queue), rng.randrange(3)))}
+        expected = next((r for r in queue if hidden.get(r.request_id) != r.sha1), None)
+        found = store.oldest("VIN1", hidden)
+        assert (found[0] if found else None) == expected, f"step {step}"
+    assert StoreRows(store, writer).oldest("VIN1") is not None
+    writer.close()
