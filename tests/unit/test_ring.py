@@ -48,3 +48,21 @@ def test_empty_ring_is_refused() -> None:
     """A ring without workers is a configuration error, not a silent drop."""
     with pytest.raises(ValueError):
         HashRing([])
+
+
+def test_lookup_table_agrees_with_the_ring_at_every_boundary() -> None:
+    """The bucket table gives the owner the bisection would, also right at, before and after
+    every ring point and at both ends of the hash space."""
+    import bisect
+
+    ring = HashRing([f"p{p}w{i}" for p in range(2) for i in range(3)])
+
+    def reference(point: int) -> str:
+        return ring._owners[bisect.bisect_left(ring._keys, point) % len(ring._owners)]
+
+    probes = {0, (1 << 32) - 1} | {k + d for k in ring._keys for d in (-1, 0, 1) if 0 <= k + d < 1 << 32}
+    probes |= {b << 16 for b in range(0, 1 << 16, 97)}
+    for point in probes:
+        bucket = ring._table[point >> 16]
+        assert (bucket or reference(point)) == reference(point), point
+    assert sum(b is None for b in ring._table) <= len(ring._keys)
