@@ -12,7 +12,6 @@ import bisect
 import zlib
 from collections.abc import Iterable
 
-
 #: Top bits of a hash that index the lookup table (2^16 buckets of 65,536 hash values each).
 _SHIFT = 16
 
