@@ -9,6 +9,7 @@ pass through a gate that the resize closes for a moment.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
 import threading
 import time
@@ -265,18 +266,19 @@ class Store:
         with self.read() as txn:
             return self._queue(txn, vin)
 
-    def oldest(self, vin: str, hidden: Mapping[str, bytes] | None = None) -> tuple[keys.Row, bytes] | None:
-        """The vehicle's next request and its payload, from one snapshot; None when nothing
-        is pending (a row whose blob is missing is skipped, as it can never be delivered).
+    def oldest(self, vin: str, hidden: Mapping[str, bytes] | None = None) -> tuple[tuple[keys.Row, bytes] | None, int]:
+        """The vehicle's next request and its payload (None when nothing is deliverable), and
+        how many rows it has pending besides the hidden ones, from one snapshot and one pass
+        comparing raw bytes (no decode, no sort). A row whose blob is missing is skipped, as it
+        can never be delivered.
 
         `hidden` maps request ids to the sha1 of rows to pass over: acked, their delete not
         committed yet. A row replaced since (another sha1) is not hidden.
         """
         prefix = keys.vin_prefix(vin)
         skip = {rid.encode(): sha1 for rid, sha1 in hidden.items()} if hidden else None
+        count = 0
         with self.read() as txn:
-            # One pass for the first row in delivery order, comparing raw bytes: a vehicle with
-            # a long queue costs a cursor step per row here, not a decode and a sort.
             best: tuple[tuple[bytes, bytes], bytes, bytes] | None = None
             cur = txn.cursor(self.tables.ids)
             if cur.set_range(prefix):
@@ -287,23 +289,61 @@ class Store:
                     rid = bytes(key[n:])
                     if skip and skip.get(rid) == keys.row_sha1(value):
                         continue
+                    count += 1
                     order = keys.row_order(rid, value)
                     if best is None or order < best[0]:
                         best = (order, bytes(key), bytes(value))
             if best is None:
-                return None
+                return None, 0
             row = keys.decode_row(best[1], best[2])
             blob = txn.get(row.sha1, db=self.tables.data)
             if blob is not None:
-                return row, bytes(blob[keys.BLOB_HEAD_SIZE :])
+                return (row, bytes(blob[keys.BLOB_HEAD_SIZE :])), count
             # Its blob is gone (lost data, never the normal case): walk the queue in order.
             for row in self._queue(txn, vin):
                 if hidden and hidden.get(row.request_id) == row.sha1:
                     continue
                 blob = txn.get(row.sha1, db=self.tables.data)
                 if blob is not None:
-                    return row, bytes(blob[keys.BLOB_HEAD_SIZE :])
-        return None
+                    return (row, bytes(blob[keys.BLOB_HEAD_SIZE :])), count
+        return None, count
+
+    def queue_head(self, vin: str, n: int, hidden: Mapping[str, bytes] | None = None) -> tuple[list[keys.Row], int]:
+        """The vehicle's first `n` rows in delivery order, and how many it has in all, from one
+        pass that decodes only those `n`. Rows `hidden` names (request id → sha1: acked, their
+        delete not committed yet) are left out, unless replaced since (another sha1).
+
+        Rows only ever join a queue at its end (they are stamped when stored), so a head read
+        once stays the head while it is being delivered: callers may keep it and check each row
+        with `payload_if_current` instead of scanning the whole queue again for every delivery.
+        """
+        prefix = keys.vin_prefix(vin)
+        entries: list[tuple[tuple[bytes, bytes], bytes, bytes]] = []
+        with self.read() as txn:
+            cur = txn.cursor(self.tables.ids)
+            if cur.set_range(prefix):
+                m = len(prefix)
+                skip = {rid.encode(): sha1 for rid, sha1 in hidden.items()} if hidden else None
+                for key, value in cur:
+                    if key[:m] != prefix:
+                        break
+                    rid = bytes(key[m:])
+                    if skip and skip.get(rid) == keys.row_sha1(value):
+                        continue
+                    entries.append((keys.row_order(rid, value), rid, bytes(value)))
+        head = heapq.nsmallest(n, entries) if len(entries) > n else sorted(entries)
+        return [keys.decode_row(prefix + rid, value) for _, rid, value in head], len(entries)
+
+    def payload_if_current(self, row: keys.Row) -> bytes | None:
+        """The payload of `row` if the row is still pending as it was read (not delivered and
+        deleted, expired or replaced since) and its blob is there; else None."""
+        rkey = keys.row_key(row.vin, row.request_id)
+        with self.read() as txn:
+            value = txn.get(rkey, db=self.tables.ids)
+            if value is None or value != keys.row_value(row.ts_ms, row.sha1, row.size):
+                return None
+            blob = txn.get(row.sha1, db=self.tables.data)
+            return None if blob is None else bytes(blob[keys.BLOB_HEAD_SIZE :])
 
     def blob(self, sha1: bytes) -> bytes | None:
         """The stored payload for `sha1`, or None when it is gone."""

@@ -96,9 +96,7 @@ class Dispatcher:
         self._inbox: collections.deque[tuple[Worker, Command]] = collections.deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_handle: asyncio.Handle | None = None
-        self.workers = {
-            n: Worker(n, rows, publisher, inflight_timeout_s=inflight_timeout_s) for n in local
-        }
+        self.workers = {n: Worker(n, rows, publisher, inflight_timeout_s=inflight_timeout_s) for n in local}
         self._vin_from_clientid = vin_from_clientid
         #: clientid → the VINs it subscribed or heartbeated for since start-up; none for a client
         #: that only stands for the VIN it is named after (see _remember).

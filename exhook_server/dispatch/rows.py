@@ -7,12 +7,20 @@ An acked row's delete is committed lazily (see `writer.GroupCommitter`), so the
 vehicle's next request must not wait for it: from the ack on, the row is hidden
 from `oldest` until its delete has committed. A crash in between only brings the
 row back, to be delivered once more (QoS 1 allows it).
+
+A vehicle back online with a long queue is drained one delivery at a time; finding
+the oldest row is a pass over its whole queue, so the drain would cost O(rows²).
+For such queues the head of the queue (its first quarter, in delivery order) is
+kept between deliveries and checked row by row instead: a pass per quarter of the
+queue, not per delivery. New rows only join at the end of a queue, so the head
+stays right.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 
 import structlog
@@ -23,6 +31,12 @@ from storage.store import Store
 from storage.writer import GroupCommitter
 
 log = structlog.get_logger("sdv_fanout.dispatch")
+
+#: A queue longer than this keeps its head: a quarter of its rows, at most _HEAD_MAX_ROWS.
+_HEAD_ROWS = 32
+_HEAD_MAX_ROWS = 256
+#: Heads kept at most (least recently used go): ~300 B per row, so at most ~40 MB.
+_HEADS_MAX = 512
 
 
 class StoreRows:
@@ -35,12 +49,43 @@ class StoreRows:
         #: the dispatch loop, cleared by the writer thread's completion callback.
         self._deleting: dict[str, dict[str, bytes]] = {}
         self._lock = threading.Lock()
+        #: vin → the rows at the head of its long queue, in delivery order (dispatch loop only).
+        self._heads: OrderedDict[str, deque[Row]] = OrderedDict()  # (also its first row, until acked)
+        #: Rows read by passes over queues, for tests and benchmarks.
+        self.rows_scanned = 0
 
     def oldest(self, vin: str) -> tuple[Row, bytes] | None:
         with self._lock:
             hidden = self._deleting.get(vin)
             hidden = dict(hidden) if hidden else None
-        return self._store.oldest(vin, hidden)
+        head = self._heads.get(vin)
+        if head is not None:
+            self._heads.move_to_end(vin)
+            found = self._first_current(head, hidden)
+            if found is not None:
+                return found
+            del self._heads[vin]  # used up: read the next head
+        found, count = self._store.oldest(vin, hidden)
+        self.rows_scanned += count
+        if count > _HEAD_ROWS:  # a long queue: keep its head for the next deliveries
+            rows, count = self._store.queue_head(vin, min(_HEAD_MAX_ROWS, count // 4), hidden)
+            self.rows_scanned += count
+            self._heads[vin] = deque(rows)
+            if len(self._heads) > _HEADS_MAX:
+                self._heads.popitem(last=False)
+        return found
+
+    def _first_current(self, head: deque[Row], hidden: dict[str, bytes] | None) -> tuple[Row, bytes] | None:
+        """The first row of `head` still pending as read and not hidden; rows before it are
+        dropped from `head` (delivered, expired, replaced, or without their blob)."""
+        while head:
+            row = head[0]
+            if not (hidden and hidden.get(row.request_id) == row.sha1):
+                payload = self._store.payload_if_current(row)
+                if payload is not None:
+                    return row, payload
+            head.popleft()
+        return None
 
     def ack(self, vin: str, request_id: str, sha1: bytes) -> bool:
         with self._lock:
