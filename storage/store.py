@@ -254,6 +254,24 @@ class Store:
         rows.sort(key=lambda r: (r.ts_ms, r.request_id))
         return rows
 
+    def _visible_rows(
+        self, txn: lmdb.Transaction, prefix: bytes, hidden: Mapping[str, bytes] | None
+    ) -> Iterator[tuple[bytes, bytes | memoryview]]:
+        """(request id, raw value) of the rows under a VIN prefix, in key order, leaving out
+        those `hidden` names with the same sha1 (values are valid inside `txn` only)."""
+        skip = {rid.encode(): sha1 for rid, sha1 in hidden.items()} if hidden else None
+        cur = txn.cursor(self.tables.ids)
+        if not cur.set_range(prefix):
+            return
+        n = len(prefix)
+        for key, value in cur:
+            if key[:n] != prefix:
+                return
+            rid = bytes(key[n:])
+            if skip and skip.get(rid) == keys.row_sha1(value):
+                continue
+            yield rid, value
+
     def row(self, vin: str, request_id: str) -> keys.Row | None:
         """The pending row (vin, request_id), or None."""
         rkey = keys.row_key(vin, request_id)
@@ -276,26 +294,17 @@ class Store:
         committed yet. A row replaced since (another sha1) is not hidden.
         """
         prefix = keys.vin_prefix(vin)
-        skip = {rid.encode(): sha1 for rid, sha1 in hidden.items()} if hidden else None
         count = 0
         with self.read() as txn:
-            best: tuple[tuple[bytes, bytes], bytes, bytes] | None = None
-            cur = txn.cursor(self.tables.ids)
-            if cur.set_range(prefix):
-                n = len(prefix)
-                for key, value in cur:
-                    if key[:n] != prefix:
-                        break
-                    rid = bytes(key[n:])
-                    if skip and skip.get(rid) == keys.row_sha1(value):
-                        continue
-                    count += 1
-                    order = keys.row_order(rid, value)
-                    if best is None or order < best[0]:
-                        best = (order, bytes(key), bytes(value))
+            best: tuple[tuple[bytes, bytes], bytes] | None = None
+            for rid, value in self._visible_rows(txn, prefix, hidden):
+                count += 1
+                order = keys.row_order(rid, value)
+                if best is None or order < best[0]:
+                    best = (order, bytes(value))
             if best is None:
                 return None, 0
-            row = keys.decode_row(best[1], best[2])
+            row = keys.decode_row(prefix + best[0][1], best[1])
             blob = txn.get(row.sha1, db=self.tables.data)
             if blob is not None:
                 return (row, bytes(blob[keys.BLOB_HEAD_SIZE :])), count
@@ -318,19 +327,11 @@ class Store:
         with `payload_if_current` instead of scanning the whole queue again for every delivery.
         """
         prefix = keys.vin_prefix(vin)
-        entries: list[tuple[tuple[bytes, bytes], bytes, bytes]] = []
         with self.read() as txn:
-            cur = txn.cursor(self.tables.ids)
-            if cur.set_range(prefix):
-                m = len(prefix)
-                skip = {rid.encode(): sha1 for rid, sha1 in hidden.items()} if hidden else None
-                for key, value in cur:
-                    if key[:m] != prefix:
-                        break
-                    rid = bytes(key[m:])
-                    if skip and skip.get(rid) == keys.row_sha1(value):
-                        continue
-                    entries.append((keys.row_order(rid, value), rid, bytes(value)))
+            entries = [
+                (keys.row_order(rid, value), rid, bytes(value))
+                for rid, value in self._visible_rows(txn, prefix, hidden)
+            ]
         head = heapq.nsmallest(n, entries) if len(entries) > n else sorted(entries)
         return [keys.decode_row(prefix + rid, value) for _, rid, value in head], len(entries)
 
