@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from exhook_server.cpus import usable_cpus
 from exhook_server.errors import ConfigError
 
 ENV_PREFIX = "SDV_FANOUT_"
@@ -42,8 +43,9 @@ class Config:
     metrics_listen: str = "0.0.0.0:9100"
 
     # Server processes sharing the port (SO_REUSEPORT) and the LMDB environment; 0 = one per
-    # CPU this process may run on: a Python process answers hooks on one core, so this is how
-    # the server uses them all. In a pod, set it to the CPU request (deploy/k8s does).
+    # CPU this process may use (affinity, capped by a cgroup CPU limit): a Python process answers
+    # hooks on one core, so this is how the server uses them all. In a pod, set it to the CPU
+    # request (deploy/k8s does): a pod without a limit would otherwise count the node's CPUs.
     processes: int = 0
 
     # Whole SIGTERM drain, below Kubernetes' default 30 s terminationGracePeriodSeconds.
@@ -142,8 +144,9 @@ class Config:
 
     @property
     def process_count(self) -> int:
-        """Server processes actually started: `processes`, or one per CPU."""
-        return self.processes or len(os.sched_getaffinity(0)) or 1
+        """Server processes actually started: `processes`, or one per CPU this process may use
+        (its affinity, capped by a cgroup CPU quota)."""
+        return self.processes or usable_cpus()
 
     @property
     def worker_count(self) -> int:

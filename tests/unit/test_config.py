@@ -57,3 +57,29 @@ def test_unknown_key_in_file_is_refused(tmp_path: Path) -> None:
     f.write_text("lisen = '0.0.0.0:1'\n")
     with pytest.raises(ConfigError, match="lisen"):
         load(f, env={})
+
+
+def test_processes_zero_respects_a_cgroup_cpu_quota(tmp_path: Path) -> None:
+    """One process per CPU means per CPU the cgroup lets us use, not per CPU of the node:
+    cgroup v2 `cpu.max`, else v1 CFS quota/period, rounded up; no quota: the affinity mask."""
+    import os
+
+    from exhook_server.cpus import usable_cpus
+
+    visible = len(os.sched_getaffinity(0))
+    assert usable_cpus(tmp_path) == visible  # no cgroup files at all
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(tmp_path) == visible
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert usable_cpus(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text(f"{visible * 100000 * 4} 100000\n")
+    assert usable_cpus(tmp_path) == visible, "a quota above the affinity changes nothing"
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cpus(tmp_path) == visible
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    assert usable_cpus(tmp_path) == min(visible, 2)
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("garbage\n")
+    assert usable_cpus(tmp_path) == visible
