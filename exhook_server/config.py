@@ -41,6 +41,13 @@ class Config:
     tls_client_ca_file: str = ""
     # Prometheus /metrics (plain HTTP, its own port as scrapers expect); "" = off.
     metrics_listen: str = "0.0.0.0:9100"
+    # The Admin API (requeue, GC, vehicle state) on its own listener, loopback only by default:
+    # whoever reaches the ExHook port must not become an operator. Same TLS files as `listen`;
+    # "" = no Admin API.
+    admin_listen: str = "127.0.0.1:9001"
+    # HTTP/2 streams one EMQX pool connection may have open at once: with the receive limit
+    # below, it bounds what gRPC buffers before any handler runs (EMQX queues the rest).
+    grpc_max_concurrent_streams: int = 128
 
     # Server processes sharing the port (SO_REUSEPORT) and the LMDB environment; 0 = one per
     # CPU this process may use (affinity, capped by a cgroup CPU limit): a Python process answers
@@ -62,6 +69,13 @@ class Config:
     group_commit_max_ops: int = 1024
     # Answer EMQX before its default 5 s request_timeout expires, with a clear error.
     ingest_timeout_s: float = 4.0
+    # Payload bytes of batch calls being validated or committed at once; beyond it a call is
+    # answered RESOURCE_EXHAUSTED at once (EMQX counts it as failed, the platform retries), so
+    # a flood of large batches cannot take the pod past its memory limit.
+    max_ingest_inflight_bytes: int = 128 << 20
+    # Rows one housekeeping transaction writes or deletes at most (completing parked triggers,
+    # GC chunks): a batch waiting behind it waits for one chunk, tens of milliseconds.
+    max_rows_per_commit: int = 10_000
     # Row deletes after a vehicle's PUBACK wait up to this long to share one commit (they join
     # any ingest commit sooner). A crash loses at most this window of deletes: those requests
     # are delivered once more, which QoS 1 allows. 0 = commit each delete at once.
@@ -98,8 +112,10 @@ class Config:
     gc_grace_s: float = 3600.0
 
     # -- early triggers (trigger before its data) -----------------------------
-    # Bounded so a platform bug cannot fill the disk with orphans.
+    # Bounded so a platform bug cannot fill the disk with orphans ...
     early_max_count: int = 10_000
+    # ... in triggers and in the rows they name (one trigger may name max_ids_per_batch VINs).
+    early_max_rows: int = 1_000_000
     # Data normally follows within milliseconds; five minutes covers broker hiccups.
     early_ttl_s: float = 300.0
     # How often orphaned early triggers are looked for.
@@ -129,6 +145,10 @@ class Config:
     mqtt_clientid_prefix: str = "sdv-fanout-"
     # paho's in-flight window: larger windows collapse throughput (paho and EMQX alike).
     mqtt_max_inflight: int = 50
+    # A delivery the broker refused (PUBACK reason >= 0x80, or our link dropped while it was
+    # the oldest unacknowledged publish) this many times is parked, so one bad row cannot
+    # keep dropping the link every other vehicle's deliveries share.
+    delivery_max_refusals: int = 3
     # MQTT 5 Message-Expiry-Interval on deliveries; 0 = none.
     mqtt_message_expiry_s: int = 0
     mqtt_keepalive_s: int = 30
@@ -186,6 +206,8 @@ def _validate(cfg: Config) -> None:
     cfg.host_port  # noqa: B018 - raises ConfigError when malformed
     if cfg.metrics_listen:
         split_host_port(cfg.metrics_listen)
+    if cfg.admin_listen:
+        split_host_port(cfg.admin_listen)
     if bool(cfg.tls_cert_file) != bool(cfg.tls_key_file):
         raise ConfigError("tls_cert_file and tls_key_file go together")
     if cfg.tls_client_ca_file and not cfg.tls_cert_file:
@@ -213,6 +235,11 @@ def _validate(cfg: Config) -> None:
         "max_ids_per_batch",
         "max_payload_bytes",
         "early_max_count",
+        "early_max_rows",
+        "max_ingest_inflight_bytes",
+        "max_rows_per_commit",
+        "grpc_max_concurrent_streams",
+        "delivery_max_refusals",
         "early_ttl_s",
         "early_sweep_interval_s",
     )
@@ -238,6 +265,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("retention_s must be positive and gc_interval_s not negative")
     if cfg.gc_grace_s < 60:
         raise ConfigError("gc_grace_s must be at least 60: it must outlast any ingest still committing")
+    if cfg.max_ingest_inflight_bytes < cfg.max_payload_bytes:
+        raise ConfigError("max_ingest_inflight_bytes must be at least max_payload_bytes (else no batch fits)")
+    if cfg.max_rows_per_commit < cfg.max_ids_per_batch:
+        raise ConfigError("max_rows_per_commit must be at least max_ids_per_batch (a batch is one transaction)")
     if cfg.map_max_bytes < cfg.map_size_bytes:
         raise ConfigError("map_max_bytes must be at least map_size_bytes")
     if cfg.log_format not in ("console", "json"):
