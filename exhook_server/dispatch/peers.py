@@ -77,6 +77,8 @@ class Peers:
         self._wake: dict[int, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._server: asyncio.AbstractServer | None = None
+        #: Links other processes opened to us, and the tasks reading them (see stop).
+        self._incoming: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         #: Items sent and received, for metrics and tests.
         self.sent = 0
         self.received = 0
@@ -89,9 +91,21 @@ class Peers:
             self._tasks.append(asyncio.create_task(self._sender(index), name=f"peer-send-{index}"))
 
     async def stop(self) -> None:
+        """Stop sending, stop listening, and end every incoming link before returning.
+
+        An incoming link's reader task must end on its own, not be cancelled when the loop
+        closes: CPython 3.11's stream server logs a cancelled connection task as an
+        `Exception in callback ... CancelledError` traceback. Closing the link's transport
+        makes its read end with EOF, so the task returns normally.
+        """
         await cancel_all(self._tasks)
         if self._server is not None:
             self._server.close()
+        for writer in self._incoming.values():
+            writer.close()
+        if self._incoming:
+            await asyncio.wait(list(self._incoming), timeout=1.0)
+        if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
 
@@ -152,6 +166,9 @@ class Peers:
                 writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._incoming[task] = writer
         try:
             while True:
                 head = await reader.readexactly(_LEN.size)
@@ -162,7 +179,8 @@ class Peers:
                         self._handle(item)
                     except Exception:  # one bad item must not cut the link
                         log.exception("peer_item_failed", item=repr(item))
-        except asyncio.IncompleteReadError:
-            pass  # the peer closed the link
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the peer closed the link, or we did in stop()
         finally:
+            del self._incoming[task]
             writer.close()
