@@ -16,8 +16,9 @@ from typing import Any
 
 import orjson
 
-from exhook_server.config import FORBIDDEN_LEVEL_CHARS, Config
+from exhook_server.config import MAX_DATA_ID_BYTES, MAX_VIN_BYTES, Config
 from exhook_server.errors import BatchRejected, Reason
+from exhook_server.topics import is_level, level_problem
 
 
 class Kind(enum.Enum):
@@ -120,49 +121,58 @@ class BatchParser:
         # falls through to the loop below, which finds the first problem in order, as always.
         if set(map(type, ids)) == {str}:
             folded = dict.fromkeys(ids)
-            if all(folded) and all(map(self._vin_re.fullmatch, folded)) and _is_level("".join(folded)):
+            # A character is at most 4 bytes of UTF-8: short VINs need no encoding to check.
+            if (
+                all(folded)
+                and max(map(len, folded)) <= MAX_VIN_BYTES // 4
+                and all(map(self._vin_re.fullmatch, folded))
+                and is_level("".join(folded))
+            ):
                 return tuple(folded)
         seen: dict[str, None] = {}
         for vin in ids:
             if not isinstance(vin, str):
                 raise BatchRejected(Reason.WRONG_TYPE, "ids must be an array of strings")
             if vin not in seen:
-                if not self._vin_re.fullmatch(vin) or not _is_level(vin):
-                    raise BatchRejected(Reason.BAD_VIN, "VIN does not match vin_pattern", vin=vin[:80])
+                self._check_vin(vin)
                 seen[vin] = None
         # Duplicates are folded, first occurrence wins the order.
         return tuple(seen)
+
+    def _check_vin(self, vin: str) -> None:
+        if not self._vin_re.fullmatch(vin):
+            raise BatchRejected(Reason.BAD_VIN, "VIN does not match vin_pattern", vin=_shown(vin))
+        _check_level(Reason.BAD_VIN, "VIN", vin, MAX_VIN_BYTES)
 
     def _request_id(self, doc: dict[str, Any]) -> str:
         rid = _field(doc, "request_id")
         if not isinstance(rid, str):
             raise BatchRejected(Reason.WRONG_TYPE, "request_id must be a string")
-        try:
-            size = len(rid.encode())
-        except UnicodeEncodeError:
-            size = -1
-        if not 0 < size <= self._cfg.max_request_id_bytes or not _is_level(rid):
-            raise BatchRejected(
-                Reason.BAD_REQUEST_ID,
-                "request_id must be 1..max_request_id_bytes of UTF-8, one topic level, no control chars",
-                request_id=rid[:80],
-            )
+        _check_level(Reason.BAD_REQUEST_ID, "request_id", rid, self._cfg.max_request_id_bytes)
         return rid
 
     def _data_id(self, data_id: Any) -> str:
         if not isinstance(data_id, str):
             raise BatchRejected(Reason.WRONG_TYPE, "data_id must be a string")
-        if not self._data_id_re.fullmatch(data_id) or not _is_level(data_id):
-            raise BatchRejected(Reason.BAD_DATA_ID, "data_id does not match data_id_pattern", data_id=data_id[:80])
+        if not self._data_id_re.fullmatch(data_id):
+            raise BatchRejected(Reason.BAD_DATA_ID, "data_id does not match data_id_pattern", data_id=_shown(data_id))
+        _check_level(Reason.BAD_DATA_ID, "data_id", data_id, MAX_DATA_ID_BYTES)
         return data_id
 
 
-_NOT_IN_LEVEL = re.compile("[" + re.escape("".join(sorted(FORBIDDEN_LEVEL_CHARS))) + "\x01-\x1f\x7f]")
+def _check_level(reason: Reason, name: str, text: str, max_bytes: int) -> None:
+    """An id becomes one level of a delivery topic and part of an LMDB key: it must be a topic
+    level every broker accepts (topics.level_problem) and fit its byte bound."""
+    problem = level_problem(text)
+    if problem is None and len(text.encode()) > max_bytes:
+        problem = f"longer than {max_bytes} bytes of UTF-8"
+    if problem is not None:
+        raise BatchRejected(reason, f"{name} is not usable as one topic level: {problem}", **{name: _shown(text)})
 
 
-def _is_level(text: str) -> bool:
-    """Usable as one MQTT topic level and inside our NUL-separated keys (no control chars)."""
-    return bool(text) and _NOT_IN_LEVEL.search(text) is None
+def _shown(text: str) -> str:
+    """An untrusted id as a log field: cut short, control characters escaped (one event per line)."""
+    return text[:80].encode("unicode_escape").decode("ascii")
 
 
 def _json_object(payload: bytes) -> dict[str, Any]:

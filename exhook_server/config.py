@@ -19,11 +19,16 @@ from typing import Any
 
 from exhook_server.cpus import usable_cpus
 from exhook_server.errors import ConfigError
+from exhook_server.topics import name_problem, template_problem
 
 ENV_PREFIX = "SDV_FANOUT_"
 
-#: Characters that can never appear inside one MQTT topic level (or our LMDB keys).
-FORBIDDEN_LEVEL_CHARS = frozenset("/+#\0")
+#: Longest VIN and data_id in UTF-8 bytes, whatever the patterns allow: with the longest
+#: request id they keep every LMDB key (`VIN \0 request_id` behind an 8-byte time) under
+#: LMDB's 511-byte key limit.
+MAX_VIN_BYTES = 200
+MAX_DATA_ID_BYTES = 256
+MAX_REQUEST_ID_BYTES = 256
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -219,8 +224,9 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{name} is not a regular expression: {exc}") from exc
     for name in ("batch_topic", "data_topic_prefix", "trigger_topic"):
         topic = getattr(cfg, name)
-        if not topic or "+" in topic or "#" in topic or "\0" in topic:
-            raise ConfigError(f"{name} must be a topic name without wildcards, got {topic!r}")
+        problem = name_problem(topic + "/data_id" if name == "data_topic_prefix" else topic)
+        if problem:
+            raise ConfigError(f"{name} {topic!r} is not a usable topic name: {problem}")
     if len({cfg.batch_topic, cfg.data_topic_prefix, cfg.trigger_topic}) != 3:
         raise ConfigError("batch_topic, data_topic_prefix and trigger_topic must differ")
     if cfg.trigger_topic.startswith(cfg.data_topic_prefix + "/"):
@@ -246,11 +252,14 @@ def _validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive")
-    if "{VIN}" not in cfg.request_topic_prefix or any(c in cfg.request_topic_prefix for c in "+#"):
-        raise ConfigError("request_topic_prefix must contain {VIN} and no wildcards")
+    if not 0 < cfg.max_request_id_bytes <= MAX_REQUEST_ID_BYTES:
+        raise ConfigError(f"max_request_id_bytes must be 1..{MAX_REQUEST_ID_BYTES} (LMDB's key limit)")
+    # The request id is one more level of the delivery topic.
+    if problem := template_problem(cfg.request_topic_prefix, levels_after=1):
+        raise ConfigError(f"request_topic_prefix {cfg.request_topic_prefix!r}: {problem}")
     for topic in cfg.heartbeat_topics:
-        if topic.count("{VIN}") != 1 or any(c in topic for c in "+#"):
-            raise ConfigError(f"heartbeat topic {topic!r} must contain {{VIN}} once and no wildcards")
+        if problem := template_problem(topic):
+            raise ConfigError(f"heartbeat topic {topic!r}: {problem}")
     if cfg.processes < 0:
         raise ConfigError("processes must be >= 0 (0 = one per CPU)")
     if not 0 <= cfg.ack_commit_delay_ms <= 10_000:

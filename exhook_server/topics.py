@@ -1,8 +1,78 @@
-"""Topic templates with one `{VIN}` level: render them, turn them into filters, read the VIN back."""
+"""Topic names: what MQTT brokers accept in one, and templates with one `{VIN}` level.
+
+The rules are the strictest of MQTT 5 (§1.5.4 UTF-8 strings, §4.7.3 topic names)
+and the brokers we deliver through: mosquitto refuses control characters
+U+0001-U+001F and U+007F-U+009F and Unicode non-characters by dropping the
+publisher's connection; EMQX refuses NUL, wildcards and invalid UTF-8. A request
+id or VIN that breaks them would break the delivery link every vehicle shares,
+so ingest refuses them with a reason code (`level_problem`) and the settings
+refuse templates that break them (`template_problem`).
+"""
 
 from __future__ import annotations
 
 import re
+
+#: MQTT 5 §4.7.3: a topic name is at most 65,535 bytes of UTF-8.
+MAX_TOPIC_BYTES = 65_535
+#: EMQX refuses topics deeper than its `mqtt.max_topic_levels` (128 by default).
+MAX_TOPIC_LEVELS = 128
+
+#: Unicode non-characters: U+FDD0-U+FDEF and the last two code points of every plane.
+_NONCHARS = "\ufdd0-\ufdef" + "".join(f"{chr(plane << 16 | 0xFFFE)}{chr(plane << 16 | 0xFFFF)}" for plane in range(17))
+#: What no topic name may hold (NUL, C0 and C1 controls, lone surrogates, non-characters).
+_BAD_IN_NAME = re.compile(f"[\x00-\x1f\x7f-\x9f\ud800-\udfff{_NONCHARS}]")
+#: What no single level may hold on top of that: the separator and the wildcards.
+_BAD_IN_LEVEL = re.compile(f"[/+#\x00-\x1f\x7f-\x9f\ud800-\udfff{_NONCHARS}]")
+
+
+def _describe(char: str) -> str:
+    if char in "/+#":
+        return f"{char!r} (a topic separator or wildcard)"
+    return f"U+{ord(char):04X} (a control character, surrogate or non-character MQTT brokers refuse)"
+
+
+def level_problem(text: str) -> str | None:
+    """Why `text` cannot be one topic level (an id inside a delivery topic), or None if it can."""
+    if not text:
+        return "empty"
+    bad = _BAD_IN_LEVEL.search(text)
+    return f"contains {_describe(bad.group())}" if bad else None
+
+
+def is_level(text: str) -> bool:
+    """`level_problem(text) is None`, as one regex search (the ingest fast path joins many ids)."""
+    return bool(text) and _BAD_IN_LEVEL.search(text) is None
+
+
+def name_problem(topic: str) -> str | None:
+    """Why `topic` cannot be an MQTT topic name, or None if it can."""
+    if not topic:
+        return "empty"
+    bad = _BAD_IN_NAME.search(topic)
+    if bad:
+        return f"contains {_describe(bad.group())}"
+    if "+" in topic or "#" in topic:
+        return "contains wildcards ('+' or '#')"
+    if len(topic.encode()) > MAX_TOPIC_BYTES:
+        return f"longer than {MAX_TOPIC_BYTES} bytes"
+    if topic.count("/") + 1 > MAX_TOPIC_LEVELS:
+        return f"deeper than {MAX_TOPIC_LEVELS} levels"
+    return None
+
+
+def template_problem(template: str, *, levels_after: int = 0) -> str | None:
+    """Why a topic template with one `{VIN}` level is unusable, or None.
+
+    `{VIN}` must be a whole level: `+` only stands for whole levels in a filter.
+    `levels_after` counts levels the server appends (the request id), so the
+    rendered topics stay within EMQX's level limit.
+    """
+    if template.count("{VIN}") != 1:
+        return "must contain {VIN} exactly once"
+    if "{VIN}" not in template.split("/"):
+        return "{VIN} must be a whole topic level"
+    return name_problem(template.replace("{VIN}", "v") + "/v" * levels_after)
 
 
 class TopicTemplate:

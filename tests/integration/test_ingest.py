@@ -156,6 +156,9 @@ REJECTIONS = [
     ("bad_request_id", "$SDV-FANOUT", json.dumps({**GOOD, "request_id": ""}).encode()),
     ("bad_request_id", "$SDV-FANOUT", json.dumps({**GOOD, "request_id": "a\u0000b"}).encode()),
     ("bad_request_id", "$SDV-FANOUT", json.dumps({**GOOD, "request_id": "x" * 129}).encode()),
+    # A C1 control: accepted once, its delivery topic made mosquitto drop the shared delivery link.
+    ("bad_request_id", "$SDV-FANOUT", json.dumps({**GOOD, "request_id": "task\u0085_1"}).encode()),
+    ("bad_request_id", "$SDV-FANOUT", json.dumps({**GOOD, "request_id": "task\uffff_1"}).encode()),
     ("too_many_ids", "$SDV-FANOUT", json.dumps({**GOOD, "ids": [f"V{i}" for i in range(10_001)]}).encode()),
     ("payload_too_large", "$SDV-FANOUT", json.dumps({**GOOD, "data": "x" * (4 << 20)}).encode()),
     ("bad_data_encoding", "$SDV-FANOUT", json.dumps({**GOOD, "data": "!!", "data_encoding": "base64"}).encode()),
