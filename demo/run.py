@@ -31,9 +31,9 @@ import math
 import os
 import queue
 import random
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -528,6 +528,8 @@ class Demo:
         # Only our settings: an SDV_FANOUT_* variable of the caller's shell must not change the demo.
         env = {k: v for k, v in os.environ.items() if not k.startswith("SDV_FANOUT_")}
         env["SDV_FANOUT_MQTT_URL"] = broker.url
+        if self.args.processes is not None:
+            env["SDV_FANOUT_PROCESSES"] = str(self.args.processes)
         if "metrics_listen" in {f.name for f in dataclasses.fields(Config)}:
             env["SDV_FANOUT_METRICS_LISTEN"] = "127.0.0.1:0"  # never the fixed default port
         self.server_log = open(self.server_log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -544,14 +546,23 @@ class Demo:
             time.sleep(0.05)
         self.metrics_port = int(info.get("metrics_port") or 0)
         self.store = Store(data_dir, readonly=True)
-        return int(info["port"]), int(info["pid"])
+        return int(info["port"]), len(info.get("pids") or [info["pid"]])
 
-    def wait_delivery_client(self, broker: Mosquitto, clientid: str) -> None:
-        """The server's own MQTT client shows up in mosquitto's log once it is connected."""
+    def wait_delivery_clients(self, broker: Mosquitto, count: int) -> list[str]:
+        """Wait until `count` delivery clients (one per server process) are connected to mosquitto.
+
+        Counted on the broker's side, by clientid prefix: with several server processes each
+        child has its own client, and none of them carries the parent's pid.
+        """
         deadline = time.monotonic() + 15
-        while f" as {clientid} " not in broker.log():
+        while True:
+            seen = sorted(set(re.findall(r" as (sdv-fanout-\S+) ", broker.log())))
+            if len(seen) >= count:
+                return seen
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the server's delivery client {clientid} never connected to mosquitto")
+                raise RuntimeError(
+                    f"{len(seen)} of the server's {count} delivery clients connected to mosquitto within 15 s"
+                )
             if self.server is not None and self.server.poll() is not None:
                 raise RuntimeError(f"sdv-fanout serve exited; see {self.server_log_path}")
             time.sleep(0.05)
@@ -648,12 +659,12 @@ class Demo:
         print(f"sdv-fanout demo: seed {a.seed}, {len(vins)} vehicles, {len(batches)} batches, one every {a.interval} s")
         broker = self.start_broker()
         print(f"  broker    mosquitto {broker.url} (real MQTT; EMQX's ExHook side is simulated)")
-        port, pid = self.start_server(broker)
-        clientid = f"sdv-fanout-{socket.gethostname()}-{pid}"
-        print(f"  server    sdv-fanout serve, pid {pid}, gRPC 127.0.0.1:{port}, LMDB {self.tmp / 'lmdb'}")
+        port, nproc = self.start_server(broker)
+        print(f"  server    sdv-fanout serve, {nproc} process(es), gRPC 127.0.0.1:{port}, LMDB {self.tmp / 'lmdb'}")
         print(f"            log {self.server_log_path}")
-        self.wait_delivery_client(broker, clientid)
-        print(f"            delivery client {clientid} connected to the broker")
+        clientids = self.wait_delivery_clients(broker, nproc)
+        clientid = clientids[0]
+        print(f"            delivery clients connected to the broker: {', '.join(clientids)}")
         self.platform = FakeEmqx(port, broker.port, request_prefix=REQUEST_PREFIX, strict_rpc=False)
         self.platform.calls = deque(maxlen=1000)  # the harness keeps every request; we need none
         hooks = [h.name for h in self.platform.load().hooks]
@@ -1027,6 +1038,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reconnect", type=float, default=0.075, help="share that reconnect clean (default 0.075)")
     p.add_argument("--resume", type=float, default=0.05, help="share that resume a session (default 0.05)")
     p.add_argument("--per-proc", type=int, default=100, help="vehicles per fleet process (default 100, max ~300)")
+    p.add_argument(
+        "--processes",
+        type=int,
+        help="server processes (default: the server's own default, one per CPU; 0 = the same)",
+    )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds after the last batch (default 60)")
     p.add_argument("--log-dir", help="server, broker and fleet logs (default: var/demo in the checkout)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (LMDB data) for `sdv-fanout stats`")
@@ -1036,6 +1052,8 @@ def main(argv: list[str] | None = None) -> int:
         return fleet_worker_main()
     if not 1 <= args.vehicles <= 10_000 or args.batches < 1 or args.interval < 0 or not 1 <= args.per_proc <= 300:
         p.error("need 1 <= --vehicles <= 10000, --batches >= 1, --interval >= 0, 1 <= --per-proc <= 300")
+    if args.processes is not None and args.processes < 0:
+        p.error("--processes must be >= 0")
     if args.late + args.reconnect + args.resume > 1:
         p.error("--late + --reconnect + --resume must not exceed 1")
     if args.log_dir is None:
