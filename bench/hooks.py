@@ -64,6 +64,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for exhook_server
 
 from grpc_flavour import NoopServer, own_cpu_s, proc_cpu_s, wait_ready  # bench/ is sys.path[0] when run as a script
+from plumbing import descendants
 
 from exhook_server._proto import admin_pb2
 from exhook_server._proto import exhook_v3_pb2 as pb
@@ -90,25 +91,6 @@ def log(msg: str) -> None:
 
 
 # -- processes and CPU ----------------------------------------------------------------------------
-
-
-def descendants(pid: int) -> list[int]:
-    """pid and every process below it (walks /proc: this kernel has no task/*/children)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 def tree_cpu_s(pids: Iterable[int]) -> float:

@@ -63,9 +63,8 @@ import lmdb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.harness
 
-# bench/ is sys.path[0] when run as a script; e2e.py has the /proc helpers and number formats.
-from e2e import dec, machine_busy_s, num, share
-from hooks import descendants
+# bench/ is sys.path[0] when run as a script; plumbing.py has the /proc helpers and number formats.
+from plumbing import dec, descendants, machine_busy_s, num, share
 
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage import keys

@@ -1,0 +1,222 @@
+"""Bench plumbing shared by the scenario scripts: processes, CPU and RSS accounting, workload names,
+table formats.
+
+Each scenario in bench/ reads as the experiment it runs; what they all need to start and watch
+processes (a JSON-lines helper, a server's process tree, CPU per phase) and to print their tables
+lives here once. Linux only: CPU and RSS come from /proc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import statistics
+import string
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from tests.harness import SubprocessServer
+
+VIN_CHARS = "ABCDEFGHJKLMNPRSTUVWXYZ" + string.digits  # no I, O, Q, as in real VINs
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (walks /proc: this kernel has no task/*/children)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """VmRSS summed over processes (each counts the pages it shares with its parent too; only
+    differences of this sum are reported)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as f:
+            total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return total
+
+
+def quiesce(pids: list[int], timeout_s: float = 30.0, idle_share: float = 0.03) -> None:
+    """Wait until the processes used under idle_share of a core in two 0.2 s windows running."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        c0, t0 = sum(map(proc_cpu_s, pids)), time.monotonic()
+        time.sleep(0.2)
+        busy = (sum(map(proc_cpu_s, pids)) - c0) / (time.monotonic() - t0)
+        quiet = quiet + 1 if busy < idle_share else 0
+
+
+class Child:
+    """A helper process speaking JSON lines (bench/e2e_fleet.py); stderr goes to a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"read-{name}", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"{self.name}: no answer within {timeout_s:.0f} s\n{self.log_tail()}") from None
+        if line is None:
+            raise RuntimeError(f"{self.name} exited ({self.proc.wait(5)}):\n{self.log_tail()}")
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def log_tail(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "quit"})
+                self.proc.stdin.close()  # type: ignore[union-attr]
+                self.proc.wait(15)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+def stop_server(server: SubprocessServer) -> None:
+    if server.proc.poll() is None:
+        try:
+            server.terminate(20)
+        except Exception:
+            server.kill()
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all CPUs spent busy (not idle or iowait) since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / CLK_TCK  # user nice system irq softirq steal
+
+
+def thread_cpu_s(pids: list[int]) -> dict[int, float]:
+    """utime + stime per thread of some processes."""
+    out = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            out[int(task.name)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+class CpuMeter:
+    """CPU of named groups of processes over one phase, as a share of one core; plus the rest of the
+    machine (processes that are not this bench's) and the busiest thread of the server (over all
+    its processes)."""
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups
+        self.t0 = time.monotonic()
+        self.c0 = {g: sum(proc_cpu_s(p) for p in pids) for g, pids in groups.items()}
+        self.self0 = proc_cpu_s(os.getpid())
+        self.machine0 = machine_busy_s()
+        self.threads0 = thread_cpu_s(groups["server"])
+
+    def shares(self) -> dict[str, float]:
+        wall = time.monotonic() - self.t0
+        out = {g: (sum(proc_cpu_s(p) for p in pids) - self.c0[g]) / wall for g, pids in self.groups.items()}
+        out["bench"] = (proc_cpu_s(os.getpid()) - self.self0) / wall
+        out["total"] = sum(out.values())
+        out["other processes"] = max(0.0, (machine_busy_s() - self.machine0) / wall - out["total"])
+        threads = thread_cpu_s(self.groups["server"])
+        out["server busiest thread"] = (
+            max((c - self.threads0.get(tid, 0.0) for tid, c in threads.items()), default=0.0) / wall
+        )
+        return out
+
+
+# -- workload -----------------------------------------------------------------------------------
+
+
+def make_vins(seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    vins: dict[str, None] = {}
+    while len(vins) < n:
+        vins["LSV" + "".join(rng.choices(VIN_CHARS, k=14))] = None
+    return list(vins)
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# -- table formats ------------------------------------------------------------------------------
+
+
+def min_med_max(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    return f"{fmt(min(values))} | {fmt(statistics.median(values))} | {fmt(max(values))}"
+
+
+def num(v: float) -> str:
+    return f"{v:,.0f}"
+
+
+def dec(v: float) -> str:
+    return f"{v:.2f}"
+
+
+def share(v: float) -> str:
+    return f"{v * 100:.0f} %"
+
+
+def mib(v: float) -> str:
+    return f"{v / (1 << 20):.1f}"
