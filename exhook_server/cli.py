@@ -1,7 +1,9 @@
 """The `sdv-fanout` command: serve, show the configuration, and look into a store.
 
 `stats` and `inspect` open the LMDB environment read-only, so they work on the
-data dir of a running server (LMDB readers never block its writer).
+data dir of a running server (LMDB readers never block its writer); with `--server`
+they ask the server's Admin API instead, on its admin listener, over TLS when it has TLS.
+Every setting is a flag of `serve`, `check-config` and `gc` (see `flags`).
 """
 
 from __future__ import annotations
@@ -15,17 +17,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from exhook_server import __version__, log
-from exhook_server.config import ENV_PREFIX, Config, load
+from exhook_server import __version__, flags, log
+from exhook_server.config import ENV_PREFIX, Config, join_host_port, load, loopback, split_host_port
 from exhook_server.errors import ConfigError, StorageError
 
+#: What `--server` needs besides the address: the client side of a TLS admin listener.
+_CLIENT_SETTINGS = ("cli_tls_ca_file", "cli_tls_cert_file", "cli_tls_key_file", "cli_tls_server_name")
 
-def _config_args(p: argparse.ArgumentParser) -> None:
+
+def _config_args(p: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
     p.add_argument("--config", metavar="FILE", help=f"TOML settings file (or {ENV_PREFIX}CONFIG)")
-    p.add_argument("--listen", metavar="HOST:PORT", help="gRPC address (default 0.0.0.0:9000)")
-    p.add_argument("--data-dir", metavar="DIR", help="LMDB directory (default ./var/lmdb)")
-    p.add_argument("--log-format", choices=("console", "json"), help="log renderer")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    flags.add_setting_flags(p, names)
+
+
+def _server_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        nargs="?",
+        const="",
+        help=f"{what} (the Admin API); without HOST:PORT, the admin_listen of the settings in force",
+    )
+    _config_args(p, ("data_dir", *_CLIENT_SETTINGS))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,21 +48,21 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the ExHook gRPC server")
     _config_args(serve)
-    serve.add_argument("--ready-file", metavar="FILE", help="write {port, pid} as JSON here once serving")
+    serve.add_argument(
+        "--ready-file", metavar="FILE", help="write {port, admin_port, metrics_port, pid} as JSON here once serving"
+    )
 
     check = sub.add_parser("check-config", help="validate and print the settings in force")
     _config_args(check)
     sub.add_parser("default-config", help="print every setting with its default, as TOML")
 
     stats = sub.add_parser("stats", help="rows, blobs, bytes, dedup ratio, early triggers")
-    stats.add_argument("--data-dir", metavar="DIR", default=None)
-    stats.add_argument("--server", metavar="HOST:PORT", help="ask a running server (Admin API) instead")
+    _server_arg(stats, "ask a running server instead")
     stats.add_argument("--json", action="store_true", help="one JSON object")
 
     inspect = sub.add_parser("inspect", help="a vehicle's pending requests in delivery order")
     inspect.add_argument("vin")
-    inspect.add_argument("--data-dir", metavar="DIR", default=None)
-    inspect.add_argument("--server", metavar="HOST:PORT", help="ask a running server: adds presence and in flight")
+    _server_arg(inspect, "ask a running server: adds presence and in flight")
     inspect.add_argument("--json", action="store_true", help="one JSON object")
     gc = sub.add_parser("gc", help="retention and garbage collection")
     gc_sub = gc.add_subparsers(dest="gc_command", required=True)
@@ -71,13 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace) -> Config:
     path = getattr(args, "config", None) or os.environ.get(ENV_PREFIX + "CONFIG")
-    overrides = {
-        "listen": getattr(args, "listen", None),
-        "data_dir": getattr(args, "data_dir", None),
-        "log_format": getattr(args, "log_format", None),
-        "log_level": getattr(args, "log_level", None),
-    }
-    return load(path, overrides=overrides)
+    return load(path, overrides=flags.overrides(args))
 
 
 def _data_dir(args: argparse.Namespace) -> str:
@@ -92,15 +99,51 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_main(cfg, args.ready_file)
 
 
-def _admin_call(server: str, method: str, request: Any) -> dict[str, Any]:
-    """One Admin RPC to a running server (plaintext), as a dict with every field shown."""
+def _admin_target(cfg: Config, server: str) -> str:
+    """`--server`'s address, or else the admin listener of the settings in force (dialled on
+    loopback when it listens on every interface: the CLI runs next to the server)."""
+    if server:
+        return server
+    if not cfg.admin_listen:
+        raise ConfigError("admin_listen is empty: this server has no Admin API (or give --server HOST:PORT)")
+    host, port = split_host_port(cfg.admin_listen)
+    return join_host_port(loopback(host), port)
+
+
+def _admin_channel(cfg: Config, target: str) -> Any:
+    """A channel to the admin listener: TLS when the server has TLS (it serves the admin
+    listener with the same certificate) or when a cli_tls_* file is set; plaintext otherwise."""
+    import grpc
+
+    if not (cfg.tls_cert_file or cfg.cli_tls_ca_file or cfg.cli_tls_cert_file):
+        return grpc.insecure_channel(target)
+
+    def read(path: str) -> bytes | None:
+        try:
+            return Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise ConfigError(f"cannot read TLS file: {exc}") from None
+
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=read(cfg.cli_tls_ca_file),
+        private_key=read(cfg.cli_tls_key_file),
+        certificate_chain=read(cfg.cli_tls_cert_file),
+    )
+    options = [("grpc.ssl_target_name_override", cfg.cli_tls_server_name)] if cfg.cli_tls_server_name else []
+    return grpc.secure_channel(target, credentials, options)
+
+
+def _admin_call(cfg: Config, server: str, method: str, request: Any) -> dict[str, Any]:
+    """One Admin RPC to a running server (`server`, or else the configured admin listener), as a
+    dict with every field shown."""
     import grpc
     from google.protobuf.json_format import MessageToDict
 
     from exhook_server._proto import admin_pb2
 
+    server = _admin_target(cfg, server)
     response_cls: Any = {"GetStats": admin_pb2.Stats, "GetVehicle": admin_pb2.Vehicle}[method]
-    with grpc.insecure_channel(server) as channel:
+    with _admin_channel(cfg, server) as channel:
         stub = channel.unary_unary(
             f"/sdv.fanout.v1.Admin/{method}",
             request_serializer=lambda m: m.SerializeToString(),
@@ -119,12 +162,13 @@ def _admin_call(server: str, method: str, request: Any) -> dict[str, Any]:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from storage.store import Store
 
-    if args.server:
+    cfg = _load(args)
+    if args.server is not None:
         from exhook_server._proto import admin_pb2
 
-        stats = _admin_call(args.server, "GetStats", admin_pb2.GetStatsRequest())
+        stats = _admin_call(cfg, args.server, "GetStats", admin_pb2.GetStatsRequest())
     else:
-        with Store(_data_dir(args), readonly=True) as store:
+        with Store(cfg.data_dir, readonly=True) as store:
             stats = store.stats().as_dict()
     if args.json:
         print(json.dumps(stats))
@@ -138,13 +182,14 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from storage.store import Store
 
-    if args.server:
+    cfg = _load(args)
+    if args.server is not None:
         from exhook_server._proto import admin_pb2
 
-        vehicle = _admin_call(args.server, "GetVehicle", admin_pb2.GetVehicleRequest(vin=args.vin))
+        vehicle = _admin_call(cfg, args.server, "GetVehicle", admin_pb2.GetVehicleRequest(vin=args.vin))
         print(json.dumps(vehicle, indent=None if args.json else 2))
         return 0
-    with Store(_data_dir(args), readonly=True) as store:
+    with Store(cfg.data_dir, readonly=True) as store:
         rows = store.pending(args.vin)
     pending: list[dict[str, Any]] = [
         {

@@ -50,6 +50,17 @@ class Config:
     # whoever reaches the ExHook port must not become an operator. Same TLS files as `listen`;
     # "" = no Admin API.
     admin_listen: str = "127.0.0.1:9001"
+    # How `sdv-fanout stats|inspect --server` reach a TLS admin listener (TLS is on when
+    # tls_cert_file or any cli_tls_* file is set): the CA that signed the server's certificate;
+    # empty = the system trust store.
+    cli_tls_ca_file: str = ""
+    # The client certificate a mutual-TLS listener (tls_client_ca_file) asks the CLI for.
+    cli_tls_cert_file: str = ""
+    # Its private key.
+    cli_tls_key_file: str = ""
+    # The name the server's certificate is checked against when it is not the dialled host (in a
+    # pod the CLI dials 127.0.0.1, the certificate names the Service); empty = the dialled host.
+    cli_tls_server_name: str = ""
     # HTTP/2 streams one EMQX pool connection may have open at once: with the receive limit
     # below, it bounds what gRPC buffers before any handler runs (EMQX queues the rest).
     grpc_max_concurrent_streams: int = 128
@@ -207,6 +218,23 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def join_host_port(host: str, port: int) -> str:
+    """The inverse of `split_host_port`: brackets around an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def loopback(host: str) -> str:
+    """The host a local client dials for a listen host: the wildcard means this machine."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+#: The settings that take one of a few words (the CLI offers them as choices).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "log_format": ("console", "json"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+
 def _validate(cfg: Config) -> None:
     cfg.host_port  # noqa: B018 - raises ConfigError when malformed
     if cfg.metrics_listen:
@@ -217,6 +245,14 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("tls_cert_file and tls_key_file go together")
     if cfg.tls_client_ca_file and not cfg.tls_cert_file:
         raise ConfigError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+    if bool(cfg.cli_tls_cert_file) != bool(cfg.cli_tls_key_file):
+        raise ConfigError("cli_tls_cert_file and cli_tls_key_file go together")
+    # A blank allowlist entry would match every publisher without a username; a blank topic is
+    # no topic. `a, ,b` in an environment variable must be an error, not a wildcard.
+    for field in dataclasses.fields(cfg):
+        items = getattr(cfg, field.name)
+        if isinstance(items, tuple) and any(not item.strip() for item in items):
+            raise ConfigError(f"{field.name} has a blank entry: {list(items)!r}")
     for name in ("vin_pattern", "data_id_pattern"):
         try:
             re.compile(getattr(cfg, name))
@@ -280,9 +316,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("max_rows_per_commit must be at least max_ids_per_batch (a batch is one transaction)")
     if cfg.map_max_bytes < cfg.map_size_bytes:
         raise ConfigError("map_max_bytes must be at least map_size_bytes")
-    if cfg.log_format not in ("console", "json"):
+    if cfg.log_format not in CHOICES["log_format"]:
         raise ConfigError("log_format must be 'console' or 'json'")
-    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
+    if cfg.log_level.lower() not in CHOICES["log_level"]:
         raise ConfigError("log_level must be debug, info, warning or error")
 
 

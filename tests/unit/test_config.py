@@ -32,6 +32,18 @@ def test_list_settings_from_environment() -> None:
     assert load(env={"SDV_FANOUT_PUBLISHER_ALLOWLIST": '["c"]'}).publisher_allowlist == ("c",)
 
 
+@pytest.mark.parametrize("name", ["publisher_allowlist", "heartbeat_topics"])
+@pytest.mark.parametrize("raw", ['["sdv-platform", " "]', "sdv-platform, ,ops", '[""]'])
+def test_blank_list_entries_are_refused(tmp_path: Path, name: str, raw: str) -> None:
+    """A blank entry (an empty name would admit every publisher without a username) fails the load."""
+    with pytest.raises(ConfigError, match=f"{name} has a blank entry"):
+        load(env={"SDV_FANOUT_" + name.upper(): raw})
+    f = tmp_path / "c.toml"
+    f.write_text(f'{name} = ["sdv-platform", " "]\n')
+    with pytest.raises(ConfigError, match="blank entry"):
+        load(f, env={})
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
