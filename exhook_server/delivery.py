@@ -8,6 +8,14 @@ backoff until the broker answers. Connection changes reach dispatch through
 `on_state`, which voids in-flight state on loss and sends again when the link is
 back. `publish` never blocks: paho queues the message and its in-flight window
 (kept small: large windows collapse throughput) paces the broker.
+
+One delivery the broker refuses must not cost every other vehicle its link. Each
+connection gets a fresh paho client (paho would otherwise re-send its unacked
+messages first after every reconnect, the refused one included). A PUBACK
+reason >= 0x80, or the link dropping while a delivery was unacknowledged, blames
+that delivery (`on_refused`); a blamed delivery is sent again only alone (nothing
+else unacknowledged meanwhile), so the next drop names the culprit exactly, and
+after `delivery_max_refusals` it is refused for good and its row ends failed.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import os
 import socket
 import ssl
 import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,6 +49,13 @@ _RETRY_MAX_S = 30.0
 _HOUSEKEEPING_S = 1.0
 #: How long `stop` waits for the DISCONNECT to be written.
 _STOP_TIMEOUT_S = 5.0
+#: Blamed deliveries remembered at most (least recently blamed forgotten first): forgetting one
+#: only means it may be blamed again from zero.
+_SUSPECTS_MAX = 10_000
+
+#: `on_refused(vin, request_id, reason, final)`: the broker refused this delivery; `final` once
+#: it has been refused `delivery_max_refusals` times.
+RefusedCallback = Callable[[str, str, str, bool], None]
 
 
 class MqttDelivery:
@@ -55,12 +71,15 @@ class MqttDelivery:
         loop: asyncio.AbstractEventLoop,
         on_state: Callable[[bool], None],
         *,
+        on_refused: RefusedCallback | None = None,
         clientid: str | None = None,
     ) -> None:
         self._cfg = cfg
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._on_state = on_state
+        self._on_refused = on_refused
+        self._max_refusals = cfg.delivery_max_refusals
         self._topics = RequestTopics(cfg.request_topic_prefix)
         #: Acks are matched by the prefix; the rest keeps replicas apart.
         self.clientid = clientid or f"{cfg.mqtt_clientid_prefix}{socket.gethostname()}-{os.getpid()}"
@@ -69,24 +88,7 @@ class MqttDelivery:
         self._port = url.port or (8883 if url.scheme == "mqtts" else 1883)
         self._connected = False
         self._stopping = False
-        client = mqtt.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=self.clientid,
-            protocol=mqtt.MQTTv5,
-        )
-        if cfg.mqtt_username:
-            client.username_pw_set(cfg.mqtt_username, cfg.mqtt_password or None)
-        if url.scheme == "mqtts":
-            context = ssl.create_default_context(cafile=cfg.mqtt_ca_file or None)
-            client.tls_set_context(context)
-        client.max_inflight_messages_set(cfg.mqtt_max_inflight)
-        client.max_queued_messages_set(0)
-        client.on_connect = self._on_connect
-        client.on_disconnect = self._on_disconnect
-        client.on_socket_open = self._on_socket_open
-        client.on_socket_close = self._on_socket_close
-        client.on_socket_register_write = self._on_want_write
-        self._client = client
+        self._client = self._new_client()
         self._props: Properties | None = None
         if cfg.mqtt_message_expiry_s:
             self._props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
@@ -97,13 +99,40 @@ class MqttDelivery:
         self._flush_due = False
         self._was_up = False
         self._housekeeping_timer: asyncio.TimerHandle | None = None
+        #: mid → (vin, request_id) of deliveries written and not yet PUBACKed by the broker.
+        self._unacked: dict[int, tuple[str, str]] = {}
+        #: (vin, request_id) → times the broker refused it; present = sent only alone.
+        self._suspects: OrderedDict[tuple[str, str], int] = OrderedDict()
+        #: Deliveries accepted from dispatch, waiting while a suspect is (about to be) sent alone.
+        self._held: deque[tuple[str, str, bytes]] = deque()
+        #: The mid of the suspect now sent alone, if any.
+        self._isolated: int | None = None
         #: Set once the watched socket is gone: the connector then connects again.
         self._gone = asyncio.Event()
         self._connector: asyncio.Task[None] | None = None
 
+    def _new_client(self) -> mqtt.Client:
+        """A paho client for one connection: nothing queued from an earlier one."""
+        cfg = self._cfg
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.clientid, protocol=mqtt.MQTTv5)
+        if cfg.mqtt_username:
+            client.username_pw_set(cfg.mqtt_username, cfg.mqtt_password or None)
+        if urlsplit(cfg.mqtt_url).scheme == "mqtts":
+            context = ssl.create_default_context(cafile=cfg.mqtt_ca_file or None)
+            client.tls_set_context(context)
+        client.max_inflight_messages_set(cfg.mqtt_max_inflight)
+        client.max_queued_messages_set(0)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_publish = self._on_publish
+        client.on_socket_open = self._on_socket_open
+        client.on_socket_close = self._on_socket_close
+        client.on_socket_register_write = self._on_want_write
+        client.connect_async(self._host, self._port, keepalive=cfg.mqtt_keepalive_s, clean_start=True)
+        return client
+
     def start(self) -> None:
         """Connect in the background; retries with backoff until the broker answers."""
-        self._client.connect_async(self._host, self._port, keepalive=self._cfg.mqtt_keepalive_s, clean_start=True)
         self._connector = self._loop.create_task(self._connect_forever(), name="mqtt-delivery")
         log.info("mqtt_connecting", host=self._host, port=self._port, clientid=self.clientid)
 
@@ -120,8 +149,52 @@ class MqttDelivery:
         """Queue one QoS 1 delivery; False (nothing queued) while disconnected."""
         if not self._connected:
             return False
+        key = (vin, request_id)
+        refusals = self._suspects.get(key)
+        if refusals is not None and refusals >= self._max_refusals:
+            # Refused for good: never written again (a later link may have forgotten nothing).
+            self._refused(key, "refused_before", final=True)
+            return True
+        if refusals is not None or self._held or self._isolated is not None:
+            self._held.append((vin, request_id, payload))
+            self._release()
+            return True
+        return self._send(vin, request_id, payload)
+
+    def _send(self, vin: str, request_id: str, payload: bytes) -> bool:
         info = self._client.publish(self._topics.delivery(vin, request_id), payload, qos=1, properties=self._props)
-        return info.rc == mqtt.MQTT_ERR_SUCCESS
+        if info.rc != mqtt.MQTT_ERR_SUCCESS:
+            return False
+        self._unacked[info.mid] = (vin, request_id)
+        return True
+
+    def _release(self) -> None:
+        """Send held deliveries in order until the next suspect, which goes alone: once nothing
+        else is unacknowledged, and nothing else is sent until the broker answers it."""
+        held = self._held
+        while held and self._isolated is None and self._connected:
+            vin, request_id, payload = held[0]
+            suspect = (vin, request_id) in self._suspects
+            if suspect and self._unacked:
+                return  # the pipeline empties first
+            held.popleft()
+            if self._send(vin, request_id, payload) and suspect:
+                self._isolated = next(reversed(self._unacked))
+
+    def _refused(self, key: tuple[str, str], reason: str, *, final: bool) -> None:
+        if self._on_refused is not None:
+            self._on_refused(key[0], key[1], reason, final)
+
+    def _blame(self, key: tuple[str, str], reason: str) -> None:
+        """Count one refusal of `key`; tell dispatch, finally once it reaches the bound."""
+        count = self._suspects.pop(key, 0) + 1
+        self._suspects[key] = count
+        if len(self._suspects) > _SUSPECTS_MAX:
+            self._suspects.popitem(last=False)
+        log.warning(
+            "delivery_refused", vin=key[0], request_id=key[1], reason=reason, refusals=count, limit=self._max_refusals
+        )
+        self._refused(key, reason, final=count >= self._max_refusals)
 
     # -- connecting ------------------------------------------------------------------------
     async def _connect_forever(self) -> None:
@@ -140,6 +213,7 @@ class MqttDelivery:
                     delay = _RETRY_FIRST_S
             if self._stopping:
                 return
+            self._client = self._new_client()
             await asyncio.sleep(delay)
             delay = min(delay * 2, _RETRY_MAX_S)
 
@@ -241,8 +315,28 @@ class MqttDelivery:
         log.info("mqtt_connected", host=self._host, port=self._port, clientid=self.clientid)
         self._on_state(True)
 
+    def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason: Any, props: Any) -> None:
+        key = self._unacked.pop(mid, None)
+        if key is None:
+            return
+        if mid == self._isolated:
+            self._isolated = None
+        if reason.is_failure:  # the broker refused this very message (e.g. 0x87 not authorized)
+            self._blame(key, "puback_" + reason.getName().lower().replace(" ", "_"))
+        else:
+            self._suspects.pop(key, None)
+        self._release()
+
     def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         was, self._connected = self._connected, False
+        # What the broker had not acknowledged may be what made it drop us: blame it. A suspect
+        # goes alone, so after the first drop only the culprit is blamed again.
+        unacked, self._unacked = list(self._unacked.values()), {}
+        self._held.clear()
+        self._isolated = None
+        if was and not self._stopping:
+            for key in unacked:
+                self._blame(key, "link_dropped")
         if was:
             if self._stopping:
                 log.info("mqtt_disconnected", reason="shutdown")

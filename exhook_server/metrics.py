@@ -40,6 +40,17 @@ DELIVERIES_ACKED = Counter(
     "PUBACKs of our deliveries; deleted = row removed, kept = row was replaced or already gone",
     ["result"],
 )
+DELIVERIES_REFUSED = Counter(
+    "sdv_fanout_deliveries_refused_total",
+    "Deliveries the broker refused (puback_* = a PUBACK reason >= 0x80, link_dropped = our link "
+    "dropped while it was unacknowledged)",
+    ["reason"],
+)
+DELIVERIES_FAILED = Counter(
+    "sdv_fanout_deliveries_failed_total",
+    "Rows that ended without delivery (broker_refused = refused delivery_max_refusals times)",
+    ["reason"],
+)
 # Gauges say how to combine the server processes' values (prometheus-client's multiprocess
 # mode, used when processes > 1; ignored with one process).
 ONLINE_VEHICLES = Gauge(

@@ -143,7 +143,12 @@ class FanoutServer:
             await self.peers.start()  # type: ignore[union-attr]
         self.dispatcher.start()
         if self.cfg.mqtt_url:
-            self.delivery = MqttDelivery(self.cfg, asyncio.get_running_loop(), self.dispatcher.broker_connected)
+            self.delivery = MqttDelivery(
+                self.cfg,
+                asyncio.get_running_loop(),
+                self.dispatcher.broker_connected,
+                on_refused=self.dispatcher.refused,
+            )
             self.delivery.start()
         else:
             log.warning("delivery_disabled", reason="mqtt_url is empty: batches are stored, not delivered")

@@ -123,6 +123,8 @@ class Trigger(enum.StrEnum):
     REQUEUE = "requeue"
     #: The periodic sweep found a delivery unacked for longer than the in-flight timeout.
     TIMEOUT = "timeout"
+    #: The broker refused the delivery in flight: the same row again (alone), or the next one.
+    REFUSED = "refused"
 
 
 class EndReason(enum.StrEnum):
@@ -186,6 +188,17 @@ class Requeue:
 
 
 @dataclass(frozen=True, slots=True)
+class Refused:
+    """From the delivery client: the broker refused our delivery of `request_id` to `vin`.
+    `final`: refused delivery_max_refusals times, so the row ends failed."""
+
+    vin: str
+    request_id: str
+    reason: str
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
 class BrokerLost:
     """Internal, to every worker: our MQTT connection dropped; in-flight entries are void."""
 
@@ -201,4 +214,4 @@ class Sweep:
     to vehicles still online (a lost PUBACK must not wait for the next heartbeat)."""
 
 
-Command = MaybeSend | NewBatch | Acknowledge | Connected | Down | Requeue | BrokerLost | BrokerBack | Sweep
+Command = MaybeSend | NewBatch | Acknowledge | Connected | Down | Requeue | Refused | BrokerLost | BrokerBack | Sweep

@@ -31,6 +31,7 @@ from exhook_server.dispatch.commands import (
     EndReason,
     MaybeSend,
     NewBatch,
+    Refused,
     Requeue,
     Session,
     Sweep,
@@ -262,6 +263,10 @@ class Dispatcher:
         """Our MQTT connection changed state (event-loop thread)."""
         metrics.MQTT_CONNECTED.set(1 if up else 0)
         self._broadcast(BrokerBack() if up else BrokerLost())
+
+    def refused(self, vin: str, request_id: str, reason: str, final: bool) -> None:
+        """The broker refused one of our deliveries (event-loop thread; see delivery.py)."""
+        self.submit(Refused(vin, request_id, reason, final))
 
     def sweep(self) -> None:
         """Re-send timed-out deliveries (called periodically by the server)."""

@@ -32,6 +32,7 @@ from exhook_server.dispatch.commands import (
     EndReason,
     MaybeSend,
     NewBatch,
+    Refused,
     Requeue,
     Session,
     Sweep,
@@ -58,8 +59,9 @@ class RowSource(Protocol):
         ...
 
     def ack(self, vin: str, request_id: str, sha1: bytes) -> bool:
-        """Delete the row if it still holds `sha1` (durably soon, hidden from `oldest` at once);
-        True when a delete was started, False when there was nothing of that sha1 to delete."""
+        """The row is done (delivered, or failed for good): delete it if it still holds `sha1`
+        (durably soon, hidden from `oldest` at once); True when a delete was started, False
+        when there was nothing of that sha1 to delete."""
         ...
 
 
@@ -115,6 +117,8 @@ class Worker:
             current = self.presence.get(cmd.vin)
             if current is not None and not current.same_connection(cmd.session):
                 del self.presence[cmd.vin]
+        elif isinstance(cmd, Refused):
+            self._refused(cmd)
         elif isinstance(cmd, Requeue):
             self._void(cmd.vin)
             self._try_send(cmd.vin, Trigger.REQUEUE)
@@ -206,6 +210,29 @@ class Worker:
         if entry is not None and entry.request_id == rid and entry.sha1 == digest:
             del self.inflight[vin]
         self._try_send(vin, Trigger.NEW_BATCH)
+
+    def _refused(self, cmd: Refused) -> None:
+        """The broker refused a delivery: that row's attempt failed, nobody else's. Sent again
+        (the delivery client sends it alone) until refused for good; then the row ends failed
+        and the vehicle's next request goes."""
+        vin, rid = cmd.vin, cmd.request_id
+        entry = self.inflight.get(vin)
+        if entry is not None and entry.request_id == rid:
+            sha1 = entry.sha1
+        elif vin in self._unacked and self._unacked[vin][0] == rid:
+            sha1 = self._unacked[vin][1]  # voided meanwhile (our link dropped with it)
+        else:
+            return  # no longer what this vehicle has out
+        metrics.DELIVERIES_REFUSED.labels(cmd.reason).inc()
+        if cmd.final:
+            self.inflight.pop(vin, None)
+            self._unacked.pop(vin, None)
+            self._rows.ack(vin, rid, sha1)
+            metrics.DELIVERIES_FAILED.labels("broker_refused").inc()
+            log.error("delivery_failed", vin=vin, request_id=rid, reason="broker_refused", last_refusal=cmd.reason)
+        else:
+            self._void(vin)
+        self._try_send(vin, Trigger.REFUSED)
 
     def _down(self, cmd: Down) -> None:
         if cmd.reason is EndReason.TAKENOVER:
