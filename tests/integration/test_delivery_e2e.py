@@ -36,8 +36,10 @@ class Rig:
         return v
 
 
-def make_rig(tmp_path: Path, make_server: Any, **overrides: Any) -> Iterator[Rig]:
-    broker = Mosquitto(tmp_path).start()
+def make_rig(
+    tmp_path: Path, make_server: Any, *, broker_cls: type[Mosquitto] = Mosquitto, **overrides: Any
+) -> Iterator[Rig]:
+    broker = broker_cls(tmp_path).start()
     try:
         srv = make_server(mqtt_url=broker.url, workers=3, **overrides)
         assert srv.server is not None and srv.server.delivery is not None
