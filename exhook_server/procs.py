@@ -6,7 +6,8 @@ whole server on the same port (SO_REUSEPORT: the kernel spreads EMQX's pool conn
 them) and the same LMDB environment (LMDB serialises writers across processes; every commit is
 still fsynced before its hook answers). Dispatch spans the children (`dispatch.peers`).
 
-The parent holds the port (so port 0 means one port for all), serves /metrics for the whole
+The parent holds the port (so port 0 means one port for all), and the admin port the same way
+(each child serves the Admin API on it; any of them answers for the group), serves /metrics for the whole
 group (prometheus-client's multiprocess mode), forwards SIGTERM, and stops the group with exit
 code 1 when a child dies: a half group would leave some VINs without an owner. The children die
 with the parent (PR_SET_PDEATHSIG), so `kill -9` of the parent leaves nothing serving.
@@ -35,7 +36,7 @@ from typing import Any
 
 import structlog
 
-from exhook_server.config import Config, split_host_port
+from exhook_server.config import Config, join_host_port, loopback, split_host_port
 from exhook_server.errors import ConfigError
 
 log = structlog.get_logger("sdv_fanout.procs")
@@ -81,10 +82,10 @@ def _lock_data_dir(cfg: Config) -> Any:
     return handle
 
 
-def _reserve_port(cfg: Config) -> socket.socket:
-    """Bind (not listen) the gRPC address with SO_REUSEPORT: it fixes the port number for all
+def _reserve_port(address: str) -> socket.socket:
+    """Bind (not listen) a gRPC address with SO_REUSEPORT: it fixes the port number for all
     children when the configured port is 0, and keeps it ours while they start."""
-    host, port = cfg.host_port
+    host, port = split_host_port(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -92,13 +93,12 @@ def _reserve_port(cfg: Config) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {cfg.listen}: {exc.strerror}") from None
+        raise ConfigError(f"cannot listen on {address}: {exc.strerror}") from None
     # SO_REUSEPORT would let us join another server's group on this port and silently take
     # half of EMQX's calls. Nothing of ours listens yet, so an answer means someone else does.
-    probe = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    with contextlib.suppress(OSError), socket.create_connection((probe, sock.getsockname()[1]), timeout=1.0):
+    with contextlib.suppress(OSError), socket.create_connection((loopback(host), sock.getsockname()[1]), timeout=1.0):
         sock.close()
-        raise ConfigError(f"cannot listen on {cfg.listen}: address already in use by another server")
+        raise ConfigError(f"cannot listen on {address}: address already in use by another server")
     return sock
 
 
@@ -114,14 +114,22 @@ class _Supervisor:
 
     def run(self) -> int:
         n = self.cfg.process_count
-        sock = _reserve_port(self.cfg)
+        sock = _reserve_port(self.cfg.listen)
         port = sock.getsockname()[1]
+        try:
+            admin_sock = _reserve_port(self.cfg.admin_listen) if self.cfg.admin_listen else None
+        except ConfigError:
+            sock.close()
+            raise
+        admin_port = admin_sock.getsockname()[1] if admin_sock else 0
         metrics_dir = tempfile.mkdtemp(prefix="sdv-fanout-metrics-") if self.cfg.metrics_listen else None
         if metrics_dir:
             # Before prometheus_client is imported anywhere: it picks its value store at import.
             assert "prometheus_client" not in sys.modules, "prometheus_client imported before the fork"
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-        child_cfg = dataclasses.replace(self.cfg, metrics_listen="")
+        # The children bind the admin port the parent reserved (the actual number when it was 0).
+        admin_listen = join_host_port(split_host_port(self.cfg.admin_listen)[0], admin_port) if admin_sock else ""
+        child_cfg = dataclasses.replace(self.cfg, metrics_listen="", admin_listen=admin_listen)
         key = f"{os.getpid()}-{secrets.token_hex(4)}"
         from exhook_server.dispatch.peers import Group
 
@@ -132,6 +140,8 @@ class _Supervisor:
             if pid == 0:  # child
                 os.close(ready_r)
                 sock.close()
+                if admin_sock:
+                    admin_sock.close()
                 os._exit(_child(child_cfg, Group(index, n, key, port), ready_w, parent))
             self.children[pid] = index
         os.close(ready_w)
@@ -151,13 +161,27 @@ class _Supervisor:
             if self.ready_file:
                 write_ready_file(
                     self.ready_file,
-                    {"port": port, "metrics_port": metrics_port, "pid": os.getpid(), "pids": sorted(self.children)},
+                    {
+                        "port": port,
+                        "admin_port": admin_port,
+                        "metrics_port": metrics_port,
+                        "pid": os.getpid(),
+                        "pids": sorted(self.children),
+                    },
                 )
-            log.info("server_group_started", listen=f"{self.cfg.host_port[0]}:{port}", processes=n, pid=os.getpid())
+            log.info(
+                "server_group_started",
+                listen=f"{self.cfg.host_port[0]}:{port}",
+                admin=admin_listen or "off",
+                processes=n,
+                pid=os.getpid(),
+            )
             return self._finish(0)
         finally:
             os.close(ready_r)
             sock.close()
+            if admin_sock:
+                admin_sock.close()
             if http is not None:
                 http.shutdown()
                 http.server_close()

@@ -1,4 +1,5 @@
-"""Assembles and runs the server: storage, the hook servicer, health and reflection on one port.
+"""Assembles and runs the server: storage, the hook servicer, health and reflection on one port,
+and the Admin API on another (`admin_listen`, loopback by default).
 
 grpc.aio, because every hook handler is a coroutine that mostly waits (on the
 group commit, later on dispatch queues) and asyncio gives that for free with
@@ -23,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from exhook_server import admin, hooks, housekeeping
 from exhook_server.aio import cancel_all
-from exhook_server.config import Config, split_host_port
+from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
 from exhook_server.dispatch.peers import Group, Peers
 from exhook_server.dispatch.pool import Dispatcher
@@ -40,6 +41,7 @@ log = structlog.get_logger("sdv_fanout.server")
 #: oversized batch reaches our validation (and gets a reason code) instead of
 #: being refused by gRPC itself.
 _ENVELOPE_BYTES = 1 << 20
+_HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 def server_credentials(cfg: Config) -> grpc.ServerCredentials | None:
@@ -55,12 +57,33 @@ def server_credentials(cfg: Config) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def _serve_also(server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, *services: str) -> None:
+    """Health and reflection next to `services`: each port describes what it serves, no more."""
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*services, _HEALTH, reflection.SERVICE_NAME), server)
+
+
+def _bind(server: grpc.aio.Server, address: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Add the listening port for the `address` setting (its port replaced by `port`); the bound port."""
+    target = join_host_port(split_host_port(address)[0], port)
+    try:
+        secure = credentials is not None
+        bound = int(server.add_secure_port(target, credentials) if secure else server.add_insecure_port(target))
+    except RuntimeError as exc:  # grpc reports a failed bind this way
+        raise ConfigError(f"cannot listen on {address}: {exc}") from None
+    if not bound:
+        raise ConfigError(f"cannot listen on {address}")
+    return bound
+
+
 class FanoutServer:
     """One running sdv-fanout server process; `start()`, then `stop()`.
 
     With a `group` it is one of several processes (see `procs`): it binds the group's port
     with SO_REUSEPORT, forwards dispatch events to the process owning their VIN, and only
-    process 0 runs the store-wide housekeeping (GC, early-trigger sweep).
+    process 0 runs the store-wide housekeeping (GC, early-trigger sweep). The Admin API has its
+    own gRPC server on `admin_listen` (shared by the group the same way): whoever reaches the
+    ExHook port, EMQX's side of the network, gets UNIMPLEMENTED for it.
     """
 
     def __init__(self, cfg: Config, group: Group | None = None) -> None:
@@ -111,21 +134,25 @@ class FanoutServer:
             self.dispatcher,
             lambda: self.delivery is not None and self.delivery.connected,
         )
-        self._server.add_registered_method_handlers(admin.SERVICE_NAME, admin.method_handlers(self.admin))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (
-                *hooks.SERVICE_NAMES,
-                admin.SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            self._server,
-        )
+        _serve_also(self._server, self.health, *hooks.SERVICE_NAMES)
+        self.admin_health = health.aio.HealthServicer()
+        self._admin_server: grpc.aio.Server | None = None
+        if cfg.admin_listen:
+            self._admin_server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if group else 0)])
+            self._admin_server.add_registered_method_handlers(admin.SERVICE_NAME, admin.method_handlers(self.admin))
+            _serve_also(self._admin_server, self.admin_health, admin.SERVICE_NAME)
         self.port = 0
+        self.admin_port = 0
         self.metrics_port = 0
         self._metrics_http: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def admin_address(self) -> str:
+        """Where the Admin API answers once started (the bound port); "" without one."""
+        if not self.admin_port:
+            return ""
+        return join_host_port(split_host_port(self.cfg.admin_listen)[0], self.admin_port)
 
     def _peers(self) -> Peers:
         assert self.peers is not None
@@ -152,17 +179,11 @@ class FanoutServer:
             self.delivery.start()
         else:
             log.warning("delivery_disabled", reason="mqtt_url is empty: batches are stored, not delivered")
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         credentials = server_credentials(self.cfg)
-        try:
-            if credentials is None:
-                self.port = self._server.add_insecure_port(address)
-            else:
-                self.port = self._server.add_secure_port(address, credentials)
-        except RuntimeError as exc:  # grpc reports a failed bind this way
-            raise ConfigError(f"cannot listen on {self.cfg.listen}: {exc}") from None
-        if not self.port:
-            raise ConfigError(f"cannot listen on {self.cfg.listen}")
+        self.port = _bind(self._server, self.cfg.listen, port, credentials)
+        if self._admin_server is not None:  # in a group, the parent put the group's port here
+            admin_port = split_host_port(self.cfg.admin_listen)[1]
+            self.admin_port = _bind(self._admin_server, self.cfg.admin_listen, admin_port, credentials)
         if self.cfg.metrics_listen:
             mhost, mport = split_host_port(self.cfg.metrics_listen)
             try:
@@ -171,6 +192,8 @@ class FanoutServer:
                 raise ConfigError(f"metrics_listen {self.cfg.metrics_listen}: {exc.strerror}") from None
             self.metrics_port = self._metrics_http.server_port
         await self._server.start()
+        if self._admin_server is not None:
+            await self._admin_server.start()
         self._tasks.append(
             asyncio.create_task(
                 housekeeping.tick_loop(self.dispatcher, self.store, min(5.0, self.cfg.inflight_timeout_s / 4)),
@@ -184,11 +207,14 @@ class FanoutServer:
             ]
         for service in ("", *hooks.SERVICE_NAMES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        for service in ("", admin.SERVICE_NAME):
+            await self.admin_health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "server_started",
             listen=f"{host}:{self.port}",
             tls="mutual" if self.cfg.tls_client_ca_file else ("on" if self.cfg.tls_cert_file else "off"),
             metrics_port=self.metrics_port,
+            admin=self.admin_address or "off",
             data_dir=str(self.store.path),
             stale_readers_cleared=self.store.stale_readers_cleared,
             pid=os.getpid(),
@@ -199,7 +225,10 @@ class FanoutServer:
     async def stop(self, grace_s: float = 5.0) -> None:
         """NOT_SERVING first, finish running calls, commit what is queued, close LMDB."""
         await self.health.enter_graceful_shutdown()
-        await self._server.stop(grace_s)
+        await self.admin_health.enter_graceful_shutdown()
+        await asyncio.gather(
+            self._server.stop(grace_s), *([self._admin_server.stop(grace_s)] if self._admin_server else [])
+        )
         if self.delivery is not None:
             await asyncio.to_thread(self.delivery.stop)
         await self.dispatcher.stop()
@@ -228,7 +257,10 @@ async def serve(
     server = FanoutServer(cfg, group)
     port = await server.start()
     if ready_file:
-        write_ready_file(ready_file, {"port": port, "metrics_port": server.metrics_port, "pid": os.getpid()})
+        write_ready_file(
+            ready_file,
+            {"port": port, "admin_port": server.admin_port, "metrics_port": server.metrics_port, "pid": os.getpid()},
+        )
     if on_ready is not None:
         on_ready(port)
     stop = asyncio.Event()

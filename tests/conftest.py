@@ -23,6 +23,7 @@ def make_server(tmp_path: Path) -> Iterator[Any]:
     def make(**overrides: Any) -> InProcessServer:
         overrides.setdefault("mqtt_url", "")  # no broker unless the test brings one
         overrides.setdefault("metrics_listen", "")  # the registry is process-wide; one endpoint is enough
+        overrides.setdefault("admin_listen", "127.0.0.1:0")  # tests run side by side: never the fixed 9001
         cfg = Config(listen="127.0.0.1:0", data_dir=str(tmp_path / f"lmdb{len(servers)}"), **overrides)
         srv = InProcessServer(cfg).start()
         servers.append(srv)

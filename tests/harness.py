@@ -189,7 +189,13 @@ class SubprocessServer:
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "SDV_FANOUT_MQTT_URL": "", "SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0", **(env or {})},
+            env={
+                **os.environ,
+                "SDV_FANOUT_MQTT_URL": "",
+                "SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0",
+                "SDV_FANOUT_ADMIN_LISTEN": "127.0.0.1:0",  # tests run side by side: never the fixed 9001
+                **(env or {}),
+            },
         )
         try:
             info = poll(self._read_ready, timeout_s=30)
@@ -198,6 +204,8 @@ class SubprocessServer:
             raise AssertionError(f"server did not start:\n{self.log()}") from None
         self.port: int = info["port"]
         self.metrics_port: int = info["metrics_port"]
+        #: The Admin API's port (0 when admin_listen is empty).
+        self.admin_port: int = info["admin_port"]
         #: The server processes under the parent when it runs several (SDV_FANOUT_PROCESSES).
         self.pids: list[int] = info.get("pids", [])
 

@@ -143,7 +143,7 @@ def test_metrics_show_real_traffic(proc: SubprocessServer) -> None:
 
 
 def test_admin_api_through_grpcurl(proc: SubprocessServer) -> None:
-    """Admin GetStats, GetVehicle, ListOnline, TriggerGC and Requeue answer through grpcurl."""
+    """Admin GetStats, GetVehicle, ListOnline, TriggerGC and Requeue answer through grpcurl on the admin port."""
     from exhook_server._proto import exhook_v3_pb2 as pb
 
     c = ExHookClient(proc.port)
@@ -151,21 +151,61 @@ def test_admin_api_through_grpcurl(proc: SubprocessServer) -> None:
     info = pb.ClientInfo(node="emqx@127.0.0.1", clientid="ADMIN1", peerhost="127.0.0.1", peerport=50001)
     c.call("OnSessionSubscribed", pb.SessionSubscribedRequest(clientinfo=info, topic="agent/ADMIN1/proxy/request/+"))
     c.close()
-    stats = json.loads(grpcurl(proc.port, "-d", "{}", "sdv.fanout.v1.Admin/GetStats"))
+    admin = proc.admin_port
+    stats = json.loads(grpcurl(admin, "-d", "{}", "sdv.fanout.v1.Admin/GetStats"))
     assert int(stats["rows"]) >= 2 and stats["schema_version"] == 1
-    vehicle = json.loads(grpcurl(proc.port, "-d", '{"vin": "ADMIN1"}', "sdv.fanout.v1.Admin/GetVehicle"))
+    vehicle = json.loads(grpcurl(admin, "-d", '{"vin": "ADMIN1"}', "sdv.fanout.v1.Admin/GetVehicle"))
     assert vehicle["online"] is True and vehicle["session"]["peerport"] == 50001
     assert [p["request_id"] for p in vehicle["pending"]] == ["task_adm_1"]
-    online = json.loads(grpcurl(proc.port, "-d", '{"page_size": 1}', "sdv.fanout.v1.Admin/ListOnline"))
+    online = json.loads(grpcurl(admin, "-d", '{"page_size": 1}', "sdv.fanout.v1.Admin/ListOnline"))
     assert online["vins"] == ["ADMIN1"] and online["total"] == "1"
-    report = json.loads(grpcurl(proc.port, "-d", '{"dry_run": true}', "sdv.fanout.v1.Admin/TriggerGC"))
+    report = json.loads(grpcurl(admin, "-d", '{"dry_run": true}', "sdv.fanout.v1.Admin/TriggerGC"))
     assert report["dry_run"] is True
-    requeued = json.loads(grpcurl(proc.port, "-d", '{"vin": "ADMIN1"}', "sdv.fanout.v1.Admin/Requeue"))
+    requeued = json.loads(grpcurl(admin, "-d", '{"vin": "ADMIN1"}', "sdv.fanout.v1.Admin/Requeue"))
     assert requeued["online"] is True
-    shown = run(str(BIN / "sdv-fanout"), "inspect", "ADMIN1", "--server", f"127.0.0.1:{proc.port}", "--json")
-    assert json.loads(shown.stdout)["online"] is True
-    stats_cli = run(str(BIN / "sdv-fanout"), "stats", "--server", f"127.0.0.1:{proc.port}", "--json")
-    assert int(json.loads(stats_cli.stdout)["rows"]) >= 2
+
+
+def test_exhook_port_refuses_admin_and_admin_port_refuses_exhook(proc: SubprocessServer) -> None:
+    """Admin on the ExHook port is UNIMPLEMENTED (and not listed); the admin port lists only Admin."""
+    refused = run(GRPCURL, "-plaintext", "-d", "{}", f"127.0.0.1:{proc.port}", "sdv.fanout.v1.Admin/GetStats")
+    assert refused.returncode != 0 and "Unimplemented" in refused.stderr, refused.stderr
+    on_exhook = set(run(GRPCURL, "-plaintext", f"127.0.0.1:{proc.port}", "list").stdout.split())
+    on_admin = set(run(GRPCURL, "-plaintext", f"127.0.0.1:{proc.admin_port}", "list").stdout.split())
+    assert "sdv.fanout.v1.Admin" not in on_exhook and "emqx.exhook.v3.HookProvider" in on_exhook
+    assert on_admin == {"sdv.fanout.v1.Admin", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    health = json.loads(
+        grpcurl(proc.admin_port, "-d", '{"service": "sdv.fanout.v1.Admin"}', "grpc.health.v1.Health/Check")
+    )
+    assert health["status"] == "SERVING"
+    hook = run(
+        GRPCURL,
+        "-plaintext",
+        "-d",
+        "{}",
+        f"127.0.0.1:{proc.admin_port}",
+        "emqx.exhook.v3.HookProvider/OnProviderLoaded",
+    )
+    assert hook.returncode != 0 and "Unimplemented" in hook.stderr, hook.stderr
+
+
+def test_cli_server_follows_the_admin_listener(proc: SubprocessServer) -> None:
+    """stats/inspect --server ask the admin port: by address, or by admin_listen from the environment."""
+    c = ExHookClient(proc.port)
+    c.batch(["CLISRV1"], "task_cli_1", "x")
+    c.close()
+    shown = run(str(BIN / "sdv-fanout"), "inspect", "CLISRV1", "--server", f"127.0.0.1:{proc.admin_port}", "--json")
+    assert [p["request_id"] for p in json.loads(shown.stdout)["pending"]] == ["task_cli_1"], shown.stderr
+    configured = subprocess.run(
+        [str(BIN / "sdv-fanout"), "stats", "--server", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SDV_FANOUT_ADMIN_LISTEN": f"0.0.0.0:{proc.admin_port}"},
+    )
+    assert configured.returncode == 0, configured.stderr
+    assert int(json.loads(configured.stdout)["rows"]) >= 1
+    wrong = run(str(BIN / "sdv-fanout"), "stats", "--server", f"127.0.0.1:{proc.port}", "--json")
+    assert wrong.returncode == 2 and "UNIMPLEMENTED" in wrong.stderr
 
 
 def test_port_in_use_is_a_clear_error(proc: SubprocessServer, tmp_path: Path) -> None:
@@ -175,7 +215,44 @@ def test_port_in_use_is_a_clear_error(proc: SubprocessServer, tmp_path: Path) ->
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "SDV_FANOUT_METRICS_LISTEN": "", "SDV_FANOUT_MQTT_URL": ""},
+        env={**os.environ, "SDV_FANOUT_METRICS_LISTEN": "", "SDV_FANOUT_MQTT_URL": "", "SDV_FANOUT_ADMIN_LISTEN": ""},
     )
     assert out.returncode == 2 and "cannot listen" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_admin_port_in_use_is_a_clear_error(proc: SubprocessServer, tmp_path: Path) -> None:
+    """A second server whose admin_listen is taken exits 2 naming the address, not a traceback."""
+    taken = f"127.0.0.1:{proc.admin_port}"
+    out = subprocess.run(
+        [str(BIN / "sdv-fanout"), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            **os.environ,
+            "SDV_FANOUT_METRICS_LISTEN": "",
+            "SDV_FANOUT_MQTT_URL": "",
+            "SDV_FANOUT_PROCESSES": "1",
+            "SDV_FANOUT_ADMIN_LISTEN": taken,
+        },
+    )
+    assert out.returncode == 2 and f"cannot listen on {taken}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_serve_takes_mqtt_url_and_metrics_listen_flags(tmp_path: Path) -> None:
+    """--mqtt-url and --metrics-listen reach the server and beat their environment variables."""
+    srv = SubprocessServer(
+        tmp_path / "lmdb",
+        "--mqtt-url",
+        "",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        env={"SDV_FANOUT_MQTT_URL": "mqtt://127.0.0.1:1", "SDV_FANOUT_METRICS_LISTEN": ""},
+    )
+    try:
+        assert srv.metrics_port
+        assert any(e["event"] == "delivery_disabled" for e in srv.events())
+    finally:
+        assert srv.terminate() == 0

@@ -93,7 +93,7 @@ def test_vehicles_get_deliveries_whichever_process_owns_them(tmp_path: Path) -> 
             assert metric(srv, "sdv_fanout_dispatch_forwarded_total") > 0
             # The Admin API answers for the whole group, whichever process takes the call.
             for _ in range(4):
-                admin = ExHookClient(srv.port)
+                admin = ExHookClient(srv.admin_port)
                 try:
                     stats = _admin(admin, "GetStats", {})
                     vehicle = _admin(admin, "GetVehicle", {"vin": vins[7]})
@@ -104,6 +104,25 @@ def test_vehicles_get_deliveries_whichever_process_owns_them(tmp_path: Path) -> 
             emqx.close()
         finally:
             srv.terminate()
+
+
+def test_admin_answers_on_the_admin_port_only(group: SubprocessServer) -> None:
+    """Every connection to the group's admin port is answered; every one to the ExHook port gets UNIMPLEMENTED."""
+    import grpc
+
+    assert group.admin_port and group.admin_port != group.port
+    for _ in range(CONNECTIONS):  # separate connections: the kernel spreads them over both processes
+        admin, exhook = ExHookClient(group.admin_port), ExHookClient(group.port)
+        try:
+            assert int(_admin(admin, "GetStats", {})["schema_version"]) >= 1
+            with pytest.raises(grpc.RpcError) as refused:
+                _admin(exhook, "GetStats", {})
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            admin.close()
+            exhook.close()
+    [started] = [e for e in group.events() if e.get("event") == "server_group_started"]
+    assert started["admin"] == f"127.0.0.1:{group.admin_port}"
 
 
 def _admin(client: ExHookClient, method: str, request: dict[str, object]) -> dict[str, object]:
@@ -179,6 +198,7 @@ def test_a_taken_metrics_port_stops_the_group_cleanly(tmp_path: Path) -> None:
                 **os.environ,
                 **GROUP,
                 "SDV_FANOUT_MQTT_URL": "",
+                "SDV_FANOUT_ADMIN_LISTEN": "127.0.0.1:0",
                 "SDV_FANOUT_METRICS_LISTEN": f"127.0.0.1:{taken.getsockname()[1]}",
             },
         )
