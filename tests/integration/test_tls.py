@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import getpass
+import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
+from exhook_server._proto import admin_pb2
 from exhook_server._proto import exhook_v3_pb2 as pb
 from tests.certs import Pki, make_pki
 from tests.emqx_sim import Mosquitto, free_port
-from tests.harness import poll
+from tests.harness import BIN, poll
 
 
 @pytest.fixture
@@ -55,6 +59,76 @@ def test_mutual_tls_requires_a_client_certificate(make_server: Any, pki: Pki) ->
     with grpc.secure_channel(f"127.0.0.1:{srv.port}", without) as ch, pytest.raises(grpc.RpcError) as err:
         loaded(ch)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def mutual_tls_server(make_server: Any, pki: Pki) -> Any:
+    return make_server(
+        tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.server_key), tls_client_ca_file=str(pki.ca)
+    )
+
+
+def test_admin_listener_has_the_same_mutual_tls(make_server: Any, pki: Pki) -> None:
+    """The admin port asks for the same client certificate as the ExHook port; plaintext gets nothing."""
+    srv = mutual_tls_server(make_server, pki)
+    target = f"127.0.0.1:{srv.server.admin_port}"
+
+    def get_stats(channel: grpc.Channel) -> Any:
+        stub = channel.unary_unary(
+            "/sdv.fanout.v1.Admin/GetStats",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=admin_pb2.Stats.FromString,
+        )
+        return stub(admin_pb2.GetStatsRequest(), timeout=10)
+
+    with_cert = grpc.ssl_channel_credentials(
+        root_certificates=pki.ca.read_bytes(),
+        private_key=pki.client_key.read_bytes(),
+        certificate_chain=pki.client_cert.read_bytes(),
+    )
+    with grpc.secure_channel(target, with_cert) as ch:
+        assert get_stats(ch).schema_version >= 1
+    without = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
+    with grpc.secure_channel(target, without) as ch, pytest.raises(grpc.RpcError) as err:
+        get_stats(ch)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(target) as ch, pytest.raises(grpc.RpcError):
+        get_stats(ch)
+
+
+def sdv_fanout(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as an operator runs it, with only these SDV_FANOUT_* variables."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SDV_FANOUT_")}
+    return subprocess.run(
+        [str(BIN / "sdv-fanout"), *args], capture_output=True, text=True, timeout=60, env={**clean, **env}
+    )
+
+
+def test_cli_server_reaches_a_mutual_tls_admin_listener(make_server: Any, pki: Pki) -> None:
+    """stats/inspect --server present the cli_tls_* certificate; without one, or for another name, they fail."""
+    srv = mutual_tls_server(make_server, pki)
+    admin = f"127.0.0.1:{srv.server.admin_port}"
+    client = ["--cli-tls-ca-file", str(pki.ca), "--cli-tls-cert-file", str(pki.client_cert)]
+    client += ["--cli-tls-key-file", str(pki.client_key)]
+    by_flags = sdv_fanout("stats", "--server", admin, *client, "--json")
+    assert by_flags.returncode == 0, by_flags.stderr
+    assert json.loads(by_flags.stdout)["schema_version"] >= 1
+    # In the pod: the server's own settings (TLS on) and the CLI's, from the environment; no flags.
+    pod = {
+        "SDV_FANOUT_ADMIN_LISTEN": f"0.0.0.0:{srv.server.admin_port}",
+        "SDV_FANOUT_TLS_CERT_FILE": str(pki.server_cert),
+        "SDV_FANOUT_TLS_KEY_FILE": str(pki.server_key),
+        "SDV_FANOUT_TLS_CLIENT_CA_FILE": str(pki.ca),
+        "SDV_FANOUT_CLI_TLS_CA_FILE": str(pki.ca),
+        "SDV_FANOUT_CLI_TLS_CERT_FILE": str(pki.client_cert),
+        "SDV_FANOUT_CLI_TLS_KEY_FILE": str(pki.client_key),
+    }
+    in_pod = sdv_fanout("inspect", "TLSCLI1", "--server", "--json", **pod)
+    assert in_pod.returncode == 0, in_pod.stderr
+    assert json.loads(in_pod.stdout)["vin"] == "TLSCLI1" and json.loads(in_pod.stdout)["online"] is False
+    no_cert = sdv_fanout("stats", "--server", admin, "--cli-tls-ca-file", str(pki.ca))
+    assert no_cert.returncode == 2 and "UNAVAILABLE" in no_cert.stderr
+    wrong_name = sdv_fanout("stats", "--server", admin, *client, "--cli-tls-server-name", "sdv-fanout.sdv.svc")
+    assert wrong_name.returncode == 2 and "UNAVAILABLE" in wrong_name.stderr
 
 
 class TlsMosquitto(Mosquitto):
