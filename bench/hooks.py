@@ -148,7 +148,7 @@ class OursServer:
         if not exe.exists():
             exe = ROOT / ".venv" / "bin" / "sdv-fanout"
         env = {k: v for k, v in os.environ.items() if not k.startswith("SDV_FANOUT_")}
-        env.update(SDV_FANOUT_MQTT_URL="", SDV_FANOUT_METRICS_LISTEN="")
+        env.update(SDV_FANOUT_MQTT_URL="", SDV_FANOUT_METRICS_LISTEN="", SDV_FANOUT_ADMIN_LISTEN="127.0.0.1:0")
         if processes is not None:  # unknown settings are refused, so only when asked for
             env["SDV_FANOUT_PROCESSES"] = str(processes)
         argv = [str(exe), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(base / "lmdb")]
@@ -156,6 +156,7 @@ class OursServer:
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         info = wait_ready(self.proc, ready, self.log_path, self._log, name, self.stop)
         self.port: int = info["port"]
+        self.admin_port: int = info["admin_port"]  # GetStats: the Admin API has its own listener
         self.pid: int = info["pid"]
         #: Server processes answering hooks: the children when the ready-file pid supervises a group.
         self.processes = len(info.get("pids") or [self.pid])
@@ -536,26 +537,26 @@ async def _prefill(port: int, wires: list[bytes], channels: int, depth: int, pid
             await ch.close()
 
 
-async def _store_rows(port: int, batches: list[bytes]) -> int:
+async def _store_rows(port: int, admin_port: int, batches: list[bytes]) -> int:
     """Store the rows the acks will delete (one batch per request number); returns the row count."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         publish = ch.unary_unary(METHODS[HEARTBEAT])
         for wire in batches:
             await publish(wire, timeout=30)
-        return await pending_rows(port)
+        return await pending_rows(admin_port)
 
 
-async def pending_rows(port: int) -> int:
+async def pending_rows(admin_port: int) -> int:
     """Rows waiting in the server's store (Admin GetStats)."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{admin_port}") as ch:
         stub = ch.unary_unary("/sdv.fanout.v1.Admin/GetStats")
         reply = admin_pb2.Stats.FromString(await stub(admin_pb2.GetStatsRequest().SerializeToString(), timeout=30))
         return int(reply.rows)
 
 
-async def _online_vehicles(port: int) -> int:
+async def _online_vehicles(admin_port: int) -> int:
     """The Admin API's count of VINs with a live session (of the process that takes this call)."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{admin_port}") as ch:
         stub = ch.unary_unary("/sdv.fanout.v1.Admin/GetStats")
         reply = admin_pb2.Stats.FromString(await stub(admin_pb2.GetStatsRequest().SerializeToString(), timeout=30))
         return int(reply.online_vehicles)
@@ -577,8 +578,8 @@ def open_loop(server: Server, work: Work, args: argparse.Namespace, rate: float,
 
 def prefill(server: OursServer, work: Work, args: argparse.Namespace) -> dict[str, Any]:
     out = asyncio.run(_prefill(server.port, work.heartbeats, args.clients, 8, server.pids()))
-    out["online_vehicles"] = asyncio.run(_online_vehicles(server.port))
-    out["rows"] = asyncio.run(_store_rows(server.port, work.batches))
+    out["online_vehicles"] = asyncio.run(_online_vehicles(server.admin_port))
+    out["rows"] = asyncio.run(_store_rows(server.port, server.admin_port, work.batches))
     if out["rows"] != work.ack_rows:
         raise RuntimeError(f"prefill stored {out['rows']} rows, expected {work.ack_rows}")
     out["rss_bytes"] = tree_rss_bytes(server.pids())
@@ -989,7 +990,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{res['ratio_ours_over_example']:.2f}); at {res['half_rate']:,.0f}/s p99 ours "
                     f"{o['ours']['p99_ms']:.2f} ms, noop {o['noop']['p99_ms']:.2f} ms"
                 )
-            remaining = asyncio.run(pending_rows(ours.port))
+            remaining = asyncio.run(pending_rows(ours.admin_port))
             deleted = {
                 "rows_stored": pre["rows"],
                 "rows_deleted_by_acks": pre["rows"] - remaining,
