@@ -43,7 +43,14 @@ def by_kind(kind: str) -> dict[str, Any]:
 def test_manifests_validate_strictly(version: str) -> None:
     """Every core manifest validates against the Kubernetes schemas, unknown fields rejected."""
     docs = resources(K8S / "kustomization.yaml")
-    assert {d["kind"] for d in docs} == {"Namespace", "ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"}
+    assert {d["kind"] for d in docs} == {
+        "Namespace",
+        "ConfigMap",
+        "Service",
+        "StatefulSet",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    }
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
 
@@ -75,6 +82,48 @@ def test_pod_runs_non_root_read_only_with_grpc_probes() -> None:
     }
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == Config().host_port[1]
+
+
+def test_network_policy_lets_only_emqx_reach_exhook_and_monitoring_reach_metrics() -> None:
+    """Ingress to the pod: ExHook from EMQX's pods (by label and namespace), metrics from monitoring, nothing else."""
+    policy = by_kind("NetworkPolicy")["spec"]
+    pod_labels = by_kind("StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    exhook, metrics_port = Config().host_port[1], int(Config().metrics_listen.split(":")[1])
+    allowed: dict[int, list[dict[str, Any]]] = {}
+    for rule in policy["ingress"]:
+        assert rule.get("from"), "a rule without `from` admits every source"
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP"
+            allowed.setdefault(port["port"], []).extend(rule["from"])
+    assert set(allowed) == {exhook, metrics_port}
+    [emqx] = allowed[exhook]
+    assert emqx["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "emqx"}
+    assert emqx["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "emqx"}
+    [monitoring] = allowed[metrics_port]
+    assert monitoring == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+
+
+def test_admin_api_stays_inside_the_pod() -> None:
+    """admin_listen is loopback in the ConfigMap, and no container, Service or policy port exposes it."""
+    cfg = Config(**tomllib.loads(by_kind("ConfigMap")["data"]["config.toml"]))
+    host, admin_port = cfg.admin_listen.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    [container] = by_kind("StatefulSet")["spec"]["template"]["spec"]["containers"]
+    exposed = {p["containerPort"] for p in container["ports"]}
+    exposed |= {
+        p[k]
+        for d in resources(K8S / "kustomization.yaml")
+        if d["kind"] == "Service"
+        for p in d["spec"]["ports"]
+        for k in ("port", "targetPort")
+        if isinstance(p[k], int)
+    }
+    exposed |= {p["port"] for r in by_kind("NetworkPolicy")["spec"]["ingress"] for p in r["ports"]}
+    assert int(admin_port) not in exposed
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["SDV_FANOUT_CONFIG"] == "/etc/sdv-fanout/config.toml"  # `kubectl exec ... stats --server` finds it
 
 
 def test_service_monitor_scrapes_the_metrics_port() -> None:
