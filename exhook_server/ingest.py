@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import structlog
 
 from exhook_server import metrics
+from exhook_server.aio import cancel_all
 from exhook_server.batch import Batch, BatchParser, Data, Kind, Parsed
 from exhook_server.config import Config
 from exhook_server.errors import BatchRejected, EarlyTriggersFull, Reason, StorageError, StorageFull
@@ -108,6 +109,8 @@ class Ingestor:
         self.parser = BatchParser(cfg)
         self.listeners: list[StoredListener] = []
         self._waker = _LoopWaker()
+        #: data_id → the task completing its remaining parked triggers.
+        self._completing: dict[str, asyncio.Task[None]] = {}
 
     async def ingest(self, kind: Kind, topic: str, payload: bytes, clientid: str, username: str) -> bool:
         """Store one batch message durably. False if rejected (logged); raises StorageError."""
@@ -135,8 +138,8 @@ class Ingestor:
         metrics.INGEST_SECONDS.observe(asyncio.get_running_loop().time() - started)
         return True
 
-    async def _commit(self, op: Callable[..., Any]) -> Any:
-        future = self._waker.wrap(self._committer.submit(op))
+    async def _commit(self, op: Callable[..., Any], rows: int = 1) -> Any:
+        future = self._waker.wrap(self._committer.submit(op, rows=rows))
         try:
             # shield: a timeout stops our wait, not the commit; the batch may still land.
             return await asyncio.wait_for(asyncio.shield(future), self._cfg.ingest_timeout_s)
@@ -150,12 +153,20 @@ class Ingestor:
             written = await self._commit(
                 functools.partial(
                     ops.store_batch, t=t, vins=parsed.vins, request_id=parsed.request_id, blob=parsed.blob, now_ms=now
-                )
+                ),
+                rows=len(parsed.vins),
             )
             self._stored(written, "batch")
         elif isinstance(parsed, Data):
             data: ops.DataWritten = await self._commit(
-                functools.partial(ops.store_data, t=t, data_id=parsed.data_id, blob=parsed.blob, now_ms=now)
+                functools.partial(
+                    ops.store_data,
+                    t=t,
+                    data_id=parsed.data_id,
+                    blob=parsed.blob,
+                    now_ms=now,
+                    max_rows=self._cfg.max_rows_per_commit,
+                )
             )
             _count_blob(data.new_blob)
             log.info(
@@ -165,10 +176,11 @@ class Ingestor:
                 size=len(parsed.blob),
                 new_blob=data.new_blob,
                 completed_triggers=len(data.completed),
+                more_waiting=data.more,
             )
-            for done in data.completed:
-                metrics.EARLY_COMPLETED.inc()
-                self._stored(done, "trigger", data_id=data.data_id, early=True)
+            self._completed(data.data_id, data.completed)
+            if data.more:
+                self.complete_waiting(data.data_id)
         else:
             trig = parsed
             try:
@@ -181,7 +193,9 @@ class Ingestor:
                         request_id=trig.request_id,
                         now_ms=now,
                         early_max=self._cfg.early_max_count,
-                    )
+                        early_max_rows=self._cfg.early_max_rows,
+                    ),
+                    rows=len(trig.vins),
                 )
             except EarlyTriggersFull as exc:
                 raise BatchRejected(
@@ -217,6 +231,58 @@ class Ingestor:
     def _notify(self, vins: tuple[str, ...], request_id: str) -> None:
         for listener in self.listeners:
             listener(vins, request_id)
+
+    def _completed(self, data_id: str, completed: tuple[ops.BatchWritten, ...]) -> None:
+        for done in completed:
+            metrics.EARLY_COMPLETED.inc()
+            self._stored(done, "trigger", data_id=data_id, early=True)
+
+    def complete_waiting(self, data_id: str) -> None:
+        """Complete the triggers still waiting for `data_id` behind the hook's answer, one
+        transaction of at most max_rows_per_commit rows at a time: a batch committed meanwhile
+        waits for one chunk, not for a million parked rows. The triggers stay parked (durably)
+        until their chunk commits; after a crash, `resume_waiting` finds them again."""
+        if data_id in self._completing:
+            return
+        task = asyncio.get_running_loop().create_task(self._complete_rest(data_id), name=f"complete-{data_id}")
+        self._completing[data_id] = task
+        task.add_done_callback(lambda _: self._completing.pop(data_id, None))
+
+    async def _complete_rest(self, data_id: str) -> None:
+        chunks = 0
+        while True:
+            try:
+                chunk: ops.EarlyCompleted = await self._commit(
+                    functools.partial(
+                        ops.complete_early,
+                        t=self._store.tables,
+                        data_id=data_id,
+                        now_ms=self._clock(),
+                        max_rows=self._cfg.max_rows_per_commit,
+                    ),
+                    rows=self._cfg.max_rows_per_commit,
+                )
+            except StorageError as exc:  # the triggers stay parked: the next start-up retries
+                log.error("early_completion_failed", data_id=data_id, reason=type(exc).__name__, detail=str(exc))
+                return
+            chunks += 1
+            self._completed(data_id, chunk.completed)
+            if not chunk.more:
+                log.info("early_completion_done", data_id=data_id, chunks=chunks)
+                return
+
+    async def stop(self) -> None:
+        """Stop completing parked triggers (what is left stays parked; the next start resumes it)."""
+        await cancel_all(list(self._completing.values()))
+
+    async def resume_waiting(self) -> list[str]:
+        """At start-up: complete triggers whose data arrived before a crash cut their chunks short."""
+        with self._store.read() as txn:
+            found = ops.waiting_data_ids(txn, self._store.tables)
+        for data_id in found:
+            log.info("early_completion_resumed", data_id=data_id)
+            self.complete_waiting(data_id)
+        return found
 
     async def sweep_early(self) -> list[ops.EarlyExpired]:
         """Drop early triggers whose data never came, each with a logged reason."""

@@ -91,7 +91,10 @@ class FanoutServer:
         self.group = group
         self.store = Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes)
         self.committer = GroupCommitter(
-            self.store, max_ops=cfg.group_commit_max_ops, lazy_delay_s=cfg.ack_commit_delay_ms / 1000
+            self.store,
+            max_ops=cfg.group_commit_max_ops,
+            max_rows=cfg.max_rows_per_commit,
+            lazy_delay_s=cfg.ack_commit_delay_ms / 1000,
         )
         self.ingestor = Ingestor(cfg, self.store, self.committer)
         self.delivery: MqttDelivery | None = None
@@ -201,6 +204,7 @@ class FanoutServer:
             )
         )
         if self.group is None or self.group.index == 0:  # store-wide work: once per data dir
+            await self.ingestor.resume_waiting()
             self._tasks += [
                 asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
                 asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer), name="gc"),
@@ -235,6 +239,7 @@ class FanoutServer:
         if self.peers is not None:
             await self.peers.stop()
         await cancel_all(self._tasks)
+        await self.ingestor.stop()
         await asyncio.to_thread(self.committer.close)
         self.store.close()
         if self._metrics_http is not None:

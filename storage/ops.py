@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import lmdb
 import orjson
@@ -19,6 +20,8 @@ from storage.errors import EarlyTriggersFull
 from storage.store import Tables
 
 _EARLY_SEQ = b"early_seq"
+#: Rows named by the parked triggers, kept with them so a new trigger is checked in O(1).
+_EARLY_ROWS = b"early_rows"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,17 @@ class DataWritten:
     new_blob: bool
     #: Early triggers this data completed, now real rows.
     completed: tuple[BatchWritten, ...] = ()
+    #: More triggers wait for this data than one transaction may complete (`complete_early`).
+    more: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyCompleted:
+    """Parked triggers turned into rows by one `complete_early` chunk."""
+
+    completed: tuple[BatchWritten, ...]
+    #: Triggers for the data_id still wait: run another chunk.
+    more: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,25 +147,81 @@ def store_batch(
     return BatchWritten(request_id, sha1, tuple(vins), replaced, new_blob)
 
 
-def store_data(txn: lmdb.Transaction, t: Tables, data_id: str, blob: bytes, now_ms: int) -> DataWritten:
-    """Plugin-format data message: blob, alias, and every trigger that was waiting for it."""
+def store_data(
+    txn: lmdb.Transaction, t: Tables, data_id: str, blob: bytes, now_ms: int, max_rows: int = 10_000
+) -> DataWritten:
+    """Plugin-format data message: blob, alias, and the triggers waiting for it, up to `max_rows`
+    rows (`more` says some still wait: the caller completes them in further chunks)."""
     sha1 = sha1_of(blob)
     new_blob = put_blob(txn, t, sha1, blob, now_ms)
     txn.put(data_id.encode(), keys.alias_value(sha1, now_ms), db=t.aliases)
-    completed = []
+    done = _complete(txn, t, data_id, sha1, len(blob), now_ms, max_rows)
+    return DataWritten(data_id, sha1, new_blob, done.completed, done.more)
+
+
+def complete_early(txn: lmdb.Transaction, t: Tables, data_id: str, now_ms: int, max_rows: int) -> EarlyCompleted:
+    """One more chunk of the triggers waiting for `data_id`, whose data has arrived: oldest
+    first, at most `max_rows` rows (but always at least one trigger)."""
+    alias = txn.get(data_id.encode(), db=t.aliases)
+    blob = None if alias is None else txn.get(keys.decode_alias(alias)[0], db=t.data)
+    if alias is None or blob is None:
+        return EarlyCompleted((), False)  # expired or collected meanwhile: the sweeper drops them
+    sha1, _ = keys.decode_alias(alias)
+    touch_blob(txn, t, sha1, now_ms)
+    return _complete(txn, t, data_id, sha1, len(blob) - keys.BLOB_HEAD_SIZE, now_ms, max_rows)
+
+
+def _complete(
+    txn: lmdb.Transaction, t: Tables, data_id: str, sha1: bytes, size: int, now_ms: int, max_rows: int
+) -> EarlyCompleted:
     prefix = keys.early_prefix(data_id)
     cur = txn.cursor(t.early)
-    waiting = []
+    waiting: list[tuple[bytes, dict[str, Any]]] = []
+    rows = 0
+    more = False
     if cur.set_range(prefix):
         for key, value in cur:
             if not bytes(key).startswith(prefix):
                 break
-            waiting.append((bytes(key), orjson.loads(value)))
+            trig = orjson.loads(value)
+            if waiting and rows + len(trig["ids"]) > max_rows:
+                more = True
+                break
+            rows += len(trig["ids"])
+            waiting.append((bytes(key), trig))
+    completed = []
     for key, trig in waiting:
-        replaced = put_rows(txn, t, trig["ids"], trig["request_id"], sha1, len(blob), now_ms)
+        replaced = put_rows(txn, t, trig["ids"], trig["request_id"], sha1, size, now_ms)
         txn.delete(key, db=t.early)
         completed.append(BatchWritten(trig["request_id"], sha1, tuple(trig["ids"]), replaced, False))
-    return DataWritten(data_id, sha1, new_blob, tuple(completed))
+    _count_early_rows(txn, t, -rows)
+    return EarlyCompleted(tuple(completed), more)
+
+
+def _count_early_rows(txn: lmdb.Transaction, t: Tables, delta: int) -> int:
+    """Add `delta` to the parked-row count and return it (never below 0: a store written by an
+    older release starts uncounted)."""
+    raw = txn.get(_EARLY_ROWS, db=t.meta)
+    count = max(0, (0 if raw is None else keys.decode_u64(raw)) + delta)
+    if delta:
+        txn.put(_EARLY_ROWS, keys.encode_u64(count), db=t.meta)
+    return count
+
+
+def waiting_data_ids(txn: lmdb.Transaction, t: Tables) -> list[str]:
+    """data_ids that parked triggers wait for although their data is stored: what a crash left
+    between two completion chunks (keys only, one alias lookup per data_id)."""
+    found: list[str] = []
+    cur = txn.cursor(t.early)
+    if not cur.first():
+        return found
+    while True:
+        data_id = keys.early_data_id(bytes(cur.key()))
+        if txn.get(data_id.encode(), db=t.aliases) is not None:
+            found.append(data_id)
+        # Jump past every trigger of this data_id.
+        if not cur.set_range(keys.early_prefix(data_id) + b"\xff" * 9):
+            return found
 
 
 def store_trigger(
@@ -162,8 +232,10 @@ def store_trigger(
     request_id: str,
     now_ms: int,
     early_max: int,
+    early_max_rows: int = 1_000_000,
 ) -> TriggerWritten:
-    """Plugin-format trigger: rows now if the data is known, else park it (bounded)."""
+    """Plugin-format trigger: rows now if the data is known, else park it (bounded in triggers
+    and in the rows they name)."""
     alias = txn.get(data_id.encode(), db=t.aliases)
     if alias is not None:
         sha1, _ = keys.decode_alias(alias)
@@ -177,6 +249,10 @@ def store_trigger(
             )
     if int(txn.stat(t.early)["entries"]) >= early_max:
         raise EarlyTriggersFull(f"{early_max} triggers already wait for their data")
+    parked = _count_early_rows(txn, t, 0)
+    if parked + len(vins) > early_max_rows:
+        raise EarlyTriggersFull(f"{parked} rows already wait for their data (early_max_rows {early_max_rows})")
+    _count_early_rows(txn, t, len(vins))
     raw_seq = txn.get(_EARLY_SEQ, db=t.meta)
     seq = 0 if raw_seq is None else keys.decode_u64(raw_seq) + 1
     txn.put(_EARLY_SEQ, keys.encode_u64(seq), db=t.meta)
@@ -199,6 +275,7 @@ def expire_early(txn: lmdb.Transaction, t: Tables, now_ms: int, ttl_ms: int, lim
                 break
     for key in doomed:
         txn.delete(key, db=t.early)
+    _count_early_rows(txn, t, -sum(e.vins for e in expired))
     return expired
 
 

@@ -40,6 +40,8 @@ log = structlog.get_logger("sdv_fanout.storage")
 class _Item:
     op: Op[Any]
     future: Future[Any]
+    #: Rows the op writes or deletes, about: a group stops gathering at max_rows.
+    rows: int = 1
 
 
 class _Replay(Exception):
@@ -58,9 +60,15 @@ _LAZY = object()
 class GroupCommitter:
     """The single writer of a Store."""
 
-    def __init__(self, store: Store, *, max_ops: int = 1024, lazy_delay_s: float = 0.05) -> None:
+    def __init__(
+        self, store: Store, *, max_ops: int = 1024, max_rows: int = 10_000, lazy_delay_s: float = 0.05
+    ) -> None:
         self._store = store
         self._max_ops = max_ops
+        #: A group stops taking ops once they write this many rows: a transaction's time, and so
+        #: the wait of the batch queued behind it, stays bounded whatever the batches' sizes.
+        self._max_rows = max_rows
+        self._group_rows = 0  # rows of the group being gathered (writer thread only)
         self._lazy_delay_s = lazy_delay_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         #: Lazy ops waiting for a group to join. They are not queued one by one: waking the writer
@@ -76,18 +84,19 @@ class GroupCommitter:
         self._thread = threading.Thread(target=self._run, name="lmdb-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, op: Op[T], *, lazy: bool = False) -> Future[T]:
+    def submit(self, op: Op[T], *, lazy: bool = False, rows: int = 1) -> Future[T]:
         """Queue `op`; its future resolves with op's result once durably committed.
 
         `lazy`: the op may wait up to `lazy_delay_s` for company before its commit (for writes
         whose loss in a crash is harmless); it never delays the durable ops it joins.
+        `rows`: about how many rows the op writes, for the group's row bound.
         """
         future: Future[T] = Future()
         if self._closed:
             future.set_exception(StorageError("the store is closed"))
             return future
         if not lazy:
-            self._queue.put(_Item(op, future))
+            self._queue.put(_Item(op, future, rows))
             return future
         with self._lazy_lock:
             self._lazy.append(_Item(op, future))
@@ -128,11 +137,14 @@ class GroupCommitter:
         """Move the waiting lazy ops into `items`."""
         with self._lazy_lock:
             lazy, self._lazy = self._lazy, []
-        items.extend(i for i in lazy if i.future.set_running_or_notify_cancel())
+        taken = [i for i in lazy if i.future.set_running_or_notify_cancel()]
+        items.extend(taken)
+        self._group_rows += len(taken)
 
     def _take(self, items: list[_Item]) -> bool:
-        """Move queued ops into `items` (up to max_ops) without waiting; True once _STOP is seen."""
-        while len(items) < self._max_ops:
+        """Move queued ops into `items` (up to max_ops, or until they write max_rows rows)
+        without waiting; True once _STOP is seen."""
+        while len(items) < self._max_ops and self._group_rows < self._max_rows:
             try:
                 nxt = self._queue.get_nowait()
             except queue.Empty:
@@ -143,6 +155,7 @@ class GroupCommitter:
                 continue  # its ops are taken with the group's last _take_lazy
             if nxt.future.set_running_or_notify_cancel():
                 items.append(nxt)
+                self._group_rows += nxt.rows
         return False
 
     def _group(self, first: _Item | None) -> bool:
@@ -156,9 +169,11 @@ class GroupCommitter:
         """
         self._lazy_due = None
         items: list[_Item] = []
+        self._group_rows = 0
         self._take_lazy(items)
         if first is not None and first.future.set_running_or_notify_cancel():
             items.append(first)
+            self._group_rows += first.rows
         stopping = False
         if not items:  # cancelled while queued, or lazy ops taken already: no empty transaction
             stopping = self._take(items)
