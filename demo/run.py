@@ -2,20 +2,23 @@
 
 What runs (all on 127.0.0.1, all stopped at the end, also on Ctrl-C):
 
-* a real **mosquitto** broker (EMQX cannot run here; tests/emqx_sim.py plays its ExHook side);
-* the real server, `sdv-fanout serve`, as a child process with delivery enabled to that broker;
-* a **fleet** of real paho MQTT 5 vehicles in a few child processes (this same file with
-  `--fleet-worker`): each connects and subscribes through `FakeEmqx`, so the server's hooks are
-  called as EMQX would call them; vehicles take a little time before each PUBACK, heartbeat now and
-  then, some come online late, some drop and reconnect clean, some drop before their PUBACK and
-  resume their persistent session;
-* a **platform** (this process) publishing fan-out batches on `$SDV-FANOUT` through `FakeEmqx`.
+* a broker (demo/brokers.py): the real **EMQX** when a release is at hand (5.8.9 first), which
+  calls the server's hooks itself; else a real **mosquitto** with tests/emqx_sim.py playing
+  EMQX's ExHook side. `--broker auto|emqx|sim` chooses; the first lines say which runs;
+* the real server, `sdv-fanout serve` (`--processes`, default one per CPU), as a child process
+  with delivery enabled to that broker;
+* a **fleet** of real paho MQTT 5 vehicles in a few child processes (demo/fleet.py): each
+  connects and subscribes to `agent/<VIN>/proxy/request/+`, takes a little time before each
+  PUBACK, heartbeats now and then; some come online late, some drop and reconnect clean, some
+  drop before their PUBACK and resume their persistent session;
+* a **platform** (this process) publishing fan-out batches on `$SDV-FANOUT`.
 
 Live progress comes from the vehicles (what they received and acknowledged) and from the server's
 LMDB, opened read-only while the server runs (rows still pending). The run ends when every row is
 delivered and acknowledged, or at the deadline; then a summary. Exit code 0 when every row reached
-its own vehicle with its latest payload, none is left in LMDB and no vehicle ever had more than one
-request in flight; 1 otherwise. demo/README.md explains the scenario and the numbers.
+its own vehicle with its latest payload, none is left in LMDB, no vehicle ever had more than one
+request in flight and the server shut down cleanly; 1 otherwise. demo/README.md explains the
+scenario and the numbers.
 
     .venv/bin/python -m demo.run [--vehicles 200 --batches 36 --interval 0.75 --seed 7 --keep]
 """
@@ -25,13 +28,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
+import logging
 import math
 import os
-import queue
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -41,27 +42,24 @@ import threading
 import time
 import traceback
 import urllib.request
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import structlog
+
 # `python demo/run.py` works too, not only `python -m demo.run`
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exhook_server._proto import exhook_v3_pb2 as pb
+from demo.brokers import BATCH_TOPIC, Broker, Choice, choose, make_broker
+from demo.fleet import REQUEST_PREFIX, sha16
 from exhook_server.config import Config
 from storage.store import Store
-from tests.emqx_sim import FakeEmqx, Mosquitto, Vehicle
+from tests.emqx_sim import LOOPBACK
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUEST_PREFIX = "agent/{VIN}/proxy/request"
 VIN_FORMAT = "SDVDEMO{:010d}"  # 17 characters, like a real VIN
-
-
-def sha16(payload: bytes) -> str:
-    """Short payload fingerprint (first 16 hex digits of its sha1) for reports."""
-    return hashlib.sha1(payload, usedforsecurity=False).hexdigest()[:16]
 
 
 def human_bytes(n: float) -> str:
@@ -70,239 +68,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-# =============================================================================================
-# Fleet worker: one slice of the fleet in its own process (paho's select() loop caps a process
-# at ~330 clients). Talks JSON lines: the spec and commands on stdin, progress and the final
-# report on stdout. Ignores SIGINT (the demo stops it) and exits when stdin closes.
-# =============================================================================================
-
-
-class DemoVehicle(Vehicle):
-    """A test-harness Vehicle that also counts what it holds unacknowledged (its in-flight window)."""
-
-    def __init__(self, emqx: FakeEmqx, spec: dict[str, Any]) -> None:
-        persistent = spec["role"] == "resume"
-        super().__init__(emqx, spec["vin"], spec["vin"], spec["vin"], True, 300 if persistent else 0, 60)
-        self.spec = spec
-        self.auto_ack = False  # the driver thread acks after a short "processing" time
-        self.wake = threading.Event()
-        self.cmds: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.lock = threading.Lock()
-        self.unacked: list[tuple[Any, str, str]] = []  # (connection, topic, sha16) received, not PUBACKed
-        self.held: set[tuple[str, str]] = set()  # (topic, sha16) unacked when a connection dropped
-        self.held_count = 0
-        self.max_inflight = 0
-        self.acked = 0
-        self.drops = 0
-        self.heartbeats = 0
-        self.holding = False
-        self.busy = False
-        self.ready = threading.Event()
-
-    # Both run on FakeEmqx's worker thread for this clientid, in order with every other hook job.
-    def _job_message(self, conn: Any, topic: str, payload: bytes, mid: int, qos: int, dup: bool, t: float) -> None:
-        before = len(self._pending)
-        super()._job_message(conn, topic, payload, mid, qos, dup, t)
-        if len(self._pending) > before:  # queued for our PUBACK
-            with self.lock:
-                self.unacked.append((conn, topic, sha16(payload)))
-                inflight = sum(1 for c, _, _ in self.unacked if c is conn)
-            self.max_inflight = max(self.max_inflight, inflight)
-        self.wake.set()
-
-    def _ack(self, conn: Any, mid: int, qos: int, msg: pb.Message) -> bool:
-        done = super()._ack(conn, mid, qos, msg)
-        if done:
-            key = (conn, msg.topic, sha16(msg.payload))
-            with self.lock:
-                for i, entry in enumerate(self.unacked):
-                    if entry[0] is key[0] and entry[1:] == key[1:]:
-                        del self.unacked[i]
-                        break
-        return done
-
-
-class FleetWorker:
-    def __init__(self, spec: dict[str, Any]) -> None:
-        self.stop = threading.Event()
-        self.out_lock = threading.Lock()
-        self.errors: list[str] = []
-        self.emqx = FakeEmqx(
-            spec["exhook_port"],
-            spec["mqtt_port"],
-            request_prefix=REQUEST_PREFIX,
-            delivery_clientid=spec["delivery_clientid"],
-            strict_rpc=False,
-        )
-        self.emqx.calls = deque(maxlen=1000)  # the harness keeps every request; we need none
-        self.emqx.load()
-        self.vehicles = {s["vin"]: DemoVehicle(self.emqx, s) for s in spec["vehicles"]}
-        self.emqx.vehicles.extend(self.vehicles.values())  # so that FakeEmqx.close() closes them
-        self.threads = [
-            threading.Thread(target=self._drive, args=(v,), name=f"drive-{v.vin}", daemon=True)
-            for v in self.vehicles.values()
-        ]
-
-    def emit(self, obj: dict[str, Any]) -> None:
-        with self.out_lock:
-            sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
-            sys.stdout.flush()
-
-    def error(self, vin: str, what: str, exc: BaseException) -> None:
-        self.errors.append(f"{vin}: {what}: {exc!r}")
-        print(f"{vin}: {what}: {exc!r}", file=sys.stderr, flush=True)
-
-    # -- one thread per vehicle ---------------------------------------------------------------
-    def _drive(self, v: DemoVehicle) -> None:
-        ack_s = v.spec["ack_ms"] / 1000
-        next_hb: float | None = None
-        while not self.stop.is_set():
-            timeout = 0.5 if next_hb is None else min(0.5, max(0.0, next_hb - time.monotonic()))
-            v.wake.wait(timeout)
-            v.wake.clear()
-            while not self.stop.is_set():
-                try:
-                    cmd = v.cmds.get_nowait()
-                except queue.Empty:
-                    break
-                v.busy = True
-                try:
-                    if cmd["cmd"] == "online":
-                        self._online(v)
-                    elif cmd["cmd"] == "drop":
-                        self._drop_and_return(v, cmd["back_s"])
-                    next_hb = time.monotonic() + v.spec["hb_phase_s"]
-                except Exception as exc:
-                    self.error(v.vin, cmd["cmd"], exc)
-                finally:
-                    v.busy = False
-            if v.unacked and not v.holding:
-                time.sleep(ack_s)  # "processing" the request before the PUBACK
-                try:
-                    v.acked += v.ack_pending()
-                except Exception as exc:
-                    self.error(v.vin, "ack", exc)
-            if next_hb is not None and time.monotonic() >= next_hb:
-                next_hb = time.monotonic() + v.spec["hb_s"]
-                if v.is_connected:
-                    try:
-                        v.heartbeat("heartbeat")
-                        v.heartbeats += 1
-                    except RuntimeError:
-                        pass  # the connection went away under us: it will say online again
-                    except Exception as exc:
-                        self.error(v.vin, "heartbeat", exc)
-
-    def _online(self, v: DemoVehicle) -> None:
-        v.connect()
-        v.subscribe()
-        v.heartbeat("online")
-        v.heartbeats += 1
-        v.ready.set()
-
-    def _drop_and_return(self, v: DemoVehicle, back_s: float) -> None:
-        resume = v.persistent
-        if resume or v.spec.get("hold"):
-            # Hold the PUBACK of whatever comes next, then drop: a persistent session keeps it in the
-            # broker for redelivery; after a clean reconnect the server has to send it again.
-            v.holding = True
-            deadline = time.monotonic() + 3.0
-            while not v.unacked and time.monotonic() < deadline and not self.stop.is_set():
-                v.wake.wait(0.05)
-                v.wake.clear()
-        v.drop()  # TCP gone without DISCONNECT: client.disconnected(tcp_closed) (+ terminated if clean)
-        with v.lock:
-            held, v.unacked = v.unacked, []
-        v.held.update((topic, digest) for _, topic, digest in held)
-        v.held_count += len(held)
-        v.holding = False
-        v.drops += 1
-        if self.stop.wait(back_s):
-            return
-        if resume:
-            v.reconnect(clean_start=False)  # session.resumed: the broker redelivers what was held
-        else:
-            v.reconnect(clean_start=True)
-            v.subscribe()
-        v.heartbeat("online")
-        v.heartbeats += 1
-
-    # -- process ------------------------------------------------------------------------------
-    def progress(self) -> dict[str, Any]:
-        vs = list(self.vehicles.values())
-        return {
-            "online": sum(v.is_connected for v in vs),
-            "received": sum(len(v.received) for v in vs),
-            "acked": sum(v.acked for v in vs),
-            "unacked": sum(len(v.unacked) for v in vs),
-            "busy": sum(v.busy or not v.cmds.empty() for v in vs),
-            "max_inflight": max((v.max_inflight for v in vs), default=0),
-            "errors": len(self.errors) + len(self.emqx.errors) + len(self.emqx.rpc_errors),
-        }
-
-    def final(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for vin, v in self.vehicles.items():
-            prefix = REQUEST_PREFIX.replace("{VIN}", vin) + "/"
-            out[vin] = {
-                "rx": [
-                    [r.topic[len(prefix) :] if r.topic.startswith(prefix) else "!" + r.topic, sha16(r.payload), r.time]
-                    for r in v.received
-                ],
-                "held": sorted([t[len(prefix) :], d] for t, d in v.held),
-                "held_count": v.held_count,
-                "max_inflight": v.max_inflight,
-                "acked": v.acked,
-                "drops": v.drops,
-                "heartbeats": v.heartbeats,
-            }
-        errors = self.errors + [repr(e) for e in self.emqx.errors]
-        errors += [f"rpc {hook}: {exc!r}" for hook, exc in self.emqx.rpc_errors]
-        return {"vehicles": out, "errors": errors[:20], "error_count": len(errors)}
-
-    def run(self, commands: IO[str]) -> None:
-        for t in self.threads:
-            t.start()
-        initial = [v for v in self.vehicles.values() if v.spec["role"] != "late"]
-        for v in initial:
-            v.cmds.put({"cmd": "online"})
-            v.wake.set()
-        deadline = time.monotonic() + 60
-        for v in initial:
-            v.ready.wait(max(0.0, deadline - time.monotonic()))
-        self.emit({"p": self.progress()})
-        self.emit({"ready": sum(v.ready.is_set() for v in initial)})
-
-        reporter = threading.Thread(target=self._report, name="report", daemon=True)
-        reporter.start()
-        for line in commands:
-            cmd = json.loads(line)
-            if cmd["cmd"] == "stop":
-                break
-            for vin in cmd["vins"]:
-                v = self.vehicles[vin]
-                v.cmds.put({"cmd": cmd["cmd"], "back_s": cmd.get("back_s", {}).get(vin, 0.0)})
-                v.wake.set()
-        self.stop.set()
-        deadline = time.monotonic() + 15
-        for t in self.threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        reporter.join(5)
-        self.emit({"final": self.final()})
-        self.emqx.close(check=False)
-
-    def _report(self) -> None:
-        while not self.stop.wait(0.25):
-            self.emit({"p": self.progress()})
-
-
-def fleet_worker_main() -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo process stops us in order
-    spec = json.loads(sys.stdin.readline())
-    FleetWorker(spec).run(sys.stdin)
-    return 0
 
 
 # =============================================================================================
@@ -485,17 +250,17 @@ class Demo:
         self.status = Status()
         self.tmp = Path(tempfile.mkdtemp(prefix="sdv-fanout-demo-"))
         self.log_dir = Path(args.log_dir).resolve()
-        self.broker: Mosquitto | None = None
+        self.broker: Broker | None = None
         self.server: subprocess.Popen[bytes] | None = None
         self.server_log_path = self.log_dir / "server.log"
         self.server_log: IO[bytes] | None = None
         self.metrics_port = 0
         self.store: Store | None = None
-        self.platform: FakeEmqx | None = None
         self.fleet: list[FleetProc] = []
         self.t0 = time.monotonic()
         self.last_draw = 0.0
         self.came_online: dict[str, float] = {}  # role -> time.time() of its "online" command
+        self.server_exit: int | None = None  # set by stop() once SIGTERM was answered in time
 
     # -- helpers ------------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -514,11 +279,13 @@ class Demo:
         return int(agg(f.progress.get(key, 0) for f in self.fleet)) if self.fleet else 0
 
     # -- start-up -----------------------------------------------------------------------------
-    def start_broker(self) -> Mosquitto:
-        self.broker = Mosquitto(self.log_dir, verbose=False).start()
+    def start_broker(self, choice: Choice) -> Broker:
+        self.broker = make_broker(choice, self.log_dir)
+        self.broker.start()
         return self.broker
 
-    def start_server(self, broker: Mosquitto) -> tuple[int, int]:
+    def start_server(self, broker: Broker) -> tuple[int, int]:
+        """`sdv-fanout serve` delivering to `broker`; returns its gRPC port and process count."""
         data_dir = self.tmp / "lmdb"
         ready = self.tmp / "ready.json"
         exe = Path(sys.executable).parent / "sdv-fanout"
@@ -548,32 +315,32 @@ class Demo:
         self.store = Store(data_dir, readonly=True)
         return int(info["port"]), len(info.get("pids") or [info["pid"]])
 
-    def wait_delivery_clients(self, broker: Mosquitto, count: int) -> list[str]:
-        """Wait until `count` delivery clients (one per server process) are connected to mosquitto.
+    def wait_delivery_clients(self, broker: Broker, count: int) -> list[str]:
+        """Wait until `count` delivery clients (one per server process) are connected to the broker.
 
         Counted on the broker's side, by clientid prefix: with several server processes each
         child has its own client, and none of them carries the parent's pid.
         """
         deadline = time.monotonic() + 15
         while True:
-            seen = sorted(set(re.findall(r" as (sdv-fanout-\S+) ", broker.log())))
+            seen = broker.delivery_clients()
             if len(seen) >= count:
                 return seen
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"{len(seen)} of the server's {count} delivery clients connected to mosquitto within 15 s"
+                    f"{len(seen)} of the server's {count} delivery clients connected to the broker within 15 s"
                 )
             if self.server is not None and self.server.poll() is not None:
                 raise RuntimeError(f"sdv-fanout serve exited; see {self.server_log_path}")
             time.sleep(0.05)
 
-    def start_fleet(self, specs: list[dict[str, Any]], broker: Mosquitto, port: int, clientid: str) -> None:
+    def start_fleet(self, specs: list[dict[str, Any]], broker: Broker, clientid: str) -> None:
         nproc = max(1, math.ceil(len(specs) / self.args.per_proc))
         for k in range(nproc):
             part = specs[k::nproc]
             err = open(self.log_dir / f"fleet-{k}.log", "wb")  # noqa: SIM115 - the child has its own copy
             proc = subprocess.Popen(
-                [sys.executable, "-m", "demo.run", "--fleet-worker"],
+                [sys.executable, "-m", "demo.fleet"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -586,7 +353,7 @@ class Demo:
             fp.reader = threading.Thread(target=fp.read, name=f"fleet-{k}", daemon=True)
             fp.reader.start()
             self.fleet.append(fp)
-            fp.send({"exhook_port": port, "mqtt_port": broker.port, "delivery_clientid": clientid, "vehicles": part})
+            fp.send({**broker.fleet_spec(clientid), "vehicles": part})
         deadline = time.monotonic() + 90
         for fp in self.fleet:
             while not fp.ready.wait(0.5):
@@ -648,6 +415,8 @@ class Demo:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for old in [*self.log_dir.glob("fleet-*.log"), *self.log_dir.glob("mosquitto-*"), self.server_log_path]:
             old.unlink(missing_ok=True)
+        for old in self.log_dir.glob("emqx-*"):  # an earlier run's EMQX node (data and logs)
+            shutil.rmtree(old, ignore_errors=True)
         vins = [VIN_FORMAT.format(n) for n in range(1, a.vehicles + 1)]
         specs = self.make_fleet(vins)
         batches = plan_batches(self.rng, vins, a.batches)
@@ -657,24 +426,32 @@ class Demo:
         events = [e for e in events if by_role[e[1]]]
 
         print(f"sdv-fanout demo: seed {a.seed}, {len(vins)} vehicles, {len(batches)} batches, one every {a.interval} s")
-        broker = self.start_broker()
-        print(f"  broker    mosquitto {broker.url} (real MQTT; EMQX's ExHook side is simulated)")
+        choice = choose(a.broker, a.emqx_version)
+        if choice.kind == "emqx":
+            print(f"  broker    the real EMQX {choice.version} ({choice.why}); starting it...", flush=True)
+        else:
+            print(f"  broker    the simulator: mosquitto + tests/emqx_sim.py ({choice.why})", flush=True)
+        broker = self.start_broker(choice)
+        for line in broker.describe():
+            print(f"            {line}")
         port, nproc = self.start_server(broker)
-        print(f"  server    sdv-fanout serve, {nproc} process(es), gRPC 127.0.0.1:{port}, LMDB {self.tmp / 'lmdb'}")
+        how_many = f"{nproc} process(es)" + (" (one per CPU)" if a.processes in (None, 0) else "")
+        print(f"  server    sdv-fanout serve, {how_many}, gRPC {LOOPBACK}:{port}, LMDB {self.tmp / 'lmdb'}")
         print(f"            log {self.server_log_path}")
         clientids = self.wait_delivery_clients(broker, nproc)
-        clientid = clientids[0]
         print(f"            delivery clients connected to the broker: {', '.join(clientids)}")
-        self.platform = FakeEmqx(port, broker.port, request_prefix=REQUEST_PREFIX, strict_rpc=False)
-        self.platform.calls = deque(maxlen=1000)  # the harness keeps every request; we need none
-        hooks = [h.name for h in self.platform.load().hooks]
-        print(f"  EMQX      tests/emqx_sim.py loaded the ExHook provider; it asked for {len(hooks)} hooks:")
+        hooks = broker.attach(port)
+        if broker.kind == "emqx":
+            print(f"  ExHook    EMQX registered and connected the server, which asked for {len(hooks)} hooks:")
+        else:
+            print(f"  ExHook    tests/emqx_sim.py loaded the provider, which asked for {len(hooks)} hooks:")
         print(f"            {', '.join(hooks)}")
-        self.start_fleet(specs, broker, port, clientid)
+        self.start_fleet(specs, broker, clientids[0])
         n = {r: len(v) for r, v in by_role.items()}
         print(
             f"  fleet     {len(vins)} paho MQTT 5 vehicles in {len(self.fleet)} process(es), subscribed to "
             f"{REQUEST_PREFIX.replace('{VIN}', '<VIN>')}/+ (PUBACK after 5-40 ms, heartbeat every 3-6 s)"
+            + (" on EMQX" if broker.kind == "emqx" else " through FakeEmqx")
         )
         print(
             f"            {len(vins) - n['late']} online now, {n['late']} offline until ~{0.45 * window:.0f} s; "
@@ -684,7 +461,7 @@ class Demo:
         first = batches[0]
         example = json.dumps({"ids": [*first.vins[:2], "..."], "request_id": first.request_id})[:-1]
         print(
-            f"  platform  publishes on $SDV-FANOUT: {example}, "
+            f"  platform  publishes on {BATCH_TOPIC}: {example}, "
             f'"data": "<{human_bytes(len(first.payload))}, base64>", "data_encoding": "base64"}}'
         )
         print()
@@ -700,12 +477,8 @@ class Demo:
             if pub.batches < len(batches) and pub.batches * a.interval <= now:
                 b = batches[pub.batches]
                 t = time.monotonic()
-                resp = self.platform.publish_batch(b.vins, b.request_id, b.data)
-                took = time.monotonic() - t
-                # Stored durably before the answer; STOP_AND_RETURN + allow_publish=false: never routed.
-                if resp is None or resp.type != pb.ValuedResponse.STOP_AND_RETURN:
-                    raise RuntimeError(f"batch {b.request_id} was not taken by the server: {resp}")
-                pub.add(b, took)
+                broker.publish_batch(b.vins, b.request_id, b.data)  # returns once durably stored
+                pub.add(b, time.monotonic() - t)
                 if b.replaces:
                     self.say(f"batch {b.n} re-sends {b.request_id} to {len(b.vins)} vehicles: {b.label}")
             self.show(pub, len(batches))
@@ -776,7 +549,7 @@ class Demo:
     # -- results ------------------------------------------------------------------------------
     def server_events(self) -> Counter[str]:
         counts: Counter[str] = Counter()
-        if self.server_log is not None:
+        if self.server_log is not None and not self.server_log.closed:
             self.server_log.flush()
         with contextlib.suppress(FileNotFoundError), open(self.server_log_path, "rb") as f:
             for line in f:
@@ -812,9 +585,11 @@ class Demo:
             finals.update(fp.final["vehicles"])
             errors += fp.final["errors"]
             error_count += fp.final["error_count"]
-        if self.platform is not None:
-            error_count += len(self.platform.errors) + len(self.platform.rpc_errors)
-            errors += [repr(e) for e in self.platform.errors]
+        broker_lines: list[tuple[str, str]] = []
+        if self.broker is not None:
+            broker_lines = self.broker.summary()
+            errors += self.broker.errors()
+            error_count += len(self.broker.errors())
 
         role = {s["vin"]: s["role"] for s in specs}
         deliveries = acked = held = heartbeats = foreign = out_of_order = max_inflight = 0
@@ -899,8 +674,12 @@ class Demo:
             ),
             (
                 "ingest",
-                f"each hook answered after its LMDB commit: {ingest[len(ingest) // 2]:.1f} ms median, "
-                f"{ingest[-1]:.1f} ms max",
+                (
+                    "each PUBACK from EMQX came after the server's hook had committed to LMDB: "
+                    if self.broker is not None and self.broker.kind == "emqx"
+                    else "each hook answered after its LMDB commit: "
+                )
+                + f"{ingest[len(ingest) // 2]:.1f} ms median, {ingest[-1]:.1f} ms max",
             ),
             (
                 "rows",
@@ -968,6 +747,7 @@ class Demo:
             )
         if foreign:
             table.append(("foreign", f"{foreign} deliveries on another VIN's topic or never published to it"))
+        table += broker_lines
         table += [
             (
                 "every row delivered",
@@ -976,7 +756,7 @@ class Demo:
             ),
             (
                 "errors",
-                f"{error_count} in the simulation; server log: {ev['level:warning']} warnings, "
+                f"{error_count} in the fleet and broker; server log: {ev['level:warning']} warnings, "
                 f"{ev['level:error'] + ev['level:critical'] + ev['level:other']} errors",
             ),
         ]
@@ -997,6 +777,18 @@ class Demo:
         return 0 if ok else 1
 
     # -- teardown -------------------------------------------------------------------------------
+    def shutdown_clean(self) -> bool:
+        """Say how the server stopped; a traceback or an error line on SIGTERM reads as a crash."""
+        if self.server is None:
+            return True
+        ev = self.server_events()
+        bad = ev["level:error"] + ev["level:critical"] + ev["level:other"]
+        if self.server_exit == 0 and not bad:
+            print("server stopped cleanly on SIGTERM: exit 0, no error in its log")
+            return True
+        print(f"server did NOT stop cleanly: exit {self.server_exit}, {bad} error lines in {self.server_log_path}")
+        return False
+
     def stop(self) -> None:
         for fp in self.fleet:
             fp.send({"cmd": "stop"})
@@ -1011,14 +803,12 @@ class Demo:
                 fp.proc.wait(5)
             if fp.reader is not None:
                 fp.reader.join(5)
-        if self.platform is not None:
-            self.platform.close(check=False)
         if self.store is not None:
             self.store.close()
         if self.server is not None and self.server.poll() is None:
             self.server.send_signal(signal.SIGTERM)
             try:
-                self.server.wait(20)
+                self.server_exit = self.server.wait(20)
             except subprocess.TimeoutExpired:
                 self.server.kill()
                 self.server.wait(5)
@@ -1046,10 +836,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds after the last batch (default 60)")
     p.add_argument("--log-dir", help="server, broker and fleet logs (default: var/demo in the checkout)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (LMDB data) for `sdv-fanout stats`")
-    p.add_argument("--fleet-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--broker",
+        choices=("auto", "emqx", "sim"),
+        default="auto",
+        help="auto (default): the real EMQX when a release is found, else the simulator",
+    )
+    p.add_argument("--emqx-version", help="EMQX release to run (default 5.8.9 when present, else the newest)")
     args = p.parse_args(argv)
-    if args.fleet_worker:
-        return fleet_worker_main()
     if not 1 <= args.vehicles <= 10_000 or args.batches < 1 or args.interval < 0 or not 1 <= args.per_proc <= 300:
         p.error("need 1 <= --vehicles <= 10000, --batches >= 1, --interval >= 0, 1 <= --per-proc <= 300")
     if args.processes is not None and args.processes < 0:
@@ -1066,6 +860,8 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    # tests/emqx_real.py reports through structlog: keep its info lines out of the demo's output.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     demo = Demo(args)
     code = 1
     try:
@@ -1084,8 +880,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             demo.stop()
+            if not demo.shutdown_clean() and code == 0:
+                code = 1
         finally:
-            print(f"logs: {demo.log_dir} (server.log, mosquitto-*.log, fleet-*.log)")
+            broker_logs = "emqx-*/log/" if demo.broker is not None and demo.broker.kind == "emqx" else "mosquitto-*.log"
+            print(f"logs: {demo.log_dir} (server.log, {broker_logs}, fleet-*.log)")
             if args.keep:
                 print(f"kept: {demo.tmp}  (try: .venv/bin/sdv-fanout stats --data-dir {demo.tmp / 'lmdb'})")
             else:
