@@ -244,6 +244,18 @@ class SubprocessServer:
         return code
 
 
+def admin_stats(channel: grpc.Channel) -> Any:
+    """Admin GetStats over `channel` (plaintext or TLS: the caller picks the credentials)."""
+    from exhook_server._proto import admin_pb2
+
+    stub = channel.unary_unary(
+        "/sdv.fanout.v1.Admin/GetStats",
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=admin_pb2.Stats.FromString,
+    )
+    return stub(admin_pb2.GetStatsRequest(), timeout=10)
+
+
 def put(writer: Any, store: Any, vins: list[str], rid: str, blob: bytes, at: int) -> None:
     """Store one seed-format batch directly (no gRPC), committed, with row timestamp `at` (ms)."""
     import functools

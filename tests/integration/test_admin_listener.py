@@ -8,19 +8,13 @@ from typing import Any
 import grpc
 import pytest
 
-from exhook_server._proto import admin_pb2
-from tests.harness import ExHookClient, SubprocessServer
+from tests.harness import ExHookClient, SubprocessServer, admin_stats
 
 
 def get_stats(port: int) -> Any:
     """Admin GetStats on 127.0.0.1:`port`, plaintext."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = channel.unary_unary(
-            "/sdv.fanout.v1.Admin/GetStats",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=admin_pb2.Stats.FromString,
-        )
-        return stub(admin_pb2.GetStatsRequest(), timeout=10)
+        return admin_stats(channel)
 
 
 def test_admin_is_unimplemented_on_the_exhook_port_and_served_on_admin_listen(make_server: Any) -> None:

@@ -12,11 +12,10 @@ from typing import Any
 import grpc
 import pytest
 
-from exhook_server._proto import admin_pb2
 from exhook_server._proto import exhook_v3_pb2 as pb
 from tests.certs import Pki, make_pki
 from tests.emqx_sim import Mosquitto, free_port
-from tests.harness import BIN, poll
+from tests.harness import BIN, admin_stats, poll
 
 
 @pytest.fixture
@@ -71,28 +70,19 @@ def test_admin_listener_has_the_same_mutual_tls(make_server: Any, pki: Pki) -> N
     """The admin port asks for the same client certificate as the ExHook port; plaintext gets nothing."""
     srv = mutual_tls_server(make_server, pki)
     target = f"127.0.0.1:{srv.server.admin_port}"
-
-    def get_stats(channel: grpc.Channel) -> Any:
-        stub = channel.unary_unary(
-            "/sdv.fanout.v1.Admin/GetStats",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=admin_pb2.Stats.FromString,
-        )
-        return stub(admin_pb2.GetStatsRequest(), timeout=10)
-
     with_cert = grpc.ssl_channel_credentials(
         root_certificates=pki.ca.read_bytes(),
         private_key=pki.client_key.read_bytes(),
         certificate_chain=pki.client_cert.read_bytes(),
     )
     with grpc.secure_channel(target, with_cert) as ch:
-        assert get_stats(ch).schema_version >= 1
+        assert admin_stats(ch).schema_version >= 1
     without = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
     with grpc.secure_channel(target, without) as ch, pytest.raises(grpc.RpcError) as err:
-        get_stats(ch)
+        admin_stats(ch)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     with grpc.insecure_channel(target) as ch, pytest.raises(grpc.RpcError):
-        get_stats(ch)
+        admin_stats(ch)
 
 
 def sdv_fanout(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
