@@ -20,7 +20,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
-## demo: the product end to end in ~30 s: mosquitto, the server, 200 simulated vehicles (ARGS="--vehicles 500 --seed 3" to change)
+## demo: the product end to end in ~30 s: EMQX if a release is found (else mosquitto + simulated ExHook), the server, 200 vehicles (ARGS="--processes 4 --broker sim" to change; see demo/README.md)
 demo: $(STAMP)
 	$(BIN)/python -m demo.run $(ARGS)
 
