@@ -38,7 +38,6 @@ class Config:
     # -- network --------------------------------------------------------------
     # EMQX's own ExHook examples listen on 9000; all interfaces, as a pod must.
     listen: str = "0.0.0.0:9000"
-    # gRPC keepalive and message limits are derived from the ingest limits below.
     # TLS for the gRPC port (EMQX's exhook url `https://...`): PEM files; empty = plaintext.
     tls_cert_file: str = ""
     tls_key_file: str = ""

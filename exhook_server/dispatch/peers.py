@@ -3,15 +3,20 @@ that owns their VIN (or client).
 
 Each process listens on an abstract Unix socket (Linux: no file to clean up, gone with the
 process). Items for one peer go over one connection in the order they were sent, batched into
-length-prefixed pickle frames; both ends are forks of one parent, so pickle is trusted here.
-Until a peer answers (it may still be starting), its items wait in memory.
+length-prefixed pickle frames. Pickle is only trusted from the group itself: abstract sockets
+have no file permissions, so any local process could connect, and a link is accepted only from
+a process of our user that is this process or a sibling (same parent), checked with
+SO_PEERCRED before anything is read. Until a peer answers (it may still be starting), its items
+wait in memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pickle
+import socket
 import struct
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +30,30 @@ from exhook_server.aio import cancel_all
 log = structlog.get_logger("sdv_fanout.peers")
 
 _LEN = struct.Struct(">I")
+#: struct ucred: pid, uid, gid.
+_UCRED = struct.Struct("3i")
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of `pid` (from /proc), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: fields restart after the last ")".
+    return int(stat[stat.rindex(b")") + 2 :].split()[1])
+
+
+def is_group_member(sock: socket.socket) -> bool:
+    """True when the process at the other end of `sock` runs as our user and is this process or
+    one of its siblings (forked by the same parent)."""
+    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    if uid != os.geteuid():
+        return False
+    return pid == os.getpid() or _parent_of(pid) == os.getppid()
+
+
 #: A reconnect waits this long at first, doubling up to _RETRY_MAX_S.
 _RETRY_FIRST_S = 0.01
 _RETRY_MAX_S = 1.0
@@ -168,6 +197,11 @@ class Peers:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        sock = writer.get_extra_info("socket")
+        if sock is None or not is_group_member(sock):
+            log.error("peer_refused", reason="not a process of this server group", credentials=_peer(sock))
+            writer.close()
+            return
         self._incoming[task] = writer
         try:
             while True:
@@ -184,3 +218,10 @@ class Peers:
         finally:
             del self._incoming[task]
             writer.close()
+
+
+def _peer(sock: socket.socket | None) -> str:
+    if sock is None:
+        return "unknown"
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return f"pid={pid} uid={uid} gid={gid}"

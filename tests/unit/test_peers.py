@@ -55,3 +55,57 @@ def test_stopped_peer_leaves_no_link_for_its_closing_loop_to_cancel() -> None:
     assert sorted(received) == ["from 0", "from 1"]
     reported = [c.get("message") for c in first.reported + second.reported]
     assert not reported, f"asyncio reported: {reported}"
+
+
+def test_link_from_a_process_outside_the_group_is_refused_unread(tmp_path: Any) -> None:
+    """Abstract sockets have no permissions: a local process that is not a sibling gets its link
+    closed before a byte of its pickle is loaded."""
+    import pickle
+    import struct
+    import subprocess
+    import sys
+
+    received: list[Any] = []
+    key = f"test-{secrets.token_hex(4)}"
+    member = _PeerThread(0, key, received)
+    member.start()
+    marker = tmp_path / "unpickled"
+    try:
+        address = Group(0, 2, key, 0).address(0)
+        # Unpickling this frame would create the marker file.
+        body = pickle.dumps([_Touch(str(marker))])
+        frame = struct.pack(">I", len(body)) + body
+        intruder = (
+            "import socket, sys, time\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            f"deadline = time.monotonic() + 10\n"
+            "while True:\n"
+            "    try:\n"
+            f"        s.connect({address!r}); break\n"
+            "    except OSError:\n"
+            "        if time.monotonic() > deadline: raise\n"
+            "        time.sleep(0.01)\n"
+            "try:\n"
+            "    s.sendall(sys.stdin.buffer.read())\n"
+            "    print(repr(s.recv(1)))\n"
+            "except OSError:\n"
+            "    print(repr(b''))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", intruder], input=frame, capture_output=True, timeout=20, check=True
+        )
+        assert done.stdout.strip() == b"b''"  # closed by the member without an answer
+    finally:
+        member.stop_now.set()
+        member.join(10)
+    assert received == [] and not marker.exists()
+
+
+class _Touch:
+    """Creates a file when unpickled (stands for whatever an intruder's pickle would run)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (open, (self.path, "w"))
