@@ -57,9 +57,8 @@ def batch_payload(vins: list[str], request_id: str, data: str | bytes) -> bytes:
 class Broker(Protocol):
     """What the demo needs from its broker, real or simulated."""
 
+    #: "emqx" or "sim".
     kind: str
-    #: What a person reads at start-up: which broker this is and how it talks to the server.
-    title: str
 
     @property
     def url(self) -> str: ...
@@ -138,7 +137,6 @@ class SimBroker:
     for the platform's batches and in every fleet process for its vehicles."""
 
     kind = "sim"
-    title = "simulator"
 
     def __init__(self, log_dir: Path) -> None:
         self.mosquitto = Mosquitto(log_dir, verbose=False)
@@ -204,7 +202,6 @@ class EmqxSetup:
 
     def __init__(self, version: str, log_dir: Path) -> None:
         self.broker = EmqxBroker(version, log_dir)
-        self.title = f"EMQX {version}"
         self._platform: mqtt.Client | None = None
         self._acks: dict[int, ReasonCode] = {}
         self._acked = threading.Condition()

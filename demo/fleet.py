@@ -126,15 +126,12 @@ class _Link:
         self.suback = threading.Condition()
 
     def stop(self) -> None:
-        """Close the socket if still open (no DISCONNECT) and reap paho's thread."""
-        if not self.closed.is_set():
-            sock = self.client.socket()
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
-            self.closed.wait(MQTT_TIMEOUT_S)
-        self.client.loop_stop()
+        """Close the socket (no DISCONNECT: to the broker, a lost network) and reap paho's thread."""
         sock = self.client.socket()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
+        self.client.loop_stop()
         if sock is not None:
             sock.close()
 
