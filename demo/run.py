@@ -56,6 +56,7 @@ from demo.brokers import BATCH_TOPIC, Broker, Choice, choose, make_broker
 from demo.fleet import REQUEST_PREFIX, sha16
 from exhook_server.config import Config
 from storage.store import Store
+from tests.emqx_real import EmqxError
 from tests.emqx_sim import LOOPBACK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -870,6 +871,10 @@ def main(argv: list[str] | None = None) -> int:
         demo.status.done()
         print("\ninterrupted: stopping everything", flush=True)
         code = 128 + (received[0] if received else signal.SIGINT)
+    except EmqxError as exc:  # says what is missing or what the node logged: no traceback needed
+        demo.status.done()
+        print(f"\ndemo failed: {exc}", file=sys.stderr, flush=True)
+        code = 1
     except Exception as exc:
         demo.status.done()
         traceback.print_exc()
