@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import heapq
 import itertools
 import json
 import os
@@ -22,15 +23,21 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
+import paho.mqtt.client as mqtt
 import structlog
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
 
 from tests.emqx_sim import LOOPBACK, free_port
 from tests.harness import ROOT, poll
@@ -53,6 +60,8 @@ ADMIN = {"username": "admin", "password": "public"}  # the release's bootstrap d
 _DIST_BASE_PORT = 4370
 _DIST_MAX_OFFSET = 60000
 _PR_SET_PDEATHSIG = 1
+#: What EMQX prints on its console once every application has started ("EMQX 5.8.9 is running now!").
+_BOOTED = "is running now!"
 _counter = itertools.count()
 
 
@@ -235,6 +244,15 @@ def _mqtt_accepts(port: int) -> bool:
     return ack == b"\x20\x02\x00\x00"
 
 
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
 def _descendants(pid: int) -> list[tuple[int, str]]:
     """(pid, start time) of every live descendant of pid, from /proc."""
     children: dict[int, list[int]] = {}
@@ -354,7 +372,10 @@ class EmqxBroker:
             )
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._console = open(self.log_dir / "console.log", "ab")  # noqa: SIM115 - closed in stop()
+        self._keep_earlier_logs()
+        console = self.log_dir / "console.log"
+        offset = console.stat().st_size if console.exists() else 0
+        self._console = open(console, "ab")  # noqa: SIM115 - closed in stop()
         started = time.monotonic()
         self.proc = subprocess.Popen(
             [str(self.release / "bin" / "emqx"), "foreground"],
@@ -371,7 +392,9 @@ class EmqxBroker:
         def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
                 raise EmqxError(f"EMQX {self.version} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            return _mqtt_accepts(self.mqtt_port) and self._login(quiet=True)
+            # Listeners open before the boot ends: until EMQX says it is running, authorization can
+            # still be its boot-time deny-all (a SUBSCRIBE then gets "not authorized").
+            return _BOOTED in _read_from(console, offset) and _mqtt_accepts(self.mqtt_port) and self._login(quiet=True)
 
         try:
             poll(ready, timeout_s=timeout_s, interval_s=0.1)
@@ -445,19 +468,28 @@ class EmqxBroker:
 
     # -- logs ----------------------------------------------------------------------------------
 
-    def log_text(self) -> str:
-        """Everything the node logged: its console output, then emqx.log.N in order."""
-        parts = []
-        if self._console is not None:
-            self._console.flush()
-        files = [self.log_dir / "console.log"]
-
+    def _emqx_logs(self) -> list[Path]:
         def generation(p: Path) -> int:
             suffix = p.name.rsplit(".", 1)[1]
             return int(suffix) if suffix.isdigit() else 0
 
-        files += sorted(self.log_dir.glob("emqx.log.[0-9]*"), key=generation)
-        for f in files:
+        return sorted(self.log_dir.glob("emqx.log.[0-9]*"), key=generation)
+
+    def _keep_earlier_logs(self) -> None:
+        """A new run of the node starts emqx.log.1 afresh: append the last run's to earlier.log."""
+        logs = self._emqx_logs()
+        if logs:
+            with open(self.log_dir / "earlier.log", "ab") as out:
+                for f in logs:
+                    out.write(f.read_bytes())
+                    f.unlink()
+
+    def log_text(self) -> str:
+        """Everything the node logged: console output, then emqx.log of earlier runs and this one."""
+        if self._console is not None:
+            self._console.flush()
+        parts = []
+        for f in [self.log_dir / "console.log", self.log_dir / "earlier.log", *self._emqx_logs()]:
             with contextlib.suppress(OSError):
                 parts.append(f.read_text(errors="replace"))
         return "".join(parts)
@@ -572,6 +604,289 @@ class EmqxBroker:
                 raise
 
 
+# ---------------------------------------------------------------------------------------------
+# MQTT clients of a real broker: vehicles and the platform
+# ---------------------------------------------------------------------------------------------
+
+
+class Delivery(NamedTuple):
+    """One request a vehicle received: its request id (last topic level), payload, DUP flag."""
+
+    request_id: str
+    payload: bytes
+    dup: bool
+
+
+class Acker:
+    """One thread that sends the PUBACKs vehicles hold back for `hold_s` (no thread per vehicle)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="vehicle-acker", daemon=True)
+        self._thread.start()
+
+    def later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._due, (time.monotonic() + delay_s, next(self._seq), fn))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (not self._due or self._due[0][0] > time.monotonic()):
+                    self._cond.wait(self._due[0][0] - time.monotonic() if self._due else None)
+                if self._stopped:
+                    return
+                _, _, fn = heapq.heappop(self._due)
+            fn()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(5)
+
+
+class Vehicle:
+    """A vehicle as the fleet runs it: a real paho MQTT 5 client, clientid = VIN, manual PUBACKs.
+
+    Each request is acked `hold_s` after it arrives (never while `auto_ack` is False: `ack_held()`
+    sends them), so a second request sent before the first PUBACK shows in `max_unacked`. Every
+    `connect()` is a new TCP connection; the previous one is closed without DISCONNECT.
+    """
+
+    def __init__(
+        self,
+        broker: EmqxBroker,
+        vin: str,
+        *,
+        clientid: str | None = None,
+        hold_s: float = 0.0,
+        auto_ack: bool = True,
+        session_expiry_s: int = 0,
+        request_prefix: str = "agent/{VIN}/proxy/request",
+        acker: Acker | None = None,
+    ) -> None:
+        self.broker = broker
+        self.vin = vin
+        self.clientid = clientid or vin
+        self.hold_s = hold_s
+        self.auto_ack = auto_ack
+        self.session_expiry_s = session_expiry_s
+        self.request_prefix = request_prefix.replace("{VIN}", vin)
+        self.received: list[Delivery] = []
+        self.max_unacked = 0
+        self.disconnect_reason: int | None = None
+        self._acker = acker
+        self._lock = threading.Lock()
+        self._unacked = 0
+        self._held: list[tuple[mqtt.Client, int]] = []
+        self._client: mqtt.Client | None = None
+        self._connected = threading.Event()
+        self._session_present = False
+
+    @property
+    def request_filter(self) -> str:
+        """`agent/<VIN>/proxy/request/+`."""
+        return self.request_prefix + "/+"
+
+    def request_ids(self) -> list[str]:
+        """The request ids received, in arrival order (redeliveries included)."""
+        with self._lock:
+            return [d.request_id for d in self.received]
+
+    def connect(self, *, clean_start: bool = True, timeout_s: float = 10) -> bool:
+        """A new connection (CONNACK awaited); returns the broker's session-present flag."""
+        self.close()
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=self.clientid,
+            protocol=mqtt.MQTTv5,
+            manual_ack=True,
+            reconnect_on_failure=False,
+        )
+        connected = threading.Event()
+        self._connected = connected
+
+        def on_connect(_c: Any, _u: Any, flags: Any, rc: ReasonCode, _p: Any) -> None:
+            self._session_present = bool(flags.session_present)
+            if not rc.is_failure:
+                connected.set()
+
+        def on_disconnect(_c: Any, _u: Any, _f: Any, rc: ReasonCode, _p: Any) -> None:
+            self.disconnect_reason = rc.value
+            connected.clear()
+
+        client.on_connect = on_connect
+        client.on_disconnect = on_disconnect
+        client.on_message = lambda c, _u, m: self._on_message(c, m)
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        props.SessionExpiryInterval = self.session_expiry_s
+        client.connect(self.broker.host, self.broker.mqtt_port, keepalive=30, clean_start=clean_start, properties=props)
+        self._client = client
+        client.loop_start()
+        if not connected.wait(timeout_s):
+            raise EmqxError(f"{self.clientid}: no CONNACK within {timeout_s} s")
+        return self._session_present
+
+    @property
+    def connected(self) -> bool:
+        """True while the current connection is up."""
+        return self._connected.is_set()
+
+    def _on_message(self, client: mqtt.Client, msg: mqtt.MQTTMessage) -> None:
+        with self._lock:
+            self.received.append(Delivery(msg.topic.rsplit("/", 1)[-1], bytes(msg.payload), bool(msg.dup)))
+            self._unacked += 1
+            self.max_unacked = max(self.max_unacked, self._unacked)
+            if not self.auto_ack:
+                self._held.append((client, msg.mid))
+                return
+        if self.hold_s > 0 and self._acker is not None:
+            self._acker.later(self.hold_s, lambda: self._ack(client, msg.mid))
+        else:
+            self._ack(client, msg.mid)
+
+    def _ack(self, client: mqtt.Client, mid: int) -> None:
+        if client is not self._client:
+            return  # that connection is gone: its session (if any) redelivers
+        with self._lock:
+            self._unacked -= 1
+        client.ack(mid, 1)
+
+    def ack_held(self) -> int:
+        """PUBACK every request held back while `auto_ack` was False; returns how many."""
+        with self._lock:
+            held, self._held = self._held, []
+        for client, mid in held:
+            self._ack(client, mid)
+        return len(held)
+
+    def _require(self) -> mqtt.Client:
+        if self._client is None:
+            raise EmqxError(f"{self.clientid} is not connected")
+        return self._client
+
+    def subscribe(self, topic_filter: str | None = None, timeout_s: float = 10) -> None:
+        """SUBSCRIBE (default: the request filter) at QoS 1 and wait for the SUBACK."""
+        client = self._require()
+        done = threading.Event()
+        codes: list[ReasonCode] = []
+
+        def on_subscribe(_c: Any, _u: Any, _mid: int, rcs: list[ReasonCode], _p: Any) -> None:
+            codes.extend(rcs)
+            done.set()
+
+        client.on_subscribe = on_subscribe
+        client.subscribe(topic_filter or self.request_filter, qos=1)
+        if not done.wait(timeout_s) or any(rc.is_failure for rc in codes):
+            raise EmqxError(f"{self.clientid}: SUBACK {codes or 'missing'}")
+
+    def heartbeat(self, kind: str = "online", *, qos: int = 1, timeout_s: float = 10) -> None:
+        """Publish `ecp/<VIN>/<kind>`; at QoS 1 wait for its PUBACK (EMQX ran the hook by then)."""
+        info = self._require().publish(f"ecp/{self.vin}/{kind}", b"{}", qos=qos)
+        if qos > 0:
+            info.wait_for_publish(timeout_s)
+
+    def drop(self) -> None:
+        """Close the TCP connection without DISCONNECT (a vehicle losing its network)."""
+        client, self._client = self._client, None
+        if client is None:
+            return
+        sock = client.socket()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
+        client.loop_stop()
+        with self._lock:
+            self._held.clear()
+            self._unacked = 0
+
+    def disconnect(self) -> None:
+        """A clean DISCONNECT."""
+        client = self._client
+        if client is not None:
+            client.disconnect()
+        self.drop()
+
+    close = drop
+
+
+class Fleet:
+    """Vehicles sharing one Acker; `close()` closes them all (no DISCONNECT) and stops the acker."""
+
+    def __init__(self, broker: EmqxBroker) -> None:
+        self.broker = broker
+        self.acker = Acker()
+        self.vehicles: list[Vehicle] = []
+
+    def vehicle(self, vin: str, **kw: Any) -> Vehicle:
+        """A new vehicle (not connected yet)."""
+        v = Vehicle(self.broker, vin, acker=self.acker, **kw)
+        self.vehicles.append(v)
+        return v
+
+    def online(self, vins: list[str], **kw: Any) -> list[Vehicle]:
+        """Vehicles connected and subscribed to their request filter."""
+        out = []
+        for vin in vins:
+            v = self.vehicle(vin, **kw)
+            v.connect()
+            v.subscribe()
+            out.append(v)
+        return out
+
+    def close(self) -> None:
+        for v in self.vehicles:
+            v.close()
+        self.acker.stop()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Platform:
+    """The SDV platform: publishes batches at QoS 1 and waits for each PUBACK (= stored or refused)."""
+
+    def __init__(self, broker: EmqxBroker, clientid: str = "sdv-platform") -> None:
+        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=clientid, protocol=mqtt.MQTTv5)
+        self._codes: dict[int, tuple[int]] = {}  # mid -> (PUBACK reason code,)
+        self._client.on_publish = lambda _c, _u, mid, rc, _p: self._codes.__setitem__(mid, (rc.value,))
+        self._client.connect(broker.host, broker.mqtt_port, keepalive=30)
+        self._client.loop_start()
+
+    def publish(self, topic: str, payload: bytes, timeout_s: float = 10) -> int:
+        """Publish at QoS 1; return the PUBACK reason code."""
+        info = self._client.publish(topic, payload, qos=1)
+        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            raise EmqxError(f"publish on {topic!r} failed: {info.rc}")
+        (code,) = poll(lambda: self._codes.pop(info.mid, None), timeout_s)
+        return int(code)
+
+    def batch(self, vins: list[str], request_id: str, data: str, topic: str = "$SDV-FANOUT") -> int:
+        """A seed-format batch `{"ids", "request_id", "data"}`; returns the PUBACK reason code."""
+        return self.publish(topic, json.dumps({"ids": vins, "request_id": request_id, "data": data}).encode())
+
+    def data(self, data_id: str, payload: bytes) -> int:
+        """The plugin format's data message on `$SDV-FANOUT/data/<data_id>`."""
+        return self.publish(f"$SDV-FANOUT/data/{data_id}", payload)
+
+    def trigger(self, vins: list[str], request_id: str, data_id: str) -> int:
+        """The plugin format's trigger on `$SDV-FANOUT/trigger`."""
+        doc = {"ids": vins, "request_id": request_id, "data_id": data_id}
+        return self.publish("$SDV-FANOUT/trigger", json.dumps(doc).encode())
+
+    def close(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+
 @contextlib.contextmanager
 def running_emqx(version: str, workdir: Path, **kw: Any) -> Iterator[EmqxBroker]:
     """A started EmqxBroker, stopped on exit whatever happens."""
@@ -585,10 +900,15 @@ def running_emqx(version: str, workdir: Path, **kw: Any) -> Iterator[EmqxBroker]
 __all__ = [
     "EXHOOK_PROTOCOL",
     "RELEASES",
+    "Acker",
+    "Delivery",
     "EmqxApiError",
     "EmqxBroker",
     "EmqxError",
     "EmqxUnavailable",
+    "Fleet",
+    "Platform",
+    "Vehicle",
     "available_versions",
     "find_release",
     "release_version",

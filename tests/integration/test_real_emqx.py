@@ -1,0 +1,360 @@
+"""The product against real EMQX brokers: a v2 broker (5.8.9) and a v3 broker (5.9.1).
+
+One broker and one `sdv-fanout serve` subprocess per version for the whole module (two processes on
+5.8.9, one on 5.9.1), registered through EMQX's REST API; vehicles are real paho MQTT 5 clients and
+the platform publishes real batches. Each test uses its own VINs, so tests share the server without
+seeing each other's rows. Everything is on loopback and every process is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from storage.store import Store
+from tests.emqx_real import (
+    EmqxBroker,
+    Fleet,
+    Platform,
+    Vehicle,
+    available_versions,
+    find_release,
+    running_emqx,
+    where_looked,
+)
+from tests.emqx_sim import free_port
+from tests.harness import BIN, SubprocessServer, poll
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not available_versions(), reason=f"no real EMQX release: {where_looked()}"),
+]
+
+EXHOOK = "sdv-fanout"
+#: (EMQX version, server processes): the v2 broker talks to a group of two, the v3 broker to one.
+SETUPS = [("5.8.9", 2), ("5.9.1", 1)]
+DEADLINE_S = 30.0
+
+
+class Fanout:
+    """`sdv-fanout serve` on a fixed loopback port (so it can restart in place), registered with EMQX."""
+
+    def __init__(self, broker: EmqxBroker, workdir: Path, processes: int) -> None:
+        self.broker = broker
+        self.port = free_port()
+        self.data_dir = workdir / "lmdb"
+        self.env = {"SDV_FANOUT_MQTT_URL": broker.url, "SDV_FANOUT_PROCESSES": str(processes)}
+        self.srv = self._start()
+        broker.register_exhook(EXHOOK, f"http://127.0.0.1:{self.port}", pool_size=4, request_timeout="3s")
+
+    def _start(self) -> SubprocessServer:
+        return SubprocessServer(self.data_dir, "--listen", f"127.0.0.1:{self.port}", env=self.env)
+
+    def ensure_running(self) -> None:
+        """Start the broker and the server again if an earlier test left them dead."""
+        if not self.broker.running:
+            self.broker.start()
+        if self.srv.proc.poll() is not None:
+            self.srv.kill()
+            self.srv = self._start()
+
+    def halt(self, how: str) -> None:
+        """SIGTERM (drain; it must exit 0) or kill -9."""
+        if how == "sigterm":
+            assert self.srv.terminate() == 0, self.srv.log()[-3000:]
+        else:
+            self.srv.kill()
+
+    def start_again(self) -> None:
+        """A new server on the same port and data dir."""
+        self.srv = self._start()
+
+    def rows(self, vins: list[str]) -> int:
+        """Pending rows of these VINs, read from LMDB read-only while the server runs."""
+        with Store(self.data_dir, readonly=True) as store:
+            return sum(len(store.pending(v)) for v in vins)
+
+    def inspect(self, vin: str) -> list[str]:
+        """`sdv-fanout inspect VIN --json`: the request ids still pending, in delivery order."""
+        out = subprocess.run(
+            [str(BIN / "sdv-fanout"), "inspect", vin, "--data-dir", str(self.data_dir), "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+        return [p["request_id"] for p in json.loads(out.stdout)["pending"]]
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.srv.events() if e.get("event") == name]
+
+    def stop(self) -> None:
+        if self.srv.proc.poll() is None:
+            self.srv.terminate()
+        else:
+            self.srv.kill()
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"emqx{v}-p{n}" for v, n in SETUPS])
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fanout]:
+    version, processes = request.param
+    if find_release(version) is None:
+        pytest.skip(f"no EMQX {version}: {where_looked()}")
+    workdir = tmp_path_factory.mktemp(f"emqx{version}")
+    with running_emqx(version, workdir) as broker:
+        fanout = Fanout(broker, workdir, processes)
+        try:
+            yield fanout
+        finally:
+            fanout.stop()
+
+
+_vin_prefixes = itertools.count()
+
+
+@pytest.fixture
+def rig(setup: Fanout) -> Iterator[tuple[Fanout, Fleet, Platform, str]]:
+    """The module's broker and server, a fleet and a platform client, and a VIN prefix of this test's own."""
+    setup.ensure_running()
+    fleet = Fleet(setup.broker)
+    platform = Platform(setup.broker, clientid=f"sdv-platform-{next(_vin_prefixes)}")
+    try:
+        yield setup, fleet, platform, f"T{next(_vin_prefixes):03d}V"
+    finally:
+        platform.close()
+        fleet.close()
+
+
+def vins_of(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i:03d}" for i in range(n)]
+
+
+def all_have(vehicles: list[Vehicle], rids: list[str]) -> bool:
+    """Has every vehicle received every one of rids (at least once)?"""
+    return all(set(rids) <= set(v.request_ids()) for v in vehicles)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_seed_batches_reach_an_online_fleet_exactly_once_one_at_a_time(rig: Any) -> None:
+    """Three `$SDV-FANOUT` batches for 30 online vehicles: each gets each request once, in order,
+    never two unacknowledged at a time, and the PUBACKs leave no row behind."""
+    fanout, fleet, platform, prefix = rig
+    vins = vins_of(prefix, 30)
+    vehicles = fleet.online(vins, hold_s=0.03)
+    rids = [f"task_seed_{n}" for n in range(3)]
+    for rid in rids:
+        assert platform.batch(vins, rid, f"payload of {rid}") in (0x00, 0x10)
+    poll(lambda: all_have(vehicles, rids), DEADLINE_S)
+    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+    for v in vehicles:
+        assert v.request_ids() == rids, v.vin
+        assert [d.payload for d in v.received] == [f"payload of {rid}".encode() for rid in rids]
+        assert v.max_unacked == 1, v.vin
+
+
+def test_plugin_pair_delivers_the_data_payload_whichever_comes_first(rig: Any) -> None:
+    """The plugin format: data then trigger, and a trigger that arrives before its data, both deliver
+    the raw data payload to every vehicle."""
+    fanout, fleet, platform, prefix = rig
+    vins = vins_of(prefix, 10)
+    vehicles = fleet.online(vins, hold_s=0.01)
+    blob_a, blob_b = b"\x00\xffbinary-a", b"\x01raw-b"
+    platform.data(f"{prefix}-data-a", blob_a)
+    platform.trigger(vins, "task_pair_1", f"{prefix}-data-a")
+    platform.trigger(vins, "task_pair_2", f"{prefix}-data-b")  # its data comes later
+    platform.data(f"{prefix}-data-b", blob_b)
+    poll(lambda: all_have(vehicles, ["task_pair_1", "task_pair_2"]), DEADLINE_S)
+    for v in vehicles:
+        got = {d.request_id: d.payload for d in v.received}
+        assert got == {"task_pair_1": blob_a, "task_pair_2": blob_b}, v.vin
+        assert len(v.received) == 2, v.vin
+    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+
+
+def test_late_subscriber_gets_its_queue_oldest_first(rig: Any) -> None:
+    """Requests stored while the vehicles were offline arrive after they subscribe, oldest first."""
+    fanout, fleet, platform, prefix = rig
+    vins = vins_of(prefix, 10)
+    rids = ["task_late_b", "task_late_a", "task_late_c"]
+    for rid in rids:
+        platform.batch(vins, rid, rid)
+    assert fanout.rows(vins) == 30
+    vehicles = fleet.online(vins)
+    poll(lambda: all_have(vehicles, rids), DEADLINE_S)
+    assert [v.request_ids() for v in vehicles] == [rids] * len(vins)
+    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+
+
+def test_ack_deletes_the_row_that_inspect_shows(rig: Any) -> None:
+    """A delivered request stays pending (as `inspect` shows) until the vehicle's PUBACK deletes it."""
+    fanout, fleet, platform, prefix = rig
+    [vin] = vins_of(prefix, 1)
+    v = fleet.vehicle(vin, auto_ack=False)
+    v.connect()
+    v.subscribe()
+    platform.batch([vin], "task_ack_1", "x")
+    platform.batch([vin], "task_ack_2", "y")
+    poll(lambda: v.request_ids() == ["task_ack_1"], DEADLINE_S)
+    assert fanout.inspect(vin) == ["task_ack_1", "task_ack_2"]
+    assert v.ack_held() == 1
+    v.auto_ack = True
+    poll(lambda: v.request_ids() == ["task_ack_1", "task_ack_2"], DEADLINE_S)
+    poll(lambda: fanout.rows([vin]) == 0, DEADLINE_S)
+    assert fanout.inspect(vin) == []
+
+
+def test_heartbeat_makes_a_vehicle_online(rig: Any) -> None:
+    """A vehicle whose subscription we do not recognise gets nothing until it publishes
+    `ecp/<VIN>/online`; then its request arrives."""
+    fanout, fleet, platform, prefix = rig
+    quiet_vin, probe_vin = vins_of(prefix, 2)
+    quiet = fleet.vehicle(quiet_vin)
+    quiet.connect()
+    quiet.subscribe(f"agent/{quiet_vin}/proxy/#")  # routes deliveries, but is not the request filter
+    [probe] = fleet.online([probe_vin])
+    platform.batch([quiet_vin, probe_vin], "task_hb_1", "x")
+    # The same batch reached the recognised vehicle: had we taken `quiet` for online, it would have it too.
+    poll(lambda: probe.request_ids() == ["task_hb_1"], DEADLINE_S)
+    assert quiet.received == []
+    assert fanout.rows([quiet_vin]) == 1
+    quiet.heartbeat("online")
+    poll(lambda: quiet.request_ids() == ["task_hb_1"], DEADLINE_S)
+    poll(lambda: fanout.rows([quiet_vin]) == 0, DEADLINE_S)
+
+
+def test_persistent_session_resume_is_redelivered_by_the_broker_not_resent(rig: Any) -> None:
+    """A persistent session that drops before its PUBACK gets the request again from the broker
+    session on resume, and then the next one: no second copy from us."""
+    fanout, fleet, platform, prefix = rig
+    [vin] = vins_of(prefix, 1)
+    v = fleet.vehicle(vin, auto_ack=False, session_expiry_s=300)
+    assert v.connect(clean_start=True) is False
+    v.subscribe()
+    platform.batch([vin], "task_res_1", "first")
+    platform.batch([vin], "task_res_2", "second")
+    poll(lambda: v.request_ids() == ["task_res_1"], DEADLINE_S)
+    v.drop()
+    v.auto_ack = True
+    assert v.connect(clean_start=False) is True
+    poll(lambda: fanout.rows([vin]) == 0, DEADLINE_S)
+    assert v.request_ids() == ["task_res_1", "task_res_1", "task_res_2"]
+    assert [d.dup for d in v.received] == [False, True, False]
+
+
+@pytest.mark.parametrize("clean_start", [False, True], ids=["takeover", "discard"])
+def test_second_connection_of_a_clientid_takes_over_the_request(rig: Any, clean_start: bool) -> None:
+    """A second connection of the same clientid (session takeover, or a clean start discarding the
+    session) gets the unacknowledged request and the next one; the first connection is kicked."""
+    fanout, fleet, platform, prefix = rig
+    [vin] = vins_of(prefix, 1)
+    first = fleet.vehicle(vin, auto_ack=False, session_expiry_s=300)
+    first.connect()
+    first.subscribe()
+    platform.batch([vin], "task_tk_1", "one")
+    platform.batch([vin], "task_tk_2", "two")
+    poll(lambda: first.request_ids() == ["task_tk_1"], DEADLINE_S)
+    second = fleet.vehicle(vin, session_expiry_s=300)
+    assert second.connect(clean_start=clean_start) is (not clean_start)
+    if clean_start:
+        second.subscribe()  # a new session has no subscriptions
+    poll(lambda: second.request_ids() == ["task_tk_1", "task_tk_2"], DEADLINE_S)
+    poll(lambda: not first.connected, DEADLINE_S)
+    assert first.disconnect_reason == 0x8E  # Session taken over
+    poll(lambda: fanout.rows([vin]) == 0, DEADLINE_S)
+    assert first.request_ids() == ["task_tk_1"]
+    assert second.request_ids() == ["task_tk_1", "task_tk_2"]
+
+
+def test_bad_request_id_is_rejected_without_stalling_the_fleet(rig: Any) -> None:
+    """A batch whose request_id holds U+0085 is refused (`bad_request_id`) and stores nothing; the
+    vehicles still get every other request."""
+    fanout, fleet, platform, prefix = rig
+    vins = vins_of(prefix, 20)
+    vehicles = fleet.online(vins, hold_s=0.01)
+    platform.batch(vins, "task_ok_1", "one")
+    platform.batch(vins, "task_bad_\u0085_1", "bad")
+    platform.batch(vins, "task_ok_2", "two")
+    poll(lambda: all_have(vehicles, ["task_ok_1", "task_ok_2"]), DEADLINE_S)
+    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+    assert [v.request_ids() for v in vehicles] == [["task_ok_1", "task_ok_2"]] * len(vins)
+    rejected = [e for e in fanout.events("batch_rejected") if e.get("reason") == "bad_request_id"]
+    assert len(rejected) == 1
+
+
+def test_broker_restart_mid_fanout_delivers_everything(rig: Any) -> None:
+    """EMQX restarts while 20 vehicles drain 4 requests each; once they are back, every request
+    arrives (a request in flight at the restart may arrive twice, never more)."""
+    fanout, fleet, platform, prefix = rig
+    vins = vins_of(prefix, 20)
+    vehicles = fleet.online(vins, hold_s=0.05)
+    rids = [f"task_brk_{n}" for n in range(4)]
+    for rid in rids:
+        platform.batch(vins, rid, rid)
+    poll(lambda: sum(len(v.received) for v in vehicles) >= len(vins), DEADLINE_S)
+    platform.close()
+    fanout.broker.stop()
+    assert fanout.rows(vins) > 0  # the broker went away mid-fanout
+    fanout.broker.start()
+    fanout.broker.wait_exhook(EXHOOK)
+    for v in vehicles:
+        v.connect()
+        v.subscribe()
+    poll(lambda: all_have(vehicles, rids), DEADLINE_S)
+    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+    for v in vehicles:
+        assert max(Counter(v.request_ids()).values()) <= 2, (v.vin, v.request_ids())
+    assert fanout.srv.proc.poll() is None
+
+
+@pytest.mark.parametrize("how", ["sigterm", "kill9"])
+def test_server_restart_mid_fanout_loses_nothing(rig: Any, how: str) -> None:
+    """This server stops (SIGTERM drain or kill -9) while 20 vehicles drain 4 requests each and comes
+    back on the same port and data: with the vehicles' heartbeats, every request arrives."""
+    fanout, fleet, platform, prefix = rig
+    vins = vins_of(prefix, 20)
+    vehicles = fleet.online(vins, hold_s=0.05)
+    rids = [f"task_srv_{n}" for n in range(4)]
+    for rid in rids:
+        platform.batch(vins, rid, rid)
+    poll(lambda: sum(len(v.received) for v in vehicles) >= len(vins), DEADLINE_S)
+    fanout.halt(how)
+    assert fanout.rows(vins) > 0  # it went away mid-fanout
+    fanout.start_again()
+    beat = Throttle(1.0)
+
+    def done() -> bool:
+        missing = [v for v in vehicles if not set(rids) <= set(v.request_ids())]
+        if missing and beat.due():
+            for v in missing:  # vehicles heartbeat; after a restart, that is how we find them again
+                v.heartbeat("heartbeat")
+        return not missing
+
+    poll(done, DEADLINE_S, interval_s=0.05)
+    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+    for v in vehicles:
+        assert max(Counter(v.request_ids()).values()) <= 2, (v.vin, v.request_ids())
+
+
+class Throttle:
+    """True at most once per period (a vehicle's heartbeat interval)."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self._next = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.period_s
+        return True
