@@ -57,6 +57,8 @@ def is_group_member(sock: socket.socket) -> bool:
 #: A reconnect waits this long at first, doubling up to _RETRY_MAX_S.
 _RETRY_FIRST_S = 0.01
 _RETRY_MAX_S = 1.0
+#: On stop, how long to wait for the other processes (stopping too) to close their links to us.
+_LINGER_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,19 +121,23 @@ class Peers:
             self._wake[index] = asyncio.Event()
             self._tasks.append(asyncio.create_task(self._sender(index), name=f"peer-send-{index}"))
 
-    async def stop(self) -> None:
+    async def stop(self, linger_s: float = _LINGER_S) -> None:
         """Stop sending, stop listening, and end every incoming link before returning.
 
-        An incoming link's reader task must end on its own, not be cancelled when the loop
-        closes: CPython 3.11's stream server logs a cancelled connection task as an
-        `Exception in callback ... CancelledError` traceback. Closing the link's transport
-        makes its read end with EOF, so the task returns normally.
+        The group stops as a whole (SIGTERM reaches every process), so each peer closes its
+        link to us as it stops; we wait up to `linger_s` for that, and only then close what is
+        left ourselves. Closing first would make a peer that still sends log `peer_link_lost`
+        on a clean shutdown. And an incoming link's reader task must end on its own, not be
+        cancelled when the loop closes: CPython 3.11's stream server logs a cancelled connection
+        task as an `Exception in callback ... CancelledError` traceback.
         """
         await cancel_all(self._tasks)
         if self._server is not None:
             self._server.close()
+        if self._incoming:
+            await asyncio.wait(list(self._incoming), timeout=linger_s)
         for writer in self._incoming.values():
-            writer.close()
+            writer.close()  # the read ends with EOF: the task returns normally
         if self._incoming:
             await asyncio.wait(list(self._incoming), timeout=1.0)
         if self._server is not None:
