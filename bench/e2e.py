@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -68,12 +67,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 from plumbing import (  # bench/ is sys.path[0] when run as a script
     Child,
     CpuMeter,
+    arm_fleets,
+    collect_fleets,
+    cycle_stats,
     dec,
     descendants,
+    machine_meta,
     make_vins,
     mib,
     num,
     pct,
+    pending_rows,
     proc_cpu_s,
     quiesce,
     rss_bytes,
@@ -162,8 +166,7 @@ class Rig:
 
     def rows(self) -> int:
         assert self.store is not None
-        with self.store.read() as txn:
-            return int(txn.stat(self.store.tables.ids)["entries"])
+        return pending_rows(self.store)
 
     def last_txnid(self) -> int:
         """LMDB's last committed write transaction: one per group commit (one fsync each)."""
@@ -196,18 +199,10 @@ class Rig:
         return CpuMeter(groups)
 
     def arm(self, fleets: list[Child], expect: int, **extra: Any) -> None:
-        for c in fleets:
-            c.send({"cmd": "phase", "expect": expect, "deadline_s": self.args.deadline_s, **extra})
-        for c in fleets:
-            if not c.recv(30).get("armed"):
-                raise RuntimeError(f"{c.name} did not arm")
+        arm_fleets(fleets, expect, self.args.deadline_s, **extra)
 
     def collect(self, fleets: list[Child], expect_total: int) -> list[dict[str, Any]]:
-        done = [c.recv(self.args.deadline_s + 30)["done"] for c in fleets]
-        distinct = sum(d["distinct"] for d in done)
-        if distinct != expect_total or any(d["short"] for d in done):
-            raise RuntimeError(f"fleet got {distinct} distinct messages of {expect_total}")
-        return done
+        return collect_fleets(fleets, expect_total, self.args.deadline_s)
 
     def close(self) -> None:
         for c in self.children:
@@ -228,16 +223,6 @@ def rpc_error(rig: Rig) -> str:
     """The last failed hook RPC of the bench's FakeEmqx (e.g. DEADLINE_EXCEEDED: EMQX's 5 s timeout)."""
     errors = rig.emqx.rpc_errors if rig.emqx is not None else []
     return f"{errors[-1][0]}: {errors[-1][1]!r}" if errors else "no answer"
-
-
-def cycle_stats(done: list[dict[str, Any]]) -> dict[str, float]:
-    """Percentiles of the per-vehicle cycle and its two parts, from the fleets' samples."""
-    out = {}
-    for key in ("cycle", "fleet", "turn", "rpc"):
-        values = [v for d in done for v in d.get(key, ())]
-        for q in (50, 99):
-            out[f"{key}_p{q}_ms"] = pct(values, q / 100) * 1000 if values else 0.0
-    return out
 
 
 class Probe:
@@ -702,11 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_inflight": args.max_inflight,
         "seed": args.seed,
         "log_level": args.log_level,
-        "cpus": os.cpu_count(),
-        "loadavg_1m_before": load_before,
-        "loadavg_1m_after": os.getloadavg()[0],
-        "wall_s": time.monotonic() - wall0,
-        "python": platform.python_version(),
+        **machine_meta(load_before, wall0),
         "grpc": grpc.__version__,
         "paho": paho.mqtt.__version__,
     }

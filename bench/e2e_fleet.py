@@ -7,9 +7,11 @@ spreads the fleet over several of these. Roles:
   mosquitto; the driver calls our ExHook RPCs as EMQX would: connect, subscribe,
   and one `message.acked` per PUBACK). Like tests/fleet_proc.py, but long-lived and
   phase by phase, reporting every receive time.
-* `raw`: plain paho MQTT 5 subscribers on `<prefix>/<VIN>/proxy/request/+`, QoS 1,
+* `raw`: plain paho MQTT 5 subscribers (clientid `<clientid-prefix><VIN>`) on
+  `<prefix>/<VIN>/proxy/request/+` for each of the comma-separated `--prefix`es, QoS 1,
   acking each message as it arrives; with `signal`, each then publishes a QoS 0
   `<ack-prefix>/<VIN>` so the publisher can keep one message in flight per VIN.
+  bench/e2e_emqx.py uses them as real vehicles (clientid = VIN, `agent` and `refer`).
 * `pub`: the raw reference publisher: one paho MQTT 5 client, QoS 1, the same
   in-flight window as the server's delivery client, mode `a` (everything at once)
   or `b` (next message to a VIN only after that VIN's ack signal).
@@ -123,6 +125,7 @@ class Fleet:
             "short": len(pending),
             "first": min(stamps, default=0.0),
             "last": max(stamps, default=0.0),
+            "last_done": max((d for _, d in first_seen.values()), default=0.0),
             # samples are enough for percentiles
             "cycle": sorted(cycle)[:: max(1, len(cycle) // 500)],
             "fleet": sorted(fleet)[:: max(1, len(fleet) // 500)],
@@ -194,7 +197,15 @@ class SimFleet(Fleet):
 class RawFleet(Fleet):
     """Plain paho subscribers: QoS 1, PUBACK as each message arrives, optional ack signal."""
 
-    def __init__(self, vins: list[str], mqtt_port: int, prefix: str, ack_prefix: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        vins: list[str],
+        mqtt_port: int,
+        prefixes: list[str],
+        ack_prefix: str,
+        timeout_s: float,
+        clientid_prefix: str = "raw-",
+    ) -> None:
         super().__init__(vins)
         self.logs: dict[str, list[tuple[str, float, float]]] = {}
         self.signal = False
@@ -206,12 +217,12 @@ class RawFleet(Fleet):
             self.logs[vin] = []
             c = mqtt.Client(
                 CallbackAPIVersion.VERSION2,
-                client_id=f"raw-{vin}",
+                client_id=f"{clientid_prefix}{vin}",
                 protocol=mqtt.MQTTv5,
                 manual_ack=True,
                 reconnect_on_failure=False,
             )
-            c.on_connect = self._on_connect(vin, prefix)
+            c.on_connect = self._on_connect(vin, prefixes)
             c.on_subscribe = lambda *_a: subscribed.release()
             c.on_message = self._on_message(vin, f"{ack_prefix}/{vin}")
             c.on_disconnect = self._on_disconnect(vin)
@@ -223,12 +234,14 @@ class RawFleet(Fleet):
             if not subscribed.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise SystemExit(f"raw fleet: not every subscriber subscribed within {timeout_s} s")
 
-    def _on_connect(self, vin: str, prefix: str) -> Any:
+    def _on_connect(self, vin: str, prefixes: list[str]) -> Any:
+        topics = [(f"{prefix}/{vin}/proxy/request/+", SubscribeOptions(qos=1)) for prefix in prefixes]
+
         def on_connect(client: mqtt.Client, _u: Any, _flags: Any, rc: Any, _props: Any) -> None:
             if rc.is_failure:
                 self.errors.append(f"{vin}: CONNACK {rc}")
                 return
-            client.subscribe(f"{prefix}/{vin}/proxy/request/+", options=SubscribeOptions(qos=1))
+            client.subscribe(topics)  # one SUBSCRIBE, one SUBACK
 
         return on_connect
 
@@ -389,7 +402,12 @@ def main() -> int:
     p.add_argument("--vins", required=True, help="comma-separated")
     p.add_argument("--exhook-port", type=int, default=0)
     p.add_argument("--delivery-clientid", default="")
-    p.add_argument("--prefix", default="refer", help="raw topics: <prefix>/<VIN>/proxy/request/<rid>")
+    p.add_argument(
+        "--prefix",
+        default="refer",
+        help="raw topics: <prefix>/<VIN>/proxy/request/<rid> (raw fleets: comma-separated, each)",
+    )
+    p.add_argument("--clientid-prefix", default="raw-", help="raw fleets: clientid = <this><VIN>")
     p.add_argument("--ack-prefix", default="refer-ack")
     p.add_argument("--max-inflight", type=int, default=50)
     p.add_argument("--timeout-s", type=float, default=120)
@@ -399,7 +417,8 @@ def main() -> int:
     if args.role == "sim":
         worker = SimFleet(vins, args.exhook_port, args.mqtt_port, args.delivery_clientid)
     elif args.role == "raw":
-        worker = RawFleet(vins, args.mqtt_port, args.prefix, args.ack_prefix, args.timeout_s)
+        prefixes = args.prefix.split(",")
+        worker = RawFleet(vins, args.mqtt_port, prefixes, args.ack_prefix, args.timeout_s, args.clientid_prefix)
     else:
         worker = Publisher(vins, args.mqtt_port, args.prefix, args.ack_prefix, args.max_inflight)
     try:

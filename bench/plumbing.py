@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import queue
 import random
 import statistics
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from storage.store import Store
 from tests.harness import SubprocessServer
 
 VIN_CHARS = "ABCDEFGHJKLMNPRSTUVWXYZ" + string.digits  # no I, O, Q, as in real VINs
@@ -165,13 +167,15 @@ class CpuMeter:
     def __init__(self, groups: dict[str, list[int]]) -> None:
         self.groups = groups
         self.t0 = time.monotonic()
+        self.wall_s = 0.0  #: the wall time the last shares() covered
         self.c0 = {g: sum(proc_cpu_s(p) for p in pids) for g, pids in groups.items()}
         self.self0 = proc_cpu_s(os.getpid())
         self.machine0 = machine_busy_s()
         self.threads0 = thread_cpu_s(groups["server"])
 
     def shares(self) -> dict[str, float]:
-        wall = time.monotonic() - self.t0
+        """Each group's CPU since the meter started, as a share of one core over `wall_s`."""
+        wall = self.wall_s = time.monotonic() - self.t0
         out = {g: (sum(proc_cpu_s(p) for p in pids) - self.c0[g]) / wall for g, pids in self.groups.items()}
         out["bench"] = (proc_cpu_s(os.getpid()) - self.self0) / wall
         out["total"] = sum(out.values())
@@ -181,6 +185,55 @@ class CpuMeter:
             max((c - self.threads0.get(tid, 0.0) for tid, c in threads.items()), default=0.0) / wall
         )
         return out
+
+
+# -- fleets: the JSON-lines protocol of bench/e2e_fleet.py ---------------------------------------
+
+
+def arm_fleets(fleets: Sequence[Child], expect: int, deadline_s: float, **extra: Any) -> None:
+    """Start a phase in every fleet process: each VIN is to get `expect` new distinct messages."""
+    for c in fleets:
+        c.send({"cmd": "phase", "expect": expect, "deadline_s": deadline_s, **extra})
+    for c in fleets:
+        if not c.recv(30).get("armed"):
+            raise RuntimeError(f"{c.name} did not arm")
+
+
+def collect_fleets(fleets: Sequence[Child], expect_total: int, deadline_s: float) -> list[dict[str, Any]]:
+    """The fleets' reports of the phase; raises unless every VIN got every message."""
+    done = [c.recv(deadline_s + 30)["done"] for c in fleets]
+    distinct = sum(d["distinct"] for d in done)
+    if distinct != expect_total or any(d["short"] for d in done):
+        raise RuntimeError(f"fleet got {distinct} distinct messages of {expect_total}")
+    return done
+
+
+def cycle_stats(done: list[dict[str, Any]]) -> dict[str, float]:
+    """Percentiles of the per-vehicle cycle and its two parts, from the fleets' samples."""
+    out = {}
+    for key in ("cycle", "fleet", "turn", "rpc"):
+        values = [v for d in done for v in d.get(key, ())]
+        for q in (50, 99):
+            out[f"{key}_p{q}_ms"] = pct(values, q / 100) * 1000 if values else 0.0
+    return out
+
+
+def machine_meta(load_before: float, wall0: float) -> dict[str, Any]:
+    """The run's conditions for a report: CPUs, 1-min load average before and now, wall time since
+    `wall0` (time.monotonic()), Python version."""
+    return {
+        "cpus": os.cpu_count(),
+        "loadavg_1m_before": load_before,
+        "loadavg_1m_after": os.getloadavg()[0],
+        "wall_s": time.monotonic() - wall0,
+        "python": platform.python_version(),
+    }
+
+
+def pending_rows(store: Store) -> int:
+    """Rows (VIN, request) the server still holds in LMDB (one stat: cheap to poll)."""
+    with store.read() as txn:
+        return int(txn.stat(store.tables.ids)["entries"])
 
 
 # -- workload -----------------------------------------------------------------------------------

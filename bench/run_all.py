@@ -1,6 +1,7 @@
 """Run every benchmark in bench/ with moderate settings and write docs/BENCHMARKS.md + PNG charts.
 
     .venv/bin/python bench/run_all.py            # what `make bench` runs (~5 min on 2 cores)
+    .venv/bin/python bench/run_all.py --only e2e_emqx   # one scenario, spliced into the existing report
 
 Each script runs as its own subprocess, one after the other (never in parallel: they share the
 machine's CPUs), with --json into a tmp dir. The summary table is built from those JSON files;
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +46,18 @@ SCRIPTS: list[tuple[str, str, list[str], str]] = [
         ["--vehicles", "500", "--batches", "10", "--rounds", "3", "--procs", "2", "--levels", "1,10,100"],
         "End-to-end delivery (bench/e2e.py)",
     ),
+    (
+        "e2e_emqx",
+        "bench/e2e_emqx.py",
+        ["--versions", "5.8.9,5.9.1", "--vehicles", "500", "--requests", "6", "--rounds", "5"],
+        "End-to-end through real EMQX 5.8.9 and 5.9.1 (bench/e2e_emqx.py)",
+    ),
     ("gc", "bench/gc.py", ["--rows", "300000"], "GC pipeline (bench/gc.py)"),
     ("hooks", "bench/hooks.py", [], "Heartbeat and ack hook RPC path (bench/hooks.py)"),
 ]
+
+#: bench/e2e_emqx.py: ours over the broker's own one-in-flight QoS 1 delivery, per EMQX version.
+EMQX_RATIO_MIN = 0.6
 
 #: Scale linearity: CPU per RPC at 10x / 100x distinct VINs over the 1x level may grow this much
 #: before it counts as worse than linear (the paired ratio moves ~10 % from noise alone on 2 cores).
@@ -63,7 +74,11 @@ def fmt_mmm(s: dict[str, float] | None, fmt: str = "{:.2f}") -> str:
     return " / ".join(fmt.format(s[k]) for k in ("min", "median", "max"))
 
 
-def linear_row(scenario: str, measured: str, worst_cost_ratio: float) -> tuple[str, str, str, str, str]:
+#: A summary table row: scenario, reference in the same run, target, measured, status.
+Row = tuple[str, str, str, str, str]
+
+
+def linear_row(scenario: str, measured: str, worst_cost_ratio: float) -> Row:
     """A summary row for "cost grows linearly or better": the worst level's cost over the 1x level's."""
     return (
         scenario,
@@ -100,11 +115,19 @@ def run_script(name: str, script: str, args: list[str], tmp: Path) -> dict[str, 
 # -- summary ------------------------------------------------------------------------------
 
 
-def summary_rows(res: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, str, str]]:
-    """(scenario, reference, target, measured, status) rows, all numbers from the JSON files."""
-    rows: list[tuple[str, str, str, str, str]] = []
+def summary_rows(res: dict[str, dict[str, Any]]) -> list[Row]:
+    """(scenario, reference, target, measured, status) rows of the scenarios that ran, all numbers from
+    their JSON files (None where a script failed)."""
+    rows: list[Row] = []
+    for name, rows_of in SUMMARY_ROWS.items():
+        if name in res:
+            rows += rows_of(res[name]["data"])
+    return rows
 
-    ing = res["ingest"]["data"]
+
+def ingest_rows(ing: dict[str, Any] | None) -> list[Row]:
+    """bench/ingest.py: ours vs the raw py-lmdb loop, then the extra references and levels."""
+    rows: list[Row] = []
     s = ing["summary"]["ratio_ours_over_raw"] if ing else None
     meas = fmt_mmm(s) + "x" if s else "n/a"
     if ing:
@@ -121,11 +144,12 @@ def summary_rows(res: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, st
             verdict(s, 1.5),
         )
     )
-    rows += ingest_extra_rows(ing)
+    return rows + ingest_extra_rows(ing)
 
-    rows += hook_rows(res["hooks"]["data"])
 
-    e2e = res["e2e"]["data"]
+def e2e_rows(e2e: dict[str, Any] | None) -> list[Row]:
+    """bench/e2e.py: ours vs raw paho on mosquitto, cost at 10x / 100x, latency, RSS per VIN."""
+    rows: list[Row] = []
     for key, label in (
         ("ratio_ours_over_raw_a", "raw paho QoS 1 (a): one publisher, window 50, unconstrained"),
         ("ratio_ours_over_raw_b", "raw paho QoS 1 (b): one message in flight per subscriber"),
@@ -175,8 +199,46 @@ def summary_rows(res: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, st
     else:
         meas, status = "n/a", "not measured (run failed)"
     rows.append(("RSS per online VIN", "—", "≤ 300 B", meas, status))
+    return rows
 
-    gc = res["gc"]["data"]
+
+def emqx_rows(em: dict[str, Any] | None) -> list[Row]:
+    """bench/e2e_emqx.py: per EMQX version, ours over the broker-paced raw QoS 1 (one in flight)."""
+    if not em:
+        return [
+            (
+                "End-to-end through real EMQX, deliveries/s",
+                "raw EMQX QoS 1, one in flight per vehicle (max_inflight 1)",
+                f"≥ {EMQX_RATIO_MIN:.1f}x",
+                "n/a",
+                verdict(None, EMQX_RATIO_MIN),
+            )
+        ]
+    rows: list[Row] = []
+    for v in em["versions"]:
+        s = v["summary"]
+        meas = (
+            f"{fmt_mmm(s['ratio_ours_over_raw_paced'])}x (ours {s['ours_deliveries_per_s']['median']:,.0f} vs raw "
+            f"{s['raw_paced_deliveries_per_s']['median']:,.0f} deliveries/s, medians; closed-loop raw "
+            f"{s['raw_loop_deliveries_per_s']['median']:,.0f}/s: {fmt_mmm(s['ratio_ours_over_raw_loop'])}x; CPU per "
+            f"delivery of all the rig's processes, raw / ours: {fmt_mmm(s['cost_ratio_raw_paced_over_ours'])}x; "
+            f"server {s['ours_server_us_per_delivery']['median']:,.0f} µs/delivery, "
+            f"{v['server_processes']} process(es))"
+        )
+        rows.append(
+            (
+                f"End-to-end through real EMQX {v['version']} (ExHook {v['protocol']}), deliveries/s",
+                "raw EMQX QoS 1, same fleet, one in flight per vehicle (listener max_inflight 1, broker-paced)",
+                f"≥ {EMQX_RATIO_MIN:.1f}x",
+                meas,
+                verdict(s["ratio_ours_over_raw_paced"], EMQX_RATIO_MIN),
+            )
+        )
+    return rows
+
+
+def gc_rows(gc: dict[str, Any] | None) -> list[Row]:
+    """bench/gc.py: rows/s and peak RSS of each step (reported, no target)."""
     if gc:
         meas = (
             f"{gc['rows']:,} rows: export {gc['export']['rows_per_s']:,} rows/s "
@@ -188,13 +250,12 @@ def summary_rows(res: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, st
         )
     else:
         meas = "n/a"
-    rows.append(("GC pipeline rows/s and peak RSS", "—", "report", meas, "reported" if gc else "run failed"))
-    return rows
+    return [("GC pipeline rows/s and peak RSS", "—", "report", meas, "reported" if gc else "run failed")]
 
 
-def ingest_extra_rows(ing: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
+def ingest_extra_rows(ing: dict[str, Any] | None) -> list[Row]:
     """bench/ingest.py: the tuned reference, disk per row and per blob, and cost at 10x / 100x rows."""
-    rows: list[tuple[str, str, str, str, str]] = []
+    rows: list[Row] = []
     tuned = ing["summary"].get("ratio_ours_over_raw_tuned") if ing else None
     if tuned:
         rows.append(
@@ -241,10 +302,10 @@ def ingest_extra_rows(ing: dict[str, Any] | None) -> list[tuple[str, str, str, s
     return rows
 
 
-def hook_rows(hk: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
+def hook_rows(hk: dict[str, Any] | None) -> list[Row]:
     """bench/hooks.py: ours vs the no-op server and the EMQX example shape, latency, VIN scale."""
     sm = hk["summary"] if hk else None
-    rows: list[tuple[str, str, str, str, str]] = []
+    rows: list[Row] = []
     for key, ref, ref_key, target in (
         ("ratio_ours_over_noop", "no-op ExHook server (grpc.aio, same proto, answers at once)", "noop", 0.8),
         (
@@ -323,6 +384,21 @@ def hook_rows(hk: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]
     return rows
 
 
+#: Each scenario's summary rows, in the order of the summary table.
+SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
+    "ingest": ingest_rows,
+    "hooks": hook_rows,
+    "e2e": e2e_rows,
+    "e2e_emqx": emqx_rows,
+    "gc": gc_rows,
+}
+
+
+def data_of(res: dict[str, dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """A scenario's JSON numbers; None if it failed or did not run."""
+    return res.get(name, {}).get("data")
+
+
 # -- charts -------------------------------------------------------------------------------
 
 
@@ -350,7 +426,7 @@ def charts(res: dict[str, dict[str, Any]], out_dir: Path) -> list[tuple[str, str
         fig.savefig(path, dpi=100)
         plt.close(fig)
 
-    ing = res["ingest"]["data"]
+    ing = data_of(res, "ingest")
     if ing:
         rounds = ing["rounds"]
         bars(
@@ -365,7 +441,7 @@ def charts(res: dict[str, dict[str, Any]], out_dir: Path) -> list[tuple[str, str
         )
         made.append(("bench_ingest.png", "Durable ingest, VIN-rows/s per round"))
 
-    e2e = res["e2e"]["data"]
+    e2e = data_of(res, "e2e")
     if e2e:
         rounds = e2e["rounds"]
         bars(
@@ -381,7 +457,7 @@ def charts(res: dict[str, dict[str, Any]], out_dir: Path) -> list[tuple[str, str
         )
         made.append(("bench_e2e.png", "End-to-end msgs/s per round"))
 
-    gc = res["gc"]["data"]
+    gc = data_of(res, "gc")
     if gc:
         steps = [("export", "export"), ("gc apply", "apply"), ("embedded GC", "embedded_gc")]
         bars(
@@ -393,7 +469,7 @@ def charts(res: dict[str, dict[str, Any]], out_dir: Path) -> list[tuple[str, str
         )
         made.append(("bench_gc.png", "GC pipeline rows/s per step"))
 
-    hk = res["hooks"]["data"]
+    hk = data_of(res, "hooks")
     if hk:
         hooks_chart(plt, hk, out_dir / "bench_hooks.png")
         made.append(("bench_hooks.png", "Heartbeat + ack hook RPC/s per round, latency at half load, VIN scale"))
@@ -533,16 +609,69 @@ def write_report(
         lines += ["", "## Charts", ""]
         for fname, alt in made:
             lines += [f"![{alt}]({fname})", ""]
-    titles = {name: title for name, _, _, title in SCRIPTS}
     for name, r in res.items():
-        lines += [
-            "",
-            f"## {titles[name]}",
-            "",
-            f"`{r['cmd']}` — exit {r['rc']}, {r['wall_s']:.0f} s",
-            "",
-            nest(r["markdown"]) or "_(no output)_",
-        ]
+        lines += ["", *section(name, r)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def section(name: str, r: dict[str, Any], note: str = "") -> list[str]:
+    """A scenario's "## " section: its command, exit code and wall time, then its markdown."""
+    title = next(title for n, _, _, title in SCRIPTS if n == name)
+    return [
+        f"## {title}",
+        "",
+        f"`{r['cmd']}` — exit {r['rc']}, {r['wall_s']:.0f} s{note}",
+        "",
+        nest(r["markdown"]) or "_(no output)_",
+    ]
+
+
+def splice(report: str, res: dict[str, dict[str, Any]], started: dt.datetime) -> str:
+    """The report with the command, summary rows and section of each scenario in `res` replaced by
+    the new run's (or added: rows at the end of the summary table, sections in the order of SCRIPTS)."""
+    lines = report.rstrip("\n").split("\n")
+    note = f" (run alone with `run_all.py --only` on {started.strftime('%Y-%m-%d %H:%M UTC')})"
+    fence = [i for i, ln in enumerate(lines) if ln == "```"][:2]
+    if len(fence) != 2:
+        raise SystemExit("the report has no commands block: run the whole `make bench` first")
+    for r in res.values():
+        script = r["cmd"].split()[1]
+        at = next((i for i in range(fence[0] + 1, fence[1]) if lines[i].split()[1:2] == [script]), None)
+        if at is None:
+            lines.insert(fence[1], r["cmd"])
+            fence[1] += 1
+        else:
+            lines[at] = r["cmd"]
+    new_rows = summary_rows(res)
+    scenarios = {row[0] for row in new_rows}
+    table = [i for i, ln in enumerate(lines) if ln.startswith("| ") and i > fence[1]]
+    head = table[0] + 2 if table else None  # the header line and |---|
+    if head is None or not lines[table[0]].startswith("| scenario |"):
+        raise SystemExit("the report has no summary table: run the whole `make bench` first")
+    end = head
+    while end < len(lines) and lines[end].startswith("| "):
+        end += 1
+    rows = lines[head:end]
+    old = [i for i, ln in enumerate(rows) if ln.split(" | ")[0][2:] in scenarios]
+    at = old[0] if old else len(rows)
+    rows = [ln for i, ln in enumerate(rows) if i not in old]
+    rows[at:at] = ["| " + " | ".join(row) + " |" for row in new_rows]
+    lines[head:end] = rows
+    for name, r in res.items():
+        title = section(name, r)[0]
+        new = section(name, r, note)
+        start = next((i for i, ln in enumerate(lines) if ln == title), None)
+        if start is None:
+            names = [n for n, *_ in SCRIPTS]
+            later = {section(n, r)[0] for n in names[names.index(name) + 1 :]}
+            at = next((i for i, ln in enumerate(lines) if ln in later), None)
+            if at is None:
+                lines += ["", *new]
+            else:
+                lines[at:at] = [*new, ""]
+            continue
+        stop = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        lines[start:stop] = [*new, ""] if stop < len(lines) else new
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -553,7 +682,17 @@ def main() -> int:
         default=str(DOCS / "BENCHMARKS.md"),
         help="report path (default docs/BENCHMARKS.md); the charts are written next to it",
     )
+    p.add_argument(
+        "--only",
+        metavar="NAMES",
+        help=f"run only these scenarios (comma-separated: {', '.join(n for n, *_ in SCRIPTS)}) and splice their "
+        "commands, summary rows and sections into the existing report; the charts and the rest stay as they were",
+    )
     args = p.parse_args()
+    only = [n.strip() for n in (args.only or "").split(",") if n.strip()]
+    unknown = sorted(set(only) - {n for n, *_ in SCRIPTS})
+    if unknown:
+        p.error(f"unknown scenario(s) {', '.join(unknown)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.UTC)
@@ -562,7 +701,16 @@ def main() -> int:
     res: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="sdv-bench-all-") as tmp:
         for name, script, script_args, _ in SCRIPTS:
-            res[name] = run_script(name, script, script_args, Path(tmp))
+            if not only or name in only:
+                res[name] = run_script(name, script, script_args, Path(tmp))
+    if only:
+        failed = [name for name, r in res.items() if r["rc"] != 0]
+        if failed:  # a failed run would leave stale rows next to n/a: keep the report as it was
+            print(f"{', '.join(failed)} failed; {out} left as it was", file=sys.stderr)
+            return 1
+        out.write_text(splice(out.read_text(), res, started))
+        print(f"spliced {', '.join(only)} into {out} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        return 0
     load_after = os.getloadavg()
     made = charts(res, out.parent)
     wall = time.monotonic() - t0
