@@ -298,8 +298,10 @@ class Demo:
         env["SDV_FANOUT_MQTT_URL"] = broker.url
         if self.args.processes is not None:
             env["SDV_FANOUT_PROCESSES"] = str(self.args.processes)
-        if "metrics_listen" in {f.name for f in dataclasses.fields(Config)}:
-            env["SDV_FANOUT_METRICS_LISTEN"] = "127.0.0.1:0"  # never the fixed default port
+        settings = {f.name for f in dataclasses.fields(Config)}
+        for name in ("metrics_listen", "admin_listen"):  # never a fixed default port
+            if name in settings:
+                env[f"SDV_FANOUT_{name.upper()}"] = f"{LOOPBACK}:0"
         self.server_log = open(self.server_log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.server = subprocess.Popen(cmd, stdout=self.server_log, stderr=subprocess.STDOUT, env=env, cwd=self.tmp)
         deadline = time.monotonic() + 30
