@@ -83,7 +83,7 @@ from plumbing import (  # bench/ is sys.path[0] when run as a script
 )
 
 from storage.store import Store
-from tests.emqx_real import EmqxBroker, find_release
+from tests.emqx_real import EmqxBroker, EmqxError, find_release
 from tests.emqx_sim import LOOPBACK, free_port
 from tests.harness import SubprocessServer
 
@@ -153,7 +153,7 @@ class Rig:
         self.args = args
         self.tmp = tmp
         self.vins = vins
-        self.fleet_port = free_port()
+        self.fleet_port = 0
         self.children: list[Child] = []
         self.fleets: list[Child] = []
         self.broker: EmqxBroker | None = None
@@ -162,13 +162,26 @@ class Rig:
         self.pub: Child | None = None
         self.store: Store | None = None
 
+    def start_broker(self, attempts: int = 3) -> EmqxBroker:
+        """EMQX with the fleet's listener; new ports on a retry (a port found free may be taken by
+        someone else before the node binds it: eaddrinuse)."""
+        for attempt in range(1, attempts + 1):
+            self.fleet_port = free_port()
+            zone = {
+                "EMQX_LISTENERS__TCP__FLEET__BIND": f"{LOOPBACK}:{self.fleet_port}",
+                "EMQX_LISTENERS__TCP__FLEET__ZONE": "fleet",
+                "EMQX_ZONES__FLEET__MQTT__MAX_INFLIGHT": "1",
+            }
+            try:
+                return EmqxBroker(self.version, self.tmp / f"emqx{attempt}", env=zone).start()
+            except EmqxError:
+                if attempt == attempts:
+                    raise
+                print(f"EMQX {self.version} did not start (attempt {attempt}); again on new ports", file=sys.stderr)
+        raise AssertionError("unreachable")
+
     def start(self, say: Callable[[str], None]) -> None:
-        zone = {
-            "EMQX_LISTENERS__TCP__FLEET__BIND": f"{LOOPBACK}:{self.fleet_port}",
-            "EMQX_LISTENERS__TCP__FLEET__ZONE": "fleet",
-            "EMQX_ZONES__FLEET__MQTT__MAX_INFLIGHT": "1",
-        }
-        self.broker = EmqxBroker(self.version, self.tmp / "emqx", env=zone).start()
+        self.broker = self.start_broker()
         self.emqx_pids = descendants(self.broker.proc.pid)  # type: ignore[union-attr]
         env = {"SDV_FANOUT_MQTT_URL": self.broker.url, "SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0"}
         env["SDV_FANOUT_PROCESSES"] = str(self.args.server_processes)
