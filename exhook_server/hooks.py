@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import structlog
 from google.protobuf import message_factory
 
-from exhook_server import metrics
+from exhook_server import decoding, metrics
 from exhook_server._proto import exhook_v2_pb2, exhook_v3_pb2
+from exhook_server.admission import IngestBudget
 from exhook_server.config import Config
 from exhook_server.dispatch.commands import EndReason, Session
 from exhook_server.dispatch.pool import Dispatcher
@@ -128,10 +129,12 @@ class HookServicer:
         self._heartbeats = [TopicTemplate(t) for t in cfg.heartbeat_topics]
         self._delivery_prefix = cfg.mqtt_clientid_prefix
         self._specs = [pb.HookSpec(name=name, topics=topics) for name, topics in hook_specs(cfg)]
+        #: Caps the payload bytes of batch calls in progress (see `admission`).
+        self.budget = IngestBudget(cfg.max_ingest_inflight_bytes)
         self._calls = {
             (name, outcome): metrics.HOOK_CALLS.labels(name, outcome)
             for name, _, _ in _rpc_names()
-            for outcome in ("ok", "ignored", "stored", "rejected", "error")
+            for outcome in ("ok", "ignored", "stored", "rejected", "refused", "error")
         }
 
     # -- lifecycle -------------------------------------------------------------
@@ -157,8 +160,11 @@ class HookServicer:
 
     # -- the batch path ----------------------------------------------------------
     async def OnMessagePublish(
-        self, request: pb.MessagePublishRequest, context: grpc.aio.ServicerContext
+        self, request: pb.MessagePublishRequest | decoding.Overloaded, context: grpc.aio.ServicerContext
     ) -> pb.ValuedResponse:
+        if isinstance(request, decoding.Overloaded):  # too large to fit the budget: not even parsed
+            self.budget.turn_away(request.size)
+            await self._refuse_overloaded(context)
         msg = request.message
         kind = self._ingestor.parser.classify(msg.topic)
         if kind is None:
@@ -171,21 +177,38 @@ class HookServicer:
                     break
             self._calls["OnMessagePublish", "ignored"].inc()
             return _IGNORE
+        payload = msg.payload
+        # An oversize payload (rejected payload_too_large before any parse) is charged the whole
+        # budget at most, so an idle server still answers it with that reason code.
+        charged = self.budget.charge(len(payload))
+        if not self.budget.try_acquire(charged):
+            await self._refuse_overloaded(context)
         try:
             stored = await self._ingestor.ingest(
-                kind, msg.topic, msg.payload, getattr(msg, "from"), msg.headers.get("username", "")
+                kind, msg.topic, payload, getattr(msg, "from"), msg.headers.get("username", "")
             )
         except StorageError as exc:
             self._calls["OnMessagePublish", "error"].inc()
             # EMQX counts the failure in its exhook metrics and applies failed_action.
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"batch not stored: {exc}")
             raise  # unreachable: abort raises
+        finally:
+            self.budget.release(charged)
         self._calls["OnMessagePublish", "stored" if stored else "rejected"].inc()
         # Stopped and not routed either way: batch topics are for us, never for subscribers.
         # EMQX copies topic, qos and payload back from this message, so echo all of it.
         reply = pb.ValuedResponse(type=pb.ValuedResponse.STOP_AND_RETURN, message=msg)
         reply.message.headers["allow_publish"] = "false"
         return reply
+
+    async def _refuse_overloaded(self, context: grpc.aio.ServicerContext) -> NoReturn:
+        self._calls["OnMessagePublish", "refused"].inc()
+        # At once, not queued: a queue would hold every waiting payload. EMQX counts a failed call.
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"ingest busy: {self.budget.in_use} payload bytes in progress, limit {self.budget.limit_bytes}",
+        )
+        raise AssertionError("unreachable: abort raises")
 
     # -- presence and acks: answer at once, work behind the answer ----------------
     async def OnClientConnected(
@@ -259,6 +282,8 @@ class HookServicer:
             fn = own
 
             async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if type(request) is decoding.Malformed:
+                    await decoding.refuse(name, request, context)
                 started = time.perf_counter()
                 try:
                     return await fn(request, context)
@@ -271,6 +296,8 @@ class HookServicer:
         answer = _IGNORE if valued else _EMPTY
 
         async def no_opinion(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if type(request) is decoding.Malformed:
+                await decoding.refuse(name, request, context)
             counter.inc()
             latency.observe(0.0)
             return answer
@@ -289,7 +316,9 @@ def method_handlers(servicer: HookServicer) -> dict[str, dict[str, grpc.RpcMetho
     methods = {
         name: grpc.unary_unary_rpc_method_handler(
             servicer.handler(name, response_cls),
-            request_deserializer=request_cls.FromString,
+            request_deserializer=decoding.deserializer(
+                request_cls, servicer.budget.fits if name == "OnMessagePublish" else None
+            ),
             response_serializer=response_cls.SerializeToString,
         )
         for name, request_cls, response_cls in _rpc_names()

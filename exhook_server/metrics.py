@@ -75,3 +75,15 @@ MAP_USAGE = Gauge(
     "Used pages / LMDB map size (the map grows when full)",
     multiprocess_mode="livemostrecent",
 )
+INGEST_INFLIGHT_BYTES = Gauge(
+    "sdv_fanout_ingest_inflight_bytes",
+    "Payload bytes of batch calls being validated or committed (capped by max_ingest_inflight_bytes)",
+    multiprocess_mode="livesum",
+)
+REFUSED_CALLS = Counter(
+    "sdv_fanout_batches_refused_total", "Batch calls answered RESOURCE_EXHAUSTED: max_ingest_inflight_bytes was full"
+)
+REFUSED_BYTES = Counter("sdv_fanout_batches_refused_bytes_total", "Payload bytes of the refused batch calls")
+MALFORMED_CALLS = Counter(
+    "sdv_fanout_malformed_calls_total", "ExHook calls whose request was not valid protobuf, by hook", ["hook"]
+)

@@ -36,6 +36,7 @@ from typing import Any
 
 import structlog
 
+from exhook_server import memory
 from exhook_server.config import Config, join_host_port, loopback, split_host_port
 from exhook_server.errors import ConfigError
 
@@ -49,6 +50,7 @@ _LOCK_NAME = "server.lock"
 
 def serve_main(cfg: Config, ready_file: str | None) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code."""
+    memory.limit_arenas()  # before any thread or child process exists
     lock = _lock_data_dir(cfg)
     try:
         if cfg.process_count == 1:
