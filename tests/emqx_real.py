@@ -4,7 +4,8 @@
 tarballs of `RELEASES` in `SDV_FANOUT_EMQX_RELEASES`, `<repo>/../shared/emqx`, `/work/shared/emqx`,
 unpacking each once into `$XDG_CACHE_HOME/sdv-fanout/emqx/<stem>` (under a lock, renamed into place
 when complete). `EmqxBroker` runs one node on free loopback ports with its own node name, cookie,
-data and log dirs under `workdir`; `stop()` leaves no process of it behind.
+data and log dirs under `workdir`; `stop()` leaves no process of it behind. `Vehicle`, `Fleet`
+and `Platform` are real paho MQTT 5 clients of such a broker (the fleet and the batch publisher).
 """
 
 from __future__ import annotations
@@ -609,6 +610,15 @@ class EmqxBroker:
 # ---------------------------------------------------------------------------------------------
 
 
+def _wait_clear(event: threading.Event, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while event.is_set():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 class Delivery(NamedTuple):
     """One request a vehicle received: its request id (last topic level), payload, DUP flag."""
 
@@ -805,11 +815,13 @@ class Vehicle:
             self._held.clear()
             self._unacked = 0
 
-    def disconnect(self) -> None:
-        """A clean DISCONNECT."""
+    def disconnect(self, timeout_s: float = 10) -> None:
+        """A clean DISCONNECT (sent before the connection closes)."""
         client = self._client
         if client is not None:
             client.disconnect()
+            if not _wait_clear(self._connected, timeout_s):
+                raise EmqxError(f"{self.clientid}: DISCONNECT not sent within {timeout_s} s")
         self.drop()
 
     close = drop
