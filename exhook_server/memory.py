@@ -65,19 +65,30 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def trim_after_bursts(budget: IngestBudget, interval_s: float = 1.0) -> None:
-    """Forever: trim once a burst of batches is over (idle now, little came in the last interval).
+class BurstWatch:
+    """Tick by tick, whether a burst of batches just ended: nothing in progress now, little came in
+    since the last tick, and at least MIN_CHURN_BYTES since the last trim. Never mid-burst: the
+    pages a trim returns would only be faulted back in at once."""
 
-    Never in the middle of a burst: the pages would only be faulted back in at once.
-    """
-    trimmed_at = last_seen = budget.seen_total
+    def __init__(self, seen_total: int = 0) -> None:
+        self._trimmed_at = self._last_seen = seen_total
+
+    def ended(self, in_use: int, seen_total: int) -> bool:
+        """One tick with the budget's `in_use` and `seen_total`; True means trim now."""
+        recent, self._last_seen = seen_total - self._last_seen, seen_total
+        if in_use or recent >= MIN_CHURN_BYTES or seen_total - self._trimmed_at < MIN_CHURN_BYTES:
+            return False
+        self._trimmed_at = seen_total
+        return True
+
+
+async def trim_after_bursts(budget: IngestBudget, interval_s: float = 1.0) -> None:
+    """Forever: every `interval_s`, trim (in a thread) and log `memory_trimmed` when a burst ended."""
+    watch = BurstWatch(budget.seen_total)
     while True:
         await asyncio.sleep(interval_s)
-        seen, recent = budget.seen_total, budget.seen_total - last_seen
-        last_seen = seen
-        if budget.in_use or recent >= MIN_CHURN_BYTES or seen - trimmed_at < MIN_CHURN_BYTES:
+        if not watch.ended(budget.in_use, budget.seen_total):
             continue
-        trimmed_at = seen
         before, started = rss_bytes(), time.perf_counter()
         if not await asyncio.to_thread(trim):
             return
