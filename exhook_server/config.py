@@ -60,8 +60,10 @@ class Config:
     # The name the server's certificate is checked against when it is not the dialled host (in a
     # pod the CLI dials 127.0.0.1, the certificate names the Service); empty = the dialled host.
     cli_tls_server_name: str = ""
-    # HTTP/2 streams one EMQX pool connection may have open at once: with the receive limit
-    # below, it bounds what gRPC buffers before any handler runs (EMQX queues the rest).
+    # HTTP/2 streams one EMQX pool connection may have open at once: with the receive limit it
+    # bounds what gRPC buffers before any handler runs. EMQX does not queue beyond it, it fails
+    # the call (failed_action applies): 128 x pool_size calls in progress is far above what a
+    # fleet needs (rate x latency), while 1 MB batches on every stream stay in the pod's limit.
     grpc_max_concurrent_streams: int = 128
 
     # Server processes sharing the port (SO_REUSEPORT) and the LMDB environment; 0 = one per
