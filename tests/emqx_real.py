@@ -339,7 +339,10 @@ class EmqxBroker:
         return self.proc is not None and self.proc.poll() is None
 
     def environment(self) -> dict[str, str]:
-        """The environment `bin/emqx` runs with: our ports, names and dirs, then `env`."""
+        """The environment `bin/emqx` runs with: our ports, names and dirs, then `env`.
+
+        The caller's own EMQX_* variables are left out (one could move a port or the data dir);
+        settings for the node go through `env`."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("EMQX_")}
         env.update(
             EMQX_NODE__NAME=self.node_name,
@@ -417,7 +420,12 @@ class EmqxBroker:
         return self
 
     def stop(self, timeout_s: float = 30) -> None:
-        """`bin/emqx stop`, then SIGKILL whatever of ours is left; always waits for the processes."""
+        """`bin/emqx stop`, then SIGKILL whatever of ours is left; always waits for the processes.
+
+        Only the node's own descendants are killed. There is no epmd to spare or to clean up: EMQX 5
+        runs with `-start_epmd false -epmd_module ekka_epmd` (ports derive from node names), so
+        neither the node nor `bin/emqx stop` starts one, and an epmd someone else runs is never ours.
+        """
         proc, self.proc = self.proc, None
         if proc is not None:
             # Children spawned since start (port programs) are ours too.
