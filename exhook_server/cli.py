@@ -55,6 +55,16 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate and print the settings in force")
     _config_args(check)
     sub.add_parser("default-config", help="print every setting with its default, as TOML")
+    rule = sub.add_parser(
+        "ack-rule", help="the EMQX rule that brings PUBACKs to ack_topic_prefix: POST /api/v5/rules body, as JSON"
+    )
+    _config_args(rule, ("ack_topic_prefix", "request_topic_prefix", "mqtt_clientid_prefix"))
+    rule.add_argument(
+        "--emqx-before-5.8",
+        dest="old_emqx",
+        action="store_true",
+        help="leave out direct_dispatch (EMQX 5.1 fails every action that sets it)",
+    )
 
     stats = sub.add_parser("stats", help="rows, blobs, bytes, dedup ratio, early triggers")
     _server_arg(stats, "ask a running server instead")
@@ -273,6 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "default-config":
             print(Config().to_toml(), end="")
+            return 0
+        if args.command == "ack-rule":
+            from exhook_server.acks import rule_body
+
+            print(json.dumps(rule_body(_load(args), direct_dispatch=not args.old_emqx), indent=2))
             return 0
         if args.command == "stats":
             return _cmd_stats(args)

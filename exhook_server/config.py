@@ -19,7 +19,7 @@ from typing import Any
 
 from exhook_server.cpus import usable_cpus
 from exhook_server.errors import ConfigError
-from exhook_server.topics import name_problem, template_problem
+from exhook_server.topics import RequestTopics, TopicTemplate, name_problem, template_problem
 
 ENV_PREFIX = "SDV_FANOUT_"
 
@@ -169,6 +169,11 @@ class Config:
     # MQTT 5 Message-Expiry-Interval on deliveries; 0 = none.
     mqtt_message_expiry_s: int = 0
     mqtt_keepalive_s: int = 30
+    # Where PUBACKs of deliveries reach us: "" = EMQX's message.acked ExHook call (one gRPC call
+    # per delivery, its costliest step); a topic prefix = an EMQX rule republishes each PUBACK
+    # to <prefix>/<delivery clientid> (sdv-fanout ack-rule prints it), about a sixth of the CPU.
+    # Without that rule no delivery is ever acknowledged.
+    ack_topic_prefix: str = ""
 
     # -- logging --------------------------------------------------------------
     # `console` for people, `json` (one object per line) for log pipelines.
@@ -307,6 +312,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("mqtt_url must start with mqtt:// or mqtts:// (or be empty: no delivery)")
     if not cfg.mqtt_clientid_prefix:
         raise ConfigError("mqtt_clientid_prefix must not be empty (acks are matched by it)")
+    if cfg.ack_topic_prefix:
+        _check_ack_topic_prefix(cfg)
     if cfg.retention_s <= 0 or cfg.gc_interval_s < 0:
         raise ConfigError("retention_s must be positive and gc_interval_s not negative")
     if cfg.gc_grace_s < 60:
@@ -321,6 +328,23 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("log_format must be 'console' or 'json'")
     if cfg.log_level.lower() not in CHOICES["log_level"]:
         raise ConfigError("log_level must be debug, info, warning or error")
+
+
+def _check_ack_topic_prefix(cfg: Config) -> None:
+    """The ack topics must be plain topic names no hook of ours and no rule matches: an ack
+    message counted as a batch, a heartbeat or a delivery (whose PUBACK the rule would
+    republish again, for ever) would be worse than no ack."""
+    prefix = cfg.ack_topic_prefix
+    sample = prefix + "/" + cfg.mqtt_clientid_prefix + "host-1"
+    if problem := name_problem(sample):
+        raise ConfigError(f"ack_topic_prefix {prefix!r} is not a usable topic prefix: {problem}")
+    ours = (cfg.batch_topic, cfg.trigger_topic)
+    if sample in ours or prefix in ours or sample.startswith(cfg.data_topic_prefix + "/"):
+        raise ConfigError("ack_topic_prefix must not be a batch, data or trigger topic (nor lie under one)")
+    if RequestTopics(cfg.request_topic_prefix).parse_delivery(sample) is not None or any(
+        TopicTemplate(t).vin(sample) is not None for t in cfg.heartbeat_topics
+    ):
+        raise ConfigError("ack_topic_prefix must not match request_topic_prefix or a heartbeat topic")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -16,6 +16,11 @@ reason >= 0x80, or the link dropping while a delivery was unacknowledged, blames
 that delivery (`on_refused`); a blamed delivery is sent again only alone (nothing
 else unacknowledged meanwhile), so the next drop names the culprit exactly, and
 after `delivery_max_refusals` it is refused for good and its row ends failed.
+
+With `ack_topic_prefix` the client also receives the vehicles' PUBACKs, republished by an EMQX
+rule to `<prefix>/<its clientid>` (see `acks`): it subscribes on every connection, hands each
+message to `on_ack`, and warns when deliveries go out and no ack message comes back for
+`inflight_timeout_s` (the rule is missing or broken).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +62,8 @@ _SUSPECTS_MAX = 10_000
 #: `on_refused(vin, request_id, reason, final)`: the broker refused this delivery; `final` once
 #: it has been refused `delivery_max_refusals` times.
 RefusedCallback = Callable[[str, str, str, bool], None]
+#: `on_ack(payload)`: a message arrived on our ack topic (`acks.RuleAcks.received`).
+AckCallback = Callable[[bytes], None]
 
 
 class MqttDelivery:
@@ -72,6 +80,7 @@ class MqttDelivery:
         on_state: Callable[[bool], None],
         *,
         on_refused: RefusedCallback | None = None,
+        on_ack: AckCallback | None = None,
         clientid: str | None = None,
     ) -> None:
         self._cfg = cfg
@@ -83,6 +92,13 @@ class MqttDelivery:
         self._topics = RequestTopics(cfg.request_topic_prefix)
         #: Acks are matched by the prefix; the rest keeps replicas apart.
         self.clientid = clientid or f"{cfg.mqtt_clientid_prefix}{socket.gethostname()}-{os.getpid()}"
+        self._on_ack = on_ack
+        #: Where the rule republishes the PUBACKs of our deliveries; "" = the hook brings them.
+        self.ack_topic = f"{cfg.ack_topic_prefix}/{self.clientid}" if cfg.ack_topic_prefix and on_ack else ""
+        self._ack_timeout_s = cfg.inflight_timeout_s
+        #: When a delivery went out with no ack message since (monotonic); None when answered.
+        self._unanswered_since: float | None = None
+        self._ack_warned = False
         url = urlsplit(cfg.mqtt_url)
         self._host = url.hostname or "127.0.0.1"
         self._port = url.port or (8883 if url.scheme == "mqtts" else 1883)
@@ -128,6 +144,9 @@ class MqttDelivery:
         client.on_socket_open = self._on_socket_open
         client.on_socket_close = self._on_socket_close
         client.on_socket_register_write = self._on_want_write
+        if self.ack_topic:
+            client.on_message = self._on_message
+            client.on_subscribe = self._on_subscribe
         client.connect_async(self._host, self._port, keepalive=cfg.mqtt_keepalive_s, clean_start=True)
         return client
 
@@ -135,6 +154,12 @@ class MqttDelivery:
         """Connect in the background; retries with backoff until the broker answers."""
         self._connector = self._loop.create_task(self._connect_forever(), name="mqtt-delivery")
         log.info("mqtt_connecting", host=self._host, port=self._port, clientid=self.clientid)
+        if self.ack_topic:
+            log.info(
+                "rule_acks_expected",
+                topic=self.ack_topic,
+                note="message.acked is not registered: PUBACKs arrive only through the EMQX rule (sdv-fanout ack-rule)",
+            )
 
     def stop(self) -> None:
         """Disconnect cleanly (bounded in time) and stop reconnecting."""
@@ -166,6 +191,8 @@ class MqttDelivery:
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             return False
         self._unacked[info.mid] = (vin, request_id)
+        if self._unanswered_since is None and self.ack_topic:
+            self._unanswered_since = time.monotonic()
         return True
 
     def _release(self) -> None:
@@ -303,8 +330,23 @@ class MqttDelivery:
         self._housekeeping_timer = None
         if self._sock is not None:
             self._client.loop_misc()
+        self._check_acks_arrive()
         if self._sock is not None:
             self._housekeeping_timer = self._loop.call_later(_HOUSEKEEPING_S, self._housekeeping)
+
+    def _check_acks_arrive(self) -> None:
+        """Warn once per silence when deliveries went out and no ack message came back within
+        the in-flight timeout: without the rule every delivery waits for it, then goes again."""
+        since = self._unanswered_since
+        if since is None or self._ack_warned or time.monotonic() - since < self._ack_timeout_s:
+            return
+        self._ack_warned = True
+        log.warning(
+            "rule_acks_missing",
+            topic=self.ack_topic,
+            waited_s=round(time.monotonic() - since, 1),
+            hint="is the EMQX rule of `sdv-fanout ack-rule` in place and enabled?",
+        )
 
     # -- paho callbacks (the loop's thread) ---------------------------------------------------
     def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
@@ -313,7 +355,25 @@ class MqttDelivery:
             return
         self._connected = self._was_up = True
         log.info("mqtt_connected", host=self._host, port=self._port, clientid=self.clientid)
+        if self.ack_topic:
+            # Every connection starts clean: subscribe again, ahead of the deliveries that
+            # on_state sends, so the broker routes their acks to this connection.
+            client.subscribe(self.ack_topic, qos=1)
         self._on_state(True)
+
+    def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, props: Any) -> None:
+        if any(r.is_failure for r in reasons):
+            log.error("ack_subscribe_refused", topic=self.ack_topic, reason=[str(r) for r in reasons])
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        # paho PUBACKs the message once this returns; a lost ack costs one more delivery only.
+        self._unanswered_since = None
+        self._ack_warned = False
+        if self._on_ack is not None and msg.topic == self.ack_topic:
+            try:
+                self._on_ack(bytes(msg.payload))
+            except Exception:  # never into paho's read loop: the link carries every delivery
+                log.exception("rule_ack_failed", topic=msg.topic)
 
     def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason: Any, props: Any) -> None:
         key = self._unacked.pop(mid, None)

@@ -71,7 +71,7 @@ def hook_specs(cfg: Config) -> list[tuple[str, list[str]]]:
     all-IGNORE answer to them has refused every client on a real EMQX 5.1.
     """
     heartbeats = [TopicTemplate(t).filter for t in cfg.heartbeat_topics]
-    return [
+    specs = [
         # Presence: who is connected, subscribed, resumed, gone.
         ("client.connected", []),
         ("client.disconnected", []),
@@ -86,9 +86,11 @@ def hook_specs(cfg: Config) -> list[tuple[str, list[str]]]:
             # and is rejected with a reason instead of being silently routed.
             [cfg.batch_topic, cfg.data_topic_prefix + "/#", cfg.trigger_topic, *heartbeats],
         ),
-        # PUBACKs of deliveries only.
-        ("message.acked", [RequestTopics(cfg.request_topic_prefix).filter]),
     ]
+    if not cfg.ack_topic_prefix:  # else an EMQX rule republishes them to the delivery client (acks.py)
+        # PUBACKs of deliveries only.
+        specs.append(("message.acked", [RequestTopics(cfg.request_topic_prefix).filter]))
+    return specs
 
 
 def session_of(info: Any) -> Session:

@@ -40,6 +40,11 @@ DELIVERIES_ACKED = Counter(
     "PUBACKs of our deliveries; deleted = row removed, kept = row was replaced or already gone",
     ["result"],
 )
+RULE_ACKS = Counter(
+    "sdv_fanout_rule_acks_total",
+    "Messages on the ack topic (ack_topic_prefix): ok = a PUBACK handed to dispatch, else why one was ignored",
+    ["outcome"],
+)
 DELIVERIES_REFUSED = Counter(
     "sdv_fanout_deliveries_refused_total",
     "Deliveries the broker refused (puback_* = a PUBACK reason >= 0x80, link_dropped = our link "

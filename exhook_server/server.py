@@ -22,7 +22,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from exhook_server import admin, hooks, housekeeping, memory
+from exhook_server import acks, admin, hooks, housekeeping, memory
 from exhook_server.aio import cancel_all
 from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
@@ -203,6 +203,7 @@ class FanoutServer:
                 asyncio.get_running_loop(),
                 self.dispatcher.broker_connected,
                 on_refused=self.dispatcher.refused,
+                on_ack=acks.RuleAcks(self.cfg, self.dispatcher).received if self.cfg.ack_topic_prefix else None,
             )
             self.delivery.start()
         else:

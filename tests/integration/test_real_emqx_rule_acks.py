@@ -1,0 +1,253 @@
+"""Acks through EMQX's rule engine on real brokers: 5.8.9 (a group of two server processes) and 5.9.1 (one).
+
+The server runs with `ack_topic_prefix` and the broker with the rule `sdv-fanout ack-rule` prints,
+created through the REST API; vehicles and the platform are real MQTT clients. The fixtures and
+helpers of test_real_emqx.py are reused: one broker and one server per version for the module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+from prometheus_client.parser import text_string_to_metric_families
+
+from exhook_server.acks import rule_body
+from exhook_server.config import Config
+from tests.emqx_real import EmqxBroker, find_release, running_emqx, where_looked
+from tests.harness import ROOT, SubprocessServer, poll
+from tests.integration import test_real_emqx
+from tests.integration.test_real_emqx import DEADLINE_S, EXHOOK, SETUPS, Fanout, all_have, vins_of
+
+pytestmark = test_real_emqx.pytestmark
+#: The module's broker and server (our `setup`), a fleet, a platform client and a VIN prefix per test.
+rig = test_real_emqx.rig
+
+ACK_PREFIX = "$SDV-FANOUT/acked"
+#: Short, so that a missing rule shows within a test; acks on loopback take milliseconds.
+INFLIGHT_TIMEOUT_S = 4.0
+
+
+class RuleFanout(Fanout):
+    """The server of test_real_emqx.py with acks through the rule, and the rule itself on the broker."""
+
+    rule_id = ""
+
+    def _start(self) -> SubprocessServer:
+        self.env.update(
+            SDV_FANOUT_ACK_TOPIC_PREFIX=ACK_PREFIX,
+            SDV_FANOUT_INFLIGHT_TIMEOUT_S=str(INFLIGHT_TIMEOUT_S),
+            SDV_FANOUT_MQTT_USERNAME="sdv-fanout",  # the user deploy/emqx/acl.conf names
+        )
+        return super()._start()
+
+    def create_rule(self) -> str:
+        """POST the rule for the server's settings; its id."""
+        return str(self.broker.api("POST", "/rules", rule_body(Config(ack_topic_prefix=ACK_PREFIX)))["id"])
+
+    def delivery_clients(self) -> list[str]:
+        """The clientids of the server's delivery clients (one per server process), from EMQX."""
+        found = self.broker.api("GET", "/clients?like_clientid=sdv-fanout-&limit=100")["data"]
+        return sorted(c["clientid"] for c in found if c.get("connected", True))
+
+    def rule_acks(self) -> dict[str, float]:
+        """sdv_fanout_rule_acks_total by outcome, for the whole group, from /metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.srv.metrics_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "sdv_fanout_rule_acks_total":
+                    out[sample.labels["outcome"]] = out.get(sample.labels["outcome"], 0.0) + sample.value
+        return out
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"emqx{v}-p{n}" for v, n in SETUPS])
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuleFanout]:
+    version, processes = request.param
+    if find_release(version) is None:
+        pytest.skip(f"no EMQX {version}: {where_looked()}")
+    workdir = tmp_path_factory.mktemp(f"emqx{version}-rule-acks")
+    with running_emqx(version, workdir) as broker:
+        fanout = RuleFanout(broker, workdir, processes)
+        try:
+            fanout.rule_id = fanout.create_rule()
+            poll(lambda: len(fanout.delivery_clients()) == processes, DEADLINE_S)
+            yield fanout
+        finally:
+            fanout.stop()
+
+
+class Client:
+    """A bare MQTT 5 client (the forger): connects, publishes at QoS 1, reports PUBACK codes."""
+
+    def __init__(self, broker: EmqxBroker, clientid: str, username: str | None = None) -> None:
+        self.codes: dict[int, int] = {}
+        self.granted: list[int] = []
+        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=clientid, protocol=mqtt.MQTTv5)
+        if username:
+            self.c.username_pw_set(username)
+        self.c.on_publish = lambda _c, _u, mid, rc, _p: self.codes.__setitem__(mid, rc.value)
+        self.c.on_subscribe = lambda _c, _u, _m, rcs, _p: self.granted.extend(rc.value for rc in rcs)
+        self.c.connect(broker.host, broker.mqtt_port, keepalive=30)
+        self.c.loop_start()
+        poll(self.c.is_connected, DEADLINE_S)
+
+    def publish(self, topic: str, payload: bytes) -> int:
+        """Publish at QoS 1; the PUBACK reason code."""
+        info = self.c.publish(topic, payload, qos=1)
+        return int(poll(lambda: self.codes.get(info.mid, -1) + 1, DEADLINE_S)) - 1
+
+    def subscribe(self, topic: str) -> int:
+        """Subscribe at QoS 1; the SUBACK reason code."""
+        before = len(self.granted)
+        self.c.subscribe(topic, qos=1)
+        poll(lambda: len(self.granted) > before, DEADLINE_S)
+        return self.granted[-1]
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
+
+
+def ack_message(topic: str, payload: bytes, acker: str, publisher: str) -> bytes:
+    """What the rule would republish for the PUBACK of `payload` on `topic`."""
+    return json.dumps({"h": hashlib.sha1(payload).hexdigest(), "t": topic, "c": acker, "f": publisher}).encode()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rule_acks_deliver_a_fleet_exactly_once_one_at_a_time(rig: Any) -> None:
+    """With acks through the rule, 20 vehicles get 3 requests each once, in order, one unacknowledged at
+    a time; the rule's messages delete every row, and EMQX got no message.acked hook from us."""
+    fanout, fleet, platform, prefix = rig
+    hooks = {h["name"] for h in fanout.broker.exhook_hooks(EXHOOK)}
+    assert "message.publish" in hooks and "message.acked" not in hooks
+    ok0 = fanout.rule_acks().get("ok", 0.0)
+    vins = vins_of(prefix, 20)
+    vehicles = fleet.online(vins, hold_s=0.02)
+    rids = [f"task_rule_{n}" for n in range(3)]
+    for rid in rids:
+        assert platform.batch(vins, rid, f"payload of {rid}") in (0x00, 0x10)
+    poll(lambda: all_have(vehicles, rids), DEADLINE_S)
+    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+    for v in vehicles:
+        assert v.request_ids() == rids, v.vin
+        assert v.max_unacked == 1, v.vin
+    assert fanout.rule_acks()["ok"] - ok0 == len(vins) * len(rids)
+    assert fanout.events("rule_acks_expected"), "the server says at start-up that it needs the rule"
+
+
+def test_ack_of_a_replaced_row_delivers_the_new_payload(rig: Any) -> None:
+    """A row replaced while its delivery is in flight survives that delivery's ack (another SHA-1) and
+    goes again with the new payload; the second ack deletes it."""
+    fanout, fleet, platform, prefix = rig
+    [vin] = vins_of(prefix, 1)
+    v = fleet.vehicle(vin, auto_ack=False)
+    v.connect()
+    v.subscribe()
+    platform.batch([vin], "task_repl", "old")
+    poll(lambda: v.request_ids() == ["task_repl"], DEADLINE_S)
+    platform.batch([vin], "task_repl", "new")
+    assert fanout.rows([vin]) == 1
+    v.auto_ack = True
+    assert v.ack_held() == 1
+    poll(lambda: len(v.received) == 2, DEADLINE_S)
+    poll(lambda: fanout.rows([vin]) == 0, DEADLINE_S)
+    assert [d.payload for d in v.received] == [b"old", b"new"]
+
+
+def test_forged_and_garbled_ack_messages_are_counted_and_delete_nothing(rig: Any) -> None:
+    """Garbage on a delivery client's ack topic is counted by reason; a well-formed ack with another
+    payload's SHA-1 deletes nothing and frees no slot; the real ack still works."""
+    fanout, fleet, platform, prefix = rig
+    [vin] = vins_of(prefix, 1)
+    v = fleet.vehicle(vin, auto_ack=False)
+    v.connect()
+    v.subscribe()
+    platform.batch([vin], "task_forged_1", "real")
+    platform.batch([vin], "task_forged_2", "next")
+    poll(lambda: v.request_ids() == ["task_forged_1"], DEADLINE_S)
+    before = fanout.rule_acks()
+    topic = f"agent/{vin}/proxy/request/task_forged_1"
+    forger = Client(fanout.broker, f"forger-{prefix}")
+    try:
+        for cid in fanout.delivery_clients():
+            for garbage in (
+                b"not json",
+                b"[]",
+                ack_message(topic, b"real", vin, cid).replace(b'"h": "', b'"h": "X'),
+                ack_message("agent/x/elsewhere/y", b"real", vin, cid),
+                ack_message(topic, b"forged", vin, cid),  # well-formed: names a payload nobody stored
+            ):
+                assert forger.publish(f"{ACK_PREFIX}/{cid}", garbage) == 0  # the default ACL lets it in
+    finally:
+        forger.close()
+    n = len(fanout.delivery_clients())
+    want = {"invalid_json": n, "wrong_type": n, "bad_sha1": n, "not_a_delivery": n, "ok": n}
+    poll(lambda: all(fanout.rule_acks().get(k, 0) - before.get(k, 0) >= m for k, m in want.items()), DEADLINE_S)
+    assert fanout.rows([vin]) == 2 and v.request_ids() == ["task_forged_1"]
+    v.auto_ack = True
+    v.ack_held()
+    poll(lambda: fanout.rows([vin]) == 0, DEADLINE_S)
+    assert v.request_ids() == ["task_forged_1", "task_forged_2"]
+    assert fanout.srv.proc.poll() is None
+
+
+def test_shipped_acl_refuses_forged_acks_while_the_rule_still_delivers(rig: Any) -> None:
+    """With deploy/emqx/acl.conf's ack-topic lines, a client's forged ack is refused (0x87) and only the
+    delivery user subscribes to its own ack topic; the rule's republish passes and deletes the rows."""
+    fanout, fleet, platform, prefix = rig
+    broker = fanout.broker
+    lines = [ln for ln in (ROOT / "deploy/emqx/acl.conf").read_text().splitlines() if "acked" in ln and "{" in ln]
+    assert len(lines) == 2
+    default = next(s for s in broker.api("GET", "/authorization/sources")["sources"] if s["type"] == "file")
+    broker.api("PUT", "/authorization/sources/file", {**default, "rules": "\n".join([*lines, "{allow, all}.", ""])})
+    [cid, *_] = fanout.delivery_clients()
+    forger = Client(broker, f"forger-{prefix}")
+    mine = Client(broker, f"sdv-fanout-probe-{prefix}", username="sdv-fanout")
+    try:
+        assert forger.publish(f"{ACK_PREFIX}/{cid}", b"{}") == 0x87
+        assert forger.subscribe(f"{ACK_PREFIX}/#") == 0x87
+        assert mine.subscribe(f"{ACK_PREFIX}/{cid}") == 0x87  # another delivery client's topic
+        assert mine.subscribe(f"{ACK_PREFIX}/sdv-fanout-probe-{prefix}") == 0x01
+        vins = vins_of(prefix, 5)
+        vehicles = fleet.online(vins)
+        platform.batch(vins, "task_acl_1", "one")
+        platform.batch(vins, "task_acl_2", "two")
+        poll(lambda: all_have(vehicles, ["task_acl_1", "task_acl_2"]), DEADLINE_S)
+        poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+    finally:
+        forger.close()
+        mine.close()
+        broker.api("PUT", "/authorization/sources/file", default)
+
+
+def test_missing_rule_is_reported_and_its_deliveries_go_again_once_it_is_back(rig: Any) -> None:
+    """With the rule disabled, a delivery's ack never comes: the server warns `rule_acks_missing` after
+    inflight_timeout_s; once the rule is enabled again the delivery goes again and its ack deletes it."""
+    fanout, fleet, platform, prefix = rig
+    if fanout.broker.version != "5.9.1":
+        pytest.skip("one broker shows it; the wait is inflight_timeout_s")
+    rule = f"/rules/{fanout.rule_id}"
+    [vin] = vins_of(prefix, 1)
+    [v] = fleet.online([vin])
+    warned = len(fanout.events("rule_acks_missing"))
+    fanout.broker.api("PUT", rule, {"enable": False})
+    try:
+        platform.batch([vin], "task_norule", "x")
+        poll(lambda: v.request_ids() == ["task_norule"], DEADLINE_S)
+        poll(lambda: len(fanout.events("rule_acks_missing")) > warned, INFLIGHT_TIMEOUT_S + 10)
+        assert fanout.rows([vin]) == 1
+    finally:
+        fanout.broker.api("PUT", rule, {"enable": True})
+    poll(lambda: fanout.rows([vin]) == 0, DEADLINE_S)
+    # Sent again every inflight_timeout_s until an ack came through: twice at least, nothing else.
+    assert set(v.request_ids()) == {"task_norule"} and len(v.request_ids()) >= 2
