@@ -8,10 +8,14 @@ whose zone sets `mqtt.max_inflight = 1`, each subscribed to `agent/<VIN>/proxy/r
 `refer/<VIN>/proxy/request/+` and PUBACKing every message as it arrives. Each round measures, in an
 order that alternates round by round:
 
-* ours: the platform (a paho client on the default listener) publishes K batches
+* ours (hook acks): the platform (a paho client on the default listener) publishes K batches
   `{"ids": [all N VINs], "request_id": ..., "data": <base64 payload>}` on `$SDV-FANOUT`, QoS 1.
   EMQX hands each to our OnMessagePublish (stored durably, not routed); we deliver each
   (VIN, request) on `agent/...`, one in flight per VIN, the next after EMQX's `message.acked`.
+* ours (rule acks): the same through a second server with `ack_topic_prefix` (its own batch topic
+  `$SDV-FANOUT-RULE`, delivery topics `rule/...`, LMDB and ExHook registration): the next request
+  goes after the rule `sdv-fanout ack-rule` prints republished the PUBACK to its delivery client.
+  The rule is enabled during this side's runs only, so no other side pays for its evaluation.
 * raw, broker-paced (the reference of the ratio): one paho publisher (window 50, like our delivery
   client) sends the same K x N QoS 1 messages, same payload size, to `refer/<VIN>/proxy/request/<rid>`
   at once. The vehicles' zone lets EMQX keep one unacknowledged message per session and queue the
@@ -27,7 +31,9 @@ delivers one-at-a-time faster; ours/raw is the share of that limit we reach. The
 client round trip per delivery, as our path does (PUBACK -> message.acked hook -> our next publish),
 so it is the kinder reference, shown next to it. Why `refer/` for raw: on `agent/` each raw PUBACK
 would make EMQX call our `message.acked` hook (filter `agent/+/proxy/request/+`), synchronously in the
-vehicle's channel, charging raw with part of our cost; no hook filter matches `refer/`.
+vehicle's channel, charging raw with part of our cost; no hook filter matches `refer/`. Both servers
+are registered all along (each sees the fleet's presence hooks for its own topics); during a
+measurement the other one is idle.
 
 Before the rounds each side runs once unrecorded (one request per VIN). After each measurement the
 server and the broker are left to go idle (LMDB back to 0 rows for ours) before the next one starts.
@@ -82,6 +88,8 @@ from plumbing import (  # bench/ is sys.path[0] when run as a script
     stop_server,
 )
 
+from exhook_server.acks import rule_body
+from exhook_server.config import Config
 from storage.store import Store
 from tests.emqx_real import EmqxBroker, EmqxError, find_release
 from tests.emqx_sim import LOOPBACK, free_port
@@ -90,10 +98,15 @@ from tests.harness import SubprocessServer
 FLEET = Path(__file__).resolve().parent / "e2e_fleet.py"
 MAX_PER_PROC = 300  # paho's select() loop: about 330 clients per process
 EXHOOK = "sdv-fanout"
-OURS_PREFIX = "agent"  # the server's request_topic_prefix
+OURS_PREFIX = "agent"  # the hook-acks server's request_topic_prefix
+#: The rule-acks server: its own topics, clientids and ExHook name, so both servers run side by side.
+RULE_PREFIX, RULE_BATCH, RULE_CLIENTS, RULE_EXHOOK = "rule", "$SDV-FANOUT-RULE", "sdv-fanout-rule-", "sdv-fanout-rule"
+RULE_ACKS_TOPIC = f"{RULE_BATCH}/acked"
 RAW_PREFIX, RAW_ACK_PREFIX = "refer", "refer-ack"  # no hook filter of ours matches these
 ACCEPTED_PUBACK = (0, 16)  # success, or "no matching subscribers" (a batch is never routed)
-SIDES = ("ours", "raw_paced", "raw_loop")
+SIDES = ("ours", "ours_rule", "raw_paced", "raw_loop")
+OURS = ("ours", "ours_rule")
+LABELS = {"ours": "ours (hook acks)", "ours_rule": "ours (rule acks)", "raw_paced": "raw paced", "raw_loop": "raw loop"}
 
 
 # -- the rig: one broker version ------------------------------------------------------------------
@@ -121,11 +134,11 @@ class Platform:
             self.bad.append(f"mid {mid}: {rc}")
         self.acked.release()
 
-    def publish(self, payloads: Sequence[bytes], deadline_s: float) -> float:
+    def publish(self, topic: str, payloads: Sequence[bytes], deadline_s: float) -> float:
         """Publish every batch; returns the time.time() just before the first; waits for the PUBACKs."""
         t0 = time.time()
         for payload in payloads:
-            self.client.publish("$SDV-FANOUT", payload, qos=1)
+            self.client.publish(topic, payload, qos=1)
         deadline = time.monotonic() + deadline_s
         for _ in payloads:
             if not self.acked.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -145,8 +158,9 @@ def batch(vins: list[str], request_id: str, payload: bytes) -> bytes:
 
 
 class Rig:
-    """EMQX (a fleet listener with max_inflight 1), the server as its ExHook, the platform, the
-    fleet and the raw publisher; `close()` stops all of it, whatever state it got to."""
+    """EMQX (a fleet listener with max_inflight 1), the two servers (hook acks, rule acks) as its
+    ExHooks, the rule, the platform, the fleet and the raw publisher; `close()` stops all of it,
+    whatever state it got to."""
 
     def __init__(self, version: str, args: argparse.Namespace, tmp: Path, vins: list[str]) -> None:
         self.version = version
@@ -157,10 +171,13 @@ class Rig:
         self.children: list[Child] = []
         self.fleets: list[Child] = []
         self.broker: EmqxBroker | None = None
-        self.server: SubprocessServer | None = None
+        #: "ours" (hook acks) and "ours_rule" (rule acks): server, its pids, its LMDB read-only.
+        self.servers: dict[str, SubprocessServer] = {}
+        self.server_pids: dict[str, list[int]] = {}
+        self.stores: dict[str, Store] = {}
+        self.rule_id = ""
         self.platform: Platform | None = None
         self.pub: Child | None = None
-        self.store: Store | None = None
 
     def start_broker(self, attempts: int = 3) -> EmqxBroker:
         """EMQX with the fleet's listener; new ports on a retry (a port found free may be taken by
@@ -185,23 +202,36 @@ class Rig:
         self.emqx_pids = descendants(self.broker.proc.pid)  # type: ignore[union-attr]
         env = {"SDV_FANOUT_MQTT_URL": self.broker.url, "SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0"}
         env["SDV_FANOUT_PROCESSES"] = str(self.args.server_processes)
-        self.server = SubprocessServer(self.tmp / "lmdb", "--log-level", self.args.log_level, env=env)
-        self.server_pids = descendants(self.server.proc.pid)
-        self.broker.register_exhook(EXHOOK, f"http://{LOOPBACK}:{self.server.port}", pool_size=8)
-        self.store = Store(self.tmp / "lmdb", readonly=True)
-        say(f"EMQX {self.version} ({self.broker.protocol}) up, server registered ({len(self.server_pids)} pids)")
+        rule_env = {
+            "SDV_FANOUT_ACK_TOPIC_PREFIX": RULE_ACKS_TOPIC,
+            "SDV_FANOUT_BATCH_TOPIC": RULE_BATCH,
+            "SDV_FANOUT_DATA_TOPIC_PREFIX": f"{RULE_BATCH}/data",
+            "SDV_FANOUT_TRIGGER_TOPIC": f"{RULE_BATCH}/trigger",
+            "SDV_FANOUT_REQUEST_TOPIC_PREFIX": f"{RULE_PREFIX}/{{VIN}}/proxy/request",
+            "SDV_FANOUT_MQTT_CLIENTID_PREFIX": RULE_CLIENTS,
+        }
+        for side, name, extra in (("ours", EXHOOK, {}), ("ours_rule", RULE_EXHOOK, rule_env)):
+            lmdb = self.tmp / f"lmdb-{side}"
+            server = SubprocessServer(lmdb, "--log-level", self.args.log_level, env={**env, **extra})
+            self.servers[side] = server
+            self.server_pids[side] = descendants(server.proc.pid)
+            self.broker.register_exhook(name, f"http://{LOOPBACK}:{server.port}", pool_size=8)
+            self.stores[side] = Store(lmdb, readonly=True)
+        self.rule_id = self.broker.api("POST", "/rules", {**self.rule_body(), "enable": False})["id"]
+        pids = sum(map(len, self.server_pids.values()))
+        say(f"EMQX {self.version} ({self.broker.protocol}) up, both servers registered, the rule created ({pids} pids)")
         self.platform = Platform(self.broker.mqtt_port)
         procs = max(self.args.procs, -(-len(self.vins) // MAX_PER_PROC))
         for k in range(procs):
             vins = self.vins[k::procs]
-            prefixes = f"{OURS_PREFIX},{RAW_PREFIX}"
+            prefixes = f"{OURS_PREFIX},{RULE_PREFIX},{RAW_PREFIX}"
             self.fleets.append(self._spawn(f"fleet{k}", "raw", self.fleet_port, vins, "--prefix", prefixes,
                                            "--clientid-prefix", ""))  # fmt: skip
         self.pub = self._spawn("pub", "pub", self.broker.mqtt_port, self.vins, "--prefix", RAW_PREFIX,
                                "--max-inflight", str(self.args.max_inflight))  # fmt: skip
         for c in self.children:
             c.recv(self.args.deadline_s)  # {"ready": n}: connected and subscribed
-        quiesce(self.server_pids + self.emqx_pids, idle_share=0.1)
+        quiesce(self.all_server_pids() + self.emqx_pids, idle_share=0.1)
         say(f"{len(self.vins)} vehicles subscribed in {procs} fleet processes")
 
     def _spawn(self, name: str, role: str, port: int, vins: list[str], *extra: str) -> Child:
@@ -211,48 +241,68 @@ class Rig:
         self.children.append(child)
         return child
 
-    def meter(self) -> CpuMeter:
+    def rule_body(self) -> dict[str, Any]:
+        """The rule for the rule-acks server's settings, as `sdv-fanout ack-rule` prints it."""
+        cfg = Config(
+            ack_topic_prefix=RULE_ACKS_TOPIC,
+            batch_topic=RULE_BATCH,
+            data_topic_prefix=f"{RULE_BATCH}/data",
+            trigger_topic=f"{RULE_BATCH}/trigger",
+            request_topic_prefix=f"{RULE_PREFIX}/{{VIN}}/proxy/request",
+            mqtt_clientid_prefix=RULE_CLIENTS,
+        )
+        major, minor = (int(p) for p in self.version.split(".")[:2])
+        return rule_body(cfg, direct_dispatch=(major, minor) >= (5, 8))  # 5.1 fails every action with it
+
+    def set_rule(self, enabled: bool) -> None:
+        """Enable the rule for the rule-acks side only: it is evaluated for every PUBACK in the broker."""
+        assert self.broker is not None
+        self.broker.api("PUT", f"/rules/{self.rule_id}", {"enable": enabled})
+
+    def all_server_pids(self) -> list[int]:
+        return [pid for pids in self.server_pids.values() for pid in pids]
+
+    def meter(self, side: str) -> CpuMeter:
+        """CPU per process group; "server" is the server measured now (the other one idles)."""
         assert self.pub is not None
         return CpuMeter(
             {
-                "server": self.server_pids,
+                "server": self.server_pids.get(side, []),
                 "emqx": self.emqx_pids,
                 "fleet": [c.proc.pid for c in self.fleets],
                 "raw publisher": [self.pub.proc.pid],
             }
         )
 
-    def exhook_counts(self) -> dict[str, int]:
-        """EMQX's own count of our hook calls: succeeded and failed (timeouts, errors)."""
+    def exhook_counts(self, name: str) -> dict[str, int]:
+        """EMQX's own count of a server's hook calls: succeeded and failed (timeouts, errors)."""
         assert self.broker is not None
-        metrics = self.broker.api("GET", f"/exhooks/{EXHOOK}").get("metrics", {})
+        metrics = self.broker.api("GET", f"/exhooks/{name}").get("metrics", {})
         return {k: int(metrics.get(k, 0)) for k in ("succeed", "failed")}
 
     def settle(self) -> None:
-        """Wait (bounded) for LMDB to hold 0 rows and the server and broker to go idle."""
-        assert self.store is not None
+        """Wait (bounded) for both LMDBs to hold 0 rows and the servers and broker to go idle."""
         deadline = time.monotonic() + self.args.deadline_s
         while self.rows():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.rows()} rows still pending after {self.args.deadline_s} s")
             time.sleep(0.02)  # a progress poll with a deadline
-        quiesce(self.server_pids + self.emqx_pids, idle_share=0.1)
+        quiesce(self.all_server_pids() + self.emqx_pids, idle_share=0.1)
 
     def rows(self) -> int:
-        assert self.store is not None
-        return pending_rows(self.store)
+        return sum(pending_rows(store) for store in self.stores.values())
 
     def close(self) -> None:
         for c in self.children:
             c.stop()
         if self.platform is not None:
             self.platform.close()
-        if self.store is not None:
-            self.store.close()
+        for store in self.stores.values():
+            store.close()
         if self.broker is not None:
             self.broker.stop()
-        if self.server is not None:
-            stop_server(self.server)
+        for server in self.servers.values():
+            stop_server(server)
 
 
 # -- measurements ---------------------------------------------------------------------------------
@@ -275,19 +325,28 @@ def result(t0: float, done: list[dict[str, Any]], meter: CpuMeter) -> dict[str, 
     }
 
 
-def run_ours(rig: Rig, tag: str, seed: int, requests: int | None = None) -> dict[str, Any]:
+def run_ours(rig: Rig, side: str, tag: str, seed: int, requests: int | None = None) -> dict[str, Any]:
+    """One measurement of a server: "ours" (hook acks) or "ours_rule" (rule acks, rule enabled meanwhile)."""
     assert rig.platform is not None
+    rule = side == "ours_rule"
+    exhook, topic = (RULE_EXHOOK, RULE_BATCH) if rule else (EXHOOK, "$SDV-FANOUT")
     k = requests or rig.args.requests
     rng = random.Random(seed)
     payloads = [batch(rig.vins, f"task_{tag}_{i}", rng.randbytes(rig.args.payload_bytes)) for i in range(k)]
-    arm_fleets(rig.fleets, k, rig.args.deadline_s)
-    hooks0 = rig.exhook_counts()
-    meter = rig.meter()
-    t0 = rig.platform.publish(payloads, rig.args.deadline_s)
-    done = collect_fleets(rig.fleets, len(rig.vins) * k, rig.args.deadline_s)
-    out = result(t0, done, meter)
-    rig.settle()
-    hooks1 = rig.exhook_counts()  # once idle: EMQX counts a call when it is answered
+    if rule:
+        rig.set_rule(True)
+    try:
+        arm_fleets(rig.fleets, k, rig.args.deadline_s)
+        hooks0 = rig.exhook_counts(exhook)
+        meter = rig.meter(side)
+        t0 = rig.platform.publish(topic, payloads, rig.args.deadline_s)
+        done = collect_fleets(rig.fleets, len(rig.vins) * k, rig.args.deadline_s)
+        out = result(t0, done, meter)
+        rig.settle()
+    finally:
+        if rule:
+            rig.set_rule(False)
+    hooks1 = rig.exhook_counts(exhook)  # once idle: EMQX counts a call when it is answered
     out["hook_calls"] = hooks1["succeed"] - hooks0["succeed"]
     out["hook_failures"] = hooks1["failed"] - hooks0["failed"]
     return out
@@ -297,7 +356,7 @@ def run_raw(rig: Rig, loop: bool, tag: str, seed: int, requests: int | None = No
     assert rig.pub is not None
     k = requests or rig.args.requests
     arm_fleets(rig.fleets, k, rig.args.deadline_s, signal=loop)
-    meter = rig.meter()
+    meter = rig.meter("raw")
     rids = [f"task_{tag}_{i}" for i in range(k)]
     rig.pub.send({"cmd": "run", "mode": "b" if loop else "a", "rids": rids, "payload_bytes": rig.args.payload_bytes,
                   "seed": seed, "deadline_s": rig.args.deadline_s})  # fmt: skip
@@ -316,8 +375,8 @@ def cost(side: dict[str, Any]) -> float:
 
 
 def measure(rig: Rig, side: str, tag: str, seed: int, requests: int | None = None) -> dict[str, Any]:
-    if side == "ours":
-        return run_ours(rig, tag, seed, requests)
+    if side in OURS:
+        return run_ours(rig, side, tag, seed, requests)
     return run_raw(rig, side == "raw_loop", tag, seed, requests)
 
 
@@ -336,34 +395,36 @@ def run_version(
             res: dict[str, Any] = {"order": " → ".join(order)}
             for i, side in enumerate(order):
                 res[side] = measure(rig, side, f"r{r}{side[-1]}", args.seed + 100 * r + i)
-            res["ratio_paced"] = res["ours"]["deliveries_per_s"] / res["raw_paced"]["deliveries_per_s"]
-            res["ratio_loop"] = res["ours"]["deliveries_per_s"] / res["raw_loop"]["deliveries_per_s"]
-            # All the bench's processes' CPU per delivery, raw over ours: what the ratio would be on a
-            # machine they saturate alone (the rest of the machine's load does not move it much).
-            res["cost_ratio_paced"] = cost(res["raw_paced"]) / cost(res["ours"])
+            for ours, key in (("ours", ""), ("ours_rule", "rule_")):
+                res[f"ratio_{key}paced"] = res[ours]["deliveries_per_s"] / res["raw_paced"]["deliveries_per_s"]
+                res[f"ratio_{key}loop"] = res[ours]["deliveries_per_s"] / res["raw_loop"]["deliveries_per_s"]
+                # All the bench's processes' CPU per delivery, raw over ours: what the ratio would be
+                # on a machine they saturate alone (the rest of the machine's load moves it little).
+                res[f"cost_ratio_{key}paced"] = cost(res["raw_paced"]) / cost(res[ours])
             rounds.append(res)
+            rates = ", ".join(f"{LABELS[side]} {res[side]['deliveries_per_s']:,.0f}/s" for side in SIDES)
             say(
-                f"EMQX {version} round {r + 1}/{args.rounds}: ours {res['ours']['deliveries_per_s']:,.0f}/s, "
-                f"raw paced {res['raw_paced']['deliveries_per_s']:,.0f}/s, raw loop "
-                f"{res['raw_loop']['deliveries_per_s']:,.0f}/s; ours/paced {res['ratio_paced']:.2f}, "
-                f"ours/loop {res['ratio_loop']:.2f}"
+                f"EMQX {version} round {r + 1}/{args.rounds}: {rates}; over raw paced: hook "
+                f"{res['ratio_paced']:.2f}, rule {res['ratio_rule_paced']:.2f}"
             )
         if args.profile:
-            profile = run_profile(rig, Path(f"{args.profile}.{version}.txt"), say)
+            profile = "\n\n".join(
+                run_profile(rig, side, Path(f"{args.profile}.{version}.{side}.txt"), say) for side in OURS
+            )
         assert rig.broker is not None
         protocol = rig.broker.protocol
-        processes = max(1, len(rig.server_pids) - 1)  # a parent with children only runs several
+        processes = max(1, len(rig.server_pids["ours"]) - 1)  # a parent with children only runs several
     finally:
         rig.close()
     return {"version": version, "protocol": protocol, "server_processes": processes, "rounds": rounds,
             "summary": summarise(rounds), "profile": profile}  # fmt: skip
 
 
-def run_profile(rig: Rig, out: Path, say: Callable[[str], None]) -> str:
-    """py-spy on the server (all its processes) during one more ours run of 4 x --requests."""
+def run_profile(rig: Rig, side: str, out: Path, say: Callable[[str], None]) -> str:
+    """py-spy on one server (all its processes) during one more run of its side, 4 x --requests."""
     from hooks import top_functions  # the collapsed-stack reader of bench/hooks.py --profile
 
-    assert rig.server is not None
+    server = rig.servers[side]
     spy = Path(sys.executable).parent / "py-spy"
     if not spy.exists():
         raise SystemExit("py-spy is not installed: .venv/bin/pip install py-spy")
@@ -371,11 +432,11 @@ def run_profile(rig: Rig, out: Path, say: Callable[[str], None]) -> str:
     # --native pauses the server for each sample (slower, but shows where grpc's C core spends);
     # otherwise read the stacks without pausing it, and native time counts for its Python caller.
     cmd.append("--native" if rig.args.profile_native else "--nonblocking")
-    spy_proc = subprocess.Popen([*cmd, "--pid", str(rig.server.proc.pid)], stdout=subprocess.DEVNULL,
+    spy_proc = subprocess.Popen([*cmd, "--pid", str(server.proc.pid)], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)  # fmt: skip
     try:
         time.sleep(1.0)  # py-spy attaches
-        res = run_ours(rig, "prof", rig.args.seed + 99, requests=4 * rig.args.requests)
+        res = run_ours(rig, side, f"prof{side[-1]}", rig.args.seed + 99, requests=4 * rig.args.requests)
     finally:
         spy_proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         try:
@@ -386,8 +447,9 @@ def run_profile(rig: Rig, out: Path, say: Callable[[str], None]) -> str:
     if not out.exists():
         err = spy_proc.stderr.read().decode(errors="replace") if spy_proc.stderr else ""
         raise SystemExit(f"py-spy wrote nothing:\n{err}")
-    say(f"profiled {res['deliveries_per_s']:,.0f} deliveries/s under py-spy: {out}")
-    return f"{res['deliveries_per_s']:,.0f} deliveries/s while sampled. " + top_functions(out.read_text(), 15)
+    say(f"profiled {side}: {res['deliveries_per_s']:,.0f} deliveries/s under py-spy: {out}")
+    label = LABELS[side]
+    return f"{label}: {res['deliveries_per_s']:,.0f} deliveries/s while sampled. " + top_functions(out.read_text(), 15)
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -395,11 +457,12 @@ def run_profile(rig: Rig, out: Path, say: Callable[[str], None]) -> str:
 
 def summarise(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     series = {f"{side}_deliveries_per_s": [r[side]["deliveries_per_s"] for r in rounds] for side in SIDES}
-    series["ratio_ours_over_raw_paced"] = [r["ratio_paced"] for r in rounds]
-    series["ratio_ours_over_raw_loop"] = [r["ratio_loop"] for r in rounds]
-    series["cost_ratio_raw_paced_over_ours"] = [r["cost_ratio_paced"] for r in rounds]
-    for group in ("server", "emqx"):
-        series[f"ours_{group}_us_per_delivery"] = [r["ours"]["cpu_us_per_delivery"][group] for r in rounds]
+    for ours, key in (("ours", ""), ("ours_rule", "rule_")):
+        series[f"ratio_{ours}_over_raw_paced"] = [r[f"ratio_{key}paced"] for r in rounds]
+        series[f"ratio_{ours}_over_raw_loop"] = [r[f"ratio_{key}loop"] for r in rounds]
+        series[f"cost_ratio_raw_paced_over_{ours}"] = [r[f"cost_ratio_{key}paced"] for r in rounds]
+        for group in ("server", "emqx"):
+            series[f"{ours}_{group}_us_per_delivery"] = [r[ours]["cpu_us_per_delivery"][group] for r in rounds]
     series["raw_paced_emqx_us_per_delivery"] = [r["raw_paced"]["cpu_us_per_delivery"]["emqx"] for r in rounds]
     return {k: {"min": min(v), "median": statistics.median(v), "max": max(v)} for k, v in series.items()}
 
@@ -417,8 +480,8 @@ def version_markdown(v: dict[str, Any], meta: dict[str, Any]) -> str:
     def ratio(key: str) -> str:
         return min_med_max([r[key] for r in rounds], dec)
 
-    def ours(key: str, per: float, fmt: Callable[[float], str]) -> str:
-        return min_med_max([r["ours"][key] / per for r in rounds], fmt)
+    def per(side: str, key: str, by: float, fmt: Callable[[float], str]) -> str:
+        return min_med_max([r[side][key] / by for r in rounds], fmt)
 
     lines = [
         f"### EMQX {v['version']} (ExHook {v['protocol']}): {n:,} vehicles x {k} requests = {n * k:,} deliveries "
@@ -426,35 +489,47 @@ def version_markdown(v: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         "| metric | min | median | max |",
         "|---|---:|---:|---:|",
-        f"| ours ($SDV-FANOUT batch → ExHook → LMDB → MQTT → PUBACK → message.acked → next) deliveries/s | "
-        f"{col('ours', 'deliveries_per_s')} |",
+        f"| ours, hook acks ($SDV-FANOUT batch → ExHook → LMDB → MQTT → PUBACK → message.acked → next) "
+        f"deliveries/s | {col('ours', 'deliveries_per_s')} |",
+        f"| ours, rule acks (… → PUBACK → rule → MQTT ack message → next) deliveries/s | "
+        f"{col('ours_rule', 'deliveries_per_s')} |",
         f"| raw, broker-paced (EMQX max_inflight 1 queues per session) deliveries/s | "
         f"{col('raw_paced', 'deliveries_per_s')} |",
         f"| raw, closed loop (next on the vehicle's signal) deliveries/s | {col('raw_loop', 'deliveries_per_s')} |",
-        f"| **ratio ours / raw broker-paced** (paired per round) | {ratio('ratio_paced')} |",
-        f"| ratio ours / raw closed loop (paired per round) | {ratio('ratio_loop')} |",
-        f"| CPU per delivery, all the rig's processes: raw broker-paced / ours (paired) | "
+        f"| **ratio ours (hook acks) / raw broker-paced** (paired per round) | {ratio('ratio_paced')} |",
+        f"| **ratio ours (rule acks) / raw broker-paced** (paired per round) | {ratio('ratio_rule_paced')} |",
+        f"| ratio ours (hook acks) / raw closed loop (paired per round) | {ratio('ratio_loop')} |",
+        f"| ratio ours (rule acks) / raw closed loop (paired per round) | {ratio('ratio_rule_loop')} |",
+        f"| CPU per delivery, all the rig's processes: raw broker-paced / ours hook acks (paired) | "
         f"{ratio('cost_ratio_paced')} |",
-        f"| ours: per-vehicle cycle (receive → next receive) p50 ms | {col('ours', 'cycle_p50_ms')} |",
-        f"| ours: per-vehicle cycle p99 ms | {col('ours', 'cycle_p99_ms')} |",
+        f"| CPU per delivery, all the rig's processes: raw broker-paced / ours rule acks (paired) | "
+        f"{ratio('cost_ratio_rule_paced')} |",
+        f"| ours hook acks: per-vehicle cycle (receive → next receive) p50 ms | {col('ours', 'cycle_p50_ms')} |",
+        f"| ours rule acks: per-vehicle cycle p50 ms | {col('ours_rule', 'cycle_p50_ms')} |",
+        f"| ours hook acks: per-vehicle cycle p99 ms | {col('ours', 'cycle_p99_ms')} |",
+        f"| ours rule acks: per-vehicle cycle p99 ms | {col('ours_rule', 'cycle_p99_ms')} |",
         f"| raw broker-paced: per-vehicle cycle p50 ms | {col('raw_paced', 'cycle_p50_ms')} |",
         f"| raw closed loop: per-vehicle cycle p50 ms | {col('raw_loop', 'cycle_p50_ms')} |",
-        f"| ours: hook calls EMQX counted as answered, per delivery | {ours('hook_calls', n * k, dec)} |",
-        f"| ours: hook calls EMQX counted as failed | {ours('hook_failures', 1, num)} |",
+        f"| ours hook acks: hook calls EMQX counted as answered, per delivery | "
+        f"{per('ours', 'hook_calls', n * k, dec)} |",
+        f"| ours rule acks: hook calls EMQX counted as answered, per delivery | "
+        f"{per('ours_rule', 'hook_calls', n * k, dec)} |",
+        f"| hook calls EMQX counted as failed (hook acks, rule acks) | {per('ours', 'hook_failures', 1, num)}; "
+        f"{per('ours_rule', 'hook_failures', 1, num)} |",
         "",
         "CPU per delivery (median over rounds, µs of CPU per delivery, and share of one core):",
         "",
-        "| process | ours µs | ours core | raw paced µs | raw paced core | raw loop µs | raw loop core |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| process | " + " | ".join(f"{LABELS[side]} µs | core" for side in SIDES) + " |",
+        "|---|" + "---:|---:|" * len(SIDES),
     ]
     for label, group in (
-        (f"sdv-fanout server ({v['server_processes']} process(es))", "server"),
+        (f"sdv-fanout server measured ({v['server_processes']} process(es))", "server"),
         (f"EMQX {v['version']}", "emqx"),
         ("fleet (vehicles)", "fleet"),
         ("raw publisher", "raw publisher"),
         ("this bench (the platform client for ours)", "bench"),
         ("**all of the above**", "total"),
-        ("other processes on the machine", "other processes"),
+        ("other processes on the machine (the idle server included)", "other processes"),
     ):
         cells = []
         for side in SIDES:
@@ -464,20 +539,20 @@ def version_markdown(v: dict[str, Any], meta: dict[str, Any]) -> str:
         lines.append(f"| {label} | {' | '.join(cells)} |")
     lines += [
         "",
-        "| round | order | ours /s | raw paced /s | raw loop /s | ours/paced | ours/loop | ours s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| round | order | hook /s | rule /s | raw paced /s | raw loop /s | hook/paced | rule/paced | hook/loop "
+        "| rule/loop |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, r in enumerate(rounds, 1):
+        rates = " | ".join(f"{r[side]['deliveries_per_s']:,.0f}" for side in SIDES)
         lines.append(
-            f"| {i} | {r['order']} | {r['ours']['deliveries_per_s']:,.0f} | "
-            f"{r['raw_paced']['deliveries_per_s']:,.0f} | {r['raw_loop']['deliveries_per_s']:,.0f} | "
-            f"{r['ratio_paced']:.2f} | {r['ratio_loop']:.2f} | "
-            f"{r['ours']['seconds']:.2f} |"
+            f"| {i} | {r['order']} | {rates} | {r['ratio_paced']:.2f} | {r['ratio_rule_paced']:.2f} | "
+            f"{r['ratio_loop']:.2f} | {r['ratio_rule_loop']:.2f} |"
         )
     dups = sum(r[s]["duplicates"] for r in rounds for s in SIDES)
     lines += ["", f"Duplicate deliveries over all rounds: {dups}."]
     if v["profile"]:
-        lines += ["", f"#### Where the server's time goes (py-spy, EMQX {v['version']})", "", v["profile"]]
+        lines += ["", f"#### Where the servers' time goes (py-spy, EMQX {v['version']})", "", v["profile"]]
     return "\n".join(lines)
 
 
@@ -485,9 +560,9 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "### Summary: ours / raw EMQX QoS 1 with one message in flight per vehicle (medians, min to max)",
         "",
-        "| EMQX | ExHook | ours deliveries/s | raw broker-paced /s | **ours / paced** | raw closed loop /s | "
-        "ours / loop | CPU cost raw paced / ours | server µs/delivery |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| EMQX | ExHook | acks | ours deliveries/s | raw broker-paced /s | **ours / paced** | raw closed loop /s | "
+        "ours / loop | CPU cost raw paced / ours | server µs/delivery | EMQX µs/delivery |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in results:
         s = v["summary"]
@@ -495,19 +570,24 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         def m(key: str, fmt: Callable[[float], str], s: dict[str, dict[str, float]] = s) -> str:
             return f"{fmt(s[key]['median'])} ({fmt(s[key]['min'])} to {fmt(s[key]['max'])})"
 
-        lines.append(
-            f"| {v['version']} | {v['protocol']} | {m('ours_deliveries_per_s', num)} | "
-            f"{m('raw_paced_deliveries_per_s', num)} | **{m('ratio_ours_over_raw_paced', dec)}** | "
-            f"{m('raw_loop_deliveries_per_s', num)} | {m('ratio_ours_over_raw_loop', dec)} | "
-            f"{m('cost_ratio_raw_paced_over_ours', dec)} | {m('ours_server_us_per_delivery', num)} |"
-        )
+        for ours, acks in (("ours", "hook"), ("ours_rule", "rule")):
+            lines.append(
+                f"| {v['version']} | {v['protocol']} | {acks} | {m(f'{ours}_deliveries_per_s', num)} | "
+                f"{m('raw_paced_deliveries_per_s', num)} | **{m(f'ratio_{ours}_over_raw_paced', dec)}** | "
+                f"{m('raw_loop_deliveries_per_s', num)} | {m(f'ratio_{ours}_over_raw_loop', dec)} | "
+                f"{m(f'cost_ratio_raw_paced_over_{ours}', dec)} | {m(f'{ours}_server_us_per_delivery', num)} | "
+                f"{m(f'{ours}_emqx_us_per_delivery', num)} |"
+            )
     lines += [
         "",
         f"Fleet: {meta['vehicles']:,} paho MQTT 5 vehicles (clientid = VIN) in {meta['procs']} processes on a "
         f"listener with `mqtt.max_inflight = 1`, {meta['requests']} requests per vehicle per measurement, payload "
         f"{meta['payload_bytes']} B; raw publisher window {meta['max_inflight']}; server processes "
-        f"{', '.join(str(v['server_processes']) for v in results)}; ExHook pool_size 8. {meta['cpus']} CPUs shared by "
-        f"broker, server, fleet and bench; 1-min load average {meta['loadavg_1m_before']:.2f} before, "
+        f"{', '.join(str(v['server_processes']) for v in results)} (each of the two servers); ExHook pool_size 8; "
+        f"raw broker-paced EMQX µs/delivery "
+        f"{', '.join(num(v['summary']['raw_paced_emqx_us_per_delivery']['median']) for v in results)}. "
+        f"{meta['cpus']} CPUs shared by "
+        f"broker, servers, fleet and bench; 1-min load average {meta['loadavg_1m_before']:.2f} before, "
         f"{meta['loadavg_1m_after']:.2f} after; {meta['wall_s']:.0f} s wall. Seed {meta['seed']}.",
     ]
     for v in results:
