@@ -25,8 +25,10 @@ from typing import Any
 
 import lmdb
 
-from storage import keys, ops
+from storage import keys, ops, outcomes
+from storage.outcomes import Outcome
 from storage.store import Store, Tables
+from storage.store import now_ms as clock_ms
 
 #: Rows or aliases deleted per write transaction: short enough to keep ingest latency flat.
 ROW_CHUNK = 1000
@@ -70,13 +72,21 @@ def expire_rows(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: int) ->
             if ts >= cutoff_ms or len(doomed) >= limit:
                 break
             doomed.append((ekey, ekey[8:], ts))
+    now = clock_ms()
     for ekey, rkey, ts in doomed:
         txn.delete(ekey, db=t.expiry)
         value = txn.get(rkey, db=t.ids)
         # A row replaced after this expiry entry was written has a newer ts and its own entry.
         if value is not None and keys.row_ts(value) == ts:
             txn.delete(rkey, db=t.ids)
+            _expired(txn, t, rkey, keys.row_sha1(value), now)
     return len(doomed)
+
+
+def _expired(txn: lmdb.Transaction, t: Tables, rkey: bytes, sha1: bytes, now: int) -> None:
+    """A row retention removed ends `expired`."""
+    request_id = bytes(rkey).partition(keys.SEP)[2].decode()
+    outcomes.end(txn, t, rkey, request_id, sha1, Outcome.EXPIRED, now)
 
 
 def count_expired_rows(store: Store, cutoff_ms: int) -> int:
@@ -258,6 +268,7 @@ def delete_planned_rows(txn: lmdb.Transaction, t: Tables, planned: Sequence[tupl
             continue
         txn.delete(rkey, db=t.ids)
         txn.delete(keys.expiry_key(ts, rkey), db=t.expiry)
+        _expired(txn, t, rkey, keys.row_sha1(value), clock_ms())
         deleted += 1
     return deleted, kept
 

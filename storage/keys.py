@@ -122,3 +122,61 @@ def encode_u64(value: int) -> bytes:
 
 def decode_u64(value: bytes | memoryview) -> int:
     return int(_U64.unpack(value)[0])
+
+
+# -- outcomes and generations (what the platform gets back) -------------------------------------
+#: A generation is one (request_id, blob sha1): request ids are reused, so counts are kept per
+#: generation. `gens` value: first and last change (ms), then the counts in `COUNT_NAMES` order.
+COUNT_NAMES = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed")
+_GEN = struct.Struct(">QQ7Q")
+#: `outcomes` value: when it ended (ms), delivery attempts, outcome code.
+_OUTCOME = struct.Struct(">QHB")
+
+
+def gen_key(request_id: str, sha1: bytes) -> bytes:
+    """`gens` key: a request id's generations are one prefix range."""
+    return request_id.encode() + SEP + sha1
+
+
+def gen_prefix(request_id: str) -> bytes:
+    return request_id.encode() + SEP
+
+
+def split_gen_key(key: bytes | memoryview) -> tuple[str, bytes]:
+    raw = bytes(key)
+    return raw[:-21].decode(), raw[-20:]
+
+
+def gen_value(first_ms: int, last_ms: int, counts: Iterable[int]) -> bytes:
+    return _GEN.pack(first_ms, last_ms, *counts)
+
+
+def decode_gen(value: bytes | memoryview) -> tuple[int, int, list[int]]:
+    first_ms, last_ms, *counts = _GEN.unpack(value)
+    return first_ms, last_ms, counts
+
+
+def outcome_key(vin: str, request_id: str, sha1: bytes) -> bytes:
+    """`outcomes` key: one per (VIN, generation), the row key and the sha1; a vehicle's
+    outcomes are one prefix range."""
+    return row_key(vin, request_id) + SEP + sha1
+
+
+def split_outcome_key(key: bytes | memoryview) -> tuple[str, str, bytes]:
+    raw = bytes(key)
+    vin, _, rid = raw[:-21].partition(SEP)
+    return vin.decode(), rid.decode(), raw[-20:]
+
+
+def outcome_value(ts_ms: int, attempts: int, code: int) -> bytes:
+    return _OUTCOME.pack(ts_ms, min(attempts, 0xFFFF), code)
+
+
+def decode_outcome(value: bytes | memoryview) -> tuple[int, int, int]:
+    ts_ms, attempts, code = _OUTCOME.unpack(value)
+    return ts_ms, attempts, code
+
+
+def timed_key(ts_ms: int, key: bytes) -> bytes:
+    """A time index entry (`outcome_expiry`, `batch_expiry`): walks oldest first, like `expiry`."""
+    return _U64.pack(ts_ms) + key

@@ -15,8 +15,9 @@ from typing import Any
 import lmdb
 import orjson
 
-from storage import keys
+from storage import keys, outcomes
 from storage.errors import EarlyTriggersFull
+from storage.outcomes import Outcome
 from storage.store import Tables
 
 _EARLY_SEQ = b"early_seq"
@@ -33,6 +34,8 @@ class BatchWritten:
     vins: tuple[str, ...]
     replaced: int
     new_blob: bool
+    #: sha1s of the older generations of request_id whose rows this batch superseded.
+    superseded: frozenset[bytes] = frozenset()
 
     @property
     def rows(self) -> int:
@@ -98,6 +101,13 @@ def put_blob(txn: lmdb.Transaction, t: Tables, sha1: bytes, blob: bytes, now_ms:
     return bool(txn.put(sha1, keys.blob_value(now_ms, blob), overwrite=False, db=t.data))
 
 
+@dataclass(frozen=True, slots=True)
+class RowsPut:
+    replaced: int
+    #: sha1s of the generations whose pending rows were replaced by another payload.
+    superseded: frozenset[bytes]
+
+
 def put_rows(
     txn: lmdb.Transaction,
     t: Tables,
@@ -106,8 +116,9 @@ def put_rows(
     sha1: bytes,
     size: int,
     now_ms: int,
-) -> int:
-    """One row per VIN; a row for the same (VIN, request_id) is replaced. Returns replacements.
+) -> RowsPut:
+    """One row per VIN; a row for the same (VIN, request_id) is replaced (its generation, if
+    another, counts it superseded). The generation's counts change in the same transaction.
 
     This is the ingest hot loop (one call per 200-VIN batch, inside the single
     writer): keys go in sorted through one cursor per table, so each put lands
@@ -116,16 +127,30 @@ def put_rows(
     """
     rkeys = keys.row_keys(vins, request_id)
     if not rkeys:
-        return 0
+        return RowsPut(0, frozenset())
     rkeys.sort()
+    known = outcomes.generation_exists(txn, t, request_id, sha1)
     replaced = 0
+    superseded: set[bytes] = set()
+    # Rows that did not hold this generation before; the common case is every row.
+    newly: list[bytes] | None = None
     value = keys.row_value(now_ms, sha1, size)
     rows = txn.cursor(t.ids)
-    for rkey in rkeys:
+    for n, rkey in enumerate(rkeys):
         old = rows.replace(rkey, value)
         if old is not None:
             txn.delete(keys.expiry_key(keys.row_ts(old), rkey), db=t.expiry)
             replaced += 1
+            old_sha1 = keys.row_sha1(old)
+            if newly is None:
+                newly = rkeys[:n]
+            if old_sha1 != sha1:
+                outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.SUPERSEDED, now_ms)
+                superseded.add(old_sha1)
+                newly.append(rkey)
+        elif newly is not None:
+            newly.append(rkey)
+    outcomes.rows_pending(txn, t, rkeys if newly is None else newly, request_id, sha1, now_ms, known=known)
     expiry = txn.cursor(t.expiry)
     entries = keys.expiry_entries(now_ms, rkeys)
     # Rows are stamped with the wall clock, so the new expiry keys almost always sort after
@@ -134,7 +159,7 @@ def put_rows(
     # mode LMDB skips a key not above the last one; sorted, only a repeated VIN's twin is.)
     append = not expiry.last() or bytes(expiry.key()) < entries[0][0]
     expiry.putmulti(entries, append=append)
-    return replaced
+    return RowsPut(replaced, frozenset(superseded))
 
 
 def store_batch(
@@ -143,8 +168,8 @@ def store_batch(
     """Seed-000 batch: the blob once, then one row per VIN."""
     sha1 = sha1_of(blob)
     new_blob = put_blob(txn, t, sha1, blob, now_ms)
-    replaced = put_rows(txn, t, vins, request_id, sha1, len(blob), now_ms)
-    return BatchWritten(request_id, sha1, tuple(vins), replaced, new_blob)
+    put = put_rows(txn, t, vins, request_id, sha1, len(blob), now_ms)
+    return BatchWritten(request_id, sha1, tuple(vins), put.replaced, new_blob, put.superseded)
 
 
 def store_data(
@@ -191,9 +216,11 @@ def _complete(
             waiting.append((bytes(key), trig))
     completed = []
     for key, trig in waiting:
-        replaced = put_rows(txn, t, trig["ids"], trig["request_id"], sha1, size, now_ms)
+        put = put_rows(txn, t, trig["ids"], trig["request_id"], sha1, size, now_ms)
         txn.delete(key, db=t.early)
-        completed.append(BatchWritten(trig["request_id"], sha1, tuple(trig["ids"]), replaced, False))
+        completed.append(
+            BatchWritten(trig["request_id"], sha1, tuple(trig["ids"]), put.replaced, False, put.superseded)
+        )
     _count_early_rows(txn, t, -rows)
     return EarlyCompleted(tuple(completed), more)
 
@@ -243,10 +270,9 @@ def store_trigger(
         if blob is not None:
             size = len(blob) - keys.BLOB_HEAD_SIZE
             touch_blob(txn, t, sha1, now_ms)
-            replaced = put_rows(txn, t, vins, request_id, sha1, size, now_ms)
-            return TriggerWritten(
-                data_id, request_id, BatchWritten(request_id, sha1, tuple(vins), replaced, False), False
-            )
+            put = put_rows(txn, t, vins, request_id, sha1, size, now_ms)
+            written = BatchWritten(request_id, sha1, tuple(vins), put.replaced, False, put.superseded)
+            return TriggerWritten(data_id, request_id, written, False)
     if int(txn.stat(t.early)["entries"]) >= early_max:
         raise EarlyTriggersFull(f"{early_max} triggers already wait for their data")
     parked = _count_early_rows(txn, t, 0)
@@ -279,8 +305,18 @@ def expire_early(txn: lmdb.Transaction, t: Tables, now_ms: int, ttl_ms: int, lim
     return expired
 
 
-def delete_row_if(txn: lmdb.Transaction, t: Tables, vin: str, request_id: str, sha1: bytes) -> bool:
-    """Delete the (vin, request_id) row only if it still refers to `sha1` (not replaced since)."""
+def delete_row_if(
+    txn: lmdb.Transaction,
+    t: Tables,
+    vin: str,
+    request_id: str,
+    sha1: bytes,
+    now_ms: int = 0,
+    outcome: Outcome = Outcome.DELIVERED,
+    attempts: int = 0,
+) -> bool:
+    """End the (vin, request_id) row with `outcome`, only if it still refers to `sha1` (not
+    replaced since): the row goes, its outcome is recorded and counted."""
     rkey = keys.row_key(vin, request_id)
     value = txn.get(rkey, db=t.ids)
     if value is None:
@@ -290,4 +326,5 @@ def delete_row_if(txn: lmdb.Transaction, t: Tables, vin: str, request_id: str, s
         return False
     txn.delete(rkey, db=t.ids)
     txn.delete(keys.expiry_key(row.ts_ms, rkey), db=t.expiry)
+    outcomes.end(txn, t, rkey, request_id, sha1, outcome, now_ms or row.ts_ms, attempts)
     return True

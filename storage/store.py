@@ -23,8 +23,23 @@ import lmdb
 from storage import keys
 from storage.errors import StorageError
 
-SCHEMA_VERSION = 1
-_DB_NAMES = ("data", "touched", "ids", "expiry", "aliases", "early", "meta")
+#: 2 added the outcome tables (gens, outcomes, outcome_expiry, batches, batch_expiry); a
+#: version-1 store is upgraded when a writer opens it (its rows become pending generations).
+SCHEMA_VERSION = 2
+_DB_NAMES = (
+    "data",
+    "touched",
+    "ids",
+    "expiry",
+    "aliases",
+    "early",
+    "meta",
+    "gens",
+    "outcomes",
+    "outcome_expiry",
+    "batches",
+    "batch_expiry",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +53,16 @@ class Tables:
     aliases: Any
     early: Any
     meta: Any
+    #: request_id \0 sha1 → counts per state (storage/outcomes.py).
+    gens: Any
+    #: VIN \0 request_id \0 sha1 → how that pair ended.
+    outcomes: Any
+    #: ts + outcomes key: GC walks outcomes oldest first.
+    outcome_expiry: Any
+    #: batch_id → the receipt of the batch stored under it (idempotent retries).
+    batches: Any
+    #: ts + batch_id: GC walks batch ids oldest first.
+    batch_expiry: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,13 +180,21 @@ class Store:
             #: Reader slots left behind by processes killed mid-read (kill -9).
             self.stale_readers_cleared = self.env.reader_check()
         try:
-            self.tables = Tables(**{name: self.env.open_db(name.encode(), create=not readonly) for name in _DB_NAMES})
+            self.tables = Tables(**{name: self._open_db(name) for name in _DB_NAMES})
         except lmdb.Error as exc:
             self.env.close()
             raise StorageError(f"{self.path} is not an sdv-fanout store: {exc}") from exc
         self.schema_version = self._check_schema()
 
     # -- lifecycle -------------------------------------------------------------
+    def _open_db(self, name: str) -> Any:
+        try:
+            return self.env.open_db(name.encode(), create=not self.readonly)
+        except lmdb.NotFoundError:
+            if name in _DB_NAMES[7:]:  # a version-1 store read before any writer upgraded it
+                raise StorageError(f"{self.path} is a version 1 store: start the server once to upgrade it") from None
+            raise
+
     def _check_schema(self) -> int:
         with self.env.begin(write=not self.readonly, db=self.tables.meta) as txn:
             raw = txn.get(b"schema_version")
@@ -171,7 +204,11 @@ class Store:
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode())
                 txn.put(b"created_at_ms", str(now_ms()).encode())
                 return SCHEMA_VERSION
-        version = int(raw)
+            version = int(raw)
+            if version == 1 and not self.readonly:
+                _upgrade_from_1(txn, self.tables)
+                txn.put(b"schema_version", str(SCHEMA_VERSION).encode(), db=self.tables.meta)
+                return SCHEMA_VERSION
         if version != SCHEMA_VERSION:
             raise StorageError(f"{self.path} has schema version {version}; this build reads {SCHEMA_VERSION}")
         return version
@@ -391,3 +428,19 @@ class Store:
                 map_used_bytes=(int(info["last_pgno"]) + 1) * int(stat["psize"]),
                 schema_version=self.schema_version,
             )
+
+
+def _upgrade_from_1(txn: lmdb.Transaction, t: Tables) -> None:
+    """Version 1 kept no outcomes: each generation found among the rows starts with every row
+    pending (its history before the upgrade is unknown). One pass over the rows."""
+    counts: dict[bytes, list[int]] = {}
+    first: dict[bytes, int] = {}
+    for key, value in txn.cursor(t.ids):
+        row = keys.decode_row(key, value)
+        gkey = keys.gen_key(row.request_id, row.sha1)
+        slot = counts.setdefault(gkey, [0] * len(keys.COUNT_NAMES))
+        slot[0] += 1
+        slot[1] += 1
+        first[gkey] = min(first.get(gkey, row.ts_ms), row.ts_ms)
+    for gkey, c in counts.items():
+        txn.put(gkey, keys.gen_value(first[gkey], first[gkey], c), db=t.gens)

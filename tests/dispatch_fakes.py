@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from storage.keys import Row
 
@@ -33,15 +34,13 @@ class MemoryRows:
 
     def oldest(self, vin: str) -> tuple[Row, bytes] | None:
         hidden = {(v, rid, digest) for v, rid, digest in self.pending_acks}
-        mine = [
-            (ts, rid, p) for (v, rid), (ts, p) in self.rows.items() if v == vin and (v, rid, sha1(p)) not in hidden
-        ]
+        mine = [(ts, rid, p) for (v, rid), (ts, p) in self.rows.items() if v == vin and (v, rid, sha1(p)) not in hidden]
         if not mine:
             return None
         ts, rid, payload = min(mine)
         return Row(vin, rid, ts, sha1(payload), len(payload)), payload
 
-    def ack(self, vin: str, request_id: str, digest: bytes) -> bool:
+    def ack(self, vin: str, request_id: str, digest: bytes, *, outcome: Any = None, attempts: int = 1) -> bool:
         current = self.rows.get((vin, request_id))
         if current is None or sha1(current[1]) != digest or (vin, request_id, digest) in self.pending_acks:
             return False

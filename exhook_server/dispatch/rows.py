@@ -27,7 +27,8 @@ import structlog
 
 from storage import ops
 from storage.keys import Row
-from storage.store import Store
+from storage.outcomes import Outcome
+from storage.store import Store, now_ms
 from storage.writer import GroupCommitter
 
 log = structlog.get_logger("sdv_fanout.dispatch")
@@ -87,7 +88,9 @@ class StoreRows:
             head.popleft()
         return None
 
-    def ack(self, vin: str, request_id: str, sha1: bytes) -> bool:
+    def ack(
+        self, vin: str, request_id: str, sha1: bytes, *, outcome: Outcome = Outcome.DELIVERED, attempts: int = 1
+    ) -> bool:
         with self._lock:
             if self._deleting.get(vin, {}).get(request_id) == sha1:
                 return False  # a duplicate PUBACK: its delete is already on its way
@@ -100,7 +103,16 @@ class StoreRows:
         with self._lock:
             self._deleting.setdefault(vin, {})[request_id] = sha1
         future = self._committer.submit(
-            functools.partial(ops.delete_row_if, t=self._store.tables, vin=vin, request_id=request_id, sha1=sha1),
+            functools.partial(
+                ops.delete_row_if,
+                t=self._store.tables,
+                vin=vin,
+                request_id=request_id,
+                sha1=sha1,
+                now_ms=now_ms(),
+                outcome=outcome,
+                attempts=attempts,
+            ),
             lazy=True,
         )
         future.add_done_callback(functools.partial(self._deleted, vin, request_id, sha1))

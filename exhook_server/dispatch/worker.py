@@ -39,6 +39,7 @@ from exhook_server.dispatch.commands import (
     Trigger,
 )
 from storage.keys import Row
+from storage.outcomes import Outcome
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
@@ -58,10 +59,12 @@ class RowSource(Protocol):
         """The oldest pending row of `vin` with its payload, or None."""
         ...
 
-    def ack(self, vin: str, request_id: str, sha1: bytes) -> bool:
-        """The row is done (delivered, or failed for good): delete it if it still holds `sha1`
-        (durably soon, hidden from `oldest` at once); True when a delete was started, False
-        when there was nothing of that sha1 to delete."""
+    def ack(
+        self, vin: str, request_id: str, sha1: bytes, *, outcome: Outcome = Outcome.DELIVERED, attempts: int = 1
+    ) -> bool:
+        """The row is done (delivered, or failed for good): end it with `outcome` if it still
+        holds `sha1` (durably soon, hidden from `oldest` at once); True when that was started,
+        False when there was nothing of that sha1 to end."""
         ...
 
 
@@ -71,6 +74,8 @@ class InFlight:
     sha1: bytes
     session: Session
     sent_at: float
+    #: Times this (request_id, sha1) has been published to the vehicle, this one included.
+    attempts: int = 1
 
 
 class Worker:
@@ -96,10 +101,10 @@ class Worker:
         self.presence: dict[str, Session] = {}
         #: VIN → the one delivery waiting for its PUBACK.
         self.inflight: dict[str, InFlight] = {}
-        #: VIN → (request_id, sha1) of a delivery published and not acked whose in-flight entry
-        #: was voided since: sending it again counts as a re-send in the metrics. While a
-        #: delivery is in flight, its entry says so instead (no second entry per VIN).
-        self._unacked: dict[str, tuple[str, bytes]] = {}
+        #: VIN → (request_id, sha1, attempts) of a delivery published and not acked whose
+        #: in-flight entry was voided since: sending it again is a re-send (one more attempt).
+        #: While a delivery is in flight, its entry says so instead (no second entry per VIN).
+        self._unacked: dict[str, tuple[str, bytes, int]] = {}
 
     def handle(self, cmd: Command) -> None:
         if isinstance(cmd, NewBatch):
@@ -148,7 +153,7 @@ class Worker:
         """Forget the VIN's in-flight delivery unacked: it may be sent again (as a re-send)."""
         entry = self.inflight.pop(vin, None)
         if entry is not None:
-            self._unacked[vin] = (entry.request_id, entry.sha1)
+            self._unacked[vin] = (entry.request_id, entry.sha1, entry.attempts)
 
     # -- rules -------------------------------------------------------------------
     def _maybe_send(self, cmd: MaybeSend) -> None:
@@ -189,20 +194,30 @@ class Worker:
         row, payload = found
         if not self._publisher.publish(vin, row.request_id, payload):
             return  # no broker connection: BrokerBack will try again
-        if entry is not None:
-            resend = entry.request_id == row.request_id and entry.sha1 == row.sha1
-        else:
-            resend = self._unacked.get(vin) == (row.request_id, row.sha1)
-        self.inflight[vin] = InFlight(row.request_id, row.sha1, session, self._clock())
+        attempts = self._attempts(vin, row.request_id, row.sha1) + 1
+        resend = attempts > 1
+        self.inflight[vin] = InFlight(row.request_id, row.sha1, session, self._clock(), attempts)
         self._unacked.pop(vin, None)
         (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
         log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)
 
+    def _attempts(self, vin: str, request_id: str, sha1: bytes) -> int:
+        """How often (request_id, sha1) has been published to `vin` so far (0: never, or
+        not since this server started)."""
+        entry = self.inflight.get(vin)
+        if entry is not None and entry.request_id == request_id and entry.sha1 == sha1:
+            return entry.attempts
+        voided = self._unacked.get(vin)
+        if voided is not None and voided[0] == request_id and voided[1] == sha1:
+            return voided[2]
+        return 0
+
     def _acknowledge(self, cmd: Acknowledge) -> None:
         vin, rid, digest = cmd.vin, cmd.request_id, cmd.sha1
-        deleted = self._rows.ack(vin, rid, digest)
+        deleted = self._rows.ack(vin, rid, digest, attempts=max(1, self._attempts(vin, rid, digest)))
         metrics.DELIVERIES_ACKED.labels("deleted" if deleted else "kept").inc()
-        if self._unacked.get(vin) == (rid, digest):
+        voided = self._unacked.get(vin)
+        if voided is not None and voided[0] == rid and voided[1] == digest:
             del self._unacked[vin]
         entry = self.inflight.get(vin)
         # Only the ack of exactly what is in flight frees the slot: an older delivery of the same
@@ -218,16 +233,16 @@ class Worker:
         vin, rid = cmd.vin, cmd.request_id
         entry = self.inflight.get(vin)
         if entry is not None and entry.request_id == rid:
-            sha1 = entry.sha1
+            sha1, attempts = entry.sha1, entry.attempts
         elif vin in self._unacked and self._unacked[vin][0] == rid:
-            sha1 = self._unacked[vin][1]  # voided meanwhile (our link dropped with it)
+            _, sha1, attempts = self._unacked[vin]  # voided meanwhile (our link dropped with it)
         else:
             return  # no longer what this vehicle has out
         metrics.DELIVERIES_REFUSED.labels(cmd.reason).inc()
         if cmd.final:
             self.inflight.pop(vin, None)
             self._unacked.pop(vin, None)
-            self._rows.ack(vin, rid, sha1)
+            self._rows.ack(vin, rid, sha1, outcome=Outcome.FAILED, attempts=attempts)
             metrics.DELIVERIES_FAILED.labels("broker_refused").inc()
             log.error("delivery_failed", vin=vin, request_id=rid, reason="broker_refused", last_refusal=cmd.reason)
         else:

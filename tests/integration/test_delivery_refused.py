@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from storage import outcomes
+from storage.outcomes import Outcome
 from tests.emqx_sim import Mosquitto
 from tests.harness import poll, put
 from tests.integration.test_delivery_e2e import Rig, make_rig
@@ -56,6 +58,18 @@ def test_poison_topic_ends_failed_and_the_fleet_gets_everything(rig: Rig) -> Non
         assert rig.rids(v) == ["task_ota_0", "task_ota_1", "task_ota_2"], v.vin
     poll(lambda: rig.rows() == 0, timeout_s=10)
     assert _failed() - failed_before == 2
+    with srv.store.read() as txn:
+        [poisoned] = [
+            o for o in outcomes.vehicle_outcomes(txn, srv.store.tables, "VIN000") if o.request_id == POISON_RID
+        ]
+        delivered = outcomes.vehicle_outcomes(txn, srv.store.tables, "VIN001")
+    # Attempts count every hand-over to the delivery link, held ones a drop discarded included.
+    assert poisoned.outcome is Outcome.FAILED and poisoned.attempts >= 3
+    assert sorted(o.request_id for o in delivered if o.outcome is Outcome.DELIVERED) == [
+        "task_ota_0",
+        "task_ota_1",
+        "task_ota_2",
+    ]
     # Each poison row is refused 3 times; the first drop may blame both at once.
     assert _drops(rig.broker, srv.delivery.clientid) <= 6
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -14,7 +15,7 @@ from storage import gc, ops
 from storage.errors import PlanError
 from storage.export import export
 from storage.plan import apply_plan
-from storage.store import Store, now_ms
+from storage.store import SCHEMA_VERSION, Store, now_ms
 from storage.writer import GroupCommitter
 from tests.harness import BIN, put
 from tests.plan_reference import read, reference_plan, write_plan
@@ -32,7 +33,7 @@ def test_export_is_a_faithful_snapshot(env: tuple[Store, GroupCommitter], tmp_pa
     writer.submit(functools.partial(ops.store_data, t=store.tables, data_id="d9", blob=b"two", now_ms=now)).result()
     manifest = export(store, tmp_path / "out")
     assert manifest["counts"] == {"rows": 3, "blobs": 2, "aliases": 1}
-    assert manifest["snapshot_ms"] >= now and manifest["schema_version"] == 1
+    assert manifest["snapshot_ms"] >= now and manifest["schema_version"] == SCHEMA_VERSION
     assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == manifest
     rows = {(r["vin"], r["request_id"]): r for r in read(tmp_path / "out", "rows")}
     assert rows["V1", "task_a_1"]["sha1"] == hashlib.sha1(b"one").digest()
@@ -99,7 +100,8 @@ def test_apply_agrees_with_embedded_gc(tmp_path: Path) -> None:
     write_plan(tmp_path / "plan", reference_plan(tmp_path / "out", 7 * DAY, HOUR), 7 * DAY, HOUR)
     apply_plan(a, wa.submit, tmp_path / "plan")
     gc.collect(b, wb.submit, now_ms=snapshot, retention_ms=7 * DAY, grace_ms=HOUR, early_ttl_ms=HOUR)
-    assert a.stats() == b.stats()
+    # Pages used may differ: the two record their outcomes at different times.
+    assert dataclasses.replace(a.stats(), map_used_bytes=0) == dataclasses.replace(b.stats(), map_used_bytes=0)
     assert {r for v in range(80) for r in a.pending(f"V{v}")} == {r for v in range(80) for r in b.pending(f"V{v}")}
     for s, w in ((a, wa), (b, wb)):
         w.close()

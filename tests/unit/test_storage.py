@@ -98,7 +98,7 @@ def test_reopen_keeps_everything(tmp_path: Path) -> None:
     w.close()
     s.close()
     again = Store(tmp_path / "db", readonly=True)
-    assert again.stats().rows == 2 and again.schema_version == 1
+    assert again.stats().rows == 2 and again.schema_version == 2
     again.close()
 
 
