@@ -78,15 +78,16 @@ def expire_rows(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: int) ->
         value = txn.get(rkey, db=t.ids)
         # A row replaced after this expiry entry was written has a newer ts and its own entry.
         if value is not None and keys.row_ts(value) == ts:
+            value = bytes(value)  # a memoryview into the page the delete frees
             txn.delete(rkey, db=t.ids)
-            _expired(txn, t, rkey, keys.row_sha1(value), now)
+            _expired(txn, t, rkey, value, now)
     return len(doomed)
 
 
-def _expired(txn: lmdb.Transaction, t: Tables, rkey: bytes, sha1: bytes, now: int) -> None:
-    """A row retention removed ends `expired`."""
+def _expired(txn: lmdb.Transaction, t: Tables, rkey: bytes, value: bytes | memoryview, now: int) -> None:
+    """A row retention removed (`value` as it was) ends `expired`."""
     request_id = bytes(rkey).partition(keys.SEP)[2].decode()
-    outcomes.end(txn, t, rkey, request_id, sha1, Outcome.EXPIRED, now)
+    outcomes.end(txn, t, rkey, request_id, keys.row_sha1(value), Outcome.EXPIRED, now, keys.row_ts(value))
 
 
 def count_expired_rows(store: Store, cutoff_ms: int) -> int:
@@ -266,9 +267,10 @@ def delete_planned_rows(txn: lmdb.Transaction, t: Tables, planned: Sequence[tupl
         if keys.row_ts(value) != ts:
             kept += 1
             continue
+        value = bytes(value)  # a memoryview into the page the delete frees
         txn.delete(rkey, db=t.ids)
         txn.delete(keys.expiry_key(ts, rkey), db=t.expiry)
-        _expired(txn, t, rkey, keys.row_sha1(value), clock_ms())
+        _expired(txn, t, rkey, value, clock_ms())
         deleted += 1
     return deleted, kept
 

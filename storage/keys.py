@@ -129,8 +129,8 @@ def decode_u64(value: bytes | memoryview) -> int:
 #: generation. `gens` value: first and last change (ms), then the counts in `COUNT_NAMES` order.
 COUNT_NAMES = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed")
 _GEN = struct.Struct(">QQ7Q")
-#: `outcomes` value: when it ended (ms), delivery attempts, outcome code.
-_OUTCOME = struct.Struct(">QHB")
+#: `outcomes` value: when it ended and when its row was stored (ms), delivery attempts, outcome code.
+_OUTCOME = struct.Struct(">QQHB")
 
 
 def gen_key(request_id: str, sha1: bytes) -> bytes:
@@ -168,13 +168,14 @@ def split_outcome_key(key: bytes | memoryview) -> tuple[str, str, bytes]:
     return vin.decode(), rid.decode(), raw[-20:]
 
 
-def outcome_value(ts_ms: int, attempts: int, code: int) -> bytes:
-    return _OUTCOME.pack(ts_ms, min(attempts, 0xFFFF), code)
+def outcome_value(ts_ms: int, stored_ms: int, attempts: int, code: int) -> bytes:
+    return _OUTCOME.pack(ts_ms, stored_ms, min(attempts, 0xFFFF), code)
 
 
-def decode_outcome(value: bytes | memoryview) -> tuple[int, int, int]:
-    ts_ms, attempts, code = _OUTCOME.unpack(value)
-    return ts_ms, attempts, code
+def decode_outcome(value: bytes | memoryview) -> tuple[int, int, int, int]:
+    """(ended ms, stored ms, attempts, outcome code)."""
+    ts_ms, stored_ms, attempts, code = _OUTCOME.unpack(value)
+    return ts_ms, stored_ms, attempts, code
 
 
 def timed_key(ts_ms: int, key: bytes) -> bytes:

@@ -145,7 +145,7 @@ def put_rows(
             if newly is None:
                 newly = rkeys[:n]
             if old_sha1 != sha1:
-                outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.SUPERSEDED, now_ms)
+                outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.SUPERSEDED, now_ms, keys.row_ts(old))
                 superseded.add(old_sha1)
                 newly.append(rkey)
         elif newly is not None:
@@ -326,5 +326,5 @@ def delete_row_if(
         return False
     txn.delete(rkey, db=t.ids)
     txn.delete(keys.expiry_key(row.ts_ms, rkey), db=t.expiry)
-    outcomes.end(txn, t, rkey, request_id, sha1, outcome, now_ms or row.ts_ms, attempts)
+    outcomes.end(txn, t, rkey, request_id, sha1, outcome, now_ms or row.ts_ms, row.ts_ms, attempts)
     return True

@@ -62,6 +62,8 @@ class OutcomeRecord:
     sha1: bytes
     outcome: Outcome
     ts_ms: int
+    #: When its row was stored: ts_ms - stored_ms is the time to the outcome.
+    stored_ms: int
     attempts: int
 
 
@@ -86,7 +88,7 @@ def _drop_outcome(txn: lmdb.Transaction, t: Tables, okey: bytes) -> int | None:
     raw = txn.get(okey, db=t.outcomes)
     if raw is None:
         return None
-    ts_ms, _, code = keys.decode_outcome(raw)
+    ts_ms, _, _, code = keys.decode_outcome(raw)
     txn.delete(okey, db=t.outcomes)
     txn.delete(keys.timed_key(ts_ms, okey), db=t.outcome_expiry)
     return code
@@ -130,13 +132,14 @@ def end(
     sha1: bytes,
     outcome: Outcome,
     now_ms: int,
+    stored_ms: int,
     attempts: int = 0,
 ) -> None:
-    """The pending pair (row `rkey`, generation) ends with `outcome` (its row is being deleted
-    or replaced in this transaction)."""
+    """The pending pair (row `rkey`, generation), stored at `stored_ms`, ends with `outcome`
+    (its row is being deleted or replaced in this transaction)."""
     okey = rkey + keys.SEP + sha1
     _drop_outcome(txn, t, okey)  # none is expected: the pair was pending
-    txn.put(okey, keys.outcome_value(now_ms, attempts, outcome.value), db=t.outcomes)
+    txn.put(okey, keys.outcome_value(now_ms, stored_ms, attempts, outcome.value), db=t.outcomes)
     txn.put(keys.timed_key(now_ms, okey), b"", db=t.outcome_expiry)
     _bump(txn, t, request_id, sha1, now_ms, {_PENDING: -1, outcome.value: 1})
 
@@ -185,8 +188,8 @@ def vehicle_outcomes(txn: lmdb.Transaction, t: Tables, vin: str, limit: int = 20
             if bytes(key[: len(prefix)]) != prefix:
                 break
             _, request_id, sha1 = keys.split_outcome_key(key)
-            ts_ms, attempts, code = keys.decode_outcome(value)
-            found.append(OutcomeRecord(vin, request_id, sha1, Outcome(code), ts_ms, attempts))
+            ts_ms, stored_ms, attempts, code = keys.decode_outcome(value)
+            found.append(OutcomeRecord(vin, request_id, sha1, Outcome(code), ts_ms, stored_ms, attempts))
     found.sort(key=lambda o: o.ts_ms, reverse=True)
     return found[:limit]
 
@@ -206,6 +209,6 @@ def recount(txn: lmdb.Transaction, t: Tables) -> dict[tuple[str, bytes], dict[st
     for key, value in txn.cursor(t.outcomes):
         _, rid, sha1 = keys.split_outcome_key(key)
         counts = slot(rid, sha1)
-        counts[Outcome(keys.decode_outcome(value)[2]).label] += 1
+        counts[Outcome(keys.decode_outcome(value)[3]).label] += 1
         counts["total"] += 1
     return out
