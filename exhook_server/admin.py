@@ -1,8 +1,10 @@
 """The `sdv.fanout.v1.Admin` service: what an operator asks a running server, through grpcurl.
 
-Read-only views of the store and of the dispatch state, plus two actions (GC now, requeue one
-vehicle). It runs on the event loop that owns the dispatch state, so reads need no locks; with
-several server processes, the state other processes own is asked for over local IPC.
+Read-only views of the store (stats, a vehicle's queue and outcomes, each request's
+generations) and of the dispatch state, plus two actions (GC now, requeue one vehicle). It runs
+on the event loop that owns the dispatch state, so reads need no locks; store scans run in a
+thread, off that loop; with several server processes, the state other processes own is asked
+for over local IPC.
 """
 
 from __future__ import annotations
@@ -21,15 +23,53 @@ from exhook_server.config import Config
 from exhook_server.dispatch.commands import Session
 from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.housekeeping import run_gc
+from storage import outcomes
+from storage.keys import Row
 from storage.store import Store
 from storage.writer import GroupCommitter
 
 SERVICE_NAME = "sdv.fanout.v1.Admin"
 _MAX_PAGE = 10_000
+_DEFAULT_OUTCOMES = 20
+_MAX_OUTCOMES = 1000
 
 
 def _session(s: Session) -> apb.Session:
     return apb.Session(node=s.node, clientid=s.clientid, peerhost=s.peerhost, peerport=s.peerport)
+
+
+def generation_message(g: outcomes.Generation) -> apb.Generation:
+    """A stored generation as the Admin API shows it (`sdv-fanout request` shows the same)."""
+    return apb.Generation(
+        request_id=g.request_id,
+        sha1=g.sha1.hex(),
+        counts=apb.Counts(**g.counts),
+        first_ms=g.first_ms,
+        last_ms=g.last_ms,
+    )
+
+
+def outcome_message(o: outcomes.OutcomeRecord) -> apb.Outcome:
+    return apb.Outcome(
+        request_id=o.request_id,
+        sha1=o.sha1.hex(),
+        outcome=o.outcome.label,
+        ts_ms=o.ts_ms,
+        stored_ms=o.stored_ms,
+        attempts=o.attempts,
+    )
+
+
+def page_token(place: outcomes.PageKey) -> str:
+    """`ListRequests`' token: the place of the last generation shown (its last change and key),
+    so the next page starts right after it whatever was added or collected in between."""
+    return f"{place[0]}.{place[1].hex()}"
+
+
+def page_place(token: str) -> outcomes.PageKey:
+    """The place a `page_token` names; ValueError when it is not one."""
+    ms, _, key = token.partition(".")
+    return int(ms), bytes.fromhex(key)
 
 
 class AdminServicer:
@@ -86,9 +126,21 @@ class AdminServicer:
                     age_ms=int((time.monotonic() - entry.sent_at) * 1000),
                 )
             )
-        for row in self._store.pending(vin):
+        rows, ended = await asyncio.to_thread(self._vehicle_store_view, vin, request.outcomes_limit)
+        for row in rows:
             out.pending.add(request_id=row.request_id, ts_ms=row.ts_ms, sha1=row.sha1.hex(), size=row.size)
+        out.outcomes.extend(outcome_message(o) for o in ended)
         return out
+
+    def _vehicle_store_view(self, vin: str, limit: int) -> tuple[list[Row], list[outcomes.OutcomeRecord]]:
+        """The vehicle's queue, then its recent outcomes (two snapshots: a row that ends between
+        them shows in both, never in neither)."""
+        rows = self._store.pending(vin)
+        with self._store.read() as txn:
+            ended = outcomes.vehicle_outcomes(
+                txn, self._store.tables, vin, min(limit or _DEFAULT_OUTCOMES, _MAX_OUTCOMES)
+            )
+        return rows, ended
 
     async def ListOnline(
         self, request: apb.ListOnlineRequest, context: grpc.aio.ServicerContext
@@ -110,6 +162,36 @@ class AdminServicer:
         answer = apb.RequeueResponse(was_in_flight=entry is not None, online=session is not None)
         self._dispatch.requeue(request.vin)
         return answer
+
+    async def GetRequest(self, request: apb.GetRequestRequest, context: grpc.aio.ServicerContext) -> apb.RequestStatus:
+        def read() -> list[outcomes.Generation]:
+            with self._store.read() as txn:
+                return outcomes.generations(txn, self._store.tables, request.request_id)
+
+        found = await asyncio.to_thread(read)
+        if not found:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no generation of request {request.request_id!r} is stored")
+        return apb.RequestStatus(request_id=request.request_id, generations=map(generation_message, found))
+
+    async def ListRequests(
+        self, request: apb.ListRequestsRequest, context: grpc.aio.ServicerContext
+    ) -> apb.ListRequestsResponse:
+        size = min(request.page_size or 100, _MAX_PAGE)
+        try:
+            after = page_place(request.page_token) if request.page_token else None
+        except ValueError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server gave")
+
+        def read() -> tuple[list[outcomes.Generation], outcomes.PageKey | None, int]:
+            with self._store.read() as txn:  # one scan of the gens table: keep it off the event loop
+                return outcomes.generations_page(txn, self._store.tables, size, after)
+
+        page, last, total = await asyncio.to_thread(read)
+        return apb.ListRequestsResponse(
+            generations=map(generation_message, page),
+            next_page_token=page_token(last) if last else "",
+            total=total,
+        )
 
 
 def method_handlers(servicer: AdminServicer) -> dict[str, grpc.RpcMethodHandler]:

@@ -1,8 +1,9 @@
 """The `sdv-fanout` command: serve, show the configuration, and look into a store.
 
-`stats` and `inspect` open the LMDB environment read-only, so they work on the
-data dir of a running server (LMDB readers never block its writer); with `--server`
-they ask the server's Admin API instead, on its admin listener, over TLS when it has TLS.
+`stats`, `inspect`, `request` and `requests` open the LMDB environment read-only, so they
+work on the data dir of a running server (LMDB readers never block its writer); with
+`--server` they ask the server's Admin API instead, on its admin listener, over TLS when it
+has TLS. Both ways print the same numbers.
 Every setting is a flag of `serve`, `check-config` and `gc` (see `flags`).
 """
 
@@ -13,16 +14,24 @@ import datetime as dt
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exhook_server import __version__, flags, log
 from exhook_server.config import ENV_PREFIX, Config, join_host_port, load, loopback, split_host_port
 from exhook_server.errors import ConfigError, StorageError
+from storage.keys import COUNT_NAMES
+
+if TYPE_CHECKING:
+    from storage.outcomes import Generation
 
 #: What `--server` needs besides the address: the client side of a TLS admin listener.
 _CLIENT_SETTINGS = ("cli_tls_ca_file", "cli_tls_cert_file", "cli_tls_key_file", "cli_tls_server_name")
+
+
+class _NotFound(StorageError):
+    """What was asked for is not in the store (exit 1: an answer, not a failure to get one)."""
 
 
 def _config_args(p: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
@@ -70,10 +79,24 @@ def _parser() -> argparse.ArgumentParser:
     _server_arg(stats, "ask a running server instead")
     stats.add_argument("--json", action="store_true", help="one JSON object")
 
-    inspect = sub.add_parser("inspect", help="a vehicle's pending requests in delivery order")
+    inspect = sub.add_parser("inspect", help="a vehicle's pending requests in delivery order, and recent outcomes")
     inspect.add_argument("vin")
     _server_arg(inspect, "ask a running server: adds presence and in flight")
     inspect.add_argument("--json", action="store_true", help="one JSON object")
+
+    request = sub.add_parser(
+        "request", help="one request's generations (one per payload), newest first: counts per state"
+    )
+    request.add_argument("request_id", metavar="REQUEST_ID")
+    _server_arg(request, "ask a running server instead")
+    request.add_argument("--json", action="store_true", help="one JSON object")
+
+    requests = sub.add_parser("requests", help="every request's generations, newest first by last change")
+    _server_arg(requests, "ask a running server instead")
+    requests.add_argument("--json", action="store_true", help="one JSON object")
+    requests.add_argument(
+        "--limit", type=_positive, default=50, metavar="N", help="show the N most recently changed (default 50)"
+    )
     gc = sub.add_parser("gc", help="retention and garbage collection")
     gc_sub = gc.add_subparsers(dest="gc_command", required=True)
     gc_run = gc_sub.add_parser("run", help="one GC pass now (offline, or next to a running server)")
@@ -90,6 +113,13 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--data-dir", metavar="DIR", default=None)
     exp.add_argument("--out", metavar="OUT", required=True, help="output directory")
     return top
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -143,16 +173,17 @@ def _admin_channel(cfg: Config, target: str) -> Any:
     return grpc.secure_channel(target, credentials, options)
 
 
-def _admin_call(cfg: Config, server: str, method: str, request: Any) -> dict[str, Any]:
-    """One Admin RPC to a running server (`server`, or else the configured admin listener), as a
-    dict with every field shown."""
+def _admin_rpc(cfg: Config, server: str, method: str, request: Any) -> Any:
+    """One Admin RPC to a running server (`server`, or else the configured admin listener); its
+    reply message. NOT_FOUND raises `_NotFound`, any other failure `StorageError`."""
     import grpc
-    from google.protobuf.json_format import MessageToDict
+    from google.protobuf import message_factory
 
     from exhook_server._proto import admin_pb2
 
     server = _admin_target(cfg, server)
-    response_cls: Any = {"GetStats": admin_pb2.Stats, "GetVehicle": admin_pb2.Vehicle}[method]
+    output = admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods_by_name[method].output_type
+    response_cls: Any = message_factory.GetMessageClass(output)
     with _admin_channel(cfg, server) as channel:
         stub = channel.unary_unary(
             f"/sdv.fanout.v1.Admin/{method}",
@@ -160,13 +191,57 @@ def _admin_call(cfg: Config, server: str, method: str, request: Any) -> dict[str
             response_deserializer=response_cls.FromString,
         )
         try:
-            reply = stub(request, timeout=30)
+            return stub(request, timeout=30)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise _NotFound(str(exc.details())) from None
             raise StorageError(f"{server}: {exc.code().name}: {exc.details()}") from None
+
+
+def _admin_call(cfg: Config, server: str, method: str, request: Any) -> dict[str, Any]:
+    """`_admin_rpc`'s reply as a dict with every field shown."""
+    from google.protobuf.json_format import MessageToDict
+
     shown: dict[str, Any] = MessageToDict(
-        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        _admin_rpc(cfg, server, method, request),
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
     )
     return shown
+
+
+def _iso(ms: int) -> str:
+    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _generation(
+    request_id: str, sha1_hex: str, counts: Mapping[str, int], first_ms: int, last_ms: int
+) -> dict[str, Any]:
+    """One generation as `request` and `requests` print it, whether read from the store or from
+    the Admin API (whose JSON would show its 64-bit counts as strings)."""
+    return {
+        "request_id": request_id,
+        "sha1": sha1_hex,
+        "counts": {name: int(counts[name]) for name in COUNT_NAMES},
+        "first_ms": int(first_ms),
+        "last_ms": int(last_ms),
+    }
+
+
+def _stored_generation(g: Generation) -> dict[str, Any]:
+    return _generation(g.request_id, g.sha1.hex(), g.counts, g.first_ms, g.last_ms)
+
+
+def _served_generation(m: Any) -> dict[str, Any]:
+    """From the Admin API's `Generation` message (`exhook_server.admin.generation_message`)."""
+    counts = {name: getattr(m.counts, name) for name in COUNT_NAMES}
+    return _generation(m.request_id, m.sha1, counts, m.first_ms, m.last_ms)
+
+
+def _generation_line(g: Mapping[str, Any]) -> str:
+    """A generation's counts on one line, then when it first and last changed."""
+    counts = "  ".join(f"{name} {g['counts'][name]}" for name in COUNT_NAMES)
+    return f"{counts}  first {_iso(g['first_ms'])}  last {_iso(g['last_ms'])}"
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -190,6 +265,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from storage import outcomes
     from storage.store import Store
 
     cfg = _load(args)
@@ -201,24 +277,94 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     with Store(cfg.data_dir, readonly=True) as store:
         rows = store.pending(args.vin)
+        with store.read() as txn:
+            ended = outcomes.vehicle_outcomes(txn, store.tables, args.vin)
     pending: list[dict[str, Any]] = [
-        {
-            "request_id": r.request_id,
-            "ts_ms": r.ts_ms,
-            "time": dt.datetime.fromtimestamp(r.ts_ms / 1000, dt.UTC).isoformat(timespec="milliseconds"),
-            "sha1": r.sha1.hex(),
-            "size": r.size,
-        }
+        {"request_id": r.request_id, "ts_ms": r.ts_ms, "time": _iso(r.ts_ms), "sha1": r.sha1.hex(), "size": r.size}
         for r in rows
     ]
+    recent: list[dict[str, Any]] = [
+        {
+            "request_id": o.request_id,
+            "sha1": o.sha1.hex(),
+            "outcome": o.outcome.label,
+            "ts_ms": o.ts_ms,
+            "stored_ms": o.stored_ms,
+            "attempts": o.attempts,
+        }
+        for o in ended
+    ]
     if args.json:
-        print(json.dumps({"vin": args.vin, "pending": pending}))
-    elif not pending:
+        print(json.dumps({"vin": args.vin, "pending": pending, "outcomes": recent}))
+        return 0
+    if not pending:
         print(f"{args.vin}: nothing pending")
     else:
         print(f"{args.vin}: {len(pending)} pending, in delivery order")
         for i, p in enumerate(pending, 1):
             print(f"{i:>4}  {p['request_id']:<32} {p['time']}  {p['size']:>9} B  sha1 {p['sha1']}")
+    if recent:
+        print(f"{args.vin}: recent outcomes, newest first")
+        for o in recent:
+            print(
+                f"      {o['request_id']:<32} {_iso(o['ts_ms'])}  {o['outcome']:<10}  attempts {o['attempts']}"
+                f"  stored {_iso(o['stored_ms'])}  sha1 {o['sha1']}"
+            )
+    return 0
+
+
+def _cmd_request(args: argparse.Namespace) -> int:
+    from storage import outcomes
+    from storage.store import Store
+
+    cfg = _load(args)
+    if args.server is not None:
+        from exhook_server._proto import admin_pb2
+
+        reply = _admin_rpc(cfg, args.server, "GetRequest", admin_pb2.GetRequestRequest(request_id=args.request_id))
+        found = [_served_generation(m) for m in reply.generations]
+    else:
+        with Store(cfg.data_dir, readonly=True) as store, store.read() as txn:
+            found = [_stored_generation(g) for g in outcomes.generations(txn, store.tables, args.request_id)]
+        if not found:
+            raise _NotFound(f"no generation of request {args.request_id!r} is stored")
+    if args.json:
+        print(json.dumps({"request_id": args.request_id, "generations": found}))
+        return 0
+    print(f"{args.request_id}: {len(found)} generation{'s' if len(found) > 1 else ''}, newest first")
+    for g in found:
+        print(f"  sha1 {g['sha1']}  {_generation_line(g)}")
+    return 0
+
+
+def _cmd_requests(args: argparse.Namespace) -> int:
+    from storage import outcomes
+    from storage.store import Store
+
+    cfg = _load(args)
+    found: list[dict[str, Any]] = []
+    if args.server is not None:
+        from exhook_server._proto import admin_pb2
+
+        token = ""
+        while True:  # the server pages at 10,000 at most
+            ask = admin_pb2.ListRequestsRequest(page_size=min(args.limit - len(found), 10_000), page_token=token)
+            reply = _admin_rpc(cfg, args.server, "ListRequests", ask)
+            found.extend(_served_generation(m) for m in reply.generations)
+            total, token = reply.total, reply.next_page_token
+            if not token or len(found) >= args.limit:
+                break
+    else:
+        with Store(cfg.data_dir, readonly=True) as store, store.read() as txn:
+            page, _, total = outcomes.generations_page(txn, store.tables, args.limit)
+            found = [_stored_generation(g) for g in page]
+    if args.json:
+        print(json.dumps({"total": total, "generations": found}))
+        return 0
+    print(f"{total} generations; the {len(found)} most recently changed first")
+    width = max((len(g["request_id"]) for g in found), default=0)
+    for g in found:
+        print(f"  {g['request_id']:<{width}}  sha1 {g['sha1'][:12]}  {_generation_line(g)}")
     return 0
 
 
@@ -295,7 +441,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_gc(args)
         if args.command == "export":
             return _cmd_export(args)
+        if args.command == "request":
+            return _cmd_request(args)
+        if args.command == "requests":
+            return _cmd_requests(args)
         return _cmd_inspect(args)
+    except _NotFound as exc:
+        print(f"sdv-fanout: {exc}", file=sys.stderr)
+        return 1
     except (ConfigError, StorageError) as exc:
         print(f"sdv-fanout: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ counts of generations with nothing pending whose last change is that old.
 from __future__ import annotations
 
 import enum
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -176,6 +177,37 @@ def all_generations(txn: lmdb.Transaction, t: Tables) -> list[Generation]:
     found = [_generation(k, v) for k, v in txn.cursor(t.gens)]
     found.sort(key=lambda g: (g.last_ms, g.request_id), reverse=True)
     return found
+
+
+#: A generation's place in `ListRequests` order: last change, then its `gens` key (request id,
+#: then sha1), so two generations never tie and a page token names one place exactly.
+PageKey = tuple[int, bytes]
+
+
+def generations_page(
+    txn: lmdb.Transaction, t: Tables, limit: int, after: PageKey | None = None
+) -> tuple[list[Generation], PageKey | None, int]:
+    """Up to `limit` generations newest first by last change, starting past `after`; the place
+    of the last one when more follow (the next page's `after`), and how many there are in all.
+
+    Memory is O(generations) small tuples plus `limit` decoded ones, not every generation
+    decoded, so paging a large store stays cheap. Between pages nothing is held: a generation
+    that changes moves ahead of the place already reached (not shown twice, maybe missed).
+    """
+    places: list[PageKey] = []
+    for key, value in txn.cursor(t.gens):
+        place = (keys.decode_gen(value)[1], bytes(key))
+        if after is None or place < after:
+            places.append(place)
+    total = int(txn.stat(t.gens)["entries"])
+    head = heapq.nlargest(max(limit, 1) + 1, places)
+    page = head[:limit]
+    found = []
+    for _, gkey in page:
+        counts = txn.get(gkey, db=t.gens)
+        assert counts is not None  # the snapshot the scan saw it in
+        found.append(_generation(gkey, counts))
+    return found, page[-1] if page and len(head) > len(page) else None, total
 
 
 def vehicle_outcomes(txn: lmdb.Transaction, t: Tables, vin: str, limit: int = 20) -> list[OutcomeRecord]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n exhook_server/_proto/admin.proto\x12\rsdv.fanout.v1\"\x11\n\x0fGetStatsRequest\"\xb3\x02\n\x05Stats\x12\x0c\n\x04rows\x18\x01 \x01(\x04\x12\r\n\x05\x62lobs\x18\x02 \x01(\x04\x12\x12\n\nblob_bytes\x18\x03 \x01(\x04\x12\x15\n\rlogical_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65\x64up_ratio\x18\x05 \x01(\x01\x12\x0f\n\x07\x61liases\x18\x06 \x01(\x04\x12\x16\n\x0e\x65\x61rly_triggers\x18\x07 \x01(\x04\x12\x16\n\x0emap_size_bytes\x18\x08 \x01(\x04\x12\x16\n\x0emap_used_bytes\x18\t \x01(\x04\x12\x16\n\x0eschema_version\x18\n \x01(\r\x12\x17\n\x0fonline_vehicles\x18\x0b \x01(\x04\x12\x11\n\tin_flight\x18\x0c \x01(\x04\x12\x18\n\x10\x64ispatch_backlog\x18\r \x01(\x04\x12\x16\n\x0emqtt_connected\x18\x0e \x01(\x08\" \n\x11GetVehicleRequest\x12\x0b\n\x03vin\x18\x01 \x01(\t\"M\n\x07Session\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x63lientid\x18\x02 \x01(\t\x12\x10\n\x08peerhost\x18\x03 \x01(\t\x12\x10\n\x08peerport\x18\x04 \x01(\r\"u\n\x08InFlight\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04sha1\x18\x02 \x01(\t\x12\'\n\x07session\x18\x03 \x01(\x0b\x32\x16.sdv.fanout.v1.Session\x12\x0e\n\x06\x61ge_ms\x18\x04 \x01(\x04\x12\x0e\n\x06\x61\x63king\x18\x05 \x01(\x08\"H\n\x07Pending\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05ts_ms\x18\x02 \x01(\x04\x12\x0c\n\x04sha1\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\"\xb4\x01\n\x07Vehicle\x12\x0b\n\x03vin\x18\x01 \x01(\t\x12\x0e\n\x06online\x18\x02 \x01(\x08\x12\'\n\x07session\x18\x03 \x01(\x0b\x32\x16.sdv.fanout.v1.Session\x12*\n\tin_flight\x18\x04 \x01(\x0b\x32\x17.sdv.fanout.v1.InFlight\x12\'\n\x07pending\x18\x05 \x03(\x0b\x32\x16.sdv.fanout.v1.Pending\x12\x0e\n\x06worker\x18\x06 \x01(\t\":\n\x11ListOnlineRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"J\n\x12ListOnlineResponse\x12\x0c\n\x04vins\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x04\"#\n\x10TriggerGCRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"\xbe\x01\n\x08GCReport\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\x12\x14\n\x0crows_expired\x18\x02 \x01(\x04\x12\x17\n\x0f\x61liases_expired\x18\x03 \x01(\x04\x12\x15\n\rblobs_deleted\x18\x04 \x01(\x04\x12\x18\n\x10\x62lob_bytes_freed\x18\x05 \x01(\x04\x12\x19\n\x11\x62lobs_kept_recent\x18\x06 \x01(\x04\x12\x15\n\rearly_expired\x18\x07 \x01(\x04\x12\x0f\n\x07seconds\x18\x08 \x01(\x01\"\x1d\n\x0eRequeueRequest\x12\x0b\n\x03vin\x18\x01 \x01(\t\"8\n\x0fRequeueResponse\x12\x15\n\rwas_in_flight\x18\x01 \x01(\x08\x12\x0e\n\x06online\x18\x02 \x01(\x08\x32\xff\x02\n\x05\x41\x64min\x12\x42\n\x08GetStats\x12\x1e.sdv.fanout.v1.GetStatsRequest\x1a\x14.sdv.fanout.v1.Stats\"\x00\x12H\n\nGetVehicle\x12 .sdv.fanout.v1.GetVehicleRequest\x1a\x16.sdv.fanout.v1.Vehicle\"\x00\x12S\n\nListOnline\x12 .sdv.fanout.v1.ListOnlineRequest\x1a!.sdv.fanout.v1.ListOnlineResponse\"\x00\x12G\n\tTriggerGC\x12\x1f.sdv.fanout.v1.TriggerGCRequest\x1a\x17.sdv.fanout.v1.GCReport\"\x00\x12J\n\x07Requeue\x12\x1d.sdv.fanout.v1.RequeueRequest\x1a\x1e.sdv.fanout.v1.RequeueResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n exhook_server/_proto/admin.proto\x12\rsdv.fanout.v1\"\x11\n\x0fGetStatsRequest\"\xb3\x02\n\x05Stats\x12\x0c\n\x04rows\x18\x01 \x01(\x04\x12\r\n\x05\x62lobs\x18\x02 \x01(\x04\x12\x12\n\nblob_bytes\x18\x03 \x01(\x04\x12\x15\n\rlogical_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65\x64up_ratio\x18\x05 \x01(\x01\x12\x0f\n\x07\x61liases\x18\x06 \x01(\x04\x12\x16\n\x0e\x65\x61rly_triggers\x18\x07 \x01(\x04\x12\x16\n\x0emap_size_bytes\x18\x08 \x01(\x04\x12\x16\n\x0emap_used_bytes\x18\t \x01(\x04\x12\x16\n\x0eschema_version\x18\n \x01(\r\x12\x17\n\x0fonline_vehicles\x18\x0b \x01(\x04\x12\x11\n\tin_flight\x18\x0c \x01(\x04\x12\x18\n\x10\x64ispatch_backlog\x18\r \x01(\x04\x12\x16\n\x0emqtt_connected\x18\x0e \x01(\x08\"8\n\x11GetVehicleRequest\x12\x0b\n\x03vin\x18\x01 \x01(\t\x12\x16\n\x0eoutcomes_limit\x18\x02 \x01(\r\"M\n\x07Session\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x63lientid\x18\x02 \x01(\t\x12\x10\n\x08peerhost\x18\x03 \x01(\t\x12\x10\n\x08peerport\x18\x04 \x01(\r\"u\n\x08InFlight\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04sha1\x18\x02 \x01(\t\x12\'\n\x07session\x18\x03 \x01(\x0b\x32\x16.sdv.fanout.v1.Session\x12\x0e\n\x06\x61ge_ms\x18\x04 \x01(\x04\x12\x0e\n\x06\x61\x63king\x18\x05 \x01(\x08\"H\n\x07Pending\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05ts_ms\x18\x02 \x01(\x04\x12\x0c\n\x04sha1\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\"\xde\x01\n\x07Vehicle\x12\x0b\n\x03vin\x18\x01 \x01(\t\x12\x0e\n\x06online\x18\x02 \x01(\x08\x12\'\n\x07session\x18\x03 \x01(\x0b\x32\x16.sdv.fanout.v1.Session\x12*\n\tin_flight\x18\x04 \x01(\x0b\x32\x17.sdv.fanout.v1.InFlight\x12\'\n\x07pending\x18\x05 \x03(\x0b\x32\x16.sdv.fanout.v1.Pending\x12\x0e\n\x06worker\x18\x06 \x01(\t\x12(\n\x08outcomes\x18\x07 \x03(\x0b\x32\x16.sdv.fanout.v1.Outcome\"p\n\x07Outcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04sha1\x18\x02 \x01(\t\x12\x0f\n\x07outcome\x18\x03 \x01(\t\x12\r\n\x05ts_ms\x18\x04 \x01(\x04\x12\x11\n\tstored_ms\x18\x05 \x01(\x04\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\r\":\n\x11ListOnlineRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"J\n\x12ListOnlineResponse\x12\x0c\n\x04vins\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x04\"#\n\x10TriggerGCRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"\xbe\x01\n\x08GCReport\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\x12\x14\n\x0crows_expired\x18\x02 \x01(\x04\x12\x17\n\x0f\x61liases_expired\x18\x03 \x01(\x04\x12\x15\n\rblobs_deleted\x18\x04 \x01(\x04\x12\x18\n\x10\x62lob_bytes_freed\x18\x05 \x01(\x04\x12\x19\n\x11\x62lobs_kept_recent\x18\x06 \x01(\x04\x12\x15\n\rearly_expired\x18\x07 \x01(\x04\x12\x0f\n\x07seconds\x18\x08 \x01(\x01\"\x1d\n\x0eRequeueRequest\x12\x0b\n\x03vin\x18\x01 \x01(\t\"8\n\x0fRequeueResponse\x12\x15\n\rwas_in_flight\x18\x01 \x01(\x08\x12\x0e\n\x06online\x18\x02 \x01(\x08\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x83\x01\n\x06\x43ounts\x12\r\n\x05total\x18\x01 \x01(\x04\x12\x0f\n\x07pending\x18\x02 \x01(\x04\x12\x11\n\tdelivered\x18\x03 \x01(\x04\x12\x12\n\nsuperseded\x18\x04 \x01(\x04\x12\x11\n\tcancelled\x18\x05 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x06 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x04\"x\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04sha1\x18\x02 \x01(\t\x12%\n\x06\x63ounts\x18\x03 \x01(\x0b\x32\x15.sdv.fanout.v1.Counts\x12\x10\n\x08\x66irst_ms\x18\x04 \x01(\x04\x12\x0f\n\x07last_ms\x18\x05 \x01(\x04\"S\n\rRequestStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0bgenerations\x18\x02 \x03(\x0b\x32\x19.sdv.fanout.v1.Generation\"<\n\x13ListRequestsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"n\n\x14ListRequestsResponse\x12.\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x19.sdv.fanout.v1.Generation\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x04\x32\xaa\x04\n\x05\x41\x64min\x12\x42\n\x08GetStats\x12\x1e.sdv.fanout.v1.GetStatsRequest\x1a\x14.sdv.fanout.v1.Stats\"\x00\x12H\n\nGetVehicle\x12 .sdv.fanout.v1.GetVehicleRequest\x1a\x16.sdv.fanout.v1.Vehicle\"\x00\x12S\n\nListOnline\x12 .sdv.fanout.v1.ListOnlineRequest\x1a!.sdv.fanout.v1.ListOnlineResponse\"\x00\x12G\n\tTriggerGC\x12\x1f.sdv.fanout.v1.TriggerGCRequest\x1a\x17.sdv.fanout.v1.GCReport\"\x00\x12J\n\x07Requeue\x12\x1d.sdv.fanout.v1.RequeueRequest\x1a\x1e.sdv.fanout.v1.RequeueResponse\"\x00\x12N\n\nGetRequest\x12 .sdv.fanout.v1.GetRequestRequest\x1a\x1c.sdv.fanout.v1.RequestStatus\"\x00\x12Y\n\x0cListRequests\x12\".sdv.fanout.v1.ListRequestsRequest\x1a#.sdv.fanout.v1.ListRequestsResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATS']._serialized_start=71
   _globals['_STATS']._serialized_end=378
   _globals['_GETVEHICLEREQUEST']._serialized_start=380
-  _globals['_GETVEHICLEREQUEST']._serialized_end=412
-  _globals['_SESSION']._serialized_start=414
-  _globals['_SESSION']._serialized_end=491
-  _globals['_INFLIGHT']._serialized_start=493
-  _globals['_INFLIGHT']._serialized_end=610
-  _globals['_PENDING']._serialized_start=612
-  _globals['_PENDING']._serialized_end=684
-  _globals['_VEHICLE']._serialized_start=687
-  _globals['_VEHICLE']._serialized_end=867
-  _globals['_LISTONLINEREQUEST']._serialized_start=869
-  _globals['_LISTONLINEREQUEST']._serialized_end=927
-  _globals['_LISTONLINERESPONSE']._serialized_start=929
-  _globals['_LISTONLINERESPONSE']._serialized_end=1003
-  _globals['_TRIGGERGCREQUEST']._serialized_start=1005
-  _globals['_TRIGGERGCREQUEST']._serialized_end=1040
-  _globals['_GCREPORT']._serialized_start=1043
-  _globals['_GCREPORT']._serialized_end=1233
-  _globals['_REQUEUEREQUEST']._serialized_start=1235
-  _globals['_REQUEUEREQUEST']._serialized_end=1264
-  _globals['_REQUEUERESPONSE']._serialized_start=1266
-  _globals['_REQUEUERESPONSE']._serialized_end=1322
-  _globals['_ADMIN']._serialized_start=1325
-  _globals['_ADMIN']._serialized_end=1708
+  _globals['_GETVEHICLEREQUEST']._serialized_end=436
+  _globals['_SESSION']._serialized_start=438
+  _globals['_SESSION']._serialized_end=515
+  _globals['_INFLIGHT']._serialized_start=517
+  _globals['_INFLIGHT']._serialized_end=634
+  _globals['_PENDING']._serialized_start=636
+  _globals['_PENDING']._serialized_end=708
+  _globals['_VEHICLE']._serialized_start=711
+  _globals['_VEHICLE']._serialized_end=933
+  _globals['_OUTCOME']._serialized_start=935
+  _globals['_OUTCOME']._serialized_end=1047
+  _globals['_LISTONLINEREQUEST']._serialized_start=1049
+  _globals['_LISTONLINEREQUEST']._serialized_end=1107
+  _globals['_LISTONLINERESPONSE']._serialized_start=1109
+  _globals['_LISTONLINERESPONSE']._serialized_end=1183
+  _globals['_TRIGGERGCREQUEST']._serialized_start=1185
+  _globals['_TRIGGERGCREQUEST']._serialized_end=1220
+  _globals['_GCREPORT']._serialized_start=1223
+  _globals['_GCREPORT']._serialized_end=1413
+  _globals['_REQUEUEREQUEST']._serialized_start=1415
+  _globals['_REQUEUEREQUEST']._serialized_end=1444
+  _globals['_REQUEUERESPONSE']._serialized_start=1446
+  _globals['_REQUEUERESPONSE']._serialized_end=1502
+  _globals['_GETREQUESTREQUEST']._serialized_start=1504
+  _globals['_GETREQUESTREQUEST']._serialized_end=1543
+  _globals['_COUNTS']._serialized_start=1546
+  _globals['_COUNTS']._serialized_end=1677
+  _globals['_GENERATION']._serialized_start=1679
+  _globals['_GENERATION']._serialized_end=1799
+  _globals['_REQUESTSTATUS']._serialized_start=1801
+  _globals['_REQUESTSTATUS']._serialized_end=1884
+  _globals['_LISTREQUESTSREQUEST']._serialized_start=1886
+  _globals['_LISTREQUESTSREQUEST']._serialized_end=1946
+  _globals['_LISTREQUESTSRESPONSE']._serialized_start=1948
+  _globals['_LISTREQUESTSRESPONSE']._serialized_end=2058
+  _globals['_ADMIN']._serialized_start=2061
+  _globals['_ADMIN']._serialized_end=2615
 # @@protoc_insertion_point(module_scope)

@@ -43,10 +43,12 @@ class Stats(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., blobs: _Optional[int] = ..., blob_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., dedup_ratio: _Optional[float] = ..., aliases: _Optional[int] = ..., early_triggers: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., map_used_bytes: _Optional[int] = ..., schema_version: _Optional[int] = ..., online_vehicles: _Optional[int] = ..., in_flight: _Optional[int] = ..., dispatch_backlog: _Optional[int] = ..., mqtt_connected: _Optional[bool] = ...) -> None: ...
 
 class GetVehicleRequest(_message.Message):
-    __slots__ = ("vin",)
+    __slots__ = ("vin", "outcomes_limit")
     VIN_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_LIMIT_FIELD_NUMBER: _ClassVar[int]
     vin: str
-    def __init__(self, vin: _Optional[str] = ...) -> None: ...
+    outcomes_limit: int
+    def __init__(self, vin: _Optional[str] = ..., outcomes_limit: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("node", "clientid", "peerhost", "peerport")
@@ -87,20 +89,38 @@ class Pending(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ts_ms: _Optional[int] = ..., sha1: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class Vehicle(_message.Message):
-    __slots__ = ("vin", "online", "session", "in_flight", "pending", "worker")
+    __slots__ = ("vin", "online", "session", "in_flight", "pending", "worker", "outcomes")
     VIN_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     vin: str
     online: bool
     session: Session
     in_flight: InFlight
     pending: _containers.RepeatedCompositeFieldContainer[Pending]
     worker: str
-    def __init__(self, vin: _Optional[str] = ..., online: _Optional[bool] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., in_flight: _Optional[_Union[InFlight, _Mapping]] = ..., pending: _Optional[_Iterable[_Union[Pending, _Mapping]]] = ..., worker: _Optional[str] = ...) -> None: ...
+    outcomes: _containers.RepeatedCompositeFieldContainer[Outcome]
+    def __init__(self, vin: _Optional[str] = ..., online: _Optional[bool] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., in_flight: _Optional[_Union[InFlight, _Mapping]] = ..., pending: _Optional[_Iterable[_Union[Pending, _Mapping]]] = ..., worker: _Optional[str] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ...) -> None: ...
+
+class Outcome(_message.Message):
+    __slots__ = ("request_id", "sha1", "outcome", "ts_ms", "stored_ms", "attempts")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA1_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TS_MS_FIELD_NUMBER: _ClassVar[int]
+    STORED_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sha1: str
+    outcome: str
+    ts_ms: int
+    stored_ms: int
+    attempts: int
+    def __init__(self, request_id: _Optional[str] = ..., sha1: _Optional[str] = ..., outcome: _Optional[str] = ..., ts_ms: _Optional[int] = ..., stored_ms: _Optional[int] = ..., attempts: _Optional[int] = ...) -> None: ...
 
 class ListOnlineRequest(_message.Message):
     __slots__ = ("page_size", "page_token")
@@ -159,3 +179,67 @@ class RequeueResponse(_message.Message):
     was_in_flight: bool
     online: bool
     def __init__(self, was_in_flight: _Optional[bool] = ..., online: _Optional[bool] = ...) -> None: ...
+
+class GetRequestRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Counts(_message.Message):
+    __slots__ = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed")
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    total: int
+    pending: int
+    delivered: int
+    superseded: int
+    cancelled: int
+    expired: int
+    failed: int
+    def __init__(self, total: _Optional[int] = ..., pending: _Optional[int] = ..., delivered: _Optional[int] = ..., superseded: _Optional[int] = ..., cancelled: _Optional[int] = ..., expired: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class Generation(_message.Message):
+    __slots__ = ("request_id", "sha1", "counts", "first_ms", "last_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA1_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_MS_FIELD_NUMBER: _ClassVar[int]
+    LAST_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sha1: str
+    counts: Counts
+    first_ms: int
+    last_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., sha1: _Optional[str] = ..., counts: _Optional[_Union[Counts, _Mapping]] = ..., first_ms: _Optional[int] = ..., last_ms: _Optional[int] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("request_id", "generations")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    def __init__(self, request_id: _Optional[str] = ..., generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ...) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("generations", "next_page_token", "total")
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    next_page_token: str
+    total: int
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
