@@ -29,6 +29,20 @@ class Kind(enum.Enum):
     TRIGGER = "trigger"  # plugin 0.4.x: {ids, request_id, data_id}
 
 
+#: Longest optional batch_id (it keys the receipts kept for idempotent retries) and correlation_id.
+MAX_BATCH_ID_BYTES = 128
+MAX_CORRELATION_ID_BYTES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Tags:
+    """Optional fields the platform adds to follow a batch: `batch_id` makes a retry store
+    nothing twice; `correlation_id` is echoed in every status message about the batch."""
+
+    batch_id: str | None = None
+    correlation_id: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
     """A complete request for many vehicles, payload inline."""
@@ -36,6 +50,7 @@ class Batch:
     vins: tuple[str, ...]
     request_id: str
     blob: bytes
+    tags: Tags = Tags()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +68,7 @@ class Trigger:
     vins: tuple[str, ...]
     request_id: str
     data_id: str
+    tags: Tags = Tags()
 
 
 Parsed = Batch | Data | Trigger
@@ -100,9 +116,10 @@ class BatchParser:
         doc = _json_object(payload)
         vins = self._vins(doc)
         request_id = self._request_id(doc)
+        tags = _tags(doc)
         if kind is Kind.TRIGGER:
-            return Trigger(vins, request_id, self._data_id(_field(doc, "data_id")))
-        return Batch(vins, request_id, _blob(doc))
+            return Trigger(vins, request_id, self._data_id(_field(doc, "data_id")), tags)
+        return Batch(vins, request_id, _blob(doc), tags)
 
     # -- fields ----------------------------------------------------------------
     def _vins(self, doc: dict[str, Any]) -> tuple[str, ...]:
@@ -168,6 +185,30 @@ def _check_level(reason: Reason, name: str, text: str, max_bytes: int) -> None:
         problem = f"longer than {max_bytes} bytes of UTF-8"
     if problem is not None:
         raise BatchRejected(reason, f"{name} is not usable as one topic level: {problem}", **{name: _shown(text)})
+
+
+def _tags(doc: dict[str, Any]) -> Tags:
+    batch_id = _optional_text(doc, "batch_id", Reason.BAD_BATCH_ID, MAX_BATCH_ID_BYTES)
+    correlation_id = _optional_text(doc, "correlation_id", Reason.BAD_CORRELATION_ID, MAX_CORRELATION_ID_BYTES)
+    return Tags(batch_id, correlation_id) if batch_id or correlation_id else _NO_TAGS
+
+
+def _optional_text(doc: dict[str, Any], name: str, reason: Reason, max_bytes: int) -> str | None:
+    value = doc.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BatchRejected(Reason.WRONG_TYPE, f"{name} must be a string")
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:  # a lone surrogate
+        size = -1
+    if not 0 < size <= max_bytes:
+        raise BatchRejected(reason, f"{name} must be 1..{max_bytes} bytes of UTF-8", **{name: _shown(value)})
+    return value
+
+
+_NO_TAGS = Tags()
 
 
 def _shown(text: str) -> str:

@@ -138,6 +138,22 @@ class Config:
     # How often orphaned early triggers are looked for.
     early_sweep_interval_s: float = 10.0
 
+    # -- status: what the platform gets back ------------------------------------
+    # Receipts, progress and outcomes go QoS 1 to <prefix>/<request_id> (rejections without a
+    # usable request id to <prefix>/_rejected), published by the delivery client; "" = off.
+    status_topic_prefix: str = "$SDV-FANOUT/status"
+    # Status messages held while the broker link is down; beyond it the oldest are dropped
+    # (counted): the Admin queries always tell the truth, the topic is a convenience.
+    status_queue_max: int = 10_000
+    # A changing generation reports its counts at most this often (a 200,000-vehicle campaign
+    # would otherwise send one message per delivery).
+    progress_interval_s: float = 5.0
+    # Also one status message per vehicle outcome (delivered, failed): one per delivery.
+    status_per_vehicle: bool = False
+    # Outcome records, and the counts of generations with nothing pending, are kept this long
+    # after their last change; 0 = retention_s.
+    outcome_retention_s: float = 0.0
+
     # -- dispatch -------------------------------------------------------------
     # Delivery topic is <prefix with the VIN>/<request_id>; vehicles subscribe <prefix>/+.
     request_topic_prefix: str = "agent/{VIN}/proxy/request"
@@ -183,6 +199,11 @@ class Config:
     # ------------------------------------------------------------------------
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def outcome_retention(self) -> float:
+        """Seconds outcome records are kept: outcome_retention_s, or retention_s when 0."""
+        return self.outcome_retention_s or self.retention_s
 
     @property
     def process_count(self) -> int:
@@ -271,6 +292,16 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{name} {topic!r} is not a usable topic name: {problem}")
     if len({cfg.batch_topic, cfg.data_topic_prefix, cfg.trigger_topic}) != 3:
         raise ConfigError("batch_topic, data_topic_prefix and trigger_topic must differ")
+    if cfg.status_topic_prefix:
+        status = cfg.status_topic_prefix
+        if problem := name_problem(status + "/request_id"):
+            raise ConfigError(f"status_topic_prefix {status!r} is not a usable topic name: {problem}")
+        # Status messages must never be taken for batches (we intercept those topics).
+        for batch in (cfg.batch_topic, cfg.trigger_topic, cfg.data_topic_prefix):
+            if batch == status or batch.startswith(status + "/") or status.startswith(cfg.data_topic_prefix + "/"):
+                raise ConfigError(f"status_topic_prefix {status!r} overlaps the batch topics ({batch!r})")
+    if cfg.outcome_retention_s < 0:
+        raise ConfigError("outcome_retention_s must not be negative (0 = retention_s)")
     if cfg.trigger_topic.startswith(cfg.data_topic_prefix + "/"):
         raise ConfigError("trigger_topic must not lie under data_topic_prefix")
     positive = (
@@ -289,6 +320,8 @@ def _validate(cfg: Config) -> None:
         "grpc_max_concurrent_streams",
         "delivery_max_refusals",
         "early_ttl_s",
+        "status_queue_max",
+        "progress_interval_s",
         "early_sweep_interval_s",
     )
     for name in positive:

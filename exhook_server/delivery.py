@@ -244,6 +244,13 @@ class MqttDelivery:
             return False
         return self._client.publish(topic, payload, qos=1).rc == mqtt.MQTT_ERR_SUCCESS
 
+    def publish_status(self, topic: str, payload: bytes) -> bool:
+        """Queue one QoS 1 status message (exhook_server/status.py); False while disconnected.
+        Not a delivery: outside the delivery window and the refusal accounting."""
+        if not self._connected:
+            return False
+        return self._client.publish(topic, payload, qos=1).rc == mqtt.MQTT_ERR_SUCCESS
+
     def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
         """Queue one QoS 1 delivery; False (nothing queued) while disconnected."""
         if not self._connected:

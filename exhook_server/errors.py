@@ -44,6 +44,8 @@ class Reason(enum.StrEnum):
     BAD_DATA_ENCODING = "bad_data_encoding"
     PUBLISHER_NOT_ALLOWED = "publisher_not_allowed"
     EARLY_TRIGGERS_FULL = "early_triggers_full"
+    BAD_BATCH_ID = "bad_batch_id"
+    BAD_CORRELATION_ID = "bad_correlation_id"
 
 
 class FanoutError(Exception):

@@ -15,6 +15,7 @@ from exhook_server import metrics
 from exhook_server.config import Config
 from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.ingest import report_expired_early
+from exhook_server.status import StatusPublisher
 from storage import gc
 from storage.errors import StorageError
 from storage.store import Store, now_ms
@@ -36,11 +37,12 @@ def run_gc(cfg: Config, store: Store, committer: GroupCommitter, *, dry_run: boo
         grace_ms=int(cfg.gc_grace_s * 1000),
         early_ttl_ms=int(cfg.early_ttl_s * 1000),
         early_limit=cfg.early_max_count,
+        outcome_retention_ms=int(cfg.outcome_retention * 1000),
         dry_run=dry_run,
     )
 
 
-async def gc_loop(cfg: Config, store: Store, committer: GroupCommitter) -> None:
+async def gc_loop(cfg: Config, store: Store, committer: GroupCommitter, status: StatusPublisher | None = None) -> None:
     """Forever: GC every gc_interval_s; failures are logged and counted, never fatal."""
     if not cfg.gc_interval_s:
         return
@@ -60,7 +62,7 @@ async def gc_loop(cfg: Config, store: Store, committer: GroupCommitter) -> None:
                 ("early", report.early_expired),
             ):
                 metrics.GC_DELETED.labels(kind).inc(n)
-            report_expired_early(report.expired_early)
+            report_expired_early(report.expired_early, status)
             log.info("gc_finished", **report.as_dict())
         await asyncio.sleep(cfg.gc_interval_s)
 

@@ -14,13 +14,25 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import orjson
 import structlog
 
 from exhook_server import metrics
 from exhook_server.aio import cancel_all
-from exhook_server.batch import Batch, BatchParser, Data, Kind, Parsed
+from exhook_server.batch import (
+    MAX_BATCH_ID_BYTES,
+    MAX_CORRELATION_ID_BYTES,
+    Batch,
+    BatchParser,
+    Data,
+    Kind,
+    Parsed,
+    Tags,
+)
 from exhook_server.config import Config
 from exhook_server.errors import BatchRejected, EarlyTriggersFull, Reason, StorageError, StorageFull
+from exhook_server.status import StatusPublisher
+from exhook_server.topics import is_level
 from storage import ops
 from storage.store import Store, now_ms
 from storage.writer import GroupCommitter
@@ -80,9 +92,19 @@ def _settle(waiter: asyncio.Future[Any], future: Future[Any]) -> None:
         waiter.set_result(future.result())
 
 
-def report_expired_early(expired: list[ops.EarlyExpired]) -> None:
-    """One log line and one count per early trigger whose data never came (sweeper and GC alike)."""
+def report_expired_early(expired: list[ops.EarlyExpired], status: StatusPublisher | None = None) -> None:
+    """One log line, one count and one `rejected` receipt per early trigger whose data never
+    came (sweeper and GC alike)."""
     for e in expired:
+        if status is not None:
+            status.emit(
+                "rejected",
+                e.request_id,
+                reason="data_never_arrived",
+                data_id=e.data_id,
+                batch_id=e.batch_id,
+                correlation_id=e.correlation_id,
+            )
         metrics.EARLY_EXPIRED.inc()
         log.warning(
             "early_trigger_expired",
@@ -101,8 +123,17 @@ class IngestTimeout(StorageError):
 class Ingestor:
     """Validates, stores and reports batch messages."""
 
-    def __init__(self, cfg: Config, store: Store, committer: GroupCommitter, clock: Callable[[], int] = now_ms) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        committer: GroupCommitter,
+        clock: Callable[[], int] = now_ms,
+        status: StatusPublisher | None = None,
+    ) -> None:
         self._cfg = cfg
+        #: Receipts go here (after the commit); None: no status topic (tools, tests).
+        self.status = status
         self._store = store
         self._committer = committer
         self._clock = clock
@@ -129,11 +160,16 @@ class Ingestor:
                 publisher=clientid,
                 **rej.fields,
             )
+            self._receipt_rejected(rej.reason.value, kind, payload)
             return False
         except StorageError as exc:
             kind_label = type(exc).__name__
             metrics.STORAGE_ERRORS.labels(kind_label).inc()
             log.error("batch_not_stored", reason=kind_label, detail=str(exc), topic=topic, publisher=clientid)
+            # A commit that timed out may still land: say nothing, a retry with its batch_id
+            # gets the receipt. Any other storage error stored nothing.
+            if not isinstance(exc, IngestTimeout):
+                self._receipt_rejected("storage_unavailable", kind, payload)
             raise
         metrics.INGEST_SECONDS.observe(asyncio.get_running_loop().time() - started)
         return True
@@ -152,11 +188,20 @@ class Ingestor:
         if isinstance(parsed, Batch):
             written = await self._commit(
                 functools.partial(
-                    ops.store_batch, t=t, vins=parsed.vins, request_id=parsed.request_id, blob=parsed.blob, now_ms=now
+                    ops.store_batch,
+                    t=t,
+                    vins=parsed.vins,
+                    request_id=parsed.request_id,
+                    blob=parsed.blob,
+                    now_ms=now,
+                    batch_id=parsed.tags.batch_id,
                 ),
                 rows=len(parsed.vins),
             )
-            self._stored(written, "batch")
+            if isinstance(written, ops.Duplicate):
+                self._duplicate(written, parsed.tags)
+                return
+            self._stored(written, "batch", tags=parsed.tags)
         elif isinstance(parsed, Data):
             data: ops.DataWritten = await self._commit(
                 functools.partial(
@@ -194,6 +239,8 @@ class Ingestor:
                         now_ms=now,
                         early_max=self._cfg.early_max_count,
                         early_max_rows=self._cfg.early_max_rows,
+                        batch_id=trig.tags.batch_id,
+                        correlation_id=trig.tags.correlation_id,
                     ),
                     rows=len(trig.vins),
                 )
@@ -201,13 +248,15 @@ class Ingestor:
                 raise BatchRejected(
                     Reason.EARLY_TRIGGERS_FULL, str(exc), data_id=trig.data_id, request_id=trig.request_id
                 ) from None
-            if result.batch is None:
+            if isinstance(result, ops.Duplicate):
+                self._duplicate(result, trig.tags)
+            elif result.batch is None:
                 metrics.EARLY_PARKED.inc()
                 log.info("trigger_parked", data_id=trig.data_id, request_id=trig.request_id, vins=len(trig.vins))
             else:
-                self._stored(result.batch, "trigger", data_id=trig.data_id)
+                self._stored(result.batch, "trigger", tags=trig.tags, data_id=trig.data_id)
 
-    def _stored(self, written: ops.BatchWritten, fmt: str, **fields: Any) -> None:
+    def _stored(self, written: ops.BatchWritten, fmt: str, tags: Tags | None = None, **fields: Any) -> None:
         metrics.BATCHES_STORED.labels(fmt).inc()
         metrics.ROWS_STORED.inc(written.rows)
         metrics.ROWS_REPLACED.inc(written.replaced)
@@ -223,10 +272,47 @@ class Ingestor:
             format=fmt,
             **fields,
         )
+        if self.status is not None:
+            tags = tags or Tags(written.batch_id, written.correlation_id)
+            self.status.emit(
+                "accepted",
+                written.request_id,
+                sha1=written.sha1.hex(),
+                vins=written.rows,
+                refused=[],
+                batch_id=tags.batch_id,
+                correlation_id=tags.correlation_id,
+            )
+        if written.superseded:
+            metrics.OUTCOMES.labels("superseded").inc(len(written.superseded))
         if self.listeners:
             # After the answer, not before: the hook's reply (and EMQX's next batch) need not wait
             # for dispatch to sort 200 VINs onto its workers; call_soon keeps the batches' order.
             asyncio.get_running_loop().call_soon(self._notify, written.vins, written.request_id)
+
+    def _duplicate(self, dup: ops.Duplicate, tags: Tags) -> None:
+        """A retry of a batch_id already stored: nothing written, the first receipt again."""
+        metrics.BATCHES_DUPLICATE.inc()
+        log.info("batch_duplicate", batch_id=dup.batch_id, request_id=dup.request_id, parked=dup.sha1 is None)
+        if self.status is not None and dup.sha1 is not None:  # a parked one gets its receipt on completion
+            self.status.emit(
+                "accepted",
+                dup.request_id,
+                sha1=dup.sha1.hex(),
+                vins=dup.rows,
+                refused=[],
+                duplicate=True,
+                batch_id=dup.batch_id,
+                correlation_id=tags.correlation_id,
+            )
+
+    def _receipt_rejected(self, reason: str, kind: Kind, payload: bytes) -> None:
+        """`rejected` on the request's status topic when the payload names a usable request id
+        (and echo its correlation_id), else on `<prefix>/_rejected`."""
+        if self.status is None or not self.status.enabled:
+            return
+        request_id, correlation_id, batch_id = _peek_ids(kind, payload, self._cfg.max_request_id_bytes)
+        self.status.emit("rejected", request_id, reason=reason, batch_id=batch_id, correlation_id=correlation_id)
 
     def _notify(self, vins: tuple[str, ...], request_id: str) -> None:
         for listener in self.listeners:
@@ -295,7 +381,7 @@ class Ingestor:
                 limit=self._cfg.early_max_count,
             )
         )
-        report_expired_early(expired)
+        report_expired_early(expired, self.status)
         return expired
 
     async def run_early_sweeper(self) -> None:
@@ -312,3 +398,29 @@ class Ingestor:
 
 def _count_blob(new_blob: bool) -> None:
     (metrics.BLOBS_NEW if new_blob else metrics.DEDUP_HITS).inc()
+
+
+def _peek_ids(kind: Kind, payload: bytes, max_request_id_bytes: int) -> tuple[str | None, str | None, str | None]:
+    """request_id, correlation_id and batch_id of a rejected batch, where they are usable:
+    a request id only if it could be a status topic level, tags only if short strings."""
+    if kind is Kind.DATA or len(payload) > 4 << 20:
+        return None, None, None
+    try:
+        doc = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None, None, None
+    if not isinstance(doc, dict):
+        return None, None, None
+    rid = doc.get("request_id")
+    usable = isinstance(rid, str) and is_level(rid) and len(rid.encode(errors="replace")) <= max_request_id_bytes
+    return (
+        rid if usable else None,
+        _short(doc.get("correlation_id"), MAX_CORRELATION_ID_BYTES),
+        _short(doc.get("batch_id"), MAX_BATCH_ID_BYTES),
+    )
+
+
+def _short(value: Any, max_bytes: int) -> str | None:
+    if isinstance(value, str) and 0 < len(value.encode(errors="replace")) <= max_bytes:
+        return value
+    return None

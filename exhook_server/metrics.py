@@ -16,6 +16,9 @@ HOOK_SECONDS = Histogram(
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0),
 )
 BATCHES_STORED = Counter("sdv_fanout_batches_stored_total", "Batches durably stored, by ingest format", ["format"])
+BATCHES_DUPLICATE = Counter(
+    "sdv_fanout_batches_duplicate_total", "Batches whose batch_id was stored before: nothing written, receipt again"
+)
 ROWS_STORED = Counter("sdv_fanout_rows_stored_total", "(VIN, request_id) rows written")
 ROWS_REPLACED = Counter("sdv_fanout_rows_replaced_total", "Rows that replaced an older row of the same VIN and request")
 BLOBS_NEW = Counter("sdv_fanout_blobs_written_total", "Payload blobs written (first sighting)")
@@ -56,6 +59,11 @@ DELIVERIES_FAILED = Counter(
     "Rows that ended without delivery (broker_refused = refused delivery_max_refusals times)",
     ["reason"],
 )
+STATUS_PUBLISHED = Counter("sdv_fanout_status_published_total", "Status messages handed to the broker link")
+STATUS_DROPPED = Counter(
+    "sdv_fanout_status_dropped_total", "Status messages dropped: status_queue_max was full while the link was down"
+)
+OUTCOMES = Counter("sdv_fanout_outcomes_total", "(VIN, request) pairs that ended, by outcome", ["outcome"])
 # Gauges say how to combine the server processes' values (prometheus-client's multiprocess
 # mode, used when processes > 1; ignored with one process).
 ONLINE_VEHICLES = Gauge(

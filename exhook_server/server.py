@@ -32,6 +32,9 @@ from exhook_server.dispatch.rows import StoreRows
 from exhook_server.errors import ConfigError
 from exhook_server.ingest import Ingestor
 from exhook_server.procs import write_ready_file
+from exhook_server.progress import ProgressReporter
+from exhook_server.status import StatusPublisher
+from storage.outcomes import Outcome
 from storage.store import Store
 from storage.writer import GroupCommitter
 
@@ -116,7 +119,9 @@ class FanoutServer:
             max_rows=cfg.max_rows_per_commit,
             lazy_delay_s=cfg.ack_commit_delay_ms / 1000,
         )
-        self.ingestor = Ingestor(cfg, self.store, self.committer)
+        #: Receipts, progress and outcomes for the platform, published by the delivery client.
+        self.status = StatusPublisher(cfg, lambda: self.delivery)
+        self.ingestor = Ingestor(cfg, self.store, self.committer, status=self.status)
         self.delivery: MqttDelivery | None = None
         vin_re = re.compile(cfg.vin_pattern)
         self.dispatcher = Dispatcher(
@@ -129,6 +134,7 @@ class FanoutServer:
             processes=group.size if group else 1,
             forward=(lambda process, item: self._peers().send(process, item)) if group else None,
             ask=(lambda process, query: self._peers().ask(process, query)) if group else None,
+            on_outcome=self._vehicle_outcome if cfg.status_per_vehicle else None,
         )
         self.peers = Peers(group, self.dispatcher.receive, self.dispatcher.answer) if group else None
         self.ingestor.listeners.append(self.dispatcher.new_batch)
@@ -186,6 +192,14 @@ class FanoutServer:
         assert self.peers is not None
         return self.peers
 
+    def _broker_connected(self, up: bool) -> None:
+        self.dispatcher.broker_connected(up)
+        if up:
+            self.status.flush()
+
+    def _vehicle_outcome(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
+        self.status.emit("vehicle", request_id, vin=vin, sha1=sha1.hex(), outcome=outcome.label, attempts=attempts)
+
     def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
         """The dispatcher's Publisher: the MQTT delivery client, once started."""
         return self.delivery is not None and self.delivery.publish(vin, request_id, payload)
@@ -201,7 +215,7 @@ class FanoutServer:
             self.delivery = MqttDelivery(
                 self.cfg,
                 asyncio.get_running_loop(),
-                self.dispatcher.broker_connected,
+                self._broker_connected,
                 on_refused=self.dispatcher.refused,
                 on_ack=acks.RuleAcks(self.cfg, self.dispatcher).received if self.cfg.ack_topic_prefix else None,
             )
@@ -234,8 +248,11 @@ class FanoutServer:
             await self.ingestor.resume_waiting()
             self._tasks += [
                 asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
-                asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer), name="gc"),
+                asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer, self.status), name="gc"),
             ]
+            if self.status.enabled:
+                progress = ProgressReporter(self.store, self.status)
+                self._tasks.append(asyncio.create_task(progress.run(self.cfg.progress_interval_s), name="progress"))
         for service in ("", *hooks.SERVICE_NAMES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         for service in ("", admin.SERVICE_NAME):

@@ -49,6 +49,9 @@ class GcReport:
     blob_bytes_freed: int = 0
     blobs_kept_recent: int = 0
     early_expired: int = 0
+    outcomes_expired: int = 0
+    generations_expired: int = 0
+    batch_ids_expired: int = 0
     seconds: float = 0.0
     expired_early: list[ops.EarlyExpired] = field(default_factory=list)
 
@@ -88,6 +91,57 @@ def _expired(txn: lmdb.Transaction, t: Tables, rkey: bytes, value: bytes | memor
     """A row retention removed (`value` as it was) ends `expired`."""
     request_id = bytes(rkey).partition(keys.SEP)[2].decode()
     outcomes.end(txn, t, rkey, request_id, keys.row_sha1(value), Outcome.EXPIRED, now, keys.row_ts(value))
+
+
+def _expire_timed(txn: lmdb.Transaction, index: Any, table: Any, cutoff_ms: int, limit: int) -> int:
+    """Delete up to `limit` entries of `table` whose time index entry (ts + key) is before
+    `cutoff_ms`, oldest first, with their index entries."""
+    cur = txn.cursor(index)
+    doomed: list[bytes] = []
+    if cur.first():
+        for ikey in cur.iternext(keys=True, values=False):
+            ikey = bytes(ikey)
+            if keys.decode_u64(ikey[:8]) >= cutoff_ms or len(doomed) >= limit:
+                break
+            doomed.append(ikey)
+    for ikey in doomed:
+        txn.delete(ikey, db=index)
+        txn.delete(ikey[8:], db=table)
+    return len(doomed)
+
+
+def expire_outcomes(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: int) -> int:
+    """Outcome records that ended before `cutoff_ms` (their generation's counts keep them)."""
+    return _expire_timed(txn, t.outcome_expiry, t.outcomes, cutoff_ms, limit)
+
+
+def expire_batch_ids(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: int) -> int:
+    """Batch ids first stored before `cutoff_ms`: a retry after that is a new batch."""
+    return _expire_timed(txn, t.batch_expiry, t.batches, cutoff_ms, limit)
+
+
+def expire_generations(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: int) -> int:
+    """Counts of generations with nothing pending and no change since `cutoff_ms`."""
+    doomed = []
+    for key, value in txn.cursor(t.gens):
+        _, last_ms, counts = keys.decode_gen(value)
+        if counts[1] == 0 and last_ms < cutoff_ms:
+            doomed.append(bytes(key))
+            if len(doomed) >= limit:
+                break
+    for key in doomed:
+        txn.delete(key, db=t.gens)
+    return len(doomed)
+
+
+def _drain(submit: Submit, op: Callable[..., int], **kw: Any) -> int:
+    """Run a chunked delete op until a chunk comes back short; the total it deleted."""
+    total = 0
+    while True:
+        n: int = submit(functools.partial(op, limit=ROW_CHUNK, **kw)).result()
+        total += n
+        if n < ROW_CHUNK:
+            return total
 
 
 def count_expired_rows(store: Store, cutoff_ms: int) -> int:
@@ -189,6 +243,7 @@ def collect(
     grace_ms: int,
     early_ttl_ms: int,
     early_limit: int = 10_000,
+    outcome_retention_ms: int | None = None,
     dry_run: bool = False,
 ) -> GcReport:
     """One full GC pass. Blocking: run it in a thread. Each chunk is its own committed op."""
@@ -204,6 +259,11 @@ def collect(
             report.rows_expired += n
             if n < ROW_CHUNK:
                 break
+    if not dry_run:
+        outcome_cutoff = now_ms - (retention_ms if outcome_retention_ms is None else outcome_retention_ms)
+        report.outcomes_expired = _drain(submit, expire_outcomes, t=t, cutoff_ms=outcome_cutoff)
+        report.generations_expired = _drain(submit, expire_generations, t=t, cutoff_ms=outcome_cutoff)
+        report.batch_ids_expired = _drain(submit, expire_batch_ids, t=t, cutoff_ms=cutoff)
     aliases = old_aliases(store, cutoff)
     if dry_run:
         report.aliases_expired = len(aliases)

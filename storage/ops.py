@@ -36,10 +36,61 @@ class BatchWritten:
     new_blob: bool
     #: sha1s of the older generations of request_id whose rows this batch superseded.
     superseded: frozenset[bytes] = frozenset()
+    #: The platform's tags, for a parked trigger completed later (a direct batch's are known
+    #: to its caller): echoed in its receipt.
+    batch_id: str | None = None
+    correlation_id: str | None = None
 
     @property
     def rows(self) -> int:
         return len(self.vins)
+
+
+@dataclass(frozen=True, slots=True)
+class Duplicate:
+    """A batch whose batch_id was stored before: nothing written, the first receipt again."""
+
+    batch_id: str
+    request_id: str
+    #: None while the first one is a parked trigger still waiting for its data.
+    sha1: bytes | None
+    rows: int
+    ts_ms: int
+
+
+def _duplicate(txn: lmdb.Transaction, t: Tables, batch_id: str | None) -> Duplicate | None:
+    if batch_id is None:
+        return None
+    raw = txn.get(batch_id.encode(), db=t.batches)
+    if raw is None:
+        return None
+    doc = orjson.loads(raw)
+    sha1 = bytes.fromhex(doc["sha1"]) if doc["sha1"] else None
+    return Duplicate(batch_id, doc["request_id"], sha1, doc["rows"], doc["ts"])
+
+
+def _record_batch(
+    txn: lmdb.Transaction, t: Tables, batch_id: str | None, request_id: str, sha1: bytes | None, rows: int, now_ms: int
+) -> None:
+    """Remember what a batch_id stored (for `retention_s`, see gc), so a retry stores nothing."""
+    if batch_id is None:
+        return
+    key = batch_id.encode()
+    old = txn.get(key, db=t.batches)
+    ts = now_ms if old is None else int(orjson.loads(old)["ts"])
+    doc = {"request_id": request_id, "sha1": sha1.hex() if sha1 else None, "rows": rows, "ts": ts}
+    txn.put(key, orjson.dumps(doc), db=t.batches)
+    if old is None:
+        txn.put(keys.timed_key(ts, key), b"", db=t.batch_expiry)
+
+
+def forget_batch(txn: lmdb.Transaction, t: Tables, batch_id: str) -> None:
+    key = batch_id.encode()
+    raw = txn.get(key, db=t.batches)
+    if raw is not None:
+        ts = int(orjson.loads(raw)["ts"])
+        txn.delete(key, db=t.batches)
+        txn.delete(keys.timed_key(ts, key), db=t.batch_expiry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +133,8 @@ class EarlyExpired:
     request_id: str
     vins: int
     age_ms: int
+    batch_id: str | None = None
+    correlation_id: str | None = None
 
 
 def sha1_of(blob: bytes) -> bytes:
@@ -163,12 +216,21 @@ def put_rows(
 
 
 def store_batch(
-    txn: lmdb.Transaction, t: Tables, vins: Sequence[str], request_id: str, blob: bytes, now_ms: int
-) -> BatchWritten:
-    """Seed-000 batch: the blob once, then one row per VIN."""
+    txn: lmdb.Transaction,
+    t: Tables,
+    vins: Sequence[str],
+    request_id: str,
+    blob: bytes,
+    now_ms: int,
+    batch_id: str | None = None,
+) -> BatchWritten | Duplicate:
+    """Seed-000 batch: the blob once, then one row per VIN; nothing if `batch_id` was stored."""
+    if (dup := _duplicate(txn, t, batch_id)) is not None:
+        return dup
     sha1 = sha1_of(blob)
     new_blob = put_blob(txn, t, sha1, blob, now_ms)
     put = put_rows(txn, t, vins, request_id, sha1, len(blob), now_ms)
+    _record_batch(txn, t, batch_id, request_id, sha1, len(vins), now_ms)
     return BatchWritten(request_id, sha1, tuple(vins), put.replaced, new_blob, put.superseded)
 
 
@@ -218,8 +280,19 @@ def _complete(
     for key, trig in waiting:
         put = put_rows(txn, t, trig["ids"], trig["request_id"], sha1, size, now_ms)
         txn.delete(key, db=t.early)
+        batch_id = trig.get("batch_id")
+        _record_batch(txn, t, batch_id, trig["request_id"], sha1, len(trig["ids"]), now_ms)
         completed.append(
-            BatchWritten(trig["request_id"], sha1, tuple(trig["ids"]), put.replaced, False, put.superseded)
+            BatchWritten(
+                trig["request_id"],
+                sha1,
+                tuple(trig["ids"]),
+                put.replaced,
+                False,
+                put.superseded,
+                batch_id,
+                trig.get("correlation_id"),
+            )
         )
     _count_early_rows(txn, t, -rows)
     return EarlyCompleted(tuple(completed), more)
@@ -260,9 +333,13 @@ def store_trigger(
     now_ms: int,
     early_max: int,
     early_max_rows: int = 1_000_000,
-) -> TriggerWritten:
+    batch_id: str | None = None,
+    correlation_id: str | None = None,
+) -> TriggerWritten | Duplicate:
     """Plugin-format trigger: rows now if the data is known, else park it (bounded in triggers
-    and in the rows they name)."""
+    and in the rows they name); nothing if `batch_id` was stored (or parked) before."""
+    if (dup := _duplicate(txn, t, batch_id)) is not None:
+        return dup
     alias = txn.get(data_id.encode(), db=t.aliases)
     if alias is not None:
         sha1, _ = keys.decode_alias(alias)
@@ -271,6 +348,7 @@ def store_trigger(
             size = len(blob) - keys.BLOB_HEAD_SIZE
             touch_blob(txn, t, sha1, now_ms)
             put = put_rows(txn, t, vins, request_id, sha1, size, now_ms)
+            _record_batch(txn, t, batch_id, request_id, sha1, len(vins), now_ms)
             written = BatchWritten(request_id, sha1, tuple(vins), put.replaced, False, put.superseded)
             return TriggerWritten(data_id, request_id, written, False)
     if int(txn.stat(t.early)["entries"]) >= early_max:
@@ -282,8 +360,13 @@ def store_trigger(
     raw_seq = txn.get(_EARLY_SEQ, db=t.meta)
     seq = 0 if raw_seq is None else keys.decode_u64(raw_seq) + 1
     txn.put(_EARLY_SEQ, keys.encode_u64(seq), db=t.meta)
-    record = orjson.dumps({"ids": list(vins), "request_id": request_id, "ts": now_ms})
-    txn.put(keys.early_key(data_id, seq), record, db=t.early)
+    doc: dict[str, Any] = {"ids": list(vins), "request_id": request_id, "ts": now_ms}
+    if batch_id is not None:
+        doc["batch_id"] = batch_id
+    if correlation_id is not None:
+        doc["correlation_id"] = correlation_id
+    txn.put(keys.early_key(data_id, seq), orjson.dumps(doc), db=t.early)
+    _record_batch(txn, t, batch_id, request_id, None, 0, now_ms)
     return TriggerWritten(data_id, request_id, None, True)
 
 
@@ -296,11 +379,23 @@ def expire_early(txn: lmdb.Transaction, t: Tables, now_ms: int, ttl_ms: int, lim
         age = now_ms - int(trig["ts"])
         if age >= ttl_ms:
             doomed.append(bytes(key))
-            expired.append(EarlyExpired(keys.early_data_id(bytes(key)), trig["request_id"], len(trig["ids"]), age))
+            expired.append(
+                EarlyExpired(
+                    keys.early_data_id(bytes(key)),
+                    trig["request_id"],
+                    len(trig["ids"]),
+                    age,
+                    trig.get("batch_id"),
+                    trig.get("correlation_id"),
+                )
+            )
             if len(doomed) >= limit:
                 break
     for key in doomed:
         txn.delete(key, db=t.early)
+    for e in expired:
+        if e.batch_id is not None:  # a retry after the expiry is a new trigger, not a duplicate
+            forget_batch(txn, t, e.batch_id)
     _count_early_rows(txn, t, -sum(e.vins for e in expired))
     return expired
 

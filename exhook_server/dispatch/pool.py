@@ -38,7 +38,7 @@ from exhook_server.dispatch.commands import (
     Trigger,
 )
 from exhook_server.dispatch.ring import HashRing
-from exhook_server.dispatch.worker import Publisher, RowSource, Worker
+from exhook_server.dispatch.worker import OutcomeListener, Publisher, RowSource, Worker
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
@@ -78,6 +78,7 @@ class Dispatcher:
         processes: int = 1,
         forward: Callable[[int, Any], None] | None = None,
         ask: Callable[[int, Any], Awaitable[Any]] | None = None,
+        on_outcome: OutcomeListener | None = None,
     ) -> None:
         if processes > 1 and forward is None:
             raise ValueError("a dispatcher in a group of processes needs a way to forward to them")
@@ -97,7 +98,9 @@ class Dispatcher:
         self._inbox: collections.deque[tuple[Worker, Command]] = collections.deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_handle: asyncio.Handle | None = None
-        self.workers = {n: Worker(n, rows, publisher, inflight_timeout_s=inflight_timeout_s) for n in local}
+        self.workers = {
+            n: Worker(n, rows, publisher, inflight_timeout_s=inflight_timeout_s, on_outcome=on_outcome) for n in local
+        }
         self._vin_from_clientid = vin_from_clientid
         #: clientid → the VINs it subscribed or heartbeated for since start-up; none for a client
         #: that only stands for the VIN it is named after (see _remember).

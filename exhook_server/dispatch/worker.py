@@ -68,6 +68,10 @@ class RowSource(Protocol):
         ...
 
 
+#: Told when dispatch ends a pair: (vin, request_id, sha1, outcome, attempts).
+OutcomeListener = Callable[[str, str, bytes, Outcome, int], None]
+
+
 @dataclass(slots=True)
 class InFlight:
     request_id: str
@@ -89,12 +93,14 @@ class Worker:
         *,
         inflight_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        on_outcome: OutcomeListener | None = None,
     ) -> None:
         self.name = name
         self._rows = rows
         self._publisher = publisher
         self._timeout = inflight_timeout_s
         self._clock = clock
+        self._on_outcome = on_outcome
         #: VIN → the live session that can receive its deliveries. The biggest state of the
         #: server (one entry per online vehicle): the session shares the key's string when
         #: the clientid is the VIN, see `_own`.
@@ -214,8 +220,11 @@ class Worker:
 
     def _acknowledge(self, cmd: Acknowledge) -> None:
         vin, rid, digest = cmd.vin, cmd.request_id, cmd.sha1
-        deleted = self._rows.ack(vin, rid, digest, attempts=max(1, self._attempts(vin, rid, digest)))
+        attempts = max(1, self._attempts(vin, rid, digest))
+        deleted = self._rows.ack(vin, rid, digest, attempts=attempts)
         metrics.DELIVERIES_ACKED.labels("deleted" if deleted else "kept").inc()
+        if deleted:
+            self._ended(vin, rid, digest, Outcome.DELIVERED, attempts)
         voided = self._unacked.get(vin)
         if voided is not None and voided[0] == rid and voided[1] == digest:
             del self._unacked[vin]
@@ -242,12 +251,18 @@ class Worker:
         if cmd.final:
             self.inflight.pop(vin, None)
             self._unacked.pop(vin, None)
-            self._rows.ack(vin, rid, sha1, outcome=Outcome.FAILED, attempts=attempts)
+            if self._rows.ack(vin, rid, sha1, outcome=Outcome.FAILED, attempts=attempts):
+                self._ended(vin, rid, sha1, Outcome.FAILED, attempts)
             metrics.DELIVERIES_FAILED.labels("broker_refused").inc()
             log.error("delivery_failed", vin=vin, request_id=rid, reason="broker_refused", last_refusal=cmd.reason)
         else:
             self._void(vin)
         self._try_send(vin, Trigger.REFUSED)
+
+    def _ended(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
+        metrics.OUTCOMES.labels(outcome.label).inc()
+        if self._on_outcome is not None:
+            self._on_outcome(vin, request_id, sha1, outcome, attempts)
 
     def _down(self, cmd: Down) -> None:
         if cmd.reason is EndReason.TAKENOVER:

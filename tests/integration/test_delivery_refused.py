@@ -70,7 +70,8 @@ def test_poison_topic_ends_failed_and_the_fleet_gets_everything(rig: Rig) -> Non
         "task_ota_1",
         "task_ota_2",
     ]
-    # Each poison row is refused 3 times; the first drop may blame both at once.
+    # Each poison row is refused 3 times; the first drop may blame both at once. Status
+    # messages about the poison request go to $SDV-FANOUT/status/_unroutable, never its topic.
     assert _drops(rig.broker, srv.delivery.clientid) <= 6
 
 

@@ -1,0 +1,134 @@
+"""The platform hears back: receipts, duplicates, rejections and progress on the status topic.
+
+Real mosquitto, real server, real paho vehicles (hooks played by tests/emqx_sim.py), and a
+platform client subscribed to `$SDV-FANOUT/status/#` as a platform would be.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from storage.ops import sha1_of
+from tests.harness import poll
+from tests.integration.test_delivery_e2e import Rig, make_rig
+
+
+class Platform:
+    """A platform's status subscriber: every status message, in arrival order."""
+
+    def __init__(self, port: int) -> None:
+        self.messages: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="platform-status", protocol=mqtt.MQTTv5)
+        subscribed = queue.Queue[bool]()
+        client.on_message = lambda c, u, m: self.messages.put((m.topic, json.loads(m.payload)))
+        client.on_subscribe = lambda c, u, mid, rc, props: subscribed.put(True)
+        client.connect("127.0.0.1", port)
+        client.subscribe("$SDV-FANOUT/status/#", qos=1)
+        client.loop_start()
+        subscribed.get(timeout=10)
+        self.client = client
+
+    def events(self, **match: Any) -> list[dict[str, Any]]:
+        """Every message so far whose fields equal `match`."""
+        while not self.messages.empty():
+            self.seen.append(self.messages.get_nowait())
+        return [doc for _, doc in self.seen if all(doc.get(k) == v for k, v in match.items())]
+
+    def wait(self, n: int = 1, **match: Any) -> list[dict[str, Any]]:
+        return poll(lambda: (found := self.events(**match)) and len(found) >= n and found, timeout_s=10)  # type: ignore[no-any-return]
+
+    def topics(self, **match: Any) -> list[str]:
+        self.events()
+        return [t for t, doc in self.seen if all(doc.get(k) == v for k, v in match.items())]
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+@pytest.fixture
+def rig(tmp_path: Path, make_server: Any) -> Iterator[Rig]:
+    yield from make_rig(tmp_path, make_server, progress_interval_s=0.2)
+
+
+@pytest.fixture
+def platform(rig: Rig) -> Iterator[Platform]:
+    p = Platform(rig.broker.port)
+    yield p
+    p.close()
+
+
+def test_a_stored_batch_gets_an_accepted_receipt_with_its_correlation_id(rig: Rig, platform: Platform) -> None:
+    """After the commit: accepted, the blob's sha1, rows stored, no refusals, the correlation_id echoed."""
+    rig.emqx.publish_batch(["V1", "V2"], "task_ota_1", "fw", correlation_id="c-42")
+    [receipt] = platform.wait(event="accepted", request_id="task_ota_1")
+    assert receipt["sha1"] == sha1_of(b"fw").hex() and receipt["vins"] == 2 and receipt["refused"] == []
+    assert receipt["correlation_id"] == "c-42" and receipt["ts_ms"] > 0
+    assert platform.topics(event="accepted") == ["$SDV-FANOUT/status/task_ota_1"]
+
+
+def test_a_rejected_batch_says_why_on_its_topic_or_on_rejected(rig: Rig, platform: Platform) -> None:
+    """A usable request id gets `rejected` on its own topic; an unusable one on `_rejected`."""
+    rig.emqx.publish_batch(["V/1"], "task_bad_1", "x", correlation_id="c-1")
+    rig.emqx.publish_batch(["V1"], "task\u0085_1", "x")
+    [on_topic] = platform.wait(event="rejected", request_id="task_bad_1")
+    assert on_topic["reason"] == "bad_vin" and on_topic["correlation_id"] == "c-1"
+    [anonymous] = platform.wait(event="rejected", request_id=None)
+    assert anonymous["reason"] == "bad_request_id"
+    assert "$SDV-FANOUT/status/_rejected" in platform.topics(event="rejected")
+
+
+def test_a_retried_batch_id_is_not_delivered_again(rig: Rig, platform: Platform) -> None:
+    """The same batch_id after delivery: nothing stored, no second delivery, the receipt again marked duplicate."""
+    v = rig.online("V1")
+    rig.emqx.publish_batch(["V1"], "task_ota_1", "fw", batch_id="b-1")
+    v.wait_for(1)
+    poll(lambda: rig.rows() == 0)
+    rig.emqx.publish_batch(["V1"], "task_ota_1", "fw", batch_id="b-1")
+    receipts = platform.wait(2, event="accepted", request_id="task_ota_1")
+    assert [r.get("duplicate") for r in receipts] == [None, True]
+    assert receipts[1]["sha1"] == receipts[0]["sha1"] and receipts[1]["vins"] == 1
+    assert rig.rows() == 0 and len(v.received) == 1
+
+
+def test_a_parked_trigger_gets_its_receipt_when_its_data_arrives(rig: Rig, platform: Platform) -> None:
+    """Plugin format: no receipt while the trigger waits; accepted, with its tags, once the data is stored."""
+    trigger = {"ids": ["V1"], "request_id": "task_cfg_1", "data_id": "d1", "batch_id": "b-9", "correlation_id": "c-9"}
+    rig.emqx.publish("$SDV-FANOUT/trigger", json.dumps(trigger).encode())
+    assert platform.events(event="accepted") == []
+    rig.emqx.publish("$SDV-FANOUT/data/d1", b"config")
+    [receipt] = platform.wait(event="accepted", request_id="task_cfg_1")
+    assert (receipt["batch_id"], receipt["correlation_id"]) == ("b-9", "c-9")
+    assert receipt["sha1"] == sha1_of(b"config").hex()
+
+
+def test_progress_reaches_completed_for_an_online_fleet(rig: Rig, platform: Platform) -> None:
+    """A campaign to an online fleet reports progress and then completed, with every pair delivered."""
+    fleet = [f"V{n}" for n in range(8)]
+    vehicles = [rig.online(vin) for vin in fleet]
+    rig.emqx.publish_batch(fleet, "task_ota_7", "fw7")
+    for v in vehicles:
+        v.wait_for(1)
+    [done] = platform.wait(event="completed", request_id="task_ota_7")
+    assert done["counts"]["total"] == 8 and done["counts"]["delivered"] == 8 and done["counts"]["pending"] == 0
+    assert platform.events(event="progress", request_id="task_ota_7")
+
+
+def test_a_reused_request_id_with_new_data_is_counted_apart(rig: Rig, platform: Platform) -> None:
+    """New data under an old request id: its own generation, the old pending row counted superseded."""
+    rig.emqx.publish_batch(["V1"], "task_ota_1", "old")
+    rig.emqx.publish_batch(["V1"], "task_ota_1", "new")
+    old, new = sha1_of(b"old").hex(), sha1_of(b"new").hex()
+    old_progress = platform.wait(event="progress", request_id="task_ota_1", sha1=old)[-1]
+    assert old_progress["counts"]["superseded"] == 1 and old_progress["counts"]["pending"] == 0
+    new_progress = platform.wait(event="progress", request_id="task_ota_1", sha1=new)[-1]
+    assert new_progress["counts"]["pending"] == 1 and new_progress["counts"]["total"] == 1
