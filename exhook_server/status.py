@@ -70,6 +70,8 @@ class StatusPublisher:
         topic = f"{self._prefix}/{_level(request_id)}"
         payload = orjson.dumps(doc)
         # Behind a backlog, wait in line: the platform reads a request's events in order.
+        if self._queue:
+            self.flush()
         if self._queue or not self._send(topic, payload):
             self._hold(topic, payload)
 
