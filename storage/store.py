@@ -98,19 +98,18 @@ class _Gate:
         self._active = 0
         self._resizing = False
 
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
+    def enter(self) -> None:
+        """One more transaction; waits while a resize runs."""
         with self._cond:
             while self._resizing:
                 self._cond.wait()
             self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                if not self._active:
-                    self._cond.notify_all()
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active and self._resizing:
+                self._cond.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -126,6 +125,54 @@ class _Gate:
             with self._cond:
                 self._resizing = False
                 self._cond.notify_all()
+
+
+class _Txn:
+    """One transaction of a Store as a context manager: it holds the gate, adopts a map another
+    process grew, commits a write block that ends cleanly and aborts everything else.
+
+    A class rather than a generator-based context manager: dispatch opens read transactions for
+    every delivery, and two nested generators (with the gate's) cost about 4 µs of Python per
+    transaction, against 0.3 µs for LMDB's begin and abort.
+    """
+
+    __slots__ = ("_store", "_txn", "_write")
+
+    def __init__(self, store: Store, write: bool) -> None:
+        self._store = store
+        self._write = write
+        self._txn: lmdb.Transaction | None = None
+
+    def __enter__(self) -> lmdb.Transaction:
+        store = self._store
+        gate = store._gate
+        while True:
+            gate.enter()
+            try:
+                txn = store.env.begin(write=self._write, buffers=True)
+            except lmdb.MapResizedError:
+                gate.leave()
+            except BaseException:
+                gate.leave()
+                raise
+            else:
+                self._txn = txn
+                return txn
+            # Another process sharing the environment (a server process of the same group, or
+            # `gc run`) grew the map. Adopting its size needs every transaction of ours closed.
+            with gate.exclusive():
+                store.env.set_mapsize(0)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        txn, self._txn = self._txn, None
+        assert txn is not None
+        try:
+            if exc_type is None and self._write:
+                txn.commit()
+            else:
+                txn.abort()
+        finally:
+            self._store._gate.leave()
 
 
 def now_ms() -> int:
@@ -224,41 +271,15 @@ class Store:
         self.close()
 
     # -- transactions ----------------------------------------------------------
-    @contextlib.contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
-        """A read-only snapshot; values are memoryviews valid inside the block."""
-        with self._txn(write=False) as txn:
-            yield txn
+    def read(self) -> _Txn:
+        """A read-only snapshot (`with store.read() as txn`); values are memoryviews valid
+        inside the block."""
+        return _Txn(self, write=False)
 
-    @contextlib.contextmanager
-    def write(self) -> Iterator[lmdb.Transaction]:
-        """One write transaction, committed (and fsynced) when the block ends cleanly."""
-        with self._txn(write=True) as txn:
-            yield txn
-
-    @contextlib.contextmanager
-    def _txn(self, *, write: bool) -> Iterator[lmdb.Transaction]:
-        while True:
-            with self._gate.shared():
-                try:
-                    txn = self.env.begin(write=write, buffers=True)
-                except lmdb.MapResizedError:
-                    txn = None
-                if txn is not None:
-                    try:
-                        yield txn
-                    except BaseException:
-                        txn.abort()
-                        raise
-                    if write:
-                        txn.commit()
-                    else:
-                        txn.abort()
-                    return
-            # Another process sharing the environment (a server process of the same group, or
-            # `gc run`) grew the map. Adopting its size needs every transaction of ours closed.
-            with self._gate.exclusive():
-                self.env.set_mapsize(0)
+    def write(self) -> _Txn:
+        """One write transaction (`with store.write() as txn`), committed (and fsynced) when the
+        block ends cleanly."""
+        return _Txn(self, write=True)
 
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])

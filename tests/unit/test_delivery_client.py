@@ -1,0 +1,108 @@
+"""The delivery client's trimmed paho paths (delivery._Client) against paho's own, on crafted packets."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from exhook_server.delivery import _Client
+
+ACKS = "$SDV-FANOUT/acked/sdv-fanout-host-1"
+
+
+def publish_packet(topic: str, mid: int, payload: bytes, *, props: bytes = b"", flags: int = 0x02) -> bytes:
+    """A whole MQTT 5 PUBLISH (fixed header included), QoS from `flags`."""
+    t = topic.encode()
+    body = struct.pack("!H", len(t)) + t + struct.pack("!H", mid) + bytes([len(props)]) + props + payload
+    assert len(body) < 128
+    return bytes([0x30 | flags, len(body)]) + body
+
+
+@pytest.fixture
+def client() -> Iterator[tuple[_Client, list[Any], socket.socket]]:
+    """A _Client reading one end of a socket pair, recording fast, paho and on_publish callbacks."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    c = _Client(CallbackAPIVersion.VERSION2, client_id="sdv-fanout-host-1", protocol=5)
+    seen: list[Any] = []
+    c.fast_topic = ACKS.encode()
+    c.fast_message = lambda payload: seen.append(("fast", payload))
+    c.on_message = lambda _c, _u, msg: seen.append(("paho", msg.topic, msg.payload, msg.mid))
+    c.on_publish = lambda _c, _u, mid, rc, _p: seen.append(("puback", mid, rc.value))
+    c.on_socket_register_write = lambda *_a: None  # as MqttDelivery: packets wait for its flush
+    c._sock = ours
+    yield c, seen, theirs
+    c._sock = None
+    ours.close()
+    theirs.close()
+
+
+def read_all(c: _Client) -> None:
+    """What MqttDelivery._read does: read until nothing waits in our buffer."""
+    c.loop_read()
+    while c.buffered():
+        c.loop_read()
+
+
+def queued(c: _Client) -> list[bytes]:
+    return [bytes(p["packet"]) for p in c._out_packet]
+
+
+def test_ack_messages_in_one_read_each_take_the_fast_path_and_get_their_puback(client: Any) -> None:
+    """Three ack messages arriving in one segment: each payload reaches fast_message in order and
+    each gets its PUBACK, with no message object built by paho."""
+    c, seen, peer = client
+    peer.sendall(b"".join(publish_packet(ACKS, mid, f"ack {mid}".encode()) for mid in (1, 2, 300)))
+    read_all(c)
+    assert seen == [("fast", b"ack 1"), ("fast", b"ack 2"), ("fast", b"ack 300")]
+    assert queued(c) == [b"\x40\x02\x00\x01", b"\x40\x02\x00\x02", b"\x40\x02\x01\x2c"]
+
+
+@pytest.mark.parametrize(
+    ("topic", "props", "flags"),
+    [
+        ("other/topic", b"", 0x02),  # not the ack topic
+        (ACKS, b"\x01\x01", 0x02),  # a property (payload format indicator)
+        (ACKS, b"", 0x0A),  # DUP
+    ],
+    ids=["other-topic", "with-properties", "dup"],
+)
+def test_anything_else_takes_paho_path(client: Any, topic: str, props: bytes, flags: int) -> None:
+    """Another topic, properties or a DUP flag go through paho's decoding and on_message, PUBACKed alike."""
+    c, seen, peer = client
+    peer.sendall(publish_packet(topic, 7, b"payload", props=props, flags=flags))
+    read_all(c)
+    assert seen == [("paho", topic, b"payload", 7)]
+    assert queued(c) == [b"\x40\x02\x00\x07"]
+
+
+def test_plain_and_refused_pubacks_reach_on_publish_with_their_reason(client: Any) -> None:
+    """PUBACKs without reason code, with 0x00, with 0x00 and no properties (EMQX's), with 0x87, and with
+    0x00 and a property, each report their mid and reason."""
+    c, seen, peer = client
+    mids = [c.publish(f"agent/V{n}/proxy/request/r", b"x", qos=1).mid for n in range(5)]
+    peer.sendall(
+        struct.pack("!BBH", 0x40, 2, mids[0])
+        + struct.pack("!BBHB", 0x40, 3, mids[1], 0x00)
+        + struct.pack("!BBHBB", 0x40, 4, mids[2], 0x00, 0)
+        + struct.pack("!BBHBB", 0x40, 4, mids[3], 0x87, 0)
+        + struct.pack("!BBHBBBBB", 0x40, 7, mids[4], 0x00, 3, 0x1F, 0, 0)  # reason string ""
+    )
+    read_all(c)
+    assert seen == [("puback", mid, 0x87 if mid == mids[3] else 0x00) for mid in mids]
+    assert not c._out_messages
+
+
+def test_queued_packets_leave_in_one_write(client: Any) -> None:
+    """Several queued packets are written with one send, byte for byte what paho would write."""
+    c, _seen, peer = client
+    for mid in (1, 2, 3):
+        c._send_puback(mid)
+    c.loop_write()
+    assert peer.recv(100) == b"\x40\x02\x00\x01\x40\x02\x00\x02\x40\x02\x00\x03"
+    assert not c._out_packet
