@@ -1,7 +1,9 @@
-"""LMDB → Parquet export: one consistent snapshot of rows, blobs (metadata only) and aliases.
+"""LMDB → Parquet export: one consistent snapshot of rows, blobs (metadata only), aliases,
+outcome records and generation counts.
 
 The Spark jobs in spark/ read exports, never the live store. One read transaction gives the
-snapshot; rows stream out in record batches, so memory stays bounded however large the store.
+snapshot, so the generation counts and the rows and outcomes they count are of the same instant;
+records stream out in record batches, so memory stays bounded however large the store.
 A read transaction does not block the writer (LMDB is MVCC); it only delays page reuse while it
 lasts, which streaming keeps short.
 """
@@ -18,9 +20,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage import keys
+from storage.outcomes import Outcome
 from storage.store import SCHEMA_VERSION, Store, now_ms
 
 FORMAT = "sdv-fanout-export"
+#: Changes only when a table that readers already know changes. Adding a table (outcomes and
+#: generations came later) does not: older jobs ignore it, and a job that needs it checks the
+#: manifest's counts for it.
 FORMAT_VERSION = 1
 #: Rows per Parquet record batch: ~3 MB of Arrow memory per batch.
 BATCH_ROWS = 65_536
@@ -38,6 +44,24 @@ BLOBS_SCHEMA = pa.schema(
     [("sha1", pa.binary()), ("created_ms", pa.int64()), ("touched_ms", pa.int64()), ("size", pa.int64())]
 )
 ALIASES_SCHEMA = pa.schema([("data_id", pa.string()), ("sha1", pa.binary()), ("ts_ms", pa.int64())])
+#: One per (VIN, generation) that has ended; sha1 as lower-case hex (what receipts and the Admin API
+#: show), outcome as its name (`delivered`, `superseded`, `cancelled`, `expired`, `failed`).
+OUTCOMES_SCHEMA = pa.schema(
+    [
+        ("vin", pa.string()),
+        ("request_id", pa.string()),
+        ("sha1", pa.string()),
+        ("outcome", pa.string()),
+        ("ended_ms", pa.int64()),
+        ("stored_ms", pa.int64()),
+        ("attempts", pa.int64()),
+    ]
+)
+#: One per generation (request_id, sha1): its first and last change and its counts, as stored.
+GENERATIONS_SCHEMA = pa.schema(
+    [("request_id", pa.string()), ("sha1", pa.string()), ("first_ms", pa.int64()), ("last_ms", pa.int64())]
+    + [(name, pa.int64()) for name in keys.COUNT_NAMES]
+)
 
 Progress = Callable[[int], None]
 
@@ -69,7 +93,8 @@ def _batched(items: Iterator[tuple[Any, ...]]) -> Iterator[list[tuple[Any, ...]]
 
 
 def export(store: Store, out: str | os.PathLike[str], progress: Progress | None = None) -> dict[str, Any]:
-    """Write OUT/{rows,blobs,aliases}/part-00000.parquet and OUT/manifest.json; returns the manifest."""
+    """Write OUT/{rows,blobs,aliases,outcomes,generations}/part-00000.parquet, then OUT/manifest.json
+    (last: an export without it is incomplete); returns the manifest."""
     out = Path(out)
     tick = progress or (lambda n: None)
     t = store.tables
@@ -96,10 +121,24 @@ def export(store: Store, out: str | os.PathLike[str], progress: Progress | None 
                 sha1, ts = keys.decode_alias(v)
                 yield bytes(k).decode(), sha1, ts
 
+        def ended() -> Iterator[tuple[Any, ...]]:
+            for k, v in txn.cursor(t.outcomes):
+                vin, request_id, sha1 = keys.split_outcome_key(k)
+                ended_ms, stored_ms, attempts, code = keys.decode_outcome(v)
+                yield vin, request_id, sha1.hex(), Outcome(code).label, ended_ms, stored_ms, attempts
+
+        def generations() -> Iterator[tuple[Any, ...]]:
+            for k, v in txn.cursor(t.gens):
+                request_id, sha1 = keys.split_gen_key(k)
+                first_ms, last_ms, gen_counts = keys.decode_gen(v)
+                yield request_id, sha1.hex(), first_ms, last_ms, *gen_counts
+
         counts = {
             "rows": _write(out / "rows", ROWS_SCHEMA, _batched(rows()), tick),
             "blobs": _write(out / "blobs", BLOBS_SCHEMA, _batched(blobs()), tick),
             "aliases": _write(out / "aliases", ALIASES_SCHEMA, _batched(aliases()), tick),
+            "outcomes": _write(out / "outcomes", OUTCOMES_SCHEMA, _batched(ended()), tick),
+            "generations": _write(out / "generations", GENERATIONS_SCHEMA, _batched(generations()), tick),
         }
     manifest = {
         "format": FORMAT,

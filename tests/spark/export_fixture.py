@@ -10,20 +10,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from storage.export import ALIASES_SCHEMA, BLOBS_SCHEMA, GENERATIONS_SCHEMA, OUTCOMES_SCHEMA, ROWS_SCHEMA
+
+#: The export's own schemas: a fixture export differs from a real one only in how it was made.
 SCHEMAS = {
-    "rows": pa.schema(
-        [
-            ("vin", pa.string()),
-            ("request_id", pa.string()),
-            ("ts_ms", pa.int64()),
-            ("sha1", pa.binary()),
-            ("size", pa.int64()),
-        ]
-    ),
-    "blobs": pa.schema(
-        [("sha1", pa.binary()), ("created_ms", pa.int64()), ("touched_ms", pa.int64()), ("size", pa.int64())]
-    ),
-    "aliases": pa.schema([("data_id", pa.string()), ("sha1", pa.binary()), ("ts_ms", pa.int64())]),
+    "rows": ROWS_SCHEMA,
+    "blobs": BLOBS_SCHEMA,
+    "aliases": ALIASES_SCHEMA,
+    "outcomes": OUTCOMES_SCHEMA,
+    "generations": GENERATIONS_SCHEMA,
 }
 
 Record = Sequence[Any] | Mapping[str, Any]
@@ -49,15 +44,29 @@ def write_export(
     snapshot_ms: int,
     *,
     parts: int = 1,
+    outcomes: Iterable[Record] | None = None,
+    generations: Iterable[Record] | None = None,
 ) -> dict[str, Any]:
     """Write OUT/{rows,blobs,aliases}/part-NNNNN.parquet and OUT/manifest.json; returns the manifest.
 
     Records are tuples in schema order (rows: vin, request_id, ts_ms, sha1, size; blobs: sha1,
-    created_ms, touched_ms, size; aliases: data_id, sha1, ts_ms) or dicts. `parts` splits each
-    non-empty table into that many part files; an empty table still gets one part file with the schema.
+    created_ms, touched_ms, size; aliases: data_id, sha1, ts_ms; outcomes: vin, request_id, sha1 hex,
+    outcome, ended_ms, stored_ms, attempts; generations: request_id, sha1 hex, first_ms, last_ms, then
+    the seven counts) or dicts. `outcomes` and `generations` are written only when given (without
+    them: an export of a server from before they existed). `parts` splits each non-empty table into
+    that many part files; an empty table still gets one part file with the schema.
     """
     counts = {}
-    for name, records in (("rows", rows), ("blobs", blobs), ("aliases", aliases)):
+    tables = [
+        ("rows", rows),
+        ("blobs", blobs),
+        ("aliases", aliases),
+        ("outcomes", outcomes),
+        ("generations", generations),
+    ]
+    for name, records in tables:
+        if records is None:
+            continue
         table = _table(SCHEMAS[name], list(records))
         (out / name).mkdir(parents=True, exist_ok=True)
         n_parts = max(1, min(parts, table.num_rows))
