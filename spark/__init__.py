@@ -1,6 +1,7 @@
-"""Batch jobs over sdv-fanout exports (never the live LMDB): the GC plan and the fleet report.
+"""Batch jobs over sdv-fanout exports (never the live LMDB): the GC plan, the fleet and campaign reports.
 
-This module holds what both jobs share: the export layout, the session, and small-file I/O through
+This module holds what the jobs share: the export layout, the session, the task type of a request id,
+and small-file I/O through
 the Hadoop FileSystem API, so every path may be a plain local path or any Hadoop URI (file://,
 s3a://, hdfs://). Only the driver runs this code; executors run DataFrame operations alone.
 """
@@ -12,7 +13,8 @@ import re
 import sys
 from typing import Any
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as sf
 
 EXPORT_FORMAT = "sdv-fanout-export"
 EXPORT_FORMAT_VERSION = 1
@@ -22,7 +24,17 @@ EXPORT_SCHEMAS = {
     "rows": "vin string, request_id string, ts_ms long, sha1 binary, size long",
     "blobs": "sha1 binary, created_ms long, touched_ms long, size long",
     "aliases": "data_id string, sha1 binary, ts_ms long",
+    # sha1 as lower-case hex in the two tables below (rows and blobs keep the raw 20 bytes).
+    "outcomes": "vin string, request_id string, sha1 string, outcome string, ended_ms long, stored_ms long, "
+    "attempts long",
+    "generations": "request_id string, sha1 string, first_ms long, last_ms long, total long, pending long, "
+    "delivered long, superseded long, cancelled long, expired long, failed long",
 }
+
+#: request_id `task_<type>_<n>`: <type> may contain `_`; <n> is the last `_`-separated part.
+TASK_TYPE_RE = r"^task_(.+)_[^_]+$"
+#: The task type of every request id without a `task_<type>_<n>` shape.
+OTHER = "other"
 
 _UNITS_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000, "": 1_000}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([dhms]?)\s*$")
@@ -138,6 +150,21 @@ def read_manifest(spark: SparkSession, export_uri: str) -> dict[str, Any]:
 
 def read_table(spark: SparkSession, export_uri: str, table: str) -> DataFrame:
     return spark.read.schema(EXPORT_SCHEMAS[table]).parquet(child(export_uri, table))
+
+
+def require_tables(manifest: dict[str, Any], export_uri: str, *tables: str) -> None:
+    """Refuse an export made before `tables` existed (the format version stays 1 when a table is added)."""
+    missing = [t for t in tables if t not in manifest.get("counts", {})]
+    if missing:
+        raise ExportError(
+            f"{export_uri}: no {', '.join(missing)} table in the manifest (an export from an older sdv-fanout)"
+        )
+
+
+def task_type(request_id: str | Column) -> Column:
+    """The `<type>` of `task_<type>_<n>`, or OTHER: how every report groups request ids."""
+    extracted = sf.regexp_extract(request_id, TASK_TYPE_RE, 1)
+    return sf.when(extracted == "", OTHER).otherwise(extracted)
 
 
 def check_count(manifest: dict[str, Any], table: str, df: DataFrame) -> int:

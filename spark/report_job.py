@@ -27,13 +27,10 @@ if __package__ in (None, ""):  # spark-submit spark/report_job.py: make the `spa
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as sf
 
-from spark import check_count, child, qualify, read_manifest, read_table, session, write_bytes, write_json
+from spark import check_count, child, qualify, read_manifest, read_table, session, task_type, write_bytes, write_json
 
 REPORT_FORMAT = "sdv-fanout-fleet-report"
 TOP_VINS = 20
-#: request_id `task_<type>_<n>`: <type> may contain `_`; <n> is the last `_`-separated part.
-TASK_TYPE_RE = r"^task_(.+)_[^_]+$"
-OTHER = "other"
 
 _H = 3_600_000
 #: (label, lower bound inclusive, upper bound exclusive) of age = snapshot_ms - ts_ms. Negative ages (clock
@@ -75,14 +72,13 @@ A row's time is when it was last written (a newer batch with the same VIN and re
 stored once. Rows older than the retention period (7 days by default: the >7d bucket) are still here
 until GC deletes them.
 
-Not in this report: deliveries per day. An export holds only what is pending; acknowledged requests are
-deleted from the store, so delivered counts are not in it (they are in the server's Prometheus metrics).
+Not in this report: deliveries per day. The rows are what is pending; deliveries are in the export's
+outcome records, which the campaign report (spark/campaign_job.py) reads.
 """
 
 
 def pending_rows(rows: DataFrame, snapshot_ms: int) -> DataFrame:
     """Rows with their task type and age bucket."""
-    extracted = sf.regexp_extract("request_id", TASK_TYPE_RE, 1)
     age = sf.lit(snapshot_ms) - sf.col("ts_ms")
     bucket = sf.lit(len(AGE_BUCKETS) - 1)
     for i, (_, _, upper) in reversed(list(enumerate(AGE_BUCKETS[:-1]))):
@@ -91,7 +87,7 @@ def pending_rows(rows: DataFrame, snapshot_ms: int) -> DataFrame:
         "vin",
         "ts_ms",
         "size",
-        sf.when(extracted == "", OTHER).otherwise(extracted).alias("task_type"),
+        task_type("request_id").alias("task_type"),
         age.alias("age_ms"),
         bucket.cast("int").alias("bucket_index"),
     )

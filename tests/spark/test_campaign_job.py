@@ -1,0 +1,277 @@
+"""spark/campaign_job.py against a pure-Python reference, and outcomes/generations through a real export."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow.dataset as ds
+import pytest
+
+from spark import ExportError, require_tables
+from spark.campaign_job import (
+    CHECK_COLLECTED,
+    CHECK_MISMATCH,
+    CHECK_OK,
+    MAX_BUCKETS_ASKED,
+    STATES,
+    bucket_width_ms,
+    build_report,
+    check,
+)
+from storage import keys, ops, outcomes
+from storage.export import export
+from storage.outcomes import Outcome
+from storage.store import Store
+from tests.spark.export_fixture import write_export
+
+H = 3_600_000
+SNAP = 1_763_800_000_000
+T0 = SNAP - 48 * H
+COUNTS = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed")
+ENDED = COUNTS[2:]
+
+#: (request_id, sha1 hex, its task type as the report must name it, states its pairs may be in, VINs).
+GENERATIONS = [
+    ("task_ota_update_1", "aa" * 20, "ota_update", ("delivered", "superseded"), 40),  # replaced by the next
+    ("task_ota_update_1", "bb" * 20, "ota_update", ("delivered", "pending", "failed"), 40),
+    ("task_cfg_7", "cc" * 20, "cfg", ("delivered", "pending", "expired", "cancelled"), 30),
+    ("manual-42", "dd" * 20, "other", ("delivered", "pending"), 12),
+    ("task_cfg_8", "ee" * 20, "cfg", ("delivered",), 10),  # some records collected by GC
+    ("task_diag_1", "ff" * 20, "diag", ("delivered", "pending"), 8),  # counts one pending too many
+    ("task_diag_2", "11" * 20, "diag", ("delivered",), 5),  # records, no counts
+]
+COLLECTED, EXTRA_PENDING, UNCOUNTED = ("task_cfg_8", "ee" * 20), ("task_diag_1", "ff" * 20), ("task_diag_2", "11" * 20)
+
+
+def seeded_export(out: Path) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Random pairs per generation, consistent counts except the three planted differences."""
+    rng = random.Random(20251122)
+    rows, ended, gens = [], [], []
+    for rid, sha, _, states, n in GENERATIONS:
+        counts = Counter[str]()
+        first = last = T0 + rng.randrange(H)
+        for v in range(n):
+            state = rng.choice(states)
+            stored = T0 + rng.randrange(36 * H)
+            counts[state] += 1
+            first, last = min(first, stored), max(last, stored)
+            if state == "pending":
+                rows.append((f"V{v:03d}", rid, stored, bytes.fromhex(sha), 100))
+            else:
+                end = stored + int(rng.expovariate(1 / 600_000)) + 1  # ~10 min to an outcome
+                ended.append((f"V{v:03d}", rid, sha, state, end, stored, rng.randint(1, 3)))
+                last = max(last, end)
+        counts["total"] = sum(counts.values())
+        if (rid, sha) == COLLECTED:
+            counts["delivered"] += 3
+            counts["total"] += 3
+        if (rid, sha) == EXTRA_PENDING:
+            counts["pending"] += 1
+            counts["total"] += 1
+        if (rid, sha) != UNCOUNTED:
+            gens.append((rid, sha, first, last, *(counts[c] for c in COUNTS)))
+    write_export(out, rows, [], [], SNAP, outcomes=ended, generations=gens, parts=2)
+    return rows, ended, gens
+
+
+def percentile(values: list[int], p: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default), written out."""
+    s = sorted(values)
+    pos = (len(s) - 1) * p
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def latencies(ended: list[tuple[Any, ...]], keep: Any) -> list[int]:
+    return [e[4] - e[5] for e in ended if e[3] == "delivered" and keep(e)]
+
+
+def test_campaign_report_equals_a_python_reference(spark: Any, tmp_path: Path) -> None:
+    """Counts, delivery-time percentiles, per-type totals, the hourly series and the count check agree."""
+    export_dir, report = tmp_path / "export", tmp_path / "report"
+    rows, ended, gens = seeded_export(export_dir)
+    types = {(rid, sha): t for rid, sha, t, _, _ in GENERATIONS}
+
+    summary = build_report(spark, str(export_dir), str(report), bucket_ms=H)
+
+    got = {(g["request_id"], g["sha1"]): g for g in read_csv(report / "generations.csv")}
+    assert set(got) == {(g[0], g[1]) for g in gens}
+    for rid, sha, first, last, *counts in gens:
+        g = got[rid, sha]
+        assert [int(g[c]) for c in COUNTS] == counts and (int(g["first_ms"]), int(g["last_ms"])) == (first, last)
+        assert g["task_type"] == types[rid, sha]
+        times = latencies(ended, lambda e: (e[1], e[2]) == (rid, sha))  # noqa: B023 (called at once)
+        assert int(g["delivered_records"]) == len(times)
+        for p, col in ((0.5, "p50_ms"), (0.95, "p95_ms"), (0.99, "p99_ms")):
+            assert float(g[col]) == pytest.approx(percentile(times, p), abs=0.001)
+        pending = [r[2] for r in rows if (r[1], r[3].hex()) == (rid, sha)]
+        assert g["oldest_pending_ms"] == (str(min(pending)) if pending else "")
+    assert [g["first_ms"] for g in read_csv(report / "generations.csv")] == sorted(
+        (str(g[2]) for g in gens), key=int, reverse=True
+    )
+
+    by_type = {t["task_type"]: t for t in read_csv(report / "by_task_type.csv")}
+    assert set(by_type) == {"ota_update", "cfg", "other", "diag"}
+    for name, t in by_type.items():
+        mine = [g for g in gens if types[g[0], g[1]] == name]
+        assert [int(t[c]) for c in COUNTS] == [sum(g[4 + i] for g in mine) for i in range(len(COUNTS))]
+        times = latencies(ended, lambda e: types[e[1], e[2]] == name)  # noqa: B023 (called at once)
+        assert float(t["p95_ms"]) == pytest.approx(percentile(times, 0.95), abs=0.001)
+    everything = latencies(ended, lambda e: True)
+    assert summary["totals"]["p99_ms"] == pytest.approx(percentile(everything, 0.99), abs=0.001)
+    assert summary["totals"]["delivered"] == sum(g[6] for g in gens)
+
+    per_hour = Counter(e[4] - e[4] % H for e in ended if e[3] == "delivered")
+    series = read_csv(report / "delivered_over_time.csv")
+    assert [int(s["bucket_ms"]) for s in series] == list(range(min(per_hour), max(per_hour) + H, H))
+    assert [int(s["delivered"]) for s in series] == [per_hour[int(s["bucket_ms"])] for s in series]
+    assert int(series[-1]["cumulative"]) == len(everything)
+    diag = [s for s in read_csv(report / "delivered_by_task_type.csv") if s["task_type"] == "diag"]
+    assert int(diag[-1]["cumulative"]) == len(latencies(ended, lambda e: e[1].startswith("task_diag_")))
+
+    checks = {(c["request_id"], c["sha1"]): c for c in read_csv(report / "count_check.csv")}
+    assert {k: c["check"] for k, c in checks.items()} == {
+        COLLECTED: CHECK_COLLECTED,
+        EXTRA_PENDING: CHECK_MISMATCH,
+        UNCOUNTED: CHECK_MISMATCH,
+    }
+    assert int(checks[EXTRA_PENDING]["stored_pending"]) == int(checks[EXTRA_PENDING]["recounted_pending"]) + 1
+    assert checks[UNCOUNTED]["stored_total"] == "" and int(checks[UNCOUNTED]["recounted_total"]) == 5
+    assert summary["totals"]["checks"] == {CHECK_OK: 4, CHECK_COLLECTED: 1, CHECK_MISMATCH: 2}
+
+    png = (report / "report.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
+    assert json.loads((report / "report.json").read_text())["bucket_ms"] == H
+    assert "records_collected" in (report / "README.md").read_text()
+
+
+def test_export_round_trip_of_outcomes_and_generations(tmp_path: Path) -> None:
+    """What storage.ops records (supersede, deliver, fail) comes out of `export` as the store holds it."""
+    with Store(tmp_path / "lmdb") as store:
+
+        def run(op: Any, **kw: Any) -> Any:
+            with store.write() as txn:
+                return op(txn, t=store.tables, **kw)
+
+        run(ops.store_batch, vins=["V1", "V2", "V3"], request_id="task_ota_1", blob=b"fw1", now_ms=1_000)
+        run(ops.store_batch, vins=["V2"], request_id="task_ota_1", blob=b"fw2", now_ms=1_500)
+        run(ops.store_batch, vins=["V9"], request_id="manual", blob=b"x", now_ms=1_200)
+        fw1 = ops.sha1_of(b"fw1")
+        for vin, outcome, attempts in (("V1", Outcome.DELIVERED, 2), ("V3", Outcome.FAILED, 3)):
+            assert run(
+                ops.delete_row_if,
+                vin=vin,
+                request_id="task_ota_1",
+                sha1=fw1,
+                now_ms=2_000,
+                outcome=outcome,
+                attempts=attempts,
+            )
+        manifest = export(store, tmp_path / "export")
+        with store.read() as txn:
+            held = outcomes.all_generations(txn, store.tables)
+
+    assert manifest["counts"] == {"rows": 2, "blobs": 3, "aliases": 0, "outcomes": 3, "generations": 3}
+    got = ds.dataset(tmp_path / "export" / "outcomes").to_table().to_pylist()
+    assert sorted(tuple(r.values()) for r in got) == [
+        ("V1", "task_ota_1", fw1.hex(), "delivered", 2_000, 1_000, 2),
+        ("V2", "task_ota_1", fw1.hex(), "superseded", 1_500, 1_000, 0),
+        ("V3", "task_ota_1", fw1.hex(), "failed", 2_000, 1_000, 3),
+    ]
+    gens = {
+        (g["request_id"], g["sha1"]): g for g in ds.dataset(tmp_path / "export" / "generations").to_table().to_pylist()
+    }
+    assert gens == {
+        (g.request_id, g.sha1.hex()): {
+            "request_id": g.request_id,
+            "sha1": g.sha1.hex(),
+            "first_ms": g.first_ms,
+            "last_ms": g.last_ms,
+            **g.counts,
+        }
+        for g in held
+    }
+    assert gens["task_ota_1", fw1.hex()] | {"first_ms": 0, "last_ms": 0} == {
+        "request_id": "task_ota_1",
+        "sha1": fw1.hex(),
+        "first_ms": 0,
+        "last_ms": 0,
+        **dict(zip(COUNTS, (3, 0, 1, 1, 0, 0, 1), strict=True)),
+    }
+
+
+def test_report_on_a_real_store_finds_its_counts_consistent(spark: Any, tmp_path: Path) -> None:
+    """Random batches, replacements and outcomes through storage.ops: every generation checks `ok`."""
+    assert ("total", *STATES) == keys.COUNT_NAMES  # the job's state names are the store's
+    rng = random.Random(7)
+    with Store(tmp_path / "lmdb") as store:
+        for n in range(300):
+            vins = [f"V{rng.randrange(25)}" for _ in range(rng.randint(1, 5))]
+            rid, blob = f"task_t{n % 3}_{rng.randrange(3)}", bytes([rng.randrange(3)])
+            with store.write() as txn:
+                if rng.random() < 0.6:
+                    ops.store_batch(txn, store.tables, vins, rid, blob, now_ms=T0 + n * 60_000)
+                else:
+                    outcome = rng.choice(list(Outcome))
+                    ops.delete_row_if(txn, store.tables, vins[0], rid, ops.sha1_of(blob), T0 + n * 60_000 + 5, outcome)
+        export(store, tmp_path / "export")
+        with store.read() as txn:
+            held = outcomes.all_generations(txn, store.tables)
+
+    summary = build_report(spark, str(tmp_path / "export"), str(tmp_path / "report"))
+
+    assert summary["totals"]["checks"] == {CHECK_OK: len(held), CHECK_COLLECTED: 0, CHECK_MISMATCH: 0}
+    for c in COUNTS:
+        assert summary["totals"][c] == sum(g.counts[c] for g in held)
+    assert 0 < summary["totals"]["delivered_records"] == summary["totals"]["delivered"]
+
+
+def test_an_empty_export_gives_empty_tables_and_a_chart(spark: Any, tmp_path: Path) -> None:
+    """No generations at all: header-only CSVs, zero totals, no percentiles, and still a PNG."""
+    write_export(tmp_path / "export", [], [], [], SNAP, outcomes=[], generations=[])
+
+    summary = build_report(spark, str(tmp_path / "export"), str(tmp_path / "report"))
+
+    assert (summary["totals"]["generations"], summary["totals"]["total"], summary["totals"]["p50_ms"]) == (0, 0, None)
+    assert read_csv(tmp_path / "report" / "generations.csv") == []
+    assert (tmp_path / "report" / "delivered_over_time.csv").read_text() == "bucket_ms,bucket,delivered,cumulative\n"
+    assert (tmp_path / "report" / "report.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_count_check_tells_collected_records_from_a_mismatch() -> None:
+    """Only ended counts above the recount is GC's doing; a pending difference or a missing side is not."""
+    recounted = dict(zip(COUNTS, (5, 2, 3, 0, 0, 0, 0), strict=True))
+    assert check(dict(recounted), recounted) == CHECK_OK
+    assert check({**recounted, "total": 9, "delivered": 5, "expired": 2}, recounted) == CHECK_COLLECTED
+    assert check({**recounted, "total": 6, "pending": 3}, recounted) == CHECK_MISMATCH
+    assert check({**recounted, "total": 4, "delivered": 2}, recounted) == CHECK_MISMATCH  # fewer than the records
+    assert check({**recounted, "delivered": 4}, recounted) == CHECK_MISMATCH  # total disagrees with the states
+    assert check(None, recounted) == CHECK_MISMATCH
+    assert check({**dict.fromkeys(COUNTS, 0), "total": 4, "delivered": 4}, None) == CHECK_COLLECTED
+
+
+def test_bucket_width_is_the_smallest_ladder_step_that_fits() -> None:
+    """Auto buckets: 1 min up to 240 of them, then 5 min, ...; whole days past a week; a tiny --bucket is refused."""
+    assert bucket_width_ms(0, 240 * 60_000 - 1) == 60_000
+    assert bucket_width_ms(0, 240 * 60_000) == 300_000
+    assert bucket_width_ms(0, 10 * 365 * 24 * H) == 16 * 24 * H
+    assert bucket_width_ms(5, 5) == 60_000 and bucket_width_ms(0, 9 * H, asked_ms=H) == H
+    with pytest.raises(ValueError, match="buckets"):
+        bucket_width_ms(0, MAX_BUCKETS_ASKED * 1_000, asked_ms=1_000)
+
+
+def test_an_export_without_outcomes_is_refused() -> None:
+    """An export from before outcomes and generations existed gets a clear error, not an empty report."""
+    with pytest.raises(ExportError, match="outcomes, generations"):
+        require_tables({"counts": {"rows": 1, "blobs": 1, "aliases": 0}}, "x", "rows", "outcomes", "generations")
