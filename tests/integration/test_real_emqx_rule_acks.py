@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exhook_server.acks import rule_body
 from exhook_server.config import Config
-from tests.emqx_real import EmqxBroker, find_release, running_emqx, where_looked
+from tests.emqx_real import EmqxBroker, Fleet, Vehicle, find_release, running_emqx, where_looked
 from tests.harness import ROOT, SubprocessServer, poll
 from tests.integration import test_real_emqx
 from tests.integration.test_real_emqx import DEADLINE_S, EXHOOK, SETUPS, Fanout, all_have, vins_of
@@ -116,6 +116,15 @@ class Client:
         self.c.loop_stop()
 
 
+def holding_vehicle(fleet: Fleet, prefix: str) -> tuple[str, Vehicle]:
+    """One online vehicle of the test's own that holds its PUBACKs until `ack_held()`."""
+    [vin] = vins_of(prefix, 1)
+    v = fleet.vehicle(vin, auto_ack=False)
+    v.connect()
+    v.subscribe()
+    return vin, v
+
+
 def ack_message(topic: str, payload: bytes, acker: str, publisher: str) -> bytes:
     """What the rule would republish for the PUBACK of `payload` on `topic`."""
     return json.dumps({"h": hashlib.sha1(payload).hexdigest(), "t": topic, "c": acker, "f": publisher}).encode()
@@ -149,10 +158,7 @@ def test_ack_of_a_replaced_row_delivers_the_new_payload(rig: Any) -> None:
     """A row replaced while its delivery is in flight survives that delivery's ack (another SHA-1) and
     goes again with the new payload; the second ack deletes it."""
     fanout, fleet, platform, prefix = rig
-    [vin] = vins_of(prefix, 1)
-    v = fleet.vehicle(vin, auto_ack=False)
-    v.connect()
-    v.subscribe()
+    vin, v = holding_vehicle(fleet, prefix)
     platform.batch([vin], "task_repl", "old")
     poll(lambda: v.request_ids() == ["task_repl"], DEADLINE_S)
     platform.batch([vin], "task_repl", "new")
@@ -168,10 +174,7 @@ def test_forged_and_garbled_ack_messages_are_counted_and_delete_nothing(rig: Any
     """Garbage on a delivery client's ack topic is counted by reason; a well-formed ack with another
     payload's SHA-1 deletes nothing and frees no slot; the real ack still works."""
     fanout, fleet, platform, prefix = rig
-    [vin] = vins_of(prefix, 1)
-    v = fleet.vehicle(vin, auto_ack=False)
-    v.connect()
-    v.subscribe()
+    vin, v = holding_vehicle(fleet, prefix)
     platform.batch([vin], "task_forged_1", "real")
     platform.batch([vin], "task_forged_2", "next")
     poll(lambda: v.request_ids() == ["task_forged_1"], DEADLINE_S)
