@@ -131,3 +131,14 @@ def test_shipped_rule_bodies_match_the_generator() -> None:
     assert old == rule_body(cfg, direct_dispatch=False)
     assert shipped["actions"][0]["args"]["topic"] == "$SDV-FANOUT/acked/${f}"
     assert "direct_dispatch" not in old["actions"][0]["args"]
+
+
+def test_ack_rule_command_prints_the_rule_for_the_settings_in_force(capsys: pytest.CaptureFixture[str]) -> None:
+    """`sdv-fanout ack-rule` prints rule_body for its flags; without ack_topic_prefix it refuses (exit 2)."""
+    from exhook_server import cli
+
+    assert cli.main(["ack-rule", "--ack-topic-prefix", "fleet/acks", "--emqx-before-5.8"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == rule_body(Config(ack_topic_prefix="fleet/acks"), direct_dispatch=False)
+    assert cli.main(["ack-rule", "--ack-topic-prefix", ""]) == 2
+    assert "ack_topic_prefix is empty" in capsys.readouterr().err
