@@ -404,7 +404,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     with Store(_data_dir(args), readonly=True) as store:
         n = store.counts()
-        with _progress(n["ids"] + n["data"] + n["aliases"], "records") as bar:
+        with _progress(n["ids"] + n["data"] + n["aliases"] + n["outcomes"] + n["gens"], "records") as bar:
             manifest = export(store, args.out, progress=bar.update)
     print(json.dumps(manifest))
     return 0
