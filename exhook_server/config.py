@@ -176,7 +176,8 @@ class Config:
     mqtt_ca_file: str = ""
     # Acks count only for messages whose publisher clientid starts with this.
     mqtt_clientid_prefix: str = "sdv-fanout-"
-    # paho's in-flight window: larger windows collapse throughput (paho and EMQX alike).
+    # The delivery client's in-flight window (deliveries written, not yet PUBACKed by the broker):
+    # larger windows collapse throughput (paho and EMQX alike).
     mqtt_max_inflight: int = 50
     # A delivery the broker refused (PUBACK reason >= 0x80, or our link dropped while it was
     # the oldest unacknowledged publish) this many times is parked, so one bad row cannot
