@@ -229,7 +229,7 @@ class Ingestor:
         else:
             trig = parsed
             try:
-                result: ops.TriggerWritten = await self._commit(
+                result: ops.TriggerWritten | ops.Duplicate = await self._commit(
                     functools.partial(
                         ops.store_trigger,
                         t=t,
