@@ -1,9 +1,10 @@
 """The broker side of `make demo`: the real EMQX when a release is at hand, else the simulator.
 
 Either way the demo gets the same things from it: a URL for the server's delivery client, the
-ExHook registration, a platform that publishes batches on `$SDV-FANOUT`, the settings for the
-fleet processes, and the delivery clients the broker sees connected (counted on the broker's side,
-so that it does not matter how many server processes there are or what their pids are).
+ExHook registration, a platform that publishes batches on `$SDV-FANOUT`, the MQTT port where the
+platform's status subscriber (demo/platform.py) connects, the settings for the fleet processes,
+and the delivery clients the broker sees connected (counted on the broker's side, so that it does
+not matter how many server processes there are or what their pids are).
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ EXHOOK_NAME = "sdv-fanout"
 PUBACK_TIMEOUT_S = 10.0
 
 
-def batch_payload(vins: list[str], request_id: str, data: str | bytes) -> bytes:
-    """A batch as the platform sends it: `{"ids", "request_id", "data"}`, bytes as base64."""
+def batch_payload(vins: list[str], request_id: str, data: str | bytes, **tags: str) -> bytes:
+    """A batch as the platform sends it: `{"ids", "request_id", "data"}`, bytes as base64, and
+    its `tags` (`batch_id`, `correlation_id`)."""
     doc: dict[str, Any] = {"ids": vins, "request_id": request_id}
     if isinstance(data, bytes):
         doc.update(data=base64.b64encode(data).decode(), data_encoding="base64")
     else:
         doc["data"] = data
+    doc.update(tags)
     return json.dumps(doc).encode()
 
 
@@ -62,6 +65,11 @@ class Broker(Protocol):
 
     @property
     def url(self) -> str: ...
+
+    @property
+    def mqtt_port(self) -> int:
+        """Where an MQTT client of the broker connects (on LOOPBACK): the status subscriber does."""
+        ...
 
     def start(self) -> None: ...
 
@@ -77,8 +85,10 @@ class Broker(Protocol):
         """Make the broker call the server's hooks; returns the hooks the server asked for."""
         ...
 
-    def publish_batch(self, vins: list[str], request_id: str, data: str | bytes) -> None:
-        """Publish one batch on BATCH_TOPIC; returns once the broker has taken it (raises if not)."""
+    def publish_batch(self, vins: list[str], request_id: str, data: str | bytes, **tags: str) -> None:
+        """Publish one batch on BATCH_TOPIC with its `tags` (`batch_id`, `correlation_id`); returns
+        once the broker has taken it (raises if not). Stored or rejected, the answer is the same:
+        only the status topic tells them apart."""
         ...
 
     def fleet_spec(self, delivery_clientid: str) -> dict[str, Any]:
@@ -147,6 +157,10 @@ class SimBroker:
     def url(self) -> str:
         return self.mosquitto.url
 
+    @property
+    def mqtt_port(self) -> int:
+        return self.mosquitto.port
+
     def start(self) -> None:
         self.mosquitto.start()
 
@@ -165,10 +179,11 @@ class SimBroker:
         self.platform.calls = deque(maxlen=1000)  # the harness keeps every request; we need none
         return [h.name for h in self.platform.load().hooks]
 
-    def publish_batch(self, vins: list[str], request_id: str, data: str | bytes) -> None:
+    def publish_batch(self, vins: list[str], request_id: str, data: str | bytes, **tags: str) -> None:
         assert self.platform is not None
-        resp = self.platform.publish(BATCH_TOPIC, batch_payload(vins, request_id, data))
-        # Stored durably before the answer; STOP_AND_RETURN + allow_publish=false: never routed.
+        resp = self.platform.publish(BATCH_TOPIC, batch_payload(vins, request_id, data, **tags))
+        # Stored durably (or rejected) before the answer; STOP_AND_RETURN + allow_publish=false:
+        # never routed.
         if resp is None or resp.type != pb.ValuedResponse.STOP_AND_RETURN:
             raise RuntimeError(f"batch {request_id} was not taken by the server: {resp}")
 
@@ -201,7 +216,10 @@ class EmqxSetup:
     kind = "emqx"
 
     def __init__(self, version: str, log_dir: Path) -> None:
-        self.broker = EmqxBroker(version, log_dir)
+        # `bin/emqx stop` finds its node in `ps -ef`, whose lines `ps` cuts at $COLUMNS when that is
+        # exported (pytest does): the stop then misses the node and we wait 30 s for it to end.
+        # An empty COLUMNS means no limit to `ps`.
+        self.broker = EmqxBroker(version, log_dir, env={"COLUMNS": ""})
         self._platform: mqtt.Client | None = None
         self._acks: dict[int, ReasonCode] = {}
         self._acked = threading.Condition()
@@ -211,6 +229,10 @@ class EmqxSetup:
     @property
     def url(self) -> str:
         return self.broker.url
+
+    @property
+    def mqtt_port(self) -> int:
+        return self.broker.mqtt_port
 
     def start(self) -> None:
         self.broker.start()
@@ -253,9 +275,9 @@ class EmqxSetup:
         if not self._connected.wait(PUBACK_TIMEOUT_S):
             raise EmqxError("the platform's MQTT client could not connect to EMQX")
 
-    def publish_batch(self, vins: list[str], request_id: str, data: str | bytes) -> None:
+    def publish_batch(self, vins: list[str], request_id: str, data: str | bytes, **tags: str) -> None:
         assert self._platform is not None
-        info = self._platform.publish(BATCH_TOPIC, batch_payload(vins, request_id, data), qos=1)
+        info = self._platform.publish(BATCH_TOPIC, batch_payload(vins, request_id, data, **tags), qos=1)
         if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
             raise RuntimeError(f"batch {request_id}: publish failed: {info.rc}")
         with self._acked:

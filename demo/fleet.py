@@ -68,6 +68,9 @@ class Tracking:
         self.held_count = 0
         self.max_inflight = 0
         self.acked = 0
+        #: (topic, sha16, time.time() just before the PUBACK went out), for the demo's check of the
+        #: server's delivered counts (a PUBACK is what makes a delivery count).
+        self.acks: list[tuple[str, str, float]] = []
         self.drops = 0
         self.heartbeats = 0
         self.holding = False
@@ -80,8 +83,9 @@ class Tracking:
             inflight = sum(1 for c, _, _ in self.unacked if c is conn)
         self.max_inflight = max(self.max_inflight, inflight)
 
-    def _track_acked(self, conn: Any, topic: str, payload: bytes) -> None:
+    def _track_acked(self, conn: Any, topic: str, payload: bytes, t: float) -> None:
         key = (topic, sha16(payload))
+        self.acks.append((*key, t))
         with self.lock:
             for i, entry in enumerate(self.unacked):
                 if entry[0] is conn and entry[1:] == key:
@@ -108,9 +112,10 @@ class SimVehicle(Vehicle, Tracking):
         self.wake.set()
 
     def _ack(self, conn: Any, mid: int, qos: int, msg: pb.Message) -> bool:
+        t = time.time()
         done = super()._ack(conn, mid, qos, msg)
         if done:
-            self._track_acked(conn, msg.topic, msg.payload)
+            self._track_acked(conn, msg.topic, msg.payload, t)
         return done
 
 
@@ -244,8 +249,9 @@ class MqttVehicle(Tracking):
         for link, mid, topic, payload in pending:
             if link is not self._link or link.closed.is_set():
                 continue  # that connection is gone: the broker redelivers or the server re-sends
+            t = time.time()
             if link.client.ack(mid, 1) == MQTTErrorCode.MQTT_ERR_SUCCESS:
-                self._track_acked(link, topic, payload)
+                self._track_acked(link, topic, payload, t)
                 done += 1
         return done
 
@@ -419,6 +425,7 @@ class FleetWorker:
                     for r in v.received
                 ],
                 "held": sorted([t[len(prefix) :], d] for t, d in v.held),
+                "ax": [[t[len(prefix) :], d, at] for t, d, at in v.acks if t.startswith(prefix)],
                 "held_count": v.held_count,
                 "max_inflight": v.max_inflight,
                 "acked": v.acked,

@@ -11,14 +11,18 @@ What runs (all on 127.0.0.1, all stopped at the end, also on Ctrl-C):
   connects and subscribes to `agent/<VIN>/proxy/request/+`, takes a little time before each
   PUBACK, heartbeats now and then; some come online late, some drop and reconnect clean, some
   drop before their PUBACK and resume their persistent session;
-* a **platform** (this process) publishing fan-out batches on `$SDV-FANOUT`.
+* a **platform** (this process) publishing fan-out batches on `$SDV-FANOUT`, each with a
+  `batch_id` and a `correlation_id` (a few re-sent on purpose with the same `batch_id`, one bad
+  batch), and listening on `$SDV-FANOUT/status/#` as a platform would (demo/platform.py).
 
-Live progress comes from the vehicles (what they received and acknowledged) and from the server's
-LMDB, opened read-only while the server runs (rows still pending). The run ends when every row is
-delivered and acknowledged, or at the deadline; then a summary. Exit code 0 when every row reached
-its own vehicle with its latest payload, none is left in LMDB, no vehicle ever had more than one
-request in flight and the server shut down cleanly; 1 otherwise. demo/README.md explains the
-scenario and the numbers.
+Live progress comes from the vehicles (what they received and acknowledged), from the server's
+LMDB, opened read-only while the server runs (rows still pending), and from the status topic
+(receipts per batch, progress and `completed` per generation). The run ends when every row is
+delivered and acknowledged and the status topic has said so, or at the deadline; then a summary.
+Exit code 0 when every row reached its own vehicle with its latest payload, none is left in LMDB,
+no vehicle ever had more than one request in flight, every batch got exactly one receipt, every
+generation reported `completed` with the counts the vehicles saw, and the server shut down
+cleanly; 1 otherwise. demo/README.md explains the scenario and the numbers.
 
     .venv/bin/python -m demo.run [--vehicles 200 --batches 36 --interval 0.75 --seed 7 --keep]
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -54,6 +59,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from demo.brokers import BATCH_TOPIC, Broker, Choice, choose, make_broker
 from demo.fleet import REQUEST_PREFIX, sha16
+from demo.platform import (
+    STATUS_FILTER,
+    Generation,
+    Heard,
+    Sent,
+    StatusFeed,
+    StatusView,
+    check_generations,
+    check_receipts,
+)
 from exhook_server.config import Config
 from storage.store import Store
 from tests.emqx_real import EmqxError
@@ -61,6 +76,10 @@ from tests.emqx_sim import LOOPBACK
 
 ROOT = Path(__file__).resolve().parent.parent
 VIN_FORMAT = "SDVDEMO{:010d}"  # 17 characters, like a real VIN
+#: Batches numbered n with n % RETRY_EVERY == RETRY_AT are sent a second time with their batch_id.
+RETRY_EVERY, RETRY_AT = 9, 3
+#: Generations shown under the status line on a terminal.
+SHOWN_GENERATIONS = 4
 
 
 def human_bytes(n: float) -> str:
@@ -90,6 +109,44 @@ class Batch:
     def payload(self) -> bytes:
         """What each vehicle receives: the UTF-8 of `data`, or the bytes (sent base64)."""
         return self.data if isinstance(self.data, bytes) else self.data.encode()
+
+    @property
+    def sha1(self) -> str:
+        return hashlib.sha1(self.payload, usedforsecurity=False).hexdigest()
+
+    @property
+    def batch_id(self) -> str:
+        """The platform's id for this batch: a retry carries the same one, and stores nothing."""
+        return f"batch-{self.n:03d}" if self.n else f"batch-{self.kind}"
+
+
+@dataclass
+class Send:
+    """One publish of the platform: a batch, a retry of one (same batch_id), or the bad batch."""
+
+    at: float  # seconds into the run
+    batch: Batch
+    retry: bool = False
+    bad: bool = False
+
+    @property
+    def correlation_id(self) -> str:
+        """Echoed in every status message about this publish (a retry has its own)."""
+        return f"corr-{self.batch.batch_id.removeprefix('batch-')}" + ("-retry" if self.retry else "")
+
+
+def bad_batch(vins: list[str]) -> Batch:
+    """A platform bug: one VIN with a '/' (a topic level separator) rejects the whole batch."""
+    return Batch(0, "bad", "task_bad_1", [*vins[:3], "SDVDEMO/000000000"], "read_dtc all", "a VIN with a '/'")
+
+
+def plan_sends(batches: list[Batch], bad: Batch, interval: float) -> list[Send]:
+    """Batch i at i * interval; a retry of every RETRY_EVERY-th batch (the same batch_id, as a
+    platform re-sends a batch whose receipt it has not seen) and the bad batch between two batches."""
+    sends = [Send(i * interval, b) for i, b in enumerate(batches)]
+    sends += [Send((b.n + 0.5) * interval, b, retry=True) for b in batches if b.n % RETRY_EVERY == RETRY_AT]
+    sends.append(Send((len(batches) // 2 + 0.5) * interval, bad, bad=True))
+    return sorted(sends, key=lambda s: s.at)
 
 
 def plan_batches(rng: random.Random, vins: list[str], count: int) -> list[Batch]:
@@ -181,37 +238,38 @@ class FleetProc:
 
 
 class Status:
-    """One status line, redrawn in place on a terminal; a plain line every ~2 s otherwise (CI logs)."""
+    """A few status lines, redrawn in place on a terminal; plain lines every ~2 s otherwise (CI logs)."""
 
     def __init__(self) -> None:
         self.tty = sys.stdout.isatty()
-        self.shown = False
+        self.shown = 0  # lines of the block on the screen, the cursor at the end of the last one
         self.last_plain = 0.0
 
-    def _clear(self) -> None:
-        if self.tty and self.shown:
-            sys.stdout.write("\r" + " " * (shutil.get_terminal_size().columns - 1) + "\r")
-            self.shown = False
+    def _erase(self) -> str:
+        # Clear the line, then move up and clear, for every line of the block.
+        text = "\r\x1b[2K" + "\x1b[1A\x1b[2K" * max(0, self.shown - 1) if self.tty and self.shown else ""
+        self.shown = 0
+        return text
 
-    def update(self, text: str, force: bool = False) -> None:
+    def update(self, lines: list[str], force: bool = False) -> None:
         if self.tty:
-            width = shutil.get_terminal_size().columns - 1
-            sys.stdout.write("\r" + text[:width].ljust(width))
+            width = shutil.get_terminal_size().columns - 1  # no line may wrap: the erase counts lines
+            sys.stdout.write(self._erase() + "\n".join(line[:width] for line in lines))
             sys.stdout.flush()
-            self.shown = True
+            self.shown = len(lines)
         elif force or time.monotonic() - self.last_plain >= 2.0:
             self.last_plain = time.monotonic()
-            print(text, flush=True)
+            print("\n".join(lines), flush=True)
 
     def event(self, text: str) -> None:
-        self._clear()
+        sys.stdout.write(self._erase())
         print(text, flush=True)
 
     def done(self) -> None:
         if self.tty and self.shown:
             sys.stdout.write("\n")
             sys.stdout.flush()
-            self.shown = False
+            self.shown = 0
 
 
 @dataclass
@@ -225,9 +283,20 @@ class Published:
     expected: dict[tuple[str, str], str] = field(default_factory=dict)  # (vin, request_id) -> latest sha16
     version: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (vin, rid, sha16) -> batch no.
     wall: dict[int, float] = field(default_factory=dict)  # batch no. -> time.time() of its answer
+    sent: list[Sent] = field(default_factory=list)  # every publish, retries and the bad batch included
     ingest_ms: list[float] = field(default_factory=list)
     first_at: float = 0.0
     last_at: float = 0.0
+
+    def record(self, s: Send, at: float, answered: float) -> None:
+        """A publish the broker took (`at`, `answered`: time.time() before and after)."""
+        b = s.batch
+        self.sent.append(
+            Sent(b.n, b.request_id, b.sha1, tuple(b.vins), b.batch_id, s.correlation_id, s.retry, s.bad, at, answered)
+        )
+        self.last_at = time.monotonic()
+        if not s.retry and not s.bad:
+            self.add(b, answered - at)
 
     def add(self, b: Batch, took_s: float) -> None:
         self.batches += 1
@@ -262,6 +331,10 @@ class Demo:
         self.last_draw = 0.0
         self.came_online: dict[str, float] = {}  # role -> time.time() of its "online" command
         self.server_exit: int | None = None  # set by stop() once SIGTERM was answered in time
+        self.feed: StatusFeed | None = None  # the platform's status subscriber
+        self.view = StatusView()  # what it heard, per request
+        self.batch_of: dict[tuple[str, str], Batch] = {}  # (request_id, sha1) -> the batch that made it
+        self.sends: list[Send] = []
 
     # -- helpers ------------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -298,6 +371,8 @@ class Demo:
         env["SDV_FANOUT_MQTT_URL"] = broker.url
         if self.args.processes is not None:
             env["SDV_FANOUT_PROCESSES"] = str(self.args.processes)
+        # Progress on the status topic at this pace (the server's default, 5 s, is for campaigns).
+        env["SDV_FANOUT_PROGRESS_INTERVAL_S"] = f"{self.args.progress_interval:g}"
         settings = {f.name for f in dataclasses.fields(Config)}
         for name in ("metrics_listen", "admin_listen"):  # never a fixed default port
             if name in settings:
@@ -423,6 +498,9 @@ class Demo:
         vins = [VIN_FORMAT.format(n) for n in range(1, a.vehicles + 1)]
         specs = self.make_fleet(vins)
         batches = plan_batches(self.rng, vins, a.batches)
+        bad = bad_batch(vins)
+        self.sends = sends = plan_sends(batches, bad, a.interval)
+        self.batch_of = {(b.request_id, b.sha1): b for b in batches}
         window = (len(batches) - 1) * a.interval
         by_role = {r: [s["vin"] for s in specs if s["role"] == r] for r in ("online", "late", "reconnect", "resume")}
         events = [(0.30 * window, "reconnect"), (0.45 * window, "late"), (0.60 * window, "resume")]
@@ -449,6 +527,8 @@ class Demo:
         else:
             print(f"  ExHook    tests/emqx_sim.py loaded the provider, which asked for {len(hooks)} hooks:")
         print(f"            {', '.join(hooks)}")
+        self.feed = StatusFeed(broker.mqtt_port)
+        self.feed.start()
         self.start_fleet(specs, broker, clientids[0])
         n = {r: len(v) for r, v in by_role.items()}
         print(
@@ -465,25 +545,37 @@ class Demo:
         example = json.dumps({"ids": [*first.vins[:2], "..."], "request_id": first.request_id})[:-1]
         print(
             f"  platform  publishes on {BATCH_TOPIC}: {example}, "
-            f'"data": "<{human_bytes(len(first.payload))}, base64>", "data_encoding": "base64"}}'
+            f'"data": "<{human_bytes(len(first.payload))}, base64>", "data_encoding": "base64", '
+            f'"batch_id": "{first.batch_id}", "correlation_id": "{sends[0].correlation_id}"}}'
+        )
+        retried = [s.batch.n for s in sends if s.retry]
+        print(
+            f"            re-sends {len(retried)} batch(es) with the same batch_id ({', '.join(map(str, retried))}) "
+            f"and one bad batch ({bad.request_id}: {bad.label}); subscribed to {STATUS_FILTER} (QoS 1, "
+            f"{self.feed.clientid}): receipts, progress every {a.progress_interval:g} s, completed"
         )
         print()
 
         pub = Published()
         self.t0 = time.monotonic()
-        next_event = 0
-        while pub.batches < len(batches) or next_event < len(events):
+        next_event = next_send = 0
+        while next_send < len(sends) or next_event < len(events):
             now = self.elapsed()
             while next_event < len(events) and events[next_event][0] <= now:
                 self.scenario(events[next_event][1], by_role[events[next_event][1]], specs)
                 next_event += 1
-            if pub.batches < len(batches) and pub.batches * a.interval <= now:
-                b = batches[pub.batches]
-                t = time.monotonic()
-                broker.publish_batch(b.vins, b.request_id, b.data)  # returns once durably stored
-                pub.add(b, time.monotonic() - t)
-                if b.replaces:
-                    self.say(f"batch {b.n} re-sends {b.request_id} to {len(b.vins)} vehicles: {b.label}")
+            if next_send < len(sends) and sends[next_send].at <= now:
+                send = sends[next_send]
+                b = send.batch
+                at = time.time()
+                # Returns once the server stored it (or rejected it: the answer is the same).
+                broker.publish_batch(
+                    b.vins, b.request_id, b.data, batch_id=b.batch_id, correlation_id=send.correlation_id
+                )
+                pub.record(send, at, time.time())
+                next_send += 1
+                if b.replaces and not send.retry:
+                    self.say(f"batch {b.n} reuses {b.request_id} with new data for {len(b.vins)} vehicles: {b.label}")
             self.show(pub, len(batches))
             time.sleep(0.02)
 
@@ -502,10 +594,19 @@ class Demo:
             else:
                 idle_since = None
             time.sleep(0.1)
+        # What the status topic says lags the store by up to progress_interval_s (then QoS 1 on
+        # its way): wait for every receipt and every generation's `completed`.
+        settle_s = max(5.0, 4 * a.progress_interval)
+        settle = time.monotonic() + settle_s
+        while drained_at is not None and not self.status_settled() and time.monotonic() < settle:
+            self.show(pub, len(batches))
+            time.sleep(0.05)
         rows = self.show(pub, len(batches), force=True)
         self.status.done()
         if drained_at is None:
             print(f"deadline: {rows:,} rows still pending {a.drain_timeout:g} s after the last batch")
+        elif not self.status_settled():
+            print(f"the status topic did not report every receipt and completion within {settle_s:g} s of the drain")
 
         metrics = self.scrape_metrics()
         for fp in self.fleet:
@@ -536,18 +637,101 @@ class Demo:
                 fp.send({"cmd": cmd, "vins": part, "back_s": {v: back[v] for v in part}})
 
     def show(self, pub: Published, total: int, force: bool = False) -> int:
+        self.listen()
         rows = self.pending_rows()
         now = time.monotonic()
         if force or now - self.last_draw >= 0.5:
             self.last_draw = now
-            self.status.update(
+            lines = [
                 f"[{self.elapsed():5.1f}s] batches {pub.batches}/{total}  rows {pub.rows:,}  pending {rows:,}  "
                 f"delivered {self.fleet_total('received'):,}  acked {self.fleet_total('acked'):,}  "
                 f"online {self.fleet_total('online')}/{self.args.vehicles}  "
                 f"in-flight max {self.fleet_total('max_inflight', max)}",
-                force=force,
-            )
+                *self.status_lines(),
+            ]
+            self.status.update(lines, force=force)
         return rows
+
+    # -- the status topic, as the platform hears it -------------------------------------------
+    def listen(self) -> None:
+        """Fold what the status subscriber heard; say what a platform would act on."""
+        if self.feed is None:
+            return
+        for heard in self.feed.take():
+            self.view.add(heard)
+            text = self.notable(heard)
+            if text:
+                self.say(text)
+
+    def notable(self, heard: Heard) -> str | None:
+        """An event line for a duplicate or rejected receipt and for a generation's `completed`."""
+        doc = heard.doc
+        rid, event = doc.get("request_id"), doc.get("event")
+        if event == "accepted" and doc.get("duplicate"):
+            return (
+                f"status {rid}: accepted, duplicate: true ({doc.get('batch_id')} re-sent, "
+                f"correlation_id {doc.get('correlation_id')}): nothing stored again, nothing delivered twice"
+            )
+        if event == "rejected":
+            bad = next((s.batch for s in self.sends if s.correlation_id == doc.get("correlation_id")), None)
+            why = f" ({bad.label} in its ids)" if bad is not None else ""
+            return f"status {rid}: rejected, reason {doc.get('reason')}{why}: nothing of the batch stored"
+        if event == "completed":
+            counts = doc.get("counts") or {}
+            b = self.batch_of.get((str(rid), str(doc.get("sha1"))))
+            made = f"batch {b.n}, " if b is not None else ""
+            superseded = counts.get("superseded", 0)
+            return (
+                f"status {rid} ({made}sha1 {str(doc.get('sha1'))[:8]}): completed, {counts.get('delivered', 0):,} "
+                f"of {counts.get('total', 0):,} delivered"
+                + (f", {superseded:,} superseded by a newer version before delivery" if superseded else "")
+            )
+        return None
+
+    def status_lines(self) -> list[str]:
+        """Receipts and generations under the status line: on a terminal, the generations that
+        changed last, one a line; in a log, one line."""
+        v = self.view
+        active = sorted((g for g in v.gens.values() if not g.done), key=lambda g: -g.changed_at)
+        done = sum(1 for g in v.gens.values() if g.done)
+        head = (
+            f"         status topic: receipts {v.accepted():,} accepted, {v.accepted(duplicate=True)} duplicate, "
+            f"{v.rejected()} rejected; generations {done}/{len(v.gens)} completed; "
+            f"{v.events['progress']:,} progress messages"
+        )
+        if not self.status.tty:
+            if active:
+                shown = ", ".join(
+                    f"{g.request_id} {g.counts.get('delivered', 0)}/{g.counts.get('total', 0)}"
+                    for g in active[:SHOWN_GENERATIONS]
+                )
+                more = f" (+{len(active) - SHOWN_GENERATIONS} more)" if len(active) > SHOWN_GENERATIONS else ""
+                head += f"; in progress (delivered/total): {shown}{more}"
+            return [head]
+        lines = [head]
+        for g in active[:SHOWN_GENERATIONS]:
+            lines.append("           " + self.generation_line(g))
+        if len(active) > SHOWN_GENERATIONS:
+            lines.append(f"           ... and {len(active) - SHOWN_GENERATIONS} more in progress")
+        return lines
+
+    def generation_line(self, g: Generation) -> str:
+        b = self.batch_of.get((g.request_id, g.sha1))
+        c = g.counts
+        return (
+            f"{g.request_id:<12} {'batch ' + str(b.n) if b else '':<9} sha1 {g.sha1[:8]}  "
+            f"total {c.get('total', 0):>5,}  delivered {c.get('delivered', 0):>5,}  pending {c.get('pending', 0):>5,}  "
+            f"superseded {c.get('superseded', 0):>4,}"
+        )
+
+    def status_settled(self) -> bool:
+        """Has the status topic said everything it should: a receipt for every publish and
+        `completed` for every generation the platform created?"""
+        self.listen()
+        v = self.view
+        if len(v.receipts) < len(self.sends):
+            return False
+        return all((g := v.gens.get(key)) is not None and g.done for key in self.batch_of)
 
     # -- results ------------------------------------------------------------------------------
     def server_events(self) -> Counter[str]:
@@ -597,6 +781,8 @@ class Demo:
         role = {s["vin"]: s["role"] for s in specs}
         deliveries = acked = held = heartbeats = foreign = out_of_order = max_inflight = 0
         dups: Counter[str] = Counter()  # why a vehicle got the same request and payload again
+        unexplained: Counter[tuple[str, str]] = Counter()  # (request_id, sha16) -> "otherwise" duplicates
+        acks: dict[str, list[tuple[str, str, float]]] = {}  # VIN -> its PUBACKs (request_id, sha16, time)
         fate: Counter[str] = Counter()
         missing: list[tuple[str, str]] = []
         late_backlog: list[int] = []
@@ -609,6 +795,7 @@ class Demo:
                 continue
             max_inflight = max(max_inflight, f["max_inflight"])
             acked += f["acked"]
+            acks[vin] = [(rid, digest, t) for rid, digest, t in f["ax"]]
             held += f["held_count"]
             heartbeats += f["heartbeats"]
             held_keys = {(rid, d) for rid, d in f["held"]}
@@ -629,6 +816,7 @@ class Demo:
                 if seen[rid, digest] > 1:
                     if (rid, digest) not in held_keys:
                         dups["unexpected"] += 1
+                        unexplained[rid, digest] += 1
                     else:
                         dups["resumed" if role[vin] == "resume" else "clean"] += 1
                 if role[vin] == "late" and pub.wall[n] < online_at:
@@ -659,7 +847,15 @@ class Demo:
         unique_bytes = sum(pub.blobs.values())
         ingest = sorted(pub.ingest_ms)
         delivered_all = not missing
+        retried = {(s.batch.request_id, sha16(s.batch.payload)) for s in self.sends if s.retry}
+        receipts = check_receipts(self.view, pub.sent, sum(unexplained[k] for k in retried))
+        progress = check_generations(self.view, pub.sent, acks)
+        heard_errors = (self.feed.malformed if self.feed is not None else []) + [
+            f"unexpected status message on {h.topic}: {h.doc}" for h in self.view.other
+        ]
+        server_errors = ev["level:error"] + ev["level:critical"] + ev["level:other"]
         ok = pending == 0 and delivered_all and max_inflight <= 1 and foreign == 0 and not fate["lost"]
+        ok = ok and receipts.ok and progress.ok and not heard_errors
         n_dups = sum(dups.values())
 
         table: list[tuple[str, str]] = [
@@ -672,8 +868,10 @@ class Demo:
             (
                 "batches",
                 f"{pub.batches} ({kinds['ota']} ota, {kinds['cfg']} cfg, {kinds['diag']} diag; "
-                f"{sum(b.replaces for b in batches)} re-sent an earlier request id with new data); "
-                f"server log: {ev['batch_stored']} batch_stored, {ev['batch_rejected']} batch_rejected",
+                f"{sum(b.replaces for b in batches)} reused an earlier request id with new data); "
+                f"{sum(s.retry for s in self.sends)} re-sent with the same batch_id, 1 bad; server log: "
+                f"{ev['batch_stored']} batch_stored, {ev['batch_duplicate']} batch_duplicate, "
+                f"{ev['batch_rejected']} batch_rejected",
             ),
             (
                 "ingest",
@@ -752,6 +950,8 @@ class Demo:
             table.append(("foreign", f"{foreign} deliveries on another VIN's topic or never published to it"))
         table += broker_lines
         table += [
+            ("receipts", receipts.line),
+            ("completed", progress.line),
             (
                 "every row delivered",
                 ("yes" if delivered_all else f"NO: {len(missing):,} (VIN, request) pairs without their latest payload")
@@ -759,8 +959,10 @@ class Demo:
             ),
             (
                 "errors",
-                f"{error_count} in the fleet and broker; server log: {ev['level:warning']} warnings, "
-                f"{ev['level:error'] + ev['level:critical'] + ev['level:other']} errors",
+                f"{error_count} in the fleet and broker, {len(heard_errors)} on the status topic; server log: "
+                f"{ev['level:warning']} warnings"
+                + (" (the bad batch's batch_rejected)" if ev["level:warning"] == ev["batch_rejected"] > 0 else "")
+                + f", {server_errors} errors",
             ),
         ]
         print()
@@ -768,13 +970,14 @@ class Demo:
         width = max(len(k) for k, _ in table)
         for k, v in table:
             print(f"  {k:<{width}}  {v}")
-        for e in errors[:5]:
+        for e in [*errors[:5], *receipts.problems[:5], *progress.problems[:5], *heard_errors[:5]]:
             print(f"  ! {e}")
         for vin, rid in missing[:5]:
             print(f"  ! {vin} has not received the latest {rid}")
         print()
         if ok:
             print("PASS: every row reached its vehicle, was acknowledged and deleted, one in flight per vehicle")
+            print("PASS: every batch got one receipt, every generation reported completed with the vehicles' counts")
         else:
             print("FAIL: see above")
         return 0 if ok else 1
@@ -793,6 +996,8 @@ class Demo:
         return False
 
     def stop(self) -> None:
+        if self.feed is not None:
+            self.feed.stop()
         for fp in self.fleet:
             fp.send({"cmd": "stop"})
             with contextlib.suppress(OSError, ValueError):
@@ -837,6 +1042,12 @@ def main(argv: list[str] | None = None) -> int:
         help="server processes (default: the server's own default, one per CPU; 0 = the same)",
     )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds after the last batch (default 60)")
+    p.add_argument(
+        "--progress-interval",
+        type=float,
+        default=0.5,
+        help="the server's progress_interval_s: seconds between progress messages (default 0.5; the server's is 5)",
+    )
     p.add_argument("--log-dir", help="server, broker and fleet logs (default: var/demo in the checkout)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (LMDB data) for `sdv-fanout stats`")
     p.add_argument(
@@ -849,6 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 1 <= args.vehicles <= 10_000 or args.batches < 1 or args.interval < 0 or not 1 <= args.per_proc <= 300:
         p.error("need 1 <= --vehicles <= 10000, --batches >= 1, --interval >= 0, 1 <= --per-proc <= 300")
+    if args.progress_interval <= 0:
+        p.error("--progress-interval must be > 0")
     if args.processes is not None and args.processes < 0:
         p.error("--processes must be >= 0")
     if args.late + args.reconnect + args.resume > 1:

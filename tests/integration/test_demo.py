@@ -2,8 +2,10 @@
 simulator and with the real EMQX.
 
 Each test runs `python -m demo.run` as a subprocess with a small fleet, as a person would, and
-reads its output. The demo stops everything it started; should it hang, its process group is
-terminated and then killed.
+reads its output: what the vehicles got, and what the platform heard on the status topic
+(receipts, a retry's duplicate receipt, the bad batch's rejection, every generation completed).
+The demo stops everything it started; should it hang, its process group is terminated and then
+killed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from tests.harness import ROOT
 
 pytestmark = pytest.mark.slow
 
-#: Small enough for ~10-15 s a run on 2 cores, big enough for every scenario event to happen.
+#: Small enough for ~10-15 s a run on 2 cores, big enough for every scenario event to happen:
+#: batch 3 is re-sent with its batch_id, batch 7 reuses task_ota_1 with new data, and the bad
+#: batch task_bad_1 goes out between batches 4 and 5.
 SHORT = ["--vehicles", "40", "--batches", "8", "--interval", "0.3", "--seed", "7", "--drain-timeout", "20"]
 EMQX_VERSION = "5.8.9"
 
@@ -54,23 +58,57 @@ def run_demo(log_dir: Path, *args: str, timeout_s: float = 90) -> tuple[int, str
     return proc.returncode, out
 
 
+def summary_row(out: str, name: str) -> str:
+    """The text of one row of the demo's summary table."""
+    table = out.split("\nSummary\n", 1)[-1]
+    for line in table.splitlines():
+        if line.startswith(f"  {name} "):
+            return line[len(name) + 2 :].strip()
+    raise AssertionError(f"no summary row {name!r}:\n{out}")
+
+
 def assert_passed(code: int, out: str, processes: int) -> None:
     assert code == 0, out
     assert f"sdv-fanout serve, {processes} process(es)" in out, out
     assert "PASS: every row reached its vehicle, was acknowledged and deleted, one in flight per vehicle" in out, out
     assert "server stopped cleanly on SIGTERM" in out, out
+    assert_heard(out)
+
+
+def assert_heard(out: str) -> None:
+    """What the platform heard on the status topic, live and in the summary."""
+    # Live, while it ran: the retry's duplicate receipt, the bad batch's rejection, completions.
+    assert "status task_diag_1: accepted, duplicate: true (batch-003 re-sent" in out, out
+    assert "status task_bad_1: rejected, reason bad_vin" in out, out
+    assert "status task_ota_1 (batch 7, sha1 " in out, out  # the new data under an old request id
+    assert "status topic: receipts " in out, out
+    # The summary: one receipt per batch, one duplicate for the retry, the rejection, every
+    # generation completed with the vehicles' counts; the server log agrees.
+    batches = summary_row(out, "batches")
+    assert "1 re-sent with the same batch_id, 1 bad; server log: 8 batch_stored, 1 batch_duplicate" in batches, out
+    assert batches.endswith(", 1 batch_rejected"), out
+    receipts = summary_row(out, "receipts")
+    assert receipts.startswith("8 batches, one accepted receipt each (its sha1, VIN count and correlation_id)"), out
+    assert "1 re-sent with the same batch_id: accepted, duplicate: true, nothing stored or delivered again" in receipts
+    assert receipts.endswith("task_bad_1: rejected (bad_vin)"), out
+    completed = summary_row(out, "completed")
+    assert completed.startswith("8 of 8 generations reported completed, counts as the vehicles PUBACKed them: "), out
+    assert "0 on the status topic" in summary_row(out, "errors"), out
+    assert "PASS: every batch got one receipt, every generation reported completed with the vehicles' counts" in out
 
 
 @pytest.mark.parametrize("processes", [2, 4])
 def test_demo_passes_with_the_simulator(tmp_path: Path, processes: int) -> None:
-    """A short demo with mosquitto and the simulated EMQX delivers every row and exits 0."""
+    """A short demo with mosquitto and the simulated EMQX delivers every row, hears every receipt and
+    completion on the status topic, and exits 0."""
     code, out = run_demo(tmp_path / "logs", "--broker", "sim", "--processes", str(processes))
     assert "broker    the simulator" in out, out
     assert_passed(code, out, processes)
 
 
 def test_demo_passes_with_the_real_emqx(tmp_path: Path) -> None:
-    """A short demo against a real EMQX 5.8.9, which calls the hooks itself, delivers every row and exits 0."""
+    """A short demo against a real EMQX 5.8.9, which calls the hooks itself (and lets the platform
+    subscribe to the status topic), delivers every row, hears every receipt and completion, exits 0."""
     try:
         choose("emqx", EMQX_VERSION)  # what the demo itself asks: a release that can run here
     except EmqxUnavailable as exc:
