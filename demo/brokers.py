@@ -216,10 +216,7 @@ class EmqxSetup:
     kind = "emqx"
 
     def __init__(self, version: str, log_dir: Path) -> None:
-        # `bin/emqx stop` finds its node in `ps -ef`, whose lines `ps` cuts at $COLUMNS when that is
-        # exported (pytest does): the stop then misses the node and we wait 30 s for it to end.
-        # An empty COLUMNS means no limit to `ps`.
-        self.broker = EmqxBroker(version, log_dir, env={"COLUMNS": ""})
+        self.broker = EmqxBroker(version, log_dir)
         self._platform: mqtt.Client | None = None
         self._acks: dict[int, ReasonCode] = {}
         self._acked = threading.Condition()

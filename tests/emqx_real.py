@@ -360,6 +360,9 @@ class EmqxBroker:
             # Distribution and gen_rpc would listen on every interface; 5.1 has no
             # rpc.listen_address, but command-line application flags win over its config.
             ERL_AFLAGS="-kernel inet_dist_use_interface {127,0,0,1} -gen_rpc socket_ip {127,0,0,1}",
+            # `bin/emqx stop` finds its node in `ps -ef`, whose lines `ps` cuts at $COLUMNS (pytest
+            # sets 80): the stop then missed the node and waited 30 s for nothing. Empty = no limit.
+            COLUMNS="",
         )
         env.update(self.extra_env)
         return env
