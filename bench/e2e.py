@@ -109,10 +109,12 @@ def server_env(args: argparse.Namespace) -> dict[str, str]:
 class Rig:
     """Broker, server (delivery on), the bench's FakeEmqx (the platform's publishes), fleets."""
 
-    def __init__(self, args: argparse.Namespace, tmp: Path, vins: list[str]) -> None:
+    def __init__(self, args: argparse.Namespace, tmp: Path, vins: list[str], env: dict[str, str] | None = None) -> None:
         self.args = args
         self.tmp = tmp
         self.vins = vins
+        #: More server settings (bench/status_cost.py: the status topic's).
+        self.env = env or {}
         self.children: list[Child] = []
         self.broker = Mosquitto(tmp, verbose=False).start()  # no per-packet debug log
         self.server: SubprocessServer | None = None
@@ -123,7 +125,7 @@ class Rig:
         self.pub: Child | None = None
 
     def start_server(self) -> None:
-        env = {**server_env(self.args), "SDV_FANOUT_MQTT_URL": self.broker.url}
+        env = {**server_env(self.args), "SDV_FANOUT_MQTT_URL": self.broker.url, **self.env}
         self.server = SubprocessServer(self.tmp / "lmdb", "--log-level", self.args.log_level, env=env)
         server = self.server
         #: The server's processes: the parent and, when it runs several, its children.

@@ -68,7 +68,6 @@ from plumbing import dec, descendants, machine_busy_s, num, share
 
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage import keys
-from storage.store import Store
 from tests.harness import SubprocessServer
 
 METHOD = "/emqx.exhook.v3.HookProvider/OnMessagePublish"
@@ -122,9 +121,15 @@ def _publish_request(rng: random.Random, payload: bytes, topic: str = BATCH_TOPI
 
 
 def make_workload(
-    seed: int, batches: int, vins_per_batch: int, fleet: int, blob_bytes: int, shared_blobs: int
+    seed: int, batches: int, vins_per_batch: int, fleet: int, blob_bytes: int, shared_blobs: int, campaigns: int = 0
 ) -> list[Batch]:
+    """`campaigns` K > 0: instead, K campaigns take turns, each one request id and one payload sent
+    in batches of VINs it has not named yet (a large campaign in 200-VIN batches), so every batch
+    after a campaign's first extends a generation the store already counts; `fleet` is then
+    ignored (each campaign names its own share of batches x VINs)."""
     rng = random.Random(seed)
+    if campaigns:
+        return _campaign_workload(rng, batches, vins_per_batch, blob_bytes, campaigns)
     fleet_vins = list(dict.fromkeys(_vin(rng) for _ in range(fleet)))
     if len(fleet_vins) < vins_per_batch:
         raise SystemExit(f"--fleet must be at least --vins ({vins_per_batch})")
@@ -135,14 +140,35 @@ def make_workload(
         request_id = f"task_{TASK_TYPES[n % len(TASK_TYPES)]}_{n}"
         # Half of the batches resend one of a few popular payloads: dedup by sha1 kicks in.
         blob = rng.choice(shared) if n % 2 else rng.randbytes(blob_bytes)
-        doc = {
-            "ids": vins,
-            "request_id": request_id,
-            "data": base64.b64encode(blob).decode(),
-            "data_encoding": "base64",
-        }
-        out.append(Batch(vins, request_id, blob, _publish_request(rng, json.dumps(doc).encode())))
+        out.append(_batch(rng, vins, request_id, blob))
     return out
+
+
+def _campaign_workload(
+    rng: random.Random, batches: int, vins_per_batch: int, blob_bytes: int, campaigns: int
+) -> list[Batch]:
+    need = -(-batches // campaigns) * vins_per_batch  # the VINs of the largest campaign
+    fleet: dict[str, None] = {}
+    while len(fleet) < need:
+        fleet[_vin(rng)] = None
+    orders = [rng.sample(list(fleet), need) for _ in range(campaigns)]
+    blobs = [rng.randbytes(blob_bytes) for _ in range(campaigns)]
+    out = []
+    for n in range(batches):
+        c, i = n % campaigns, n // campaigns
+        vins = orders[c][i * vins_per_batch : (i + 1) * vins_per_batch]
+        out.append(_batch(rng, vins, f"task_campaign_{c}", blobs[c]))
+    return out
+
+
+def _batch(rng: random.Random, vins: list[str], request_id: str, blob: bytes) -> Batch:
+    doc = {
+        "ids": vins,
+        "request_id": request_id,
+        "data": base64.b64encode(blob).decode(),
+        "data_encoding": "base64",
+    }
+    return Batch(vins, request_id, blob, _publish_request(rng, json.dumps(doc).encode()))
 
 
 # -- measurement helpers --------------------------------------------------------
@@ -199,6 +225,8 @@ def disk_usage(data_dir: Path) -> dict[str, Any]:
         entries: dict[str, int] = {}
         payload = 0
         with env.begin(buffers=True) as txn:
+            # Every named database, ours or not: which schema wrote the store (an older tree's has fewer).
+            tables = sorted(bytes(k).decode() for k in txn.cursor().iternext(values=False))
             for name in DB_NAMES:
                 try:
                     db = env.open_db(name.encode(), txn=txn, create=False)
@@ -226,6 +254,7 @@ def disk_usage(data_dir: Path) -> dict[str, Any]:
         "file_bytes_per_row": used / rows if rows else None,
         "pages": pages,
         "page_bytes": psize,
+        "tables": tables,
     }
 
 
@@ -280,9 +309,13 @@ async def _drive(port: int, batches: list[Batch], clients: int) -> tuple[float, 
             await ch.close()
 
 
-def run_ours(batches: list[Batch], clients: int, tmp: Path, log_level: str, processes: int) -> dict[str, Any]:
+def run_ours(
+    batches: list[Batch], clients: int, tmp: Path, log_level: str, processes: int, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """`env`: more settings for the server (bench/status_cost.py: a broker, the status topic, or
+    PYTHONPATH to an older tree: rows and blobs are therefore counted from LMDB itself, any schema)."""
     data_dir = tmp / "lmdb"
-    env = {"SDV_FANOUT_PROCESSES": str(processes)} if processes else None
+    env = {**({"SDV_FANOUT_PROCESSES": str(processes)} if processes else {}), **(env or {})}
     server = SubprocessServer(data_dir, "--log-level", log_level, env=env)
     try:
         pids = descendants(server.proc.pid)  # the parent and, when it runs several, its children
@@ -303,15 +336,16 @@ def run_ours(batches: list[Batch], clients: int, tmp: Path, log_level: str, proc
     ]
     if bad:
         raise SystemExit(f"server did not store {len(bad)} batches, e.g. #{bad[0]}:\n{server.log()[-2000:]}")
-    with Store(data_dir, readonly=True) as store:
-        stats = store.stats()
+    disk = disk_usage(data_dir)
     commits = txn_after - txn_before
+    rows = disk["rows"]
     return {
         "seconds": seconds,
         "batches": len(batches),
-        "rows": stats.rows,
-        "blobs": stats.blobs,
-        "dedup_ratio": stats.dedup_ratio,
+        "rows": rows,
+        "blobs": disk["blobs"],
+        # Bytes the rows would take without dedup, per payload byte stored (Store.stats' ratio).
+        "dedup_ratio": sum(len(b.blob) * len(b.vins) for b in batches) / disk["payload_bytes"],
         "commits": commits,
         "batches_per_commit": len(batches) / commits if commits else None,
         "p50_ms": pct(latencies, 0.50) * 1000,
@@ -319,11 +353,11 @@ def run_ours(batches: list[Batch], clients: int, tmp: Path, log_level: str, proc
         "client_cpu": cpu_c / seconds,
         "server_cpu": cpu_s / seconds,
         "server_processes": max(1, len(pids) - 1),  # a group: the parent only supervises
-        "server_cpu_us_per_row": cpu_s / stats.rows * 1e6 if stats.rows else None,
+        "server_cpu_us_per_row": cpu_s / rows * 1e6 if rows else None,
         # Anything else on the machine in the same window (should be ~0): a busy neighbour
         # explains a bad round better than the code does.
         "other_cpu": max(0.0, busy - cpu_c - cpu_s) / seconds,
-        "disk": disk_usage(data_dir),
+        "disk": disk,
     }
 
 
@@ -396,12 +430,15 @@ def run_raw(batches: list[Batch], tmp: Path, variant: str = "raw") -> dict[str, 
     }
 
 
-def measure(side: str, batches: list[Batch], tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One measurement of `side` on `batches` in its own fresh tmp dir, checked and with rates."""
+def measure(
+    side: str, batches: list[Batch], tmp: Path, args: argparse.Namespace, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """One measurement of `side` on `batches` in its own fresh tmp dir, checked and with rates
+    (`env`: more server settings, for ours)."""
     tmp.mkdir()
     try:
         if side == "ours":
-            res = run_ours(batches, args.clients, tmp, args.log_level, args.server_processes)
+            res = run_ours(batches, args.clients, tmp, args.log_level, args.server_processes, env)
         else:
             res = run_raw(batches, tmp, side)
     finally:

@@ -54,7 +54,16 @@ SCRIPTS: list[tuple[str, str, list[str], str]] = [
     ),
     ("gc", "bench/gc.py", ["--rows", "300000"], "GC pipeline (bench/gc.py)"),
     ("hooks", "bench/hooks.py", [], "Heartbeat and ack hook RPC path (bench/hooks.py)"),
+    (
+        "status_cost",
+        "bench/status_cost.py",
+        ["--before", "7fd2d64"],  # the last commit without outcome records and generation counts
+        "Status topic cost: on vs off, disk per outcome (bench/status_cost.py)",
+    ),
 ]
+
+#: bench/status_cost.py: issue 12's target, the status topic costs at most 10 % of ingest and e2e.
+STATUS_RATIO_MIN = 0.9
 
 #: bench/e2e_emqx.py: ours over the broker's own one-in-flight QoS 1 delivery, per EMQX version.
 EMQX_RATIO_MIN = 0.6
@@ -387,6 +396,64 @@ def hook_rows(hk: dict[str, Any] | None) -> list[Row]:
     return rows
 
 
+def status_rows(st: dict[str, Any] | None) -> list[Row]:
+    """bench/status_cost.py: ingest and e2e with status on over off (and the older tree), disk per outcome."""
+    rows: list[Row] = []
+    ing = st.get("ingest") if st else None
+    e2e = st.get("e2e") if st else None
+
+    def measured(s: dict[str, Any], ratio: str, cpu: str | None, rates: str) -> str:
+        out = f"{fmt_mmm(s[ratio])}x ({rates}, medians)"
+        return out + (f"; server CPU per unit {fmt_mmm(s[cpu])}x" if cpu else "")
+
+    for label, ref, key, cpu, data, rate, unit in (
+        ("Status topic on, ingest VIN-rows/s", 'status off (status_topic_prefix = "")', "on_over_off",
+         "cpu_on_over_off", ing, ("on", "off"), "rows_per_s"),
+        ("Status topic on, end-to-end deliveries/s", 'status off (status_topic_prefix = "")', "on_over_off",
+         "cpu_on_over_off", e2e, ("on", "off"), "msgs_per_s"),
+        ("Status topic with status_per_vehicle, end-to-end deliveries/s", "status off", "per_vehicle_over_off",
+         "cpu_per_vehicle_over_off", e2e, ("per_vehicle", "off"), "msgs_per_s"),
+    ):  # fmt: skip
+        s = data["summary"] if data else None
+        meas = "n/a"
+        if s:
+            a, b = (s[f"{side}_{unit}"]["median"] for side in rate)
+            meas = measured(s, key, cpu, f"{rate[0]} {a:,.0f} vs {rate[1]} {b:,.0f}")
+        target = f"≥ {STATUS_RATIO_MIN:.1f}x" if "per_vehicle" not in key else "report (off by default)"
+        status = verdict(s[key] if s else None, STATUS_RATIO_MIN) if "per_vehicle" not in key else "reported"
+        rows.append((label, ref, target, meas, status))
+    if ing and "off_over_before" in ing["summary"]:
+        s = ing["summary"]
+        before = st["meta"]["before"]
+        meas = measured(
+            s,
+            "off_over_before",
+            "cpu_off_over_before",
+            f"off {s['off_rows_per_s']['median']:,.0f} vs before {s['before_rows_per_s']['median']:,.0f}",
+        )
+        rows.append(
+            (
+                "Outcome records + generation counts (always on), ingest VIN-rows/s",
+                f"the server of {before} (before them), same run; includes all else changed since",
+                f"≥ {STATUS_RATIO_MIN:.1f}x",
+                meas,
+                verdict(s["off_over_before"], STATUS_RATIO_MIN),
+            )
+        )
+    disk = st.get("disk") if st else None
+    meas = (
+        "; ".join(
+            f"{d['bytes_per_outcome']:.0f} B at {d['outcomes']:,} (record {d['record_bytes']:.0f}, time index "
+            f"{d['index_bytes']:.0f}, counts {d['gens_bytes']:.1f})"
+            for d in disk
+        )
+        if disk
+        else "n/a"
+    )
+    rows.append(("Disk per outcome record (LMDB pages)", "—", "report", meas, "reported" if disk else "run failed"))
+    return rows
+
+
 #: Each scenario's summary rows, in the order of the summary table.
 SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "ingest": ingest_rows,
@@ -394,6 +461,7 @@ SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "e2e": e2e_rows,
     "e2e_emqx": emqx_rows,
     "gc": gc_rows,
+    "status_cost": status_rows,
 }
 
 
