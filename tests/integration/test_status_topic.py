@@ -19,6 +19,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from storage.ops import sha1_of
 from tests.harness import poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
+from tests.integration.test_ingest import REJECTIONS
 
 
 class Platform:
@@ -132,3 +133,17 @@ def test_a_reused_request_id_with_new_data_is_counted_apart(rig: Rig, platform: 
     assert old_progress["counts"]["superseded"] == 1 and old_progress["counts"]["pending"] == 0
     new_progress = platform.wait(event="progress", request_id="task_ota_1", sha1=new)[-1]
     assert new_progress["counts"]["pending"] == 1 and new_progress["counts"]["total"] == 1
+
+
+@pytest.mark.parametrize(("reason", "topic", "payload"), REJECTIONS)
+def test_every_rejection_reason_gets_a_rejected_receipt(
+    rig: Rig, platform: Platform, reason: str, topic: str, payload: bytes
+) -> None:
+    """Whatever the reason code, the platform gets `rejected` with it, on the request's topic when
+    the batch names a usable request id, else on `_rejected`."""
+    rig.emqx.publish(topic, payload)
+    [receipt] = platform.wait(event="rejected")
+    assert receipt["reason"] == reason
+    [where] = platform.topics(event="rejected")
+    rid = receipt["request_id"]
+    assert where == f"$SDV-FANOUT/status/{rid if rid is not None else '_rejected'}"
