@@ -145,7 +145,9 @@ class _Client(mqtt.Client):
     def _packet_write(self) -> MQTTErrorCode:
         out = self._out_packet
         # paho acts on a written DISCONNECT or QoS 0 PUBLISH (close, callbacks): leave those to it.
-        if len(out) < 2 or any(
+        # TLS too: a full socket raises SSLWantWriteError (an OSError, not a BlockingIOError), and
+        # OpenSSL wants the retried write to repeat the same bytes, which a fresh join may not.
+        if isinstance(self._sock, ssl.SSLSocket) or len(out) < 2 or any(
             p["command"] & 0xF0 == mqtt.DISCONNECT or (p["command"] & 0xF0 == mqtt.PUBLISH and p["qos"] == 0)
             for p in out
         ):
