@@ -140,6 +140,18 @@ def all_have(vehicles: list[Vehicle], rids: list[str]) -> bool:
     return all(set(rids) <= set(v.request_ids()) for v in vehicles)
 
 
+def fleet_gets_each_once_one_at_a_time(
+    fanout: Fanout, vehicles: list[Vehicle], vins: list[str], rids: list[str]
+) -> None:
+    """Wait until every vehicle has every request and no row is left; then each got each request
+    exactly once, in order, never two unacknowledged at a time."""
+    poll(lambda: all_have(vehicles, rids), DEADLINE_S)
+    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+    for v in vehicles:
+        assert v.request_ids() == rids, v.vin
+        assert v.max_unacked == 1, v.vin
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -152,12 +164,9 @@ def test_seed_batches_reach_an_online_fleet_exactly_once_one_at_a_time(rig: Any)
     rids = [f"task_seed_{n}" for n in range(3)]
     for rid in rids:
         assert platform.batch(vins, rid, f"payload of {rid}") in (0x00, 0x10)
-    poll(lambda: all_have(vehicles, rids), DEADLINE_S)
-    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+    fleet_gets_each_once_one_at_a_time(fanout, vehicles, vins, rids)
     for v in vehicles:
-        assert v.request_ids() == rids, v.vin
         assert [d.payload for d in v.received] == [f"payload of {rid}".encode() for rid in rids]
-        assert v.max_unacked == 1, v.vin
 
 
 def test_plugin_pair_delivers_the_data_payload_whichever_comes_first(rig: Any) -> None:

@@ -23,7 +23,15 @@ from exhook_server.config import Config
 from tests.emqx_real import EmqxBroker, Fleet, Vehicle, find_release, running_emqx, where_looked
 from tests.harness import ROOT, SubprocessServer, poll
 from tests.integration import test_real_emqx
-from tests.integration.test_real_emqx import DEADLINE_S, EXHOOK, SETUPS, Fanout, all_have, vins_of
+from tests.integration.test_real_emqx import (
+    DEADLINE_S,
+    EXHOOK,
+    SETUPS,
+    Fanout,
+    all_have,
+    fleet_gets_each_once_one_at_a_time,
+    vins_of,
+)
 
 pytestmark = test_real_emqx.pytestmark
 #: The module's broker and server (our `setup`), a fleet, a platform client and a VIN prefix per test.
@@ -145,11 +153,7 @@ def test_rule_acks_deliver_a_fleet_exactly_once_one_at_a_time(rig: Any) -> None:
     rids = [f"task_rule_{n}" for n in range(3)]
     for rid in rids:
         assert platform.batch(vins, rid, f"payload of {rid}") in (0x00, 0x10)
-    poll(lambda: all_have(vehicles, rids), DEADLINE_S)
-    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
-    for v in vehicles:
-        assert v.request_ids() == rids, v.vin
-        assert v.max_unacked == 1, v.vin
+    fleet_gets_each_once_one_at_a_time(fanout, vehicles, vins, rids)
     assert fanout.rule_acks()["ok"] - ok0 == len(vins) * len(rids)
     assert fanout.events("rule_acks_expected"), "the server says at start-up that it needs the rule"
 
