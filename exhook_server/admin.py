@@ -155,7 +155,7 @@ class AdminServicer:
     async def TriggerGC(self, request: apb.TriggerGCRequest, context: grpc.aio.ServicerContext) -> apb.GCReport:
         report = await asyncio.to_thread(run_gc, self._cfg, self._store, self._committer, dry_run=request.dry_run)
         d = report.as_dict()
-        return apb.GCReport(**{k: v for k, v in d.items() if k in apb.GCReport.DESCRIPTOR.fields_by_name})
+        return apb.GCReport(**d)
 
     async def Requeue(self, request: apb.RequeueRequest, context: grpc.aio.ServicerContext) -> apb.RequeueResponse:
         session, entry = await self._dispatch.vehicle_state(request.vin)

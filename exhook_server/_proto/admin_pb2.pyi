@@ -147,7 +147,7 @@ class TriggerGCRequest(_message.Message):
     def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
 
 class GCReport(_message.Message):
-    __slots__ = ("dry_run", "rows_expired", "aliases_expired", "blobs_deleted", "blob_bytes_freed", "blobs_kept_recent", "early_expired", "seconds")
+    __slots__ = ("dry_run", "rows_expired", "aliases_expired", "blobs_deleted", "blob_bytes_freed", "blobs_kept_recent", "early_expired", "seconds", "outcomes_expired", "generations_expired", "batch_ids_expired")
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     ROWS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     ALIASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,9 @@ class GCReport(_message.Message):
     BLOBS_KEPT_RECENT_FIELD_NUMBER: _ClassVar[int]
     EARLY_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_IDS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     dry_run: bool
     rows_expired: int
     aliases_expired: int
@@ -164,7 +167,10 @@ class GCReport(_message.Message):
     blobs_kept_recent: int
     early_expired: int
     seconds: float
-    def __init__(self, dry_run: _Optional[bool] = ..., rows_expired: _Optional[int] = ..., aliases_expired: _Optional[int] = ..., blobs_deleted: _Optional[int] = ..., blob_bytes_freed: _Optional[int] = ..., blobs_kept_recent: _Optional[int] = ..., early_expired: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    outcomes_expired: int
+    generations_expired: int
+    batch_ids_expired: int
+    def __init__(self, dry_run: _Optional[bool] = ..., rows_expired: _Optional[int] = ..., aliases_expired: _Optional[int] = ..., blobs_deleted: _Optional[int] = ..., blob_bytes_freed: _Optional[int] = ..., blobs_kept_recent: _Optional[int] = ..., early_expired: _Optional[int] = ..., seconds: _Optional[float] = ..., outcomes_expired: _Optional[int] = ..., generations_expired: _Optional[int] = ..., batch_ids_expired: _Optional[int] = ...) -> None: ...
 
 class RequeueRequest(_message.Message):
     __slots__ = ("vin",)
