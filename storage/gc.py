@@ -25,7 +25,7 @@ from typing import Any
 
 import lmdb
 
-from storage import keys, ops, outcomes
+from storage import keys, ops, pending
 from storage.outcomes import Outcome
 from storage.store import Store, Tables
 from storage.store import now_ms as clock_ms
@@ -81,16 +81,8 @@ def expire_rows(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: int) ->
         value = txn.get(rkey, db=t.ids)
         # A row replaced after this expiry entry was written has a newer ts and its own entry.
         if value is not None and keys.row_ts(value) == ts:
-            value = bytes(value)  # a memoryview into the page the delete frees
-            txn.delete(rkey, db=t.ids)
-            _expired(txn, t, rkey, value, now)
+            pending.end_row(txn, t, rkey, bytes(value), Outcome.EXPIRED, now)
     return len(doomed)
-
-
-def _expired(txn: lmdb.Transaction, t: Tables, rkey: bytes, value: bytes | memoryview, now: int) -> None:
-    """A row retention removed (`value` as it was) ends `expired`."""
-    request_id = bytes(rkey).partition(keys.SEP)[2].decode()
-    outcomes.end(txn, t, rkey, request_id, keys.row_sha1(value), Outcome.EXPIRED, now, keys.row_ts(value))
 
 
 def _expire_timed(txn: lmdb.Transaction, index: Any, table: Any, cutoff_ms: int, limit: int) -> int:
@@ -327,10 +319,7 @@ def delete_planned_rows(txn: lmdb.Transaction, t: Tables, planned: Sequence[tupl
         if keys.row_ts(value) != ts:
             kept += 1
             continue
-        value = bytes(value)  # a memoryview into the page the delete frees
-        txn.delete(rkey, db=t.ids)
-        txn.delete(keys.expiry_key(ts, rkey), db=t.expiry)
-        _expired(txn, t, rkey, value, clock_ms())
+        pending.end_row(txn, t, rkey, bytes(value), Outcome.EXPIRED, clock_ms())
         deleted += 1
     return deleted, kept
 

@@ -13,8 +13,12 @@ from typing import NamedTuple
 
 SEP = b"\x00"
 
-#: ids value: row timestamp (ms), blob sha1, blob size in bytes.
+#: ids value: row timestamp (ms), blob sha1, blob size in bytes ...
 _ROW = struct.Struct(">Q20sI")
+#: ... then, only for a row with an expiry or flags (schema 3): expires_at (ms, 0 = never), flags.
+_ROW_EXT = struct.Struct(">Q20sIQB")
+#: Row flag: the vehicle's answer on the response topic, not its PUBACK, ends the row.
+FLAG_AWAIT_RESPONSE = 1
 #: data value prefix: the blob's creation timestamp (ms); the blob bytes follow.
 _BLOB_HEAD = struct.Struct(">Q")
 #: aliases value: sha1, then the time the alias was (re)written (ms).
@@ -32,6 +36,16 @@ class Row(NamedTuple):
     ts_ms: int
     sha1: bytes
     size: int
+    #: Epoch ms after which the row is never sent (0: no expiry).
+    expires_ms: int = 0
+    flags: int = 0
+
+    @property
+    def await_response(self) -> bool:
+        return bool(self.flags & FLAG_AWAIT_RESPONSE)
+
+    def expired(self, now_ms: int) -> bool:
+        return 0 < self.expires_ms <= now_ms
 
 
 def row_key(vin: str, request_id: str) -> bytes:
@@ -47,12 +61,27 @@ def vin_prefix(vin: str) -> bytes:
 def decode_row(key: bytes | memoryview, value: bytes | memoryview) -> Row:
     """Turn an `ids` entry back into a Row."""
     vin, _, rid = bytes(key).partition(SEP)
-    ts_ms, sha1, size = _ROW.unpack(value)
-    return Row(vin.decode(), rid.decode(), ts_ms, sha1, size)
+    if len(value) == _ROW.size:
+        ts_ms, sha1, size = _ROW.unpack(value)
+        return Row(vin.decode(), rid.decode(), ts_ms, sha1, size)
+    ts_ms, sha1, size, expires_ms, flags = _ROW_EXT.unpack(value)
+    return Row(vin.decode(), rid.decode(), ts_ms, sha1, size, expires_ms, flags)
 
 
-def row_value(ts_ms: int, sha1: bytes, size: int) -> bytes:
+def row_value(ts_ms: int, sha1: bytes, size: int, expires_ms: int = 0, flags: int = 0) -> bytes:
+    """The short form for a plain row (most of them), the long one with an expiry or flags."""
+    if expires_ms or flags:
+        return _ROW_EXT.pack(ts_ms, sha1, size, expires_ms, flags)
     return _ROW.pack(ts_ms, sha1, size)
+
+
+def encoded_row(row: Row) -> bytes:
+    return row_value(row.ts_ms, row.sha1, row.size, row.expires_ms, row.flags)
+
+
+def row_expires(value: bytes | memoryview) -> int:
+    """A row value's expires_at (ms, 0 = never) without decoding the rest."""
+    return 0 if len(value) == _ROW.size else int(_U64.unpack(value[32:40])[0])
 
 
 def row_order(request_id: bytes, value: bytes | memoryview) -> tuple[bytes, bytes]:
@@ -66,7 +95,7 @@ def row_sha1(value: bytes | memoryview) -> bytes:
 
 
 def row_ts(value: bytes | memoryview) -> int:
-    return int(_ROW.unpack(value)[0])
+    return int(_U64.unpack(value[:8])[0])
 
 
 def row_keys(vins: Iterable[str], request_id: str) -> list[bytes]:
@@ -103,6 +132,29 @@ def decode_alias(value: bytes | memoryview) -> tuple[bytes, int]:
     return sha1, ts_ms
 
 
+def deadline_entries(expires_ms: int, rkeys: Iterable[bytes]) -> list[tuple[bytes, bytes]]:
+    """`deadlines` (key, empty value) pairs: the rows' expires_at, then their `ids` key, so the
+    sweep walks rows in the order they expire and stops at the first one still valid."""
+    head = _U64.pack(expires_ms)
+    return [(head + rkey, b"") for rkey in rkeys]
+
+
+def request_index_entries(request_id: str, vins: Iterable[str]) -> list[tuple[bytes, bytes]]:
+    """`by_request` (key, empty value) pairs: a request id's pending VINs are one prefix range,
+    so cancelling a request for every vehicle costs O(its rows), not a scan of all rows."""
+    head = request_id.encode() + SEP
+    return [(head + vin.encode(), b"") for vin in vins]
+
+
+def request_index_key(vin: str, request_id: str) -> bytes:
+    return request_id.encode() + SEP + vin.encode()
+
+
+def split_rkey(rkey: bytes) -> tuple[str, str]:
+    vin, _, rid = rkey.partition(SEP)
+    return vin.decode(), rid.decode()
+
+
 def early_prefix(data_id: str) -> bytes:
     return data_id.encode() + SEP
 
@@ -127,9 +179,12 @@ def decode_u64(value: bytes | memoryview) -> int:
 # -- outcomes and generations (what the platform gets back) -------------------------------------
 #: A generation is one (request_id, blob sha1): request ids are reused, so counts are kept per
 #: generation. `gens` value: first and last change (ms), then the counts in `COUNT_NAMES` order.
-COUNT_NAMES = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed")
-_GEN = struct.Struct(">QQ7Q")
-#: `outcomes` value: when it ended and when its row was stored (ms), delivery attempts, outcome code.
+COUNT_NAMES = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed", "responded")
+_GEN = struct.Struct(">QQ8Q")
+#: Schema 2 kept no `responded` count.
+_GEN_2 = struct.Struct(">QQ7Q")
+#: `outcomes` value: when it ended and when its row was stored (ms), delivery attempts, outcome
+#: code; the vehicle's answer (its first max_response_bytes) follows for `responded`.
 _OUTCOME = struct.Struct(">QQHB")
 
 
@@ -152,6 +207,9 @@ def gen_value(first_ms: int, last_ms: int, counts: Iterable[int]) -> bytes:
 
 
 def decode_gen(value: bytes | memoryview) -> tuple[int, int, list[int]]:
+    if len(value) == _GEN_2.size:
+        first_ms, last_ms, *counts = _GEN_2.unpack(value)
+        return first_ms, last_ms, [*counts, 0]
     first_ms, last_ms, *counts = _GEN.unpack(value)
     return first_ms, last_ms, counts
 
@@ -168,14 +226,19 @@ def split_outcome_key(key: bytes | memoryview) -> tuple[str, str, bytes]:
     return vin.decode(), rid.decode(), raw[-20:]
 
 
-def outcome_value(ts_ms: int, stored_ms: int, attempts: int, code: int) -> bytes:
-    return _OUTCOME.pack(ts_ms, stored_ms, min(attempts, 0xFFFF), code)
+def outcome_value(ts_ms: int, stored_ms: int, attempts: int, code: int, response: bytes = b"") -> bytes:
+    return _OUTCOME.pack(ts_ms, stored_ms, min(attempts, 0xFFFF), code) + response
 
 
 def decode_outcome(value: bytes | memoryview) -> tuple[int, int, int, int]:
     """(ended ms, stored ms, attempts, outcome code)."""
-    ts_ms, stored_ms, attempts, code = _OUTCOME.unpack(value)
+    ts_ms, stored_ms, attempts, code = _OUTCOME.unpack_from(value)
     return ts_ms, stored_ms, attempts, code
+
+
+def outcome_response(value: bytes | memoryview) -> bytes:
+    """The stored answer of a `responded` outcome (empty for the others)."""
+    return bytes(value[_OUTCOME.size :])
 
 
 def timed_key(ts_ms: int, key: bytes) -> bytes:

@@ -15,7 +15,7 @@ from typing import Any
 import lmdb
 import orjson
 
-from storage import keys, outcomes
+from storage import cancel, keys, outcomes, pending
 from storage.errors import EarlyTriggersFull
 from storage.outcomes import Outcome
 from storage.store import Tables
@@ -40,6 +40,8 @@ class BatchWritten:
     #: to its caller): echoed in its receipt.
     batch_id: str | None = None
     correlation_id: str | None = None
+    #: VINs given no row because their backlog is full (max_pending_per_vehicle).
+    refused: tuple[str, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -56,6 +58,7 @@ class Duplicate:
     sha1: bytes | None
     rows: int
     ts_ms: int
+    refused: tuple[str, ...] = ()
 
 
 def _duplicate(txn: lmdb.Transaction, t: Tables, batch_id: str | None) -> Duplicate | None:
@@ -66,11 +69,18 @@ def _duplicate(txn: lmdb.Transaction, t: Tables, batch_id: str | None) -> Duplic
         return None
     doc = orjson.loads(raw)
     sha1 = bytes.fromhex(doc["sha1"]) if doc["sha1"] else None
-    return Duplicate(batch_id, doc["request_id"], sha1, doc["rows"], doc["ts"])
+    return Duplicate(batch_id, doc["request_id"], sha1, doc["rows"], doc["ts"], tuple(doc.get("refused", ())))
 
 
 def _record_batch(
-    txn: lmdb.Transaction, t: Tables, batch_id: str | None, request_id: str, sha1: bytes | None, rows: int, now_ms: int
+    txn: lmdb.Transaction,
+    t: Tables,
+    batch_id: str | None,
+    request_id: str,
+    sha1: bytes | None,
+    rows: int,
+    now_ms: int,
+    refused: Sequence[str] = (),
 ) -> None:
     """Remember what a batch_id stored (for `retention_s`, see gc), so a retry stores nothing."""
     if batch_id is None:
@@ -78,7 +88,9 @@ def _record_batch(
     key = batch_id.encode()
     old = txn.get(key, db=t.batches)
     ts = now_ms if old is None else int(orjson.loads(old)["ts"])
-    doc = {"request_id": request_id, "sha1": sha1.hex() if sha1 else None, "rows": rows, "ts": ts}
+    doc: dict[str, Any] = {"request_id": request_id, "sha1": sha1.hex() if sha1 else None, "rows": rows, "ts": ts}
+    if refused:
+        doc["refused"] = list(refused)
     txn.put(key, orjson.dumps(doc), db=t.batches)
     if old is None:
         txn.put(keys.timed_key(ts, key), b"", db=t.batch_expiry)
@@ -104,6 +116,8 @@ class DataWritten:
     completed: tuple[BatchWritten, ...] = ()
     #: More triggers wait for this data than one transaction may complete (`complete_early`).
     more: bool = False
+    #: Triggers whose expires_at passed before this data came: dropped.
+    expired: tuple[EarlyExpired, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +127,8 @@ class EarlyCompleted:
     completed: tuple[BatchWritten, ...]
     #: Triggers for the data_id still wait: run another chunk.
     more: bool
+    #: Triggers whose expires_at passed before their data came: dropped.
+    expired: tuple[EarlyExpired, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +151,8 @@ class EarlyExpired:
     age_ms: int
     batch_id: str | None = None
     correlation_id: str | None = None
+    #: data_never_arrived (its TTL passed), or expired (its expires_at passed while parked).
+    reason: str = "data_never_arrived"
 
 
 def sha1_of(blob: bytes) -> bytes:
@@ -159,6 +177,22 @@ class RowsPut:
     replaced: int
     #: sha1s of the generations whose pending rows were replaced by another payload.
     superseded: frozenset[bytes]
+    #: VINs whose backlog was full: no row for them.
+    refused: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpec:
+    """What a batch asks of every row beyond its payload."""
+
+    #: Epoch ms after which it is never sent (0: never expires).
+    expires_ms: int = 0
+    flags: int = 0
+    #: A vehicle with this many pending rows gets no new one (0: unbounded).
+    max_pending: int = 0
+
+
+PLAIN = RowSpec()
 
 
 def put_rows(
@@ -169,50 +203,73 @@ def put_rows(
     sha1: bytes,
     size: int,
     now_ms: int,
+    spec: RowSpec = PLAIN,
 ) -> RowsPut:
     """One row per VIN; a row for the same (VIN, request_id) is replaced (its generation, if
-    another, counts it superseded). The generation's counts change in the same transaction.
+    another, counts it superseded). A VIN whose backlog is full gets no new row (a replacement
+    is fine: it adds nothing). Counts and indexes change in the same transaction.
 
     This is the ingest hot loop (one call per 200-VIN batch, inside the single
     writer): keys go in sorted through one cursor per table, so each put lands
     next to the previous one in the tree, and `replace` inserts a new row in one
     descent (a plain get would cost a second one for every row that is new).
     """
-    rkeys = keys.row_keys(vins, request_id)
-    if not rkeys:
+    pairs = sorted(zip(keys.row_keys(vins, request_id), vins, strict=True))
+    if not pairs:
         return RowsPut(0, frozenset())
-    rkeys.sort()
+    cut = cancel.cut_for(txn, t, request_id)
+    if cut is not None and cut >= now_ms:
+        now_ms = cut + 1  # a cancel in progress takes the rows stored up to its cut, not these
     known = outcomes.generation_exists(txn, t, request_id, sha1)
     replaced = 0
     superseded: set[bytes] = set()
+    refused: list[str] = []
+    stored: list[bytes] = []
+    stored_vins: list[str] = []
     # Rows that did not hold this generation before; the common case is every row.
-    newly: list[bytes] | None = None
-    value = keys.row_value(now_ms, sha1, size)
+    newly: list[bytes] = []
+    value = keys.row_value(now_ms, sha1, size, spec.expires_ms, spec.flags)
     rows = txn.cursor(t.ids)
-    for n, rkey in enumerate(rkeys):
+    backlogs = txn.cursor(t.backlogs)
+    for rkey, vin in pairs:
         old = rows.replace(rkey, value)
-        if old is not None:
+        if old is None:
+            vin_key = vin.encode()
+            raw = backlogs.get(vin_key)
+            count = 0 if raw is None else pending.decode_count(raw)
+            if spec.max_pending and count >= spec.max_pending:
+                txn.delete(rkey, db=t.ids)
+                refused.append(vin)
+                continue
+            backlogs.put(vin_key, pending.encode_count(count + 1))
+            newly.append(rkey)
+        else:
             txn.delete(keys.expiry_key(keys.row_ts(old), rkey), db=t.expiry)
+            if old_expires := keys.row_expires(old):
+                txn.delete(keys.timed_key(old_expires, rkey), db=t.deadlines)
             replaced += 1
             old_sha1 = keys.row_sha1(old)
-            if newly is None:
-                newly = rkeys[:n]
             if old_sha1 != sha1:
                 outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.SUPERSEDED, now_ms, keys.row_ts(old))
                 superseded.add(old_sha1)
                 newly.append(rkey)
-        elif newly is not None:
-            newly.append(rkey)
-    outcomes.rows_pending(txn, t, rkeys if newly is None else newly, request_id, sha1, now_ms, known=known)
+        stored.append(rkey)
+        stored_vins.append(vin)
+    if not stored:
+        return RowsPut(replaced, frozenset(superseded), tuple(refused))
+    outcomes.rows_pending(txn, t, newly, request_id, sha1, now_ms, known=known)
     expiry = txn.cursor(t.expiry)
-    entries = keys.expiry_entries(now_ms, rkeys)
+    entries = keys.expiry_entries(now_ms, stored)
     # Rows are stamped with the wall clock, so the new expiry keys almost always sort after
     # every existing one: then LMDB appends them (fills pages instead of splitting them in two).
     # A clock step back or a same-ms batch with larger keys takes the ordinary path. (In append
     # mode LMDB skips a key not above the last one; sorted, only a repeated VIN's twin is.)
     append = not expiry.last() or bytes(expiry.key()) < entries[0][0]
     expiry.putmulti(entries, append=append)
-    return RowsPut(replaced, frozenset(superseded))
+    txn.cursor(t.by_request).putmulti(keys.request_index_entries(request_id, stored_vins))
+    if spec.expires_ms:
+        txn.cursor(t.deadlines).putmulti(keys.deadline_entries(spec.expires_ms, stored))
+    return RowsPut(replaced, frozenset(superseded), tuple(refused))
 
 
 def store_batch(
@@ -223,30 +280,49 @@ def store_batch(
     blob: bytes,
     now_ms: int,
     batch_id: str | None = None,
+    spec: RowSpec = PLAIN,
 ) -> BatchWritten | Duplicate:
     """Seed-000 batch: the blob once, then one row per VIN; nothing if `batch_id` was stored."""
     if (dup := _duplicate(txn, t, batch_id)) is not None:
         return dup
     sha1 = sha1_of(blob)
     new_blob = put_blob(txn, t, sha1, blob, now_ms)
-    put = put_rows(txn, t, vins, request_id, sha1, len(blob), now_ms)
-    _record_batch(txn, t, batch_id, request_id, sha1, len(vins), now_ms)
-    return BatchWritten(request_id, sha1, tuple(vins), put.replaced, new_blob, put.superseded)
+    put = put_rows(txn, t, vins, request_id, sha1, len(blob), now_ms, spec)
+    stored = len(vins) - len(put.refused)
+    _record_batch(txn, t, batch_id, request_id, sha1, stored, now_ms, put.refused)
+    return BatchWritten(
+        request_id, sha1, _stored_vins(vins, put.refused), put.replaced, new_blob, put.superseded, refused=put.refused
+    )
+
+
+def _stored_vins(vins: Sequence[str], refused: tuple[str, ...]) -> tuple[str, ...]:
+    if not refused:
+        return tuple(vins)
+    gone = set(refused)
+    return tuple(v for v in vins if v not in gone)
 
 
 def store_data(
-    txn: lmdb.Transaction, t: Tables, data_id: str, blob: bytes, now_ms: int, max_rows: int = 10_000
+    txn: lmdb.Transaction,
+    t: Tables,
+    data_id: str,
+    blob: bytes,
+    now_ms: int,
+    max_rows: int = 10_000,
+    max_pending: int = 0,
 ) -> DataWritten:
     """Plugin-format data message: blob, alias, and the triggers waiting for it, up to `max_rows`
     rows (`more` says some still wait: the caller completes them in further chunks)."""
     sha1 = sha1_of(blob)
     new_blob = put_blob(txn, t, sha1, blob, now_ms)
     txn.put(data_id.encode(), keys.alias_value(sha1, now_ms), db=t.aliases)
-    done = _complete(txn, t, data_id, sha1, len(blob), now_ms, max_rows)
-    return DataWritten(data_id, sha1, new_blob, done.completed, done.more)
+    done = _complete(txn, t, data_id, sha1, len(blob), now_ms, max_rows, max_pending)
+    return DataWritten(data_id, sha1, new_blob, done.completed, done.more, done.expired)
 
 
-def complete_early(txn: lmdb.Transaction, t: Tables, data_id: str, now_ms: int, max_rows: int) -> EarlyCompleted:
+def complete_early(
+    txn: lmdb.Transaction, t: Tables, data_id: str, now_ms: int, max_rows: int, max_pending: int = 0
+) -> EarlyCompleted:
     """One more chunk of the triggers waiting for `data_id`, whose data has arrived: oldest
     first, at most `max_rows` rows (but always at least one trigger)."""
     alias = txn.get(data_id.encode(), db=t.aliases)
@@ -255,11 +331,18 @@ def complete_early(txn: lmdb.Transaction, t: Tables, data_id: str, now_ms: int, 
         return EarlyCompleted((), False)  # expired or collected meanwhile: the sweeper drops them
     sha1, _ = keys.decode_alias(alias)
     touch_blob(txn, t, sha1, now_ms)
-    return _complete(txn, t, data_id, sha1, len(blob) - keys.BLOB_HEAD_SIZE, now_ms, max_rows)
+    return _complete(txn, t, data_id, sha1, len(blob) - keys.BLOB_HEAD_SIZE, now_ms, max_rows, max_pending)
 
 
 def _complete(
-    txn: lmdb.Transaction, t: Tables, data_id: str, sha1: bytes, size: int, now_ms: int, max_rows: int
+    txn: lmdb.Transaction,
+    t: Tables,
+    data_id: str,
+    sha1: bytes,
+    size: int,
+    now_ms: int,
+    max_rows: int,
+    max_pending: int,
 ) -> EarlyCompleted:
     prefix = keys.early_prefix(data_id)
     cur = txn.cursor(t.early)
@@ -277,25 +360,45 @@ def _complete(
             rows += len(trig["ids"])
             waiting.append((bytes(key), trig))
     completed = []
+    expired = []
     for key, trig in waiting:
-        put = put_rows(txn, t, trig["ids"], trig["request_id"], sha1, size, now_ms)
         txn.delete(key, db=t.early)
         batch_id = trig.get("batch_id")
-        _record_batch(txn, t, batch_id, trig["request_id"], sha1, len(trig["ids"]), now_ms)
+        expires_ms = int(trig.get("expires_at", 0))
+        if 0 < expires_ms <= now_ms:  # its data came too late for it
+            if batch_id is not None:
+                forget_batch(txn, t, batch_id)
+            expired.append(
+                EarlyExpired(
+                    data_id,
+                    trig["request_id"],
+                    len(trig["ids"]),
+                    now_ms - int(trig["ts"]),
+                    batch_id,
+                    trig.get("correlation_id"),
+                    reason="expired",
+                )
+            )
+            continue
+        spec = RowSpec(expires_ms, int(trig.get("flags", 0)), max_pending)
+        put = put_rows(txn, t, trig["ids"], trig["request_id"], sha1, size, now_ms, spec)
+        stored = len(trig["ids"]) - len(put.refused)
+        _record_batch(txn, t, batch_id, trig["request_id"], sha1, stored, now_ms, put.refused)
         completed.append(
             BatchWritten(
                 trig["request_id"],
                 sha1,
-                tuple(trig["ids"]),
+                _stored_vins(trig["ids"], put.refused),
                 put.replaced,
                 False,
                 put.superseded,
                 batch_id,
                 trig.get("correlation_id"),
+                put.refused,
             )
         )
     _count_early_rows(txn, t, -rows)
-    return EarlyCompleted(tuple(completed), more)
+    return EarlyCompleted(tuple(completed), more, tuple(expired))
 
 
 def _count_early_rows(txn: lmdb.Transaction, t: Tables, delta: int) -> int:
@@ -335,6 +438,7 @@ def store_trigger(
     early_max_rows: int = 1_000_000,
     batch_id: str | None = None,
     correlation_id: str | None = None,
+    spec: RowSpec = PLAIN,
 ) -> TriggerWritten | Duplicate:
     """Plugin-format trigger: rows now if the data is known, else park it (bounded in triggers
     and in the rows they name); nothing if `batch_id` was stored (or parked) before."""
@@ -347,9 +451,17 @@ def store_trigger(
         if blob is not None:
             size = len(blob) - keys.BLOB_HEAD_SIZE
             touch_blob(txn, t, sha1, now_ms)
-            put = put_rows(txn, t, vins, request_id, sha1, size, now_ms)
-            _record_batch(txn, t, batch_id, request_id, sha1, len(vins), now_ms)
-            written = BatchWritten(request_id, sha1, tuple(vins), put.replaced, False, put.superseded)
+            put = put_rows(txn, t, vins, request_id, sha1, size, now_ms, spec)
+            _record_batch(txn, t, batch_id, request_id, sha1, len(vins) - len(put.refused), now_ms, put.refused)
+            written = BatchWritten(
+                request_id,
+                sha1,
+                _stored_vins(vins, put.refused),
+                put.replaced,
+                False,
+                put.superseded,
+                refused=put.refused,
+            )
             return TriggerWritten(data_id, request_id, written, False)
     if int(txn.stat(t.early)["entries"]) >= early_max:
         raise EarlyTriggersFull(f"{early_max} triggers already wait for their data")
@@ -365,6 +477,10 @@ def store_trigger(
         doc["batch_id"] = batch_id
     if correlation_id is not None:
         doc["correlation_id"] = correlation_id
+    if spec.expires_ms:
+        doc["expires_at"] = spec.expires_ms
+    if spec.flags:
+        doc["flags"] = spec.flags
     txn.put(keys.early_key(data_id, seq), orjson.dumps(doc), db=t.early)
     _record_batch(txn, t, batch_id, request_id, None, 0, now_ms)
     return TriggerWritten(data_id, request_id, None, True)
@@ -409,17 +525,15 @@ def delete_row_if(
     now_ms: int = 0,
     outcome: Outcome = Outcome.DELIVERED,
     attempts: int = 0,
+    response: bytes = b"",
 ) -> bool:
     """End the (vin, request_id) row with `outcome`, only if it still refers to `sha1` (not
-    replaced since): the row goes, its outcome is recorded and counted."""
+    replaced since): the row goes, its outcome is recorded and counted. A pair cancelled while
+    its delivery was in flight gets the outcome of that delivery instead of `cancelled`."""
     rkey = keys.row_key(vin, request_id)
     value = txn.get(rkey, db=t.ids)
-    if value is None:
-        return False
-    row = keys.decode_row(rkey, value)
-    if row.sha1 != sha1:
-        return False
-    txn.delete(rkey, db=t.ids)
-    txn.delete(keys.expiry_key(row.ts_ms, rkey), db=t.expiry)
-    outcomes.end(txn, t, rkey, request_id, sha1, outcome, now_ms or row.ts_ms, row.ts_ms, attempts)
+    if value is None or keys.row_sha1(value) != sha1:
+        return outcomes.amend_cancelled(txn, t, vin, request_id, sha1, outcome, now_ms, attempts, response)
+    value = bytes(value)  # a memoryview into the page the delete frees
+    pending.end_row(txn, t, rkey, value, outcome, now_ms or keys.row_ts(value), attempts, response)
     return True

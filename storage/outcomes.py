@@ -35,6 +35,8 @@ class Outcome(enum.IntEnum):
     CANCELLED = 4
     EXPIRED = 5
     FAILED = 6
+    #: The vehicle answered on the response topic (await_response rows).
+    RESPONDED = 7
 
     @property
     def label(self) -> str:
@@ -66,6 +68,8 @@ class OutcomeRecord:
     #: When its row was stored: ts_ms - stored_ms is the time to the outcome.
     stored_ms: int
     attempts: int
+    #: The vehicle's answer (its first max_response_bytes), for `responded`.
+    response: bytes = b""
 
 
 def _bump(txn: lmdb.Transaction, t: Tables, request_id: str, sha1: bytes, now_ms: int, deltas: dict[int, int]) -> None:
@@ -135,14 +139,48 @@ def end(
     now_ms: int,
     stored_ms: int,
     attempts: int = 0,
+    response: bytes = b"",
 ) -> None:
     """The pending pair (row `rkey`, generation), stored at `stored_ms`, ends with `outcome`
     (its row is being deleted or replaced in this transaction)."""
     okey = rkey + keys.SEP + sha1
     _drop_outcome(txn, t, okey)  # none is expected: the pair was pending
-    txn.put(okey, keys.outcome_value(now_ms, stored_ms, attempts, outcome.value), db=t.outcomes)
+    txn.put(okey, keys.outcome_value(now_ms, stored_ms, attempts, outcome.value, response), db=t.outcomes)
     txn.put(keys.timed_key(now_ms, okey), b"", db=t.outcome_expiry)
     _bump(txn, t, request_id, sha1, now_ms, {_PENDING: -1, outcome.value: 1})
+
+
+def outcome_of(txn: lmdb.Transaction, t: Tables, vin: str, request_id: str, sha1: bytes) -> Outcome | None:
+    raw = txn.get(keys.outcome_key(vin, request_id, sha1), db=t.outcomes)
+    return None if raw is None else Outcome(keys.decode_outcome(raw)[3])
+
+
+def amend_cancelled(
+    txn: lmdb.Transaction,
+    t: Tables,
+    vin: str,
+    request_id: str,
+    sha1: bytes,
+    outcome: Outcome,
+    now_ms: int,
+    attempts: int = 0,
+    response: bytes = b"",
+) -> bool:
+    """A pair cancelled while its delivery was in flight learns how that delivery ended: the
+    vehicle took it (delivered, responded) or it was given up (failed). The cancel could not
+    recall it, so its outcome says what happened. True when amended (it was `cancelled`)."""
+    okey = keys.outcome_key(vin, request_id, sha1)
+    raw = txn.get(okey, db=t.outcomes)
+    if raw is None or keys.decode_outcome(raw)[3] != Outcome.CANCELLED:
+        return False
+    _, stored_ms, old_attempts, _ = keys.decode_outcome(raw)
+    _drop_outcome(txn, t, okey)
+    txn.put(
+        okey, keys.outcome_value(now_ms, stored_ms, max(attempts, old_attempts), outcome.value, response), db=t.outcomes
+    )
+    txn.put(keys.timed_key(now_ms, okey), b"", db=t.outcome_expiry)
+    _bump(txn, t, request_id, sha1, now_ms, {Outcome.CANCELLED.value: -1, outcome.value: 1})
+    return True
 
 
 # -- reads ------------------------------------------------------------------------------------
@@ -221,7 +259,11 @@ def vehicle_outcomes(txn: lmdb.Transaction, t: Tables, vin: str, limit: int = 20
                 break
             _, request_id, sha1 = keys.split_outcome_key(key)
             ts_ms, stored_ms, attempts, code = keys.decode_outcome(value)
-            found.append(OutcomeRecord(vin, request_id, sha1, Outcome(code), ts_ms, stored_ms, attempts))
+            found.append(
+                OutcomeRecord(
+                    vin, request_id, sha1, Outcome(code), ts_ms, stored_ms, attempts, keys.outcome_response(value)
+                )
+            )
     found.sort(key=lambda o: o.ts_ms, reverse=True)
     return found[:limit]
 

@@ -23,9 +23,10 @@ import lmdb
 from storage import keys
 from storage.errors import StorageError
 
-#: 2 added the outcome tables (gens, outcomes, outcome_expiry, batches, batch_expiry); a
-#: version-1 store is upgraded when a writer opens it (its rows become pending generations).
-SCHEMA_VERSION = 2
+#: 2 added the outcome tables (gens, outcomes, outcome_expiry, batches, batch_expiry); 3 the
+#: lifecycle ones (deadlines, backlogs, by_request, cancels), longer rows for expires_at and
+#: flags, and the `responded` count. An older store is upgraded when a writer opens it.
+SCHEMA_VERSION = 3
 _DB_NAMES = (
     "data",
     "touched",
@@ -39,7 +40,13 @@ _DB_NAMES = (
     "outcome_expiry",
     "batches",
     "batch_expiry",
+    "deadlines",
+    "backlogs",
+    "by_request",
+    "cancels",
 )
+#: Tables each schema version added, for a clear error when a reader opens an older store.
+_ADDED_IN = {name: (2 if i < 12 else 3) for i, name in enumerate(_DB_NAMES) if i >= 7}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +70,14 @@ class Tables:
     batches: Any
     #: ts + batch_id: GC walks batch ids oldest first.
     batch_expiry: Any
+    #: expires_at + ids key: the expiry sweep walks rows in the order they expire.
+    deadlines: Any
+    #: VIN → its pending rows (max_pending_per_vehicle).
+    backlogs: Any
+    #: request_id \0 VIN → empty: a request's pending VINs (cancel of every vehicle).
+    by_request: Any
+    #: request_id → a cancel of every vehicle still in progress (its chunks resume after a crash).
+    cancels: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +253,10 @@ class Store:
         try:
             return self.env.open_db(name.encode(), create=not self.readonly)
         except lmdb.NotFoundError:
-            if name in _DB_NAMES[7:]:  # a version-1 store read before any writer upgraded it
-                raise StorageError(f"{self.path} is a version 1 store: start the server once to upgrade it") from None
+            if name in _ADDED_IN:  # an older store read before any writer upgraded it
+                raise StorageError(
+                    f"{self.path} predates schema {_ADDED_IN[name]}: start the server once to upgrade it"
+                ) from None
             raise
 
     def _check_schema(self) -> int:
@@ -252,8 +269,12 @@ class Store:
                 txn.put(b"created_at_ms", str(now_ms()).encode())
                 return SCHEMA_VERSION
             version = int(raw)
-            if version == 1 and not self.readonly:
-                _upgrade_from_1(txn, self.tables)
+            if version in (1, 2) and not self.readonly:
+                if version == 1:
+                    _upgrade_from_1(txn, self.tables)
+                from storage.pending import rebuild_indexes  # pending builds on this module
+
+                rebuild_indexes(txn, self.tables)
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode(), db=self.tables.meta)
                 return SCHEMA_VERSION
         if version != SCHEMA_VERSION:
@@ -315,9 +336,13 @@ class Store:
     def _visible_rows(
         self, txn: lmdb.Transaction, prefix: bytes, hidden: Mapping[str, bytes] | None
     ) -> Iterator[tuple[bytes, bytes | memoryview]]:
-        """(request id, raw value) of the rows under a VIN prefix, in key order, leaving out
-        those `hidden` names with the same sha1 (values are valid inside `txn` only)."""
+        """(request id, raw value) of the rows under a VIN prefix that may still be sent, in key
+        order (values are valid inside `txn` only). Left out: those `hidden` names with the same
+        sha1, rows past their expires_at (the sweep ends them soon; a vehicle never waits for
+        it), and rows a cancel in progress is about to remove."""
         skip = {rid.encode(): sha1 for rid, sha1 in hidden.items()} if hidden else None
+        cancels = self._cancel_cuts(txn)
+        now = now_ms()
         cur = txn.cursor(self.tables.ids)
         if not cur.set_range(prefix):
             return
@@ -328,7 +353,20 @@ class Store:
             rid = bytes(key[n:])
             if skip and skip.get(rid) == keys.row_sha1(value):
                 continue
+            if len(value) > 32 and 0 < keys.row_expires(value) <= now:
+                continue
+            if cancels and keys.row_ts(value) <= cancels.get(rid, -1):
+                continue
             yield rid, value
+
+    def _cancel_cuts(self, txn: lmdb.Transaction) -> dict[bytes, int] | None:
+        """request id → cut of every cancel-all in progress (rows stored up to the cut are
+        being cancelled); None when there is none (the usual case, one O(1) stat)."""
+        if not txn.stat(self.tables.cancels)["entries"]:
+            return None
+        from storage.cancel import cut_of  # cancel builds on this module
+
+        return {bytes(k): cut_of(v) for k, v in txn.cursor(self.tables.cancels)}
 
     def row(self, vin: str, request_id: str) -> keys.Row | None:
         """The pending row (vin, request_id), or None."""
@@ -399,7 +437,10 @@ class Store:
         rkey = keys.row_key(row.vin, row.request_id)
         with self.read() as txn:
             value = txn.get(rkey, db=self.tables.ids)
-            if value is None or value != keys.row_value(row.ts_ms, row.sha1, row.size):
+            if value is None or value != keys.encoded_row(row) or row.expired(now_ms()):
+                return None
+            cancels = self._cancel_cuts(txn)
+            if cancels and row.ts_ms <= cancels.get(row.request_id.encode(), -1):
                 return None
             blob = txn.get(row.sha1, db=self.tables.data)
             return None if blob is None else bytes(blob[keys.BLOB_HEAD_SIZE :])

@@ -13,7 +13,7 @@ import pytest
 
 from storage import ops
 from storage.errors import StorageFull
-from storage.store import Store
+from storage.store import SCHEMA_VERSION, Store
 from storage.writer import GroupCommitter
 
 
@@ -98,7 +98,7 @@ def test_reopen_keeps_everything(tmp_path: Path) -> None:
     w.close()
     s.close()
     again = Store(tmp_path / "db", readonly=True)
-    assert again.stats().rows == 2 and again.schema_version == 2
+    assert again.stats().rows == 2 and again.schema_version == SCHEMA_VERSION
     again.close()
 
 

@@ -1,0 +1,107 @@
+"""A pending row and the index entries that go with it: written together, removed together.
+
+A row (`ids`) has an entry in `expiry` (retention, by store time), in `by_request` (the
+request's pending VINs, for cancel), in `deadlines` when it has an `expires_at`, and counts
+once in its vehicle's `backlogs`. Every path that ends a row (delivery, response, cancel,
+expiry, retention, `gc apply`) goes through `end_row`, so no index can keep an entry for a
+row that is gone, and the vehicle's count stays exact.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import lmdb
+
+from storage import keys, outcomes
+from storage.outcomes import Outcome
+from storage.store import Tables
+
+_U32 = struct.Struct(">I")
+
+
+def decode_count(raw: bytes | memoryview) -> int:
+    return int(_U32.unpack(raw)[0])
+
+
+def encode_count(count: int) -> bytes:
+    return _U32.pack(min(count, 0xFFFFFFFF))
+
+
+def backlog(txn: lmdb.Transaction, t: Tables, vin_key: bytes) -> int:
+    """Pending rows of one vehicle (its `backlogs` count), O(1)."""
+    raw = txn.get(vin_key, db=t.backlogs)
+    return 0 if raw is None else decode_count(raw)
+
+
+def set_backlog(txn: lmdb.Transaction, t: Tables, vin_key: bytes, count: int) -> None:
+    if count > 0:
+        txn.put(vin_key, encode_count(count), db=t.backlogs)
+    else:
+        txn.delete(vin_key, db=t.backlogs)
+
+
+def end_row(
+    txn: lmdb.Transaction,
+    t: Tables,
+    rkey: bytes,
+    value: bytes,
+    outcome: Outcome,
+    now_ms: int,
+    attempts: int = 0,
+    response: bytes = b"",
+) -> None:
+    """Remove the pending row `rkey` (whose current `value` the caller read and copied) with
+    every index entry it has, and record how it ended."""
+    row = keys.decode_row(rkey, value)
+    txn.delete(rkey, db=t.ids)
+    txn.delete(keys.expiry_key(row.ts_ms, rkey), db=t.expiry)
+    if row.expires_ms:
+        txn.delete(keys.timed_key(row.expires_ms, rkey), db=t.deadlines)
+    txn.delete(keys.request_index_key(row.vin, row.request_id), db=t.by_request)
+    vin_key = row.vin.encode()
+    set_backlog(txn, t, vin_key, backlog(txn, t, vin_key) - 1)
+    outcomes.end(txn, t, rkey, row.request_id, row.sha1, outcome, now_ms, row.ts_ms, attempts, response)
+
+
+def rebuild_indexes(txn: lmdb.Transaction, t: Tables) -> int:
+    """Fill `by_request`, `backlogs` and `deadlines` from the rows (upgrading a schema-2 store,
+    whose rows have none of them); one pass. Returns the rows seen."""
+    counts: dict[bytes, int] = {}
+    n = 0
+    for key, value in txn.cursor(t.ids):
+        row = keys.decode_row(key, value)
+        txn.put(keys.request_index_key(row.vin, row.request_id), b"", db=t.by_request)
+        if row.expires_ms:
+            txn.put(keys.timed_key(row.expires_ms, bytes(key)), b"", db=t.deadlines)
+        vin_key = row.vin.encode()
+        counts[vin_key] = counts.get(vin_key, 0) + 1
+        n += 1
+    for vin_key, count in counts.items():
+        set_backlog(txn, t, vin_key, count)
+    return n
+
+
+def expire_due(txn: lmdb.Transaction, t: Tables, now_ms: int, limit: int) -> list[tuple[str, str, bytes]]:
+    """End `expired` up to `limit` rows whose expires_at is at or before `now_ms`, soonest first,
+    walking `deadlines` only as far as the first row still valid: O(expired). Returns (VIN,
+    request id, sha1) of each."""
+    cur = txn.cursor(t.deadlines)
+    due: list[bytes] = []
+    if cur.first():
+        for dkey in cur.iternext(keys=True, values=False):
+            if keys.decode_u64(dkey[:8]) > now_ms or len(due) >= limit:
+                break
+            due.append(bytes(dkey))
+    ended = []
+    for dkey in due:
+        rkey = dkey[8:]
+        value = txn.get(rkey, db=t.ids)
+        if value is None or keys.row_expires(value) != keys.decode_u64(dkey[:8]):
+            txn.delete(dkey, db=t.deadlines)  # left by a row ended without its entry (never expected)
+            continue
+        value = bytes(value)
+        end_row(txn, t, rkey, value, Outcome.EXPIRED, now_ms)
+        vin, request_id = keys.split_rkey(rkey)
+        ended.append((vin, request_id, keys.row_sha1(value)))
+    return ended
