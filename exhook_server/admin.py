@@ -16,13 +16,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+import orjson
 from google.protobuf import message_factory
 
 from exhook_server._proto import admin_pb2 as apb
+from exhook_server.batch import Cancel, Kind
 from exhook_server.config import Config
 from exhook_server.dispatch.commands import Session
 from exhook_server.dispatch.pool import Dispatcher
+from exhook_server.errors import BatchRejected, StorageError
 from exhook_server.housekeeping import run_gc
+from exhook_server.ingest import Ingestor
 from storage import outcomes
 from storage.keys import Row
 from storage.store import Store
@@ -57,6 +61,7 @@ def outcome_message(o: outcomes.OutcomeRecord) -> apb.Outcome:
         ts_ms=o.ts_ms,
         stored_ms=o.stored_ms,
         attempts=o.attempts,
+        response=o.response,
     )
 
 
@@ -82,12 +87,14 @@ class AdminServicer:
         committer: GroupCommitter,
         dispatcher: Dispatcher,
         mqtt_connected: Callable[[], bool],
+        ingestor: Ingestor | None = None,
     ) -> None:
         self._cfg = cfg
         self._store = store
         self._committer = committer
         self._dispatch = dispatcher
         self._mqtt_connected = mqtt_connected
+        self._ingestor = ingestor
 
     async def GetStats(self, request: apb.GetStatsRequest, context: grpc.aio.ServicerContext) -> apb.Stats:
         stats = await asyncio.to_thread(self._store.stats)  # scans: keep it off the event loop
@@ -118,18 +125,33 @@ class AdminServicer:
             out.online = True
             out.session.CopyFrom(_session(session))
         if entry is not None:
+            now = time.monotonic()
             out.in_flight.CopyFrom(
                 apb.InFlight(
                     request_id=entry.request_id,
                     sha1=entry.sha1.hex(),
                     session=_session(entry.session),
-                    age_ms=int((time.monotonic() - entry.sent_at) * 1000),
+                    age_ms=int((now - entry.sent_at) * 1000),
+                    attempts=entry.attempts,
+                    await_response=entry.await_response,
+                    acked_age_ms=0 if entry.acked_at is None else max(1, int((now - entry.acked_at) * 1000)),
+                    cancelled=entry.cancelled,
                 )
             )
         rows, ended = await asyncio.to_thread(self._vehicle_store_view, vin, request.outcomes_limit)
         for row in rows:
-            out.pending.add(request_id=row.request_id, ts_ms=row.ts_ms, sha1=row.sha1.hex(), size=row.size)
+            out.pending.add(
+                request_id=row.request_id,
+                ts_ms=row.ts_ms,
+                sha1=row.sha1.hex(),
+                size=row.size,
+                expires_at_ms=row.expires_ms,
+                await_response=row.await_response,
+            )
         out.outcomes.extend(outcome_message(o) for o in ended)
+        out.backlog = len(rows)
+        bound = self._cfg.max_pending_per_vehicle
+        out.at_backlog_bound = bool(bound) and len(rows) >= bound
         return out
 
     def _vehicle_store_view(self, vin: str, limit: int) -> tuple[list[Row], list[outcomes.OutcomeRecord]]:
@@ -192,6 +214,26 @@ class AdminServicer:
             next_page_token=page_token(last) if last else "",
             total=total,
         )
+
+    async def Cancel(self, request: apb.CancelRequest, context: grpc.aio.ServicerContext) -> apb.CancelResponse:
+        """The cancel topic's job, for an operator: validated the same way, answered when done."""
+        if self._ingestor is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server cannot cancel")
+        assert self._ingestor is not None
+        doc: dict[str, Any] = {"request_id": request.request_id}
+        if request.vins:
+            doc["ids"] = list(request.vins)
+        try:
+            parsed = self._ingestor.parser.parse(Kind.CANCEL, self._cfg.cancel_topic, orjson.dumps(doc))
+        except BatchRejected as rej:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(rej))
+        assert isinstance(parsed, Cancel)
+        try:
+            task = await self._ingestor.cancel(parsed.request_id, parsed.vins)
+            result = await task
+        except StorageError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cancel not finished: {exc}")
+        return apb.CancelResponse(cancelled=result.cancelled, in_flight=result.in_flight)
 
 
 def method_handlers(servicer: AdminServicer) -> dict[str, grpc.RpcMethodHandler]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime
 import enum
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,8 @@ import orjson
 from exhook_server.config import MAX_DATA_ID_BYTES, MAX_VIN_BYTES, Config
 from exhook_server.errors import BatchRejected, Reason
 from exhook_server.topics import is_level, level_problem
+from storage.keys import FLAG_AWAIT_RESPONSE
+from storage.store import now_ms
 
 
 class Kind(enum.Enum):
@@ -27,6 +31,7 @@ class Kind(enum.Enum):
     BATCH = "batch"  # seed 000: {ids, request_id, data}
     DATA = "data"  # plugin 0.4.x: raw payload on <prefix>/<data_id>
     TRIGGER = "trigger"  # plugin 0.4.x: {ids, request_id, data_id}
+    CANCEL = "cancel"  # {request_id, ids?}: end the request's pending rows
 
 
 #: Longest optional batch_id (it keys the receipts kept for idempotent retries) and correlation_id.
@@ -43,6 +48,27 @@ class Tags:
     correlation_id: str | None = None
 
 
+#: The latest expires_at taken (9999-12-31T23:59:59.999Z): beyond it, a typo, not a plan.
+MAX_EXPIRES_MS = 253_402_300_799_999
+
+
+@dataclass(frozen=True, slots=True)
+class Lifecycle:
+    """What a batch asks of its rows' life: when they stop being worth sending, and whether the
+    vehicle's answer (not its PUBACK) ends them."""
+
+    #: Epoch ms; 0 = never.
+    expires_ms: int = 0
+    await_response: bool = False
+
+    @property
+    def flags(self) -> int:
+        return FLAG_AWAIT_RESPONSE if self.await_response else 0
+
+
+_PLAIN = Lifecycle()
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
     """A complete request for many vehicles, payload inline."""
@@ -51,6 +77,7 @@ class Batch:
     request_id: str
     blob: bytes
     tags: Tags = Tags()
+    life: Lifecycle = Lifecycle()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +96,27 @@ class Trigger:
     request_id: str
     data_id: str
     tags: Tags = Tags()
+    life: Lifecycle = Lifecycle()
 
 
-Parsed = Batch | Data | Trigger
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """End the pending rows of `request_id`: of these VINs, or of every vehicle (None)."""
+
+    request_id: str
+    vins: tuple[str, ...] | None
+    tags: Tags = Tags()
+
+
+Parsed = Batch | Data | Trigger | Cancel
 
 
 class BatchParser:
     """Classifies topics and validates batch payloads against the configured limits."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, clock: Callable[[], int] = now_ms) -> None:
         self._cfg = cfg
+        self._clock = clock
         self._vin_re = re.compile(cfg.vin_pattern)
         self._data_id_re = re.compile(cfg.data_id_pattern)
         self._data_prefix = cfg.data_topic_prefix + "/"
@@ -90,6 +128,8 @@ class BatchParser:
             return Kind.BATCH
         if topic == self._cfg.trigger_topic:
             return Kind.TRIGGER
+        if topic == self._cfg.cancel_topic:
+            return Kind.CANCEL
         if topic.startswith(self._data_prefix) or topic == self._cfg.data_topic_prefix:
             return Kind.DATA
         return None
@@ -114,12 +154,32 @@ class BatchParser:
         if kind is Kind.DATA:
             return Data(self._data_id(topic[len(self._data_prefix) :]), payload)
         doc = _json_object(payload)
+        if kind is Kind.CANCEL:
+            request_id = self._request_id(doc)
+            vins = self._vins(doc) if doc.get("ids") is not None else None
+            return Cancel(request_id, vins, _tags(doc))
         vins = self._vins(doc)
         request_id = self._request_id(doc)
         tags = _tags(doc)
+        life = self._lifecycle(doc)
         if kind is Kind.TRIGGER:
-            return Trigger(vins, request_id, self._data_id(_field(doc, "data_id")), tags)
-        return Batch(vins, request_id, _blob(doc), tags)
+            return Trigger(vins, request_id, self._data_id(_field(doc, "data_id")), tags, life)
+        return Batch(vins, request_id, _blob(doc), tags, life)
+
+    def _lifecycle(self, doc: dict[str, Any]) -> Lifecycle:
+        expires_ms = _expires_ms(doc.get("expires_at"))
+        if expires_ms and expires_ms <= self._clock():
+            raise BatchRejected(Reason.EXPIRED, "expires_at is past: the request would never be sent")
+        wait = doc.get("await_response")
+        if wait is None:
+            wait = self._cfg.await_response
+        elif not isinstance(wait, bool):
+            raise BatchRejected(Reason.WRONG_TYPE, "await_response must be true or false")
+        if wait and not self._cfg.response_topic_prefix:
+            raise BatchRejected(Reason.RESPONSES_OFF, "await_response needs response_topic_prefix (it is empty)")
+        if not expires_ms and not wait:
+            return _PLAIN
+        return Lifecycle(expires_ms, wait)
 
     # -- fields ----------------------------------------------------------------
     def _vins(self, doc: dict[str, Any]) -> tuple[str, ...]:
@@ -209,6 +269,34 @@ def _optional_text(doc: dict[str, Any], name: str, reason: Reason, max_bytes: in
 
 
 _NO_TAGS = Tags()
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
+def _expires_ms(value: Any) -> int:
+    """expires_at as epoch ms: an integer of ms, or an RFC 3339 date-time with its offset."""
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 0 < value <= MAX_EXPIRES_MS:
+            raise BatchRejected(Reason.BAD_EXPIRES_AT, f"expires_at must be 1..{MAX_EXPIRES_MS} epoch milliseconds")
+        return value
+    if isinstance(value, str) and len(value) <= 64:
+        try:
+            when = datetime.datetime.fromisoformat(value)
+        except ValueError:
+            when = None
+        if when is not None and when.tzinfo is not None and "T" in value.upper():
+            ms = (when - _EPOCH) // datetime.timedelta(milliseconds=1)
+            if 0 < ms <= MAX_EXPIRES_MS:
+                return ms
+        raise BatchRejected(
+            Reason.BAD_EXPIRES_AT,
+            "expires_at must be RFC 3339 with an offset (2026-11-23T18:00:00Z) or epoch milliseconds",
+            expires_at=_shown(value),
+        )
+    raise BatchRejected(Reason.BAD_EXPIRES_AT, "expires_at must be an integer (epoch ms) or an RFC 3339 string")
 
 
 def _shown(text: str) -> str:

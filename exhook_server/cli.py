@@ -97,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     requests.add_argument(
         "--limit", type=_positive, default=50, metavar="N", help="show the N most recently changed (default 50)"
     )
+    cancel = sub.add_parser(
+        "cancel", help="end a request's pending rows `cancelled` (of the given vehicles, or of every vehicle)"
+    )
+    cancel.add_argument("request_id", metavar="REQUEST_ID")
+    cancel.add_argument("--vin", action="append", metavar="VIN", help="only this vehicle (repeat for more)")
+    _server_arg(cancel, "ask a running server (it also tells which deliveries were already out)")
+    cancel.add_argument("--json", action="store_true", help="one JSON object")
     gc = sub.add_parser("gc", help="retention and garbage collection")
     gc_sub = gc.add_subparsers(dest="gc_command", required=True)
     gc_run = gc_sub.add_parser("run", help="one GC pass now (offline, or next to a running server)")
@@ -280,7 +287,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         with store.read() as txn:
             ended = outcomes.vehicle_outcomes(txn, store.tables, args.vin)
     pending: list[dict[str, Any]] = [
-        {"request_id": r.request_id, "ts_ms": r.ts_ms, "time": _iso(r.ts_ms), "sha1": r.sha1.hex(), "size": r.size}
+        {
+            "request_id": r.request_id,
+            "ts_ms": r.ts_ms,
+            "time": _iso(r.ts_ms),
+            "sha1": r.sha1.hex(),
+            "size": r.size,
+            "expires_at_ms": r.expires_ms or None,
+            "await_response": r.await_response,
+        }
         for r in rows
     ]
     recent: list[dict[str, Any]] = [
@@ -291,6 +306,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             "ts_ms": o.ts_ms,
             "stored_ms": o.stored_ms,
             "attempts": o.attempts,
+            **({"response": o.response.decode(errors="replace")} if o.outcome is outcomes.Outcome.RESPONDED else {}),
         }
         for o in ended
     ]
@@ -302,7 +318,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     else:
         print(f"{args.vin}: {len(pending)} pending, in delivery order")
         for i, p in enumerate(pending, 1):
-            print(f"{i:>4}  {p['request_id']:<32} {p['time']}  {p['size']:>9} B  sha1 {p['sha1']}")
+            extra = f"  expires {_iso(p['expires_at_ms'])}" if p["expires_at_ms"] else ""
+            extra += "  awaits response" if p["await_response"] else ""
+            print(f"{i:>4}  {p['request_id']:<32} {p['time']}  {p['size']:>9} B  sha1 {p['sha1']}{extra}")
     if recent:
         print(f"{args.vin}: recent outcomes, newest first")
         for o in recent:
@@ -310,6 +328,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 f"      {o['request_id']:<32} {_iso(o['ts_ms'])}  {o['outcome']:<10}  attempts {o['attempts']}"
                 f"  stored {_iso(o['stored_ms'])}  sha1 {o['sha1']}"
             )
+            if "response" in o:
+                print(f"        answer: {o['response'][:200]}")
     return 0
 
 
@@ -334,6 +354,45 @@ def _cmd_request(args: argparse.Namespace) -> int:
     print(f"{args.request_id}: {len(found)} generation{'s' if len(found) > 1 else ''}, newest first")
     for g in found:
         print(f"  sha1 {g['sha1']}  {_generation_line(g)}")
+    return 0
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    from exhook_server.batch import BatchParser, Cancel, Kind
+    from exhook_server.errors import BatchRejected
+    from storage.cancel import run_cancel
+    from storage.store import Store, now_ms
+
+    cfg = _load(args)
+    doc: dict[str, Any] = {"request_id": args.request_id}
+    if args.vin:
+        doc["ids"] = args.vin
+    try:
+        parsed = BatchParser(cfg).parse(Kind.CANCEL, cfg.cancel_topic, json.dumps(doc).encode())
+    except BatchRejected as rej:
+        print(f"sdv-fanout: {rej}", file=sys.stderr)
+        return 2
+    assert isinstance(parsed, Cancel)
+    if args.server is not None:
+        from exhook_server._proto import admin_pb2
+
+        request = admin_pb2.CancelRequest(request_id=parsed.request_id, vins=parsed.vins or ())
+        reply = _admin_rpc(cfg, args.server, "Cancel", request)
+        out: dict[str, Any] = {
+            "request_id": parsed.request_id,
+            "cancelled": reply.cancelled,
+            "in_flight": reply.in_flight,
+        }
+    else:
+        with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
+            total = run_cancel(store, parsed.request_id, parsed.vins, now_ms(), cfg.max_rows_per_commit)
+        # Without the server nobody knows what is out for delivery; a PUBACK still amends it.
+        out = {"request_id": parsed.request_id, "cancelled": total, "in_flight": None}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        out_note = "" if out["in_flight"] is None else f", {out['in_flight']} of them already out for delivery"
+        print(f"{parsed.request_id}: {out['cancelled']} pending row(s) cancelled{out_note}")
     return 0
 
 
@@ -445,6 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_request(args)
         if args.command == "requests":
             return _cmd_requests(args)
+        if args.command == "cancel":
+            return _cmd_cancel(args)
         return _cmd_inspect(args)
     except _NotFound as exc:
         print(f"sdv-fanout: {exc}", file=sys.stderr)

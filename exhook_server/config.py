@@ -105,6 +105,9 @@ class Config:
     data_topic_prefix: str = "$SDV-FANOUT/data"
     # ... then {ids, request_id, data_id} on this topic.
     trigger_topic: str = "$SDV-FANOUT/trigger"
+    # {request_id, ids?} here cancels the request's pending rows (all vehicles without ids);
+    # intercepted like batches, publisher_allowlist applies.
+    cancel_topic: str = "$SDV-FANOUT/cancel"
 
     # -- validation -----------------------------------------------------------
     # 17-character VINs plus test/fleet ids; never a topic separator or wildcard.
@@ -119,6 +122,10 @@ class Config:
     max_payload_bytes: int = 4 << 20
     # Empty: any publisher; else only these clientids or usernames may send batches.
     publisher_allowlist: tuple[str, ...] = ()
+    # Pending rows one vehicle may hold (EMQX keeps 1,000 messages per session by default): a
+    # batch that would take a VIN over it stores nothing for that VIN and lists it in its
+    # receipt's `refused` (vehicle_backlog_full). 0 = unbounded.
+    max_pending_per_vehicle: int = 1000
 
     # -- retention and garbage collection -------------------------------------
     # The in-broker plugin's default: a request nobody picked up in a week is stale.
@@ -163,6 +170,24 @@ class Config:
     workers: int = 0
     # An unacknowledged delivery older than this is sent again on the next trigger.
     inflight_timeout_s: float = 60.0
+    # Deliveries of one request to one vehicle (first send, and re-sends after a timeout, a
+    # lost connection or a broker link drop); after that many the row ends `failed` and the
+    # vehicle's next request goes, so one command a vehicle never takes blocks nothing. 0 = no limit.
+    max_attempts: int = 10
+    # Default of a batch's `await_response`: the vehicle's answer on the response topic, not its
+    # PUBACK, ends the row (outcome `responded`).
+    await_response: bool = False
+    # Vehicles answer on <prefix with the VIN>/<request_id>; registered as a message.publish
+    # filter and routed on (the platform may subscribe too). "" = responses off.
+    response_topic_prefix: str = "agent/{VIN}/proxy/response"
+    # A vehicle that PUBACKed a request awaiting its answer and said nothing for this long: the
+    # row ends `failed` and its next request goes.
+    response_timeout_s: float = 300.0
+    # The first bytes of an answer kept in the outcome record and sent on the status topic.
+    max_response_bytes: int = 4096
+    # How often rows past their expires_at are ended `expired` (a vehicle's queue skips them
+    # at once anyway; this only makes the outcome and counts prompt).
+    expiry_sweep_interval_s: float = 1.0
     # Vehicles conventionally use their VIN as MQTT clientid: resolve session.resumed by it
     # when no subscription of that client has been seen since start-up.
     vin_from_clientid: bool = True
@@ -286,19 +311,21 @@ def _validate(cfg: Config) -> None:
             re.compile(getattr(cfg, name))
         except re.error as exc:
             raise ConfigError(f"{name} is not a regular expression: {exc}") from exc
-    for name in ("batch_topic", "data_topic_prefix", "trigger_topic"):
+    for name in ("batch_topic", "data_topic_prefix", "trigger_topic", "cancel_topic"):
         topic = getattr(cfg, name)
         problem = name_problem(topic + "/data_id" if name == "data_topic_prefix" else topic)
         if problem:
             raise ConfigError(f"{name} {topic!r} is not a usable topic name: {problem}")
-    if len({cfg.batch_topic, cfg.data_topic_prefix, cfg.trigger_topic}) != 3:
-        raise ConfigError("batch_topic, data_topic_prefix and trigger_topic must differ")
+    if len({cfg.batch_topic, cfg.data_topic_prefix, cfg.trigger_topic, cfg.cancel_topic}) != 4:
+        raise ConfigError("batch_topic, data_topic_prefix, trigger_topic and cancel_topic must differ")
+    if cfg.cancel_topic.startswith(cfg.data_topic_prefix + "/"):
+        raise ConfigError("cancel_topic must not lie under data_topic_prefix")
     if cfg.status_topic_prefix:
         status = cfg.status_topic_prefix
         if problem := name_problem(status + "/request_id"):
             raise ConfigError(f"status_topic_prefix {status!r} is not a usable topic name: {problem}")
         # Status messages must never be taken for batches (we intercept those topics).
-        for batch in (cfg.batch_topic, cfg.trigger_topic, cfg.data_topic_prefix):
+        for batch in (cfg.batch_topic, cfg.trigger_topic, cfg.data_topic_prefix, cfg.cancel_topic):
             if batch == status or batch.startswith(status + "/") or status.startswith(cfg.data_topic_prefix + "/"):
                 raise ConfigError(f"status_topic_prefix {status!r} overlaps the batch topics ({batch!r})")
     if cfg.outcome_retention_s < 0:
@@ -324,6 +351,8 @@ def _validate(cfg: Config) -> None:
         "status_queue_max",
         "progress_interval_s",
         "early_sweep_interval_s",
+        "response_timeout_s",
+        "expiry_sweep_interval_s",
     )
     for name in positive:
         if getattr(cfg, name) <= 0:
@@ -336,6 +365,17 @@ def _validate(cfg: Config) -> None:
     for topic in cfg.heartbeat_topics:
         if problem := template_problem(topic):
             raise ConfigError(f"heartbeat topic {topic!r}: {problem}")
+    if cfg.response_topic_prefix:
+        if problem := template_problem(cfg.response_topic_prefix, levels_after=1):
+            raise ConfigError(f"response_topic_prefix {cfg.response_topic_prefix!r}: {problem}")
+        if cfg.response_topic_prefix == cfg.request_topic_prefix:
+            raise ConfigError("response_topic_prefix must differ from request_topic_prefix")
+    elif cfg.await_response:
+        raise ConfigError("await_response needs a response_topic_prefix (vehicles answer there)")
+    if cfg.max_pending_per_vehicle < 0 or cfg.max_attempts < 0:
+        raise ConfigError("max_pending_per_vehicle and max_attempts must be >= 0 (0 = no limit)")
+    if not 0 <= cfg.max_response_bytes <= 1 << 20:
+        raise ConfigError("max_response_bytes must be 0..1048576")
     if cfg.processes < 0:
         raise ConfigError("processes must be >= 0 (0 = one per CPU)")
     if not 0 <= cfg.ack_commit_delay_ms <= 10_000:

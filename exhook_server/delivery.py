@@ -46,6 +46,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from exhook_server.config import Config
 from exhook_server.topics import RequestTopics
+from storage.store import now_ms
 
 log = structlog.get_logger("sdv_fanout.delivery")
 
@@ -147,9 +148,13 @@ class _Client(mqtt.Client):
         # paho acts on a written DISCONNECT or QoS 0 PUBLISH (close, callbacks): leave those to it.
         # TLS too: a full socket raises SSLWantWriteError (an OSError, not a BlockingIOError), and
         # OpenSSL wants the retried write to repeat the same bytes, which a fresh join may not.
-        if isinstance(self._sock, ssl.SSLSocket) or len(out) < 2 or any(
-            p["command"] & 0xF0 == mqtt.DISCONNECT or (p["command"] & 0xF0 == mqtt.PUBLISH and p["qos"] == 0)
-            for p in out
+        if (
+            isinstance(self._sock, ssl.SSLSocket)
+            or len(out) < 2
+            or any(
+                p["command"] & 0xF0 == mqtt.DISCONNECT or (p["command"] & 0xF0 == mqtt.PUBLISH and p["qos"] == 0)
+                for p in out
+            )
         ):
             return super()._packet_write()
         try:
@@ -216,6 +221,7 @@ class MqttDelivery:
         self._stopping = False
         self._client: _Client = self._new_client()
         self._props: Properties | None = None
+        self._expiry_s = cfg.mqtt_message_expiry_s
         if cfg.mqtt_message_expiry_s:
             self._props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
             self._props.MessageExpiryInterval = cfg.mqtt_message_expiry_s
@@ -230,7 +236,7 @@ class MqttDelivery:
         #: (vin, request_id) → times the broker refused it; present = sent only alone.
         self._suspects: OrderedDict[tuple[str, str], int] = OrderedDict()
         #: Deliveries accepted from dispatch, waiting while a suspect is (about to be) sent alone.
-        self._held: deque[tuple[str, str, bytes]] = deque()
+        self._held: deque[tuple[str, str, bytes, int]] = deque()
         #: The mid of the suspect now sent alone, if any.
         self._isolated: int | None = None
         #: Set once the watched socket is gone: the connector then connects again.
@@ -291,8 +297,10 @@ class MqttDelivery:
             return False
         return self._client.publish(topic, payload, qos=1).rc == mqtt.MQTT_ERR_SUCCESS
 
-    def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
-        """Queue one QoS 1 delivery; False (nothing queued) while disconnected."""
+    def publish(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
+        """Queue one QoS 1 delivery; False (nothing queued) while disconnected. A request with
+        an expiry (epoch ms) carries the seconds it has left as its Message-Expiry-Interval, so
+        no broker session queue hands it out stale either."""
         if not self._connected:
             return False
         key = (vin, request_id)
@@ -302,13 +310,25 @@ class MqttDelivery:
             self._refused(key, "refused_before", final=True)
             return True
         if refusals is not None or self._held or self._isolated is not None or len(self._unacked) >= self._window:
-            self._held.append((vin, request_id, payload))
+            self._held.append((vin, request_id, payload, expires_ms))
             self._release()
             return True
-        return self._send(vin, request_id, payload)
+        return self._send(vin, request_id, payload, expires_ms)
 
-    def _send(self, vin: str, request_id: str, payload: bytes) -> bool:
-        info = self._client.publish(self._topics.delivery(vin, request_id), payload, qos=1, properties=self._props)
+    def _properties(self, expires_ms: int) -> Properties | None:
+        """PUBLISH properties: the Message-Expiry-Interval is the seconds the request has left
+        (at least 1), capped by mqtt_message_expiry_s when that is set."""
+        if not expires_ms:
+            return self._props
+        left = max(1, -(-(expires_ms - now_ms()) // 1000))
+        props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+        props.MessageExpiryInterval = min(left, self._expiry_s) if self._expiry_s else left
+        return props
+
+    def _send(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
+        info = self._client.publish(
+            self._topics.delivery(vin, request_id), payload, qos=1, properties=self._properties(expires_ms)
+        )
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             return False
         self._unacked[info.mid] = (vin, request_id)
@@ -322,12 +342,12 @@ class MqttDelivery:
         answers it."""
         held = self._held
         while held and self._isolated is None and self._connected and len(self._unacked) < self._window:
-            vin, request_id, payload = held[0]
+            vin, request_id, payload, expires_ms = held[0]
             suspect = (vin, request_id) in self._suspects
             if suspect and self._unacked:
                 return  # the pipeline empties first
             held.popleft()
-            if self._send(vin, request_id, payload) and suspect:
+            if self._send(vin, request_id, payload, expires_ms) and suspect:
                 self._isolated = next(reversed(self._unacked))
 
     def _refused(self, key: tuple[str, str], reason: str, *, final: bool) -> None:

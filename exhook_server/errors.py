@@ -46,6 +46,11 @@ class Reason(enum.StrEnum):
     EARLY_TRIGGERS_FULL = "early_triggers_full"
     BAD_BATCH_ID = "bad_batch_id"
     BAD_CORRELATION_ID = "bad_correlation_id"
+    #: expires_at is already past: the request would never be sent.
+    EXPIRED = "expired"
+    BAD_EXPIRES_AT = "bad_expires_at"
+    #: await_response asked while response_topic_prefix is empty (responses off).
+    RESPONSES_OFF = "responses_off"
 
 
 class FanoutError(Exception):

@@ -71,6 +71,7 @@ def hook_specs(cfg: Config) -> list[tuple[str, list[str]]]:
     all-IGNORE answer to them has refused every client on a real EMQX 5.1.
     """
     heartbeats = [TopicTemplate(t).filter for t in cfg.heartbeat_topics]
+    responses = [RequestTopics(cfg.response_topic_prefix).filter] if cfg.response_topic_prefix else []
     specs = [
         # Presence: who is connected, subscribed, resumed, gone.
         ("client.connected", []),
@@ -84,7 +85,14 @@ def hook_specs(cfg: Config) -> list[tuple[str, list[str]]]:
             "message.publish",
             # `<prefix>/#` rather than `/+`: a malformed multi-level data_id reaches us
             # and is rejected with a reason instead of being silently routed.
-            [cfg.batch_topic, cfg.data_topic_prefix + "/#", cfg.trigger_topic, *heartbeats],
+            [
+                cfg.batch_topic,
+                cfg.data_topic_prefix + "/#",
+                cfg.trigger_topic,
+                cfg.cancel_topic,
+                *heartbeats,
+                *responses,
+            ],
         ),
     ]
     if not cfg.ack_topic_prefix:  # else an EMQX rule republishes them to the delivery client (acks.py)
@@ -129,6 +137,7 @@ class HookServicer:
         self._dispatch = dispatcher
         self._requests = RequestTopics(cfg.request_topic_prefix)
         self._heartbeats = [TopicTemplate(t) for t in cfg.heartbeat_topics]
+        self._responses = RequestTopics(cfg.response_topic_prefix) if cfg.response_topic_prefix else None
         self._delivery_prefix = cfg.mqtt_clientid_prefix
         self._specs = [pb.HookSpec(name=name, topics=topics) for name, topics in hook_specs(cfg)]
         #: Caps the payload bytes of batch calls in progress (see `admission`).
@@ -170,13 +179,9 @@ class HookServicer:
         msg = request.message
         kind = self._ingestor.parser.classify(msg.topic)
         if kind is None:
-            # Heartbeats are published on normally (IGNORE); the send happens behind the answer.
-            for template in self._heartbeats:
-                vin = template.vin(msg.topic)
-                if vin is not None:
-                    sender = Session(msg.node, getattr(msg, "from"), msg.headers.get("peerhost", ""))
-                    self._dispatch.heartbeat(sender, vin)
-                    break
+            # Heartbeats and answers are published on normally (IGNORE); the work happens
+            # behind the answer.
+            self._vehicle_message(msg)
             self._calls["OnMessagePublish", "ignored"].inc()
             return _IGNORE
         payload = msg.payload
@@ -202,6 +207,20 @@ class HookServicer:
         reply = pb.ValuedResponse(type=pb.ValuedResponse.STOP_AND_RETURN, message=msg)
         reply.message.headers["allow_publish"] = "false"
         return reply
+
+    def _vehicle_message(self, msg: Any) -> None:
+        """A heartbeat proves presence; an answer on the response topic may end a request."""
+        for template in self._heartbeats:
+            vin = template.vin(msg.topic)
+            if vin is not None:
+                sender = Session(msg.node, getattr(msg, "from"), msg.headers.get("peerhost", ""))
+                self._dispatch.heartbeat(sender, vin)
+                return
+        if self._responses is not None and (parsed := self._responses.parse_delivery(msg.topic)) is not None:
+            vin, request_id = parsed
+            sender = Session(msg.node, getattr(msg, "from"), msg.headers.get("peerhost", ""))
+            payload = msg.payload
+            self._dispatch.responded(sender, vin, request_id, payload[: self._cfg.max_response_bytes], len(payload))
 
     async def _refuse_overloaded(self, context: grpc.aio.ServicerContext) -> NoReturn:
         self._calls["OnMessagePublish", "refused"].inc()

@@ -76,3 +76,19 @@ async def tick_loop(dispatcher: Dispatcher, store: Store, interval_s: float = 5.
             metrics.PENDING_ROWS.set(store.row_count())
             metrics.MAP_USAGE.set(store.map_usage())
         await asyncio.sleep(interval_s)
+
+
+#: How often the vehicles-at-bound gauge is recounted (a pass over the vehicles with rows).
+BACKLOG_GAUGE_INTERVAL_S = 60.0
+
+
+async def backlog_gauge_loop(cfg: Config, store: Store, interval_s: float = BACKLOG_GAUGE_INTERVAL_S) -> None:
+    """Every minute: count the vehicles at max_pending_per_vehicle (their new rows are refused).
+    A pass over the per-vehicle counts, in a thread: O(vehicles with pending rows)."""
+    if not cfg.max_pending_per_vehicle:
+        return
+    while True:
+        with contextlib.suppress(StorageError):
+            full = await asyncio.to_thread(store.vehicles_at, cfg.max_pending_per_vehicle)
+            metrics.VEHICLES_AT_BOUND.set(full)
+        await asyncio.sleep(interval_s)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
@@ -24,8 +25,10 @@ from exhook_server.batch import (
     MAX_CORRELATION_ID_BYTES,
     Batch,
     BatchParser,
+    Cancel,
     Data,
     Kind,
+    Lifecycle,
     Parsed,
     Tags,
 )
@@ -33,7 +36,9 @@ from exhook_server.config import Config
 from exhook_server.errors import BatchRejected, EarlyTriggersFull, Reason, StorageError, StorageFull
 from exhook_server.status import StatusPublisher
 from exhook_server.topics import is_level
-from storage import ops
+from storage import cancel as cancelling
+from storage import ops, pending
+from storage.outcomes import Outcome
 from storage.store import Store, now_ms
 from storage.writer import GroupCommitter
 
@@ -41,6 +46,25 @@ log = structlog.get_logger("sdv_fanout.ingest")
 
 #: Called with the (vins, request_id) of every batch that became rows; dispatch hooks in here.
 StoredListener = Callable[[tuple[str, ...], str], None]
+#: Told which (VIN, sha1) rows of a request a cancel ended; answers how many of them were in
+#: flight (dispatch, which alone knows, marks them so their outcome follows the delivery).
+CancelledListener = Callable[[str, tuple[tuple[str, bytes], ...]], Awaitable[int]]
+#: Told of every pair housekeeping ended (expiry, cancel): (vin, request_id, sha1, outcome, attempts).
+OutcomeListener = Callable[[str, str, bytes, Outcome, int], None]
+
+_NO_TAGS = Tags()
+#: Refused VINs named in one log line at most (the receipt names them all).
+_LOGGED_REFUSED = 5
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResult:
+    request_id: str
+    #: Pending rows the cancel ended.
+    cancelled: int
+    #: Of those, deliveries already out: their outcome becomes what the vehicle does with them.
+    in_flight: int
+
 
 T = TypeVar("T")
 
@@ -100,7 +124,7 @@ def report_expired_early(expired: list[ops.EarlyExpired], status: StatusPublishe
             status.emit(
                 "rejected",
                 e.request_id,
-                reason="data_never_arrived",
+                reason=e.reason,
                 data_id=e.data_id,
                 batch_id=e.batch_id,
                 correlation_id=e.correlation_id,
@@ -108,7 +132,7 @@ def report_expired_early(expired: list[ops.EarlyExpired], status: StatusPublishe
         metrics.EARLY_EXPIRED.inc()
         log.warning(
             "early_trigger_expired",
-            reason="data_never_arrived",
+            reason=e.reason,
             data_id=e.data_id,
             request_id=e.request_id,
             vins=e.vins,
@@ -137,11 +161,15 @@ class Ingestor:
         self._store = store
         self._committer = committer
         self._clock = clock
-        self.parser = BatchParser(cfg)
+        self.parser = BatchParser(cfg, clock)
         self.listeners: list[StoredListener] = []
+        self.cancel_listener: CancelledListener | None = None
+        self.outcome_listeners: list[OutcomeListener] = []
         self._waker = _LoopWaker()
         #: data_id → the task completing its remaining parked triggers.
         self._completing: dict[str, asyncio.Task[None]] = {}
+        #: request id → the task finishing its cancel (counting in-flight rows, further chunks).
+        self._cancelling: dict[str, asyncio.Task[CancelResult]] = {}
 
     async def ingest(self, kind: Kind, topic: str, payload: bytes, clientid: str, username: str) -> bool:
         """Store one batch message durably. False if rejected (logged); raises StorageError."""
@@ -195,6 +223,7 @@ class Ingestor:
                     blob=parsed.blob,
                     now_ms=now,
                     batch_id=parsed.tags.batch_id,
+                    spec=self._spec(parsed.life),
                 ),
                 rows=len(parsed.vins),
             )
@@ -211,6 +240,7 @@ class Ingestor:
                     blob=parsed.blob,
                     now_ms=now,
                     max_rows=self._cfg.max_rows_per_commit,
+                    max_pending=self._cfg.max_pending_per_vehicle,
                 )
             )
             _count_blob(data.new_blob)
@@ -223,9 +253,11 @@ class Ingestor:
                 completed_triggers=len(data.completed),
                 more_waiting=data.more,
             )
-            self._completed(data.data_id, data.completed)
+            self._completed(data.data_id, data.completed, data.expired)
             if data.more:
                 self.complete_waiting(data.data_id)
+        elif isinstance(parsed, Cancel):
+            await self.cancel(parsed.request_id, parsed.vins, parsed.tags)
         else:
             trig = parsed
             try:
@@ -241,6 +273,7 @@ class Ingestor:
                         early_max_rows=self._cfg.early_max_rows,
                         batch_id=trig.tags.batch_id,
                         correlation_id=trig.tags.correlation_id,
+                        spec=self._spec(trig.life),
                     ),
                     rows=len(trig.vins),
                 )
@@ -256,6 +289,9 @@ class Ingestor:
             else:
                 self._stored(result.batch, "trigger", tags=trig.tags, data_id=trig.data_id)
 
+    def _spec(self, life: Lifecycle) -> ops.RowSpec:
+        return ops.RowSpec(life.expires_ms, life.flags, self._cfg.max_pending_per_vehicle)
+
     def _stored(self, written: ops.BatchWritten, fmt: str, tags: Tags | None = None, **fields: Any) -> None:
         metrics.BATCHES_STORED.labels(fmt).inc()
         metrics.ROWS_STORED.inc(written.rows)
@@ -270,8 +306,11 @@ class Ingestor:
             sha1=written.sha1.hex(),
             new_blob=written.new_blob,
             format=fmt,
+            refused=len(written.refused),
             **fields,
         )
+        if written.refused:
+            _log_refused(written.request_id, written.refused)
         if self.status is not None:
             tags = tags or Tags(written.batch_id, written.correlation_id)
             self.status.emit(
@@ -279,7 +318,7 @@ class Ingestor:
                 written.request_id,
                 sha1=written.sha1.hex(),
                 vins=written.rows,
-                refused=[],
+                refused=_refused_list(written.refused),
                 batch_id=tags.batch_id,
                 correlation_id=tags.correlation_id,
             )
@@ -300,7 +339,7 @@ class Ingestor:
                 dup.request_id,
                 sha1=dup.sha1.hex(),
                 vins=dup.rows,
-                refused=[],
+                refused=_refused_list(dup.refused),
                 duplicate=True,
                 batch_id=dup.batch_id,
                 correlation_id=tags.correlation_id,
@@ -318,10 +357,13 @@ class Ingestor:
         for listener in self.listeners:
             listener(vins, request_id)
 
-    def _completed(self, data_id: str, completed: tuple[ops.BatchWritten, ...]) -> None:
+    def _completed(
+        self, data_id: str, completed: tuple[ops.BatchWritten, ...], expired: tuple[ops.EarlyExpired, ...] = ()
+    ) -> None:
         for done in completed:
             metrics.EARLY_COMPLETED.inc()
             self._stored(done, "trigger", data_id=data_id, early=True)
+        report_expired_early(list(expired), self.status)
 
     def complete_waiting(self, data_id: str) -> None:
         """Complete the triggers still waiting for `data_id` behind the hook's answer, one
@@ -345,6 +387,7 @@ class Ingestor:
                         data_id=data_id,
                         now_ms=self._clock(),
                         max_rows=self._cfg.max_rows_per_commit,
+                        max_pending=self._cfg.max_pending_per_vehicle,
                     ),
                     rows=self._cfg.max_rows_per_commit,
                 )
@@ -352,14 +395,149 @@ class Ingestor:
                 log.error("early_completion_failed", data_id=data_id, reason=type(exc).__name__, detail=str(exc))
                 return
             chunks += 1
-            self._completed(data_id, chunk.completed)
+            self._completed(data_id, chunk.completed, chunk.expired)
             if not chunk.more:
                 log.info("early_completion_done", data_id=data_id, chunks=chunks)
                 return
 
     async def stop(self) -> None:
-        """Stop completing parked triggers (what is left stays parked; the next start resumes it)."""
-        await cancel_all(list(self._completing.values()))
+        """Stop completing parked triggers and cancels (what is left stays recorded; the next
+        start resumes it)."""
+        tasks: list[asyncio.Task[Any]] = [*self._completing.values(), *self._cancelling.values()]
+        await cancel_all(tasks)
+
+    # -- cancel ------------------------------------------------------------------------------
+    async def cancel(
+        self, request_id: str, vins: tuple[str, ...] | None, tags: Tags = _NO_TAGS
+    ) -> asyncio.Task[CancelResult]:
+        """Cancel `request_id` for `vins` (None: every vehicle). Returns once the cancel is
+        durable: its rows ended (named VINs), or its job recorded and first chunk done (every
+        vehicle; from then on none of its rows is sent). The returned task finishes the rest
+        behind the caller's answer (in-flight count, further chunks, the `cancelled` event)
+        and gives the totals; Admin waits for it, the hook does not."""
+        now = self._clock()
+        t = self._store.tables
+        if vins is not None:
+            op = functools.partial(cancelling.cancel_vins, t=t, request_id=request_id, vins=vins, now_ms=now)
+            first: cancelling.CancelChunk = await self._commit(op, rows=len(vins))
+        else:
+            op = functools.partial(
+                cancelling.start_cancel_all,
+                t=t,
+                request_id=request_id,
+                now_ms=now,
+                max_rows=self._cfg.max_rows_per_commit,
+                correlation_id=tags.correlation_id,
+            )
+            first = await self._commit(op, rows=self._cfg.max_rows_per_commit)
+        log.info("cancel_started", request_id=request_id, vins=None if vins is None else len(vins), more=first.more)
+        return self._finish_cancel(request_id, first, tags.correlation_id)
+
+    def _finish_cancel(
+        self, request_id: str, first: cancelling.CancelChunk | None, correlation_id: str | None
+    ) -> asyncio.Task[CancelResult]:
+        previous = self._cancelling.get(request_id)
+        task = asyncio.get_running_loop().create_task(
+            self._cancel_rest(request_id, first, correlation_id, previous), name=f"cancel-{request_id}"
+        )
+        self._cancelling[request_id] = task
+        task.add_done_callback(functools.partial(self._cancel_done, request_id))
+        return task
+
+    def _cancel_done(self, request_id: str, task: asyncio.Task[CancelResult]) -> None:
+        if self._cancelling.get(request_id) is task:
+            del self._cancelling[request_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("cancel_unfinished", request_id=request_id, detail=repr(task.exception()))
+
+    async def _cancel_rest(
+        self,
+        request_id: str,
+        chunk: cancelling.CancelChunk | None,
+        correlation_id: str | None,
+        previous: asyncio.Task[CancelResult] | None,
+    ) -> CancelResult:
+        if previous is not None:  # one cancel walk of a request at a time
+            await asyncio.wait([previous])
+        in_flight = 0
+        total = 0
+        while True:
+            if chunk is not None:
+                in_flight += await self._ended_by_cancel(chunk)
+                total = chunk.total  # cumulative over the chunks of one cancel
+                correlation_id = correlation_id or chunk.correlation_id
+                if not chunk.more:
+                    break
+            try:
+                chunk = await self._commit(
+                    functools.partial(
+                        cancelling.cancel_chunk,
+                        t=self._store.tables,
+                        request_id=request_id,
+                        now_ms=self._clock(),
+                        max_rows=self._cfg.max_rows_per_commit,
+                    ),
+                    rows=self._cfg.max_rows_per_commit,
+                )
+            except StorageError as exc:  # the job stays recorded: the next start-up resumes it
+                log.error("cancel_failed", request_id=request_id, reason=type(exc).__name__, detail=str(exc))
+                raise
+        metrics.CANCELS.inc()
+        log.info("request_cancelled", request_id=request_id, cancelled=total, in_flight=in_flight)
+        if self.status is not None:
+            self.status.emit(
+                "cancelled", request_id, cancelled=total, in_flight=in_flight, correlation_id=correlation_id
+            )
+        return CancelResult(request_id, total, in_flight)
+
+    async def _ended_by_cancel(self, chunk: cancelling.CancelChunk) -> int:
+        if not chunk.cancelled:
+            return 0
+        metrics.OUTCOMES.labels("cancelled").inc(len(chunk.cancelled))
+        for listener in self.outcome_listeners:
+            for vin, sha1 in chunk.cancelled:
+                listener(vin, chunk.request_id, sha1, Outcome.CANCELLED, 0)
+        if self.cancel_listener is None:
+            return 0
+        return await self.cancel_listener(chunk.request_id, chunk.cancelled)
+
+    async def resume_cancels(self) -> list[str]:
+        """At start-up: finish cancels of every vehicle a crash cut short."""
+        with self._store.read() as txn:
+            found = cancelling.cancels_in_progress(txn, self._store.tables)
+        for request_id in found:
+            log.info("cancel_resumed", request_id=request_id)
+            self._finish_cancel(request_id, None, None)
+        return found
+
+    # -- expiry ------------------------------------------------------------------------------
+    async def sweep_expired(self) -> int:
+        """End `expired` every row past its expires_at, in chunks; returns how many."""
+        ended_total = 0
+        limit = self._cfg.max_rows_per_commit
+        while True:
+            ended: list[tuple[str, str, bytes]] = await self._commit(
+                functools.partial(pending.expire_due, t=self._store.tables, now_ms=self._clock(), limit=limit),
+                rows=limit,
+            )
+            if ended:
+                metrics.OUTCOMES.labels("expired").inc(len(ended))
+                log.info("rows_expired", rows=len(ended), request_ids=sorted({rid for _, rid, _ in ended})[:10])
+                for listener in self.outcome_listeners:
+                    for vin, rid, sha1 in ended:
+                        listener(vin, rid, sha1, Outcome.EXPIRED, 0)
+            ended_total += len(ended)
+            if len(ended) < limit:
+                return ended_total
+
+    async def run_expiry_sweeper(self) -> None:
+        """Forever: end expired rows every expiry_sweep_interval_s; errors are logged, not fatal."""
+        while True:
+            await asyncio.sleep(self._cfg.expiry_sweep_interval_s)
+            try:
+                await self.sweep_expired()
+            except StorageError as exc:
+                log.error("expiry_sweep_failed", reason=type(exc).__name__, detail=str(exc))
 
     async def resume_waiting(self) -> list[str]:
         """At start-up: complete triggers whose data arrived before a crash cut their chunks short."""
@@ -394,6 +572,21 @@ class Ingestor:
                 log.error("early_sweep_failed", reason="storage_full")
             except StorageError as exc:
                 log.error("early_sweep_failed", reason=type(exc).__name__, detail=str(exc))
+
+
+def _refused_list(refused: tuple[str, ...]) -> list[dict[str, str]]:
+    return [{"vin": vin, "reason": "vehicle_backlog_full"} for vin in refused]
+
+
+def _log_refused(request_id: str, refused: tuple[str, ...]) -> None:
+    metrics.ROWS_REFUSED.labels("vehicle_backlog_full").inc(len(refused))
+    log.warning(
+        "vehicle_backlog_full",
+        reason="vehicle_backlog_full",
+        request_id=request_id,
+        vins=len(refused),
+        first=list(refused[:_LOGGED_REFUSED]),
+    )
 
 
 def _count_blob(new_blob: bool) -> None:

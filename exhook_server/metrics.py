@@ -100,3 +100,25 @@ REFUSED_BYTES = Counter("sdv_fanout_batches_refused_bytes_total", "Payload bytes
 MALFORMED_CALLS = Counter(
     "sdv_fanout_malformed_calls_total", "ExHook calls whose request was not valid protobuf, by hook", ["hook"]
 )
+# -- request lifecycle (cancel, expiry, backlogs, attempts, responses) ----------------------------
+ROWS_REFUSED = Counter(
+    "sdv_fanout_rows_refused_total",
+    "Rows a batch named but did not store, by reason (vehicle_backlog_full)",
+    ["reason"],
+)
+VEHICLES_AT_BOUND = Gauge(
+    "sdv_fanout_vehicles_at_backlog_bound",
+    "Vehicles holding max_pending_per_vehicle pending rows (new rows for them are refused)",
+    multiprocess_mode="livemostrecent",
+)
+CANCELS = Counter("sdv_fanout_cancels_total", "Cancels finished (their rows ended cancelled)")
+RESPONSES = Counter(
+    "sdv_fanout_responses_total",
+    "Vehicle answers on the response topic, by result (accepted, late, forged, not_awaited)",
+    ["result"],
+)
+AWAITING_RESPONSE = Gauge(
+    "sdv_fanout_awaiting_response",
+    "Deliveries PUBACKed and waiting for the vehicle's answer",
+    multiprocess_mode="livesum",
+)

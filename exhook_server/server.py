@@ -33,7 +33,7 @@ from exhook_server.errors import ConfigError
 from exhook_server.ingest import Ingestor
 from exhook_server.procs import write_ready_file
 from exhook_server.progress import ProgressReporter
-from exhook_server.status import StatusPublisher
+from exhook_server.status import StatusPublisher, answer_fields
 from storage.outcomes import Outcome
 from storage.store import Store
 from storage.writer import GroupCommitter
@@ -135,9 +135,15 @@ class FanoutServer:
             forward=(lambda process, item: self._peers().send(process, item)) if group else None,
             ask=(lambda process, query: self._peers().ask(process, query)) if group else None,
             on_outcome=self._vehicle_outcome if cfg.status_per_vehicle else None,
+            max_attempts=cfg.max_attempts,
+            response_timeout_s=cfg.response_timeout_s,
+            on_response=self._response,
         )
         self.peers = Peers(group, self.dispatcher.receive, self.dispatcher.answer) if group else None
         self.ingestor.listeners.append(self.dispatcher.new_batch)
+        self.ingestor.cancel_listener = self.dispatcher.cancelled
+        if cfg.status_per_vehicle:
+            self.ingestor.outcome_listeners.append(self._vehicle_outcome)
         self.servicer = hooks.HookServicer(cfg, self.ingestor, self.dispatcher)
         self.health = health.aio.HealthServicer()
         limit = receive_limit_bytes(cfg)
@@ -167,6 +173,7 @@ class FanoutServer:
             self.committer,
             self.dispatcher,
             lambda: self.delivery is not None and self.delivery.connected,
+            self.ingestor,
         )
         _serve_also(self._server, self.health, *hooks.SERVICE_NAMES)
         self.admin_health = health.aio.HealthServicer()
@@ -200,9 +207,12 @@ class FanoutServer:
     def _vehicle_outcome(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
         self.status.emit("vehicle", request_id, vin=vin, sha1=sha1.hex(), outcome=outcome.label, attempts=attempts)
 
-    def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
+    def _response(self, vin: str, request_id: str, sha1: bytes, payload: bytes, size: int) -> None:
+        self.status.emit("response", request_id, vin=vin, sha1=sha1.hex(), **answer_fields(payload, size))
+
+    def publish(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
         """The dispatcher's Publisher: the MQTT delivery client, once started."""
-        return self.delivery is not None and self.delivery.publish(vin, request_id, payload)
+        return self.delivery is not None and self.delivery.publish(vin, request_id, payload, expires_ms)
 
     async def start(self) -> int:
         """Bind, start serving, report SERVING; returns the bound port."""
@@ -239,15 +249,22 @@ class FanoutServer:
             await self._admin_server.start()
         self._tasks.append(
             asyncio.create_task(
-                housekeeping.tick_loop(self.dispatcher, self.store, min(5.0, self.cfg.inflight_timeout_s / 4)),
+                housekeeping.tick_loop(
+                    self.dispatcher,
+                    self.store,
+                    min(5.0, self.cfg.inflight_timeout_s / 4, self.cfg.response_timeout_s / 4),
+                ),
                 name="tick",
             )
         )
         self._tasks.append(asyncio.create_task(memory.trim_after_bursts(self.servicer.budget), name="malloc-trim"))
         if self.group is None or self.group.index == 0:  # store-wide work: once per data dir
             await self.ingestor.resume_waiting()
+            await self.ingestor.resume_cancels()
             self._tasks += [
                 asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
+                asyncio.create_task(self.ingestor.run_expiry_sweeper(), name="expiry-sweeper"),
+                asyncio.create_task(housekeeping.backlog_gauge_loop(self.cfg, self.store), name="backlog-gauge"),
                 asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer, self.status), name="gc"),
             ]
             if self.status.enabled:

@@ -11,6 +11,7 @@ the Admin queries are the truth it can always ask for.
 
 from __future__ import annotations
 
+import base64
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -102,6 +103,24 @@ class StatusPublisher:
             if self.dropped % 10_000 == 1:  # the first, then a reminder now and then
                 log.warning("status_dropped", dropped=self.dropped, reason="status_queue_max reached, link down")
         self._queue.append((topic, payload))
+
+
+def answer_fields(payload: bytes, size: int) -> dict[str, Any]:
+    """A vehicle's answer as status fields: UTF-8 text as it is, anything else base64; a cut
+    answer (longer than max_response_bytes) says so, and a cut inside a character still
+    reads as text."""
+    cut = size > len(payload)
+    for trim in range(4 if cut else 1):
+        try:
+            text = payload[: len(payload) - trim].decode()
+        except UnicodeDecodeError:
+            continue
+        return {"payload": text, "truncated": True if cut else None}
+    return {
+        "payload": base64.b64encode(payload).decode("ascii"),
+        "payload_encoding": "base64",
+        "truncated": True if cut else None,
+    }
 
 
 def _level(request_id: str | None) -> str:

@@ -25,7 +25,7 @@ import orjson
 
 from storage import keys, pending
 from storage.outcomes import Outcome
-from storage.store import Tables
+from storage.store import Store, Tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,3 +135,16 @@ def cancel_chunk(txn: lmdb.Transaction, t: Tables, request_id: str, now_ms: int,
 def cancels_in_progress(txn: lmdb.Transaction, t: Tables) -> list[str]:
     """Request ids whose cancel of every vehicle a crash cut short (resumed at start-up)."""
     return [bytes(k).decode() for k in txn.cursor(t.cancels).iternext(keys=True, values=False)]
+
+
+def run_cancel(store: Store, request_id: str, vins: Sequence[str] | None, now_ms: int, max_rows: int) -> int:
+    """A whole cancel in this process, one transaction per chunk (`sdv-fanout cancel` without a
+    server; LMDB serialises it with a running server's writer). Returns the rows cancelled."""
+    with store.write() as txn:
+        if vins is not None:
+            return cancel_vins(txn, store.tables, request_id, vins, now_ms).total
+        chunk = start_cancel_all(txn, store.tables, request_id, now_ms, max_rows)
+    while chunk.more:
+        with store.write() as txn:
+            chunk = cancel_chunk(txn, store.tables, request_id, now_ms, max_rows)
+    return chunk.total

@@ -375,6 +375,13 @@ class Store:
             value = txn.get(rkey, db=self.tables.ids)
             return None if value is None else keys.decode_row(rkey, value)
 
+    def outcome(self, vin: str, request_id: str, sha1: bytes) -> Any:
+        """How the pair (vin, request_id, sha1) ended (an `outcomes.Outcome`), or None."""
+        from storage.outcomes import outcome_of  # outcomes builds on this module
+
+        with self.read() as txn:
+            return outcome_of(txn, self.tables, vin, request_id, sha1)
+
     def pending(self, vin: str) -> list[keys.Row]:
         """The vehicle's pending requests in delivery order."""
         with self.read() as txn:
@@ -466,6 +473,21 @@ class Store:
         """Pending rows, O(1)."""
         with self.read() as txn:
             return int(txn.stat(self.tables.ids)["entries"])
+
+    def vehicles_at(self, bound: int) -> int:
+        """Vehicles with at least `bound` pending rows: one pass over the per-vehicle counts."""
+        with self.read() as txn:
+            return sum(
+                1
+                for raw in txn.cursor(self.tables.backlogs).iternext(keys=False, values=True)
+                if int.from_bytes(raw) >= bound
+            )
+
+    def backlog(self, vin: str) -> int:
+        """The vehicle's pending rows, O(1)."""
+        with self.read() as txn:
+            raw = txn.get(vin.encode(), db=self.tables.backlogs)
+            return 0 if raw is None else int.from_bytes(raw)
 
     def early_count(self) -> int:
         with self.read() as txn:

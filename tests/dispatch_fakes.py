@@ -40,7 +40,9 @@ class MemoryRows:
         ts, rid, payload = min(mine)
         return Row(vin, rid, ts, sha1(payload), len(payload)), payload
 
-    def ack(self, vin: str, request_id: str, digest: bytes, *, outcome: Any = None, attempts: int = 1) -> bool:
+    def ack(
+        self, vin: str, request_id: str, digest: bytes, *, outcome: Any = None, attempts: int = 1, response: bytes = b""
+    ) -> bool:
         current = self.rows.get((vin, request_id))
         if current is None or sha1(current[1]) != digest or (vin, request_id, digest) in self.pending_acks:
             return False
@@ -64,7 +66,7 @@ class RecordingPublisher:
     sent: list[tuple[str, str, bytes]] = field(default_factory=list)
     up: bool = True
 
-    def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
+    def publish(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
         if not self.up:
             return False
         self.sent.append((vin, request_id, payload))

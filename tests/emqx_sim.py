@@ -1041,12 +1041,12 @@ class Vehicle:
         pending, self._pending = self._pending, []
         return sum(self._ack(conn, mid, qos, msg) for conn, mid, qos, msg in pending)
 
-    def _job_heartbeat(self, conn: _Conn, kind: str, payload: bytes) -> pb.ValuedResponse | None:
+    def _job_publish(self, conn: _Conn, topic: str, payload: bytes, qos: int) -> pb.ValuedResponse | None:
         if conn.state != "open":
             raise RuntimeError(f"{self.clientid} is not connected")
         emqx = self.emqx
         headers = {"username": self.username, "protocol": "mqtt", "peerhost": LOOPBACK}
-        msg = emqx.new_message(f"ecp/{self.vin}/{kind}", payload, 0, self.clientid, headers)
+        msg = emqx.new_message(topic, payload, qos, self.clientid, headers)
         resp, routed, allowed = emqx._run_publish(msg)
         if allowed:
             info = conn.client.publish(routed.topic, routed.payload, qos=routed.qos)
@@ -1187,8 +1187,18 @@ class Vehicle:
         The published message is the one the server's answer leaves (topic/qos/payload rewrite,
         `allow_publish=false` → not published), then `message.dropped(no_subscribers)` if no
         vehicle subscribes. Returns the server's answer (None if publish is not registered)."""
+        return self.publish(f"ecp/{self.vin}/{kind}", payload, qos=0)
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1) -> pb.ValuedResponse | None:
+        """The vehicle publishes: `message.publish` (if registered for the topic), then the real
+        publish if allowed, then `message.dropped(no_subscribers)` if nobody subscribes."""
         conn = self._require_open()
-        return self.emqx._wait(self.emqx._submit(self.clientid, self._job_heartbeat, conn, kind, payload))  # type: ignore[no-any-return]
+        return self.emqx._wait(self.emqx._submit(self.clientid, self._job_publish, conn, topic, payload, qos))  # type: ignore[no-any-return]
+
+    def respond(self, request_id: str, payload: bytes, vin: str | None = None) -> pb.ValuedResponse | None:
+        """The vehicle's answer to `request_id` on `agent/<vin>/proxy/response/<request_id>`
+        (another `vin` plays a forged answer)."""
+        return self.publish(f"agent/{vin or self.vin}/proxy/response/{request_id}", payload)
 
     def disconnect(self, timeout_s: float = 10.0) -> None:
         """Clean DISCONNECT; then client.disconnected("normal") (+ session.terminated if not persistent)."""

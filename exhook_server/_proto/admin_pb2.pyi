@@ -63,33 +63,45 @@ class Session(_message.Message):
     def __init__(self, node: _Optional[str] = ..., clientid: _Optional[str] = ..., peerhost: _Optional[str] = ..., peerport: _Optional[int] = ...) -> None: ...
 
 class InFlight(_message.Message):
-    __slots__ = ("request_id", "sha1", "session", "age_ms", "acking")
+    __slots__ = ("request_id", "sha1", "session", "age_ms", "acking", "attempts", "await_response", "acked_age_ms", "cancelled")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SHA1_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     AGE_MS_FIELD_NUMBER: _ClassVar[int]
     ACKING_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ACKED_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sha1: str
     session: Session
     age_ms: int
     acking: bool
-    def __init__(self, request_id: _Optional[str] = ..., sha1: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., age_ms: _Optional[int] = ..., acking: _Optional[bool] = ...) -> None: ...
+    attempts: int
+    await_response: bool
+    acked_age_ms: int
+    cancelled: bool
+    def __init__(self, request_id: _Optional[str] = ..., sha1: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., age_ms: _Optional[int] = ..., acking: _Optional[bool] = ..., attempts: _Optional[int] = ..., await_response: _Optional[bool] = ..., acked_age_ms: _Optional[int] = ..., cancelled: _Optional[bool] = ...) -> None: ...
 
 class Pending(_message.Message):
-    __slots__ = ("request_id", "ts_ms", "sha1", "size")
+    __slots__ = ("request_id", "ts_ms", "sha1", "size", "expires_at_ms", "await_response")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TS_MS_FIELD_NUMBER: _ClassVar[int]
     SHA1_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ts_ms: int
     sha1: str
     size: int
-    def __init__(self, request_id: _Optional[str] = ..., ts_ms: _Optional[int] = ..., sha1: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    expires_at_ms: int
+    await_response: bool
+    def __init__(self, request_id: _Optional[str] = ..., ts_ms: _Optional[int] = ..., sha1: _Optional[str] = ..., size: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., await_response: _Optional[bool] = ...) -> None: ...
 
 class Vehicle(_message.Message):
-    __slots__ = ("vin", "online", "session", "in_flight", "pending", "worker", "outcomes")
+    __slots__ = ("vin", "online", "session", "in_flight", "pending", "worker", "outcomes", "backlog", "at_backlog_bound")
     VIN_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +109,8 @@ class Vehicle(_message.Message):
     PENDING_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    BACKLOG_FIELD_NUMBER: _ClassVar[int]
+    AT_BACKLOG_BOUND_FIELD_NUMBER: _ClassVar[int]
     vin: str
     online: bool
     session: Session
@@ -104,23 +118,27 @@ class Vehicle(_message.Message):
     pending: _containers.RepeatedCompositeFieldContainer[Pending]
     worker: str
     outcomes: _containers.RepeatedCompositeFieldContainer[Outcome]
-    def __init__(self, vin: _Optional[str] = ..., online: _Optional[bool] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., in_flight: _Optional[_Union[InFlight, _Mapping]] = ..., pending: _Optional[_Iterable[_Union[Pending, _Mapping]]] = ..., worker: _Optional[str] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ...) -> None: ...
+    backlog: int
+    at_backlog_bound: bool
+    def __init__(self, vin: _Optional[str] = ..., online: _Optional[bool] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., in_flight: _Optional[_Union[InFlight, _Mapping]] = ..., pending: _Optional[_Iterable[_Union[Pending, _Mapping]]] = ..., worker: _Optional[str] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., backlog: _Optional[int] = ..., at_backlog_bound: _Optional[bool] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("request_id", "sha1", "outcome", "ts_ms", "stored_ms", "attempts")
+    __slots__ = ("request_id", "sha1", "outcome", "ts_ms", "stored_ms", "attempts", "response")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SHA1_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     TS_MS_FIELD_NUMBER: _ClassVar[int]
     STORED_MS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sha1: str
     outcome: str
     ts_ms: int
     stored_ms: int
     attempts: int
-    def __init__(self, request_id: _Optional[str] = ..., sha1: _Optional[str] = ..., outcome: _Optional[str] = ..., ts_ms: _Optional[int] = ..., stored_ms: _Optional[int] = ..., attempts: _Optional[int] = ...) -> None: ...
+    response: bytes
+    def __init__(self, request_id: _Optional[str] = ..., sha1: _Optional[str] = ..., outcome: _Optional[str] = ..., ts_ms: _Optional[int] = ..., stored_ms: _Optional[int] = ..., attempts: _Optional[int] = ..., response: _Optional[bytes] = ...) -> None: ...
 
 class ListOnlineRequest(_message.Message):
     __slots__ = ("page_size", "page_token")
@@ -193,7 +211,7 @@ class GetRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class Counts(_message.Message):
-    __slots__ = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed")
+    __slots__ = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed", "responded")
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +219,7 @@ class Counts(_message.Message):
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    RESPONDED_FIELD_NUMBER: _ClassVar[int]
     total: int
     pending: int
     delivered: int
@@ -208,7 +227,8 @@ class Counts(_message.Message):
     cancelled: int
     expired: int
     failed: int
-    def __init__(self, total: _Optional[int] = ..., pending: _Optional[int] = ..., delivered: _Optional[int] = ..., superseded: _Optional[int] = ..., cancelled: _Optional[int] = ..., expired: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+    responded: int
+    def __init__(self, total: _Optional[int] = ..., pending: _Optional[int] = ..., delivered: _Optional[int] = ..., superseded: _Optional[int] = ..., cancelled: _Optional[int] = ..., expired: _Optional[int] = ..., failed: _Optional[int] = ..., responded: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
     __slots__ = ("request_id", "sha1", "counts", "first_ms", "last_ms")
@@ -249,3 +269,19 @@ class ListRequestsResponse(_message.Message):
     next_page_token: str
     total: int
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id", "vins")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    VINS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    vins: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., vins: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("cancelled", "in_flight")
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    cancelled: int
+    in_flight: int
+    def __init__(self, cancelled: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...

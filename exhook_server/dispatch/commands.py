@@ -166,6 +166,19 @@ class Acknowledge:
 
 
 @dataclass(frozen=True, slots=True)
+class Responded:
+    """The vehicle answered `request_id` on the response topic (`session`: who published it)."""
+
+    vin: str
+    session: Session
+    request_id: str
+    #: The answer's first max_response_bytes.
+    payload: bytes
+    #: The answer's full size in bytes.
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
 class Connected:
     """A new connection of a client: any older connection of that clientid is gone (EMQX allows one)."""
 
@@ -214,4 +227,16 @@ class Sweep:
     to vehicles still online (a lost PUBACK must not wait for the next heartbeat)."""
 
 
-Command = MaybeSend | NewBatch | Acknowledge | Connected | Down | Requeue | Refused | BrokerLost | BrokerBack | Sweep
+Command = (
+    MaybeSend
+    | NewBatch
+    | Acknowledge
+    | Responded
+    | Connected
+    | Down
+    | Requeue
+    | Refused
+    | BrokerLost
+    | BrokerBack
+    | Sweep
+)

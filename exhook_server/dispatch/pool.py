@@ -33,12 +33,13 @@ from exhook_server.dispatch.commands import (
     NewBatch,
     Refused,
     Requeue,
+    Responded,
     Session,
     Sweep,
     Trigger,
 )
 from exhook_server.dispatch.ring import HashRing
-from exhook_server.dispatch.worker import OutcomeListener, Publisher, RowSource, Worker
+from exhook_server.dispatch.worker import OutcomeListener, Publisher, ResponseListener, RowSource, Worker
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
@@ -79,6 +80,9 @@ class Dispatcher:
         forward: Callable[[int, Any], None] | None = None,
         ask: Callable[[int, Any], Awaitable[Any]] | None = None,
         on_outcome: OutcomeListener | None = None,
+        max_attempts: int = 0,
+        response_timeout_s: float = 300.0,
+        on_response: ResponseListener | None = None,
     ) -> None:
         if processes > 1 and forward is None:
             raise ValueError("a dispatcher in a group of processes needs a way to forward to them")
@@ -99,7 +103,17 @@ class Dispatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_handle: asyncio.Handle | None = None
         self.workers = {
-            n: Worker(n, rows, publisher, inflight_timeout_s=inflight_timeout_s, on_outcome=on_outcome) for n in local
+            n: Worker(
+                n,
+                rows,
+                publisher,
+                inflight_timeout_s=inflight_timeout_s,
+                on_outcome=on_outcome,
+                max_attempts=max_attempts,
+                response_timeout_s=response_timeout_s,
+                on_response=on_response,
+            )
+            for n in local
         }
         self._vin_from_clientid = vin_from_clientid
         #: clientid → the VINs it subscribed or heartbeated for since start-up; none for a client
@@ -246,6 +260,32 @@ class Dispatcher:
     def acked(self, session: Session, vin: str, request_id: str, sha1: bytes) -> None:
         self.submit(Acknowledge(vin, session, request_id, sha1))
 
+    def responded(self, session: Session, vin: str, request_id: str, payload: bytes, size: int) -> None:
+        """A publish on the response topic of `vin` (checked by the VIN's worker)."""
+        self.submit(Responded(vin, session, request_id, payload, size))
+
+    async def cancelled(self, request_id: str, rows: tuple[tuple[str, bytes], ...]) -> int:
+        """A cancel ended these (VIN, sha1) rows of `request_id`: how many were out for delivery
+        (their workers mark them, so their outcome follows the delivery), over the group."""
+        mine: list[tuple[str, bytes]] = []
+        theirs: dict[int, list[tuple[str, bytes]]] = {}
+        for vin, sha1 in rows:
+            process = self._process_of_node[self.ring.owner(vin)]
+            (mine if process == self._process else theirs.setdefault(process, [])).append((vin, sha1))
+        count = self._mark_cancelled(request_id, mine)
+        if theirs and self._ask is not None:
+            asked = [self._ask(p, ("cancelled", request_id, tuple(part))) for p, part in theirs.items()]
+            count += sum(await asyncio.gather(*asked))
+        return count
+
+    def _mark_cancelled(self, request_id: str, rows: Iterable[tuple[str, bytes]]) -> int:
+        count = 0
+        for vin, sha1 in rows:
+            worker = self.worker_of(vin)
+            if worker is not None and worker.mark_cancelled(vin, request_id, sha1):
+                count += 1
+        return count
+
     def connected(self, session: Session) -> None:
         if self._client_elsewhere("connected", session):
             return
@@ -279,6 +319,9 @@ class Dispatcher:
     def refresh_gauges(self) -> None:
         metrics.ONLINE_VEHICLES.set(self.online_count())
         metrics.IN_FLIGHT.set(self.in_flight_count())
+        metrics.AWAITING_RESPONSE.set(
+            sum(1 for w in self.workers.values() for e in w.inflight.values() if e.acked_at is not None)
+        )
 
     # -- the whole group's view (Admin API) ---------------------------------------
     def answer(self, query: tuple[Any, ...]) -> Any:
@@ -290,6 +333,8 @@ class Dispatcher:
             return self.online()
         if query[0] == "totals":
             return self.online_count(), self.in_flight_count(), self.backlog()
+        if query[0] == "cancelled":
+            return self._mark_cancelled(query[1], query[2])
         raise ValueError(f"unknown query {query[0]!r}")
 
     async def _ask_all(self, query: tuple[Any, ...]) -> list[Any]:

@@ -89,16 +89,23 @@ class StoreRows:
         return None
 
     def ack(
-        self, vin: str, request_id: str, sha1: bytes, *, outcome: Outcome = Outcome.DELIVERED, attempts: int = 1
+        self,
+        vin: str,
+        request_id: str,
+        sha1: bytes,
+        *,
+        outcome: Outcome = Outcome.DELIVERED,
+        attempts: int = 1,
+        response: bytes = b"",
     ) -> bool:
         with self._lock:
             if self._deleting.get(vin, {}).get(request_id) == sha1:
                 return False  # a duplicate PUBACK: its delete is already on its way
         row = self._store.row(vin, request_id)
-        if row is None or row.sha1 != sha1:
-            # Nothing of ours to delete (a duplicate PUBACK, or the row was replaced since): no
-            # write at all. The delete re-checks inside its transaction, so this read only ever
-            # saves work, it never decides a delete.
+        if (row is None or row.sha1 != sha1) and self._store.outcome(vin, request_id, sha1) is not Outcome.CANCELLED:
+            # Nothing of ours to end (a duplicate PUBACK, or the row was replaced since), and no
+            # cancelled delivery to amend: no write at all. The op re-checks inside its
+            # transaction, so this read only ever saves work, it never decides.
             return False
         with self._lock:
             self._deleting.setdefault(vin, {})[request_id] = sha1
@@ -112,6 +119,7 @@ class StoreRows:
                 now_ms=now_ms(),
                 outcome=outcome,
                 attempts=attempts,
+                response=response,
             ),
             lazy=True,
         )

@@ -10,6 +10,13 @@ at most one delivery per VIN is in flight; the oldest pending row goes first;
 `session_resumed` re-points the in-flight entry (the broker session redelivers
 it) instead of sending again; an entry older than the in-flight timeout, or
 owned by a connection that is gone, is sent again.
+
+Lifecycle rules (issue 13): a row is published at most `max_attempts` times, then it
+ends `failed` and the next one goes; a row awaiting the vehicle's answer keeps the slot
+after its PUBACK until the answer (outcome `responded`) or `response_timeout_s` (then
+`failed`); rows past their expires_at or being cancelled are never offered by the row
+source; a delivery whose row was cancelled while out keeps the slot, and its outcome
+follows what the vehicle does with it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from exhook_server.dispatch.commands import (
     NewBatch,
     Refused,
     Requeue,
+    Responded,
     Session,
     Sweep,
     Trigger,
@@ -47,8 +55,9 @@ log = structlog.get_logger("sdv_fanout.dispatch")
 class Publisher(Protocol):
     """Sends one delivery; the only way dispatch reaches MQTT."""
 
-    def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
-        """Queue a QoS 1 delivery; False when there is no broker connection right now."""
+    def publish(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
+        """Queue a QoS 1 delivery (with an MQTT 5 Message-Expiry-Interval when `expires_ms`,
+        epoch ms, is set); False when there is no broker connection right now."""
         ...
 
 
@@ -60,16 +69,26 @@ class RowSource(Protocol):
         ...
 
     def ack(
-        self, vin: str, request_id: str, sha1: bytes, *, outcome: Outcome = Outcome.DELIVERED, attempts: int = 1
+        self,
+        vin: str,
+        request_id: str,
+        sha1: bytes,
+        *,
+        outcome: Outcome = Outcome.DELIVERED,
+        attempts: int = 1,
+        response: bytes = b"",
     ) -> bool:
-        """The row is done (delivered, or failed for good): end it with `outcome` if it still
-        holds `sha1` (durably soon, hidden from `oldest` at once); True when that was started,
-        False when there was nothing of that sha1 to end."""
+        """The row is done (delivered, answered, or failed for good): end it with `outcome` if
+        it still holds `sha1` (durably soon, hidden from `oldest` at once), or amend its
+        outcome if it was cancelled while out; True when that was started, False when there
+        was nothing of that sha1 to end."""
         ...
 
 
 #: Told when dispatch ends a pair: (vin, request_id, sha1, outcome, attempts).
 OutcomeListener = Callable[[str, str, bytes, Outcome, int], None]
+#: Told of an accepted answer: (vin, request_id, sha1, the answer's first bytes, its full size).
+ResponseListener = Callable[[str, str, bytes, bytes, int], None]
 
 
 @dataclass(slots=True)
@@ -80,6 +99,12 @@ class InFlight:
     sent_at: float
     #: Times this (request_id, sha1) has been published to the vehicle, this one included.
     attempts: int = 1
+    #: The vehicle's answer, not its PUBACK, ends the row.
+    await_response: bool = False
+    #: When the PUBACK of a delivery awaiting its answer came (clock), else None.
+    acked_at: float | None = None
+    #: Its row was cancelled while out: the outcome follows what the vehicle does with it.
+    cancelled: bool = False
 
 
 class Worker:
@@ -94,6 +119,9 @@ class Worker:
         inflight_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_outcome: OutcomeListener | None = None,
+        max_attempts: int = 0,
+        response_timeout_s: float = 300.0,
+        on_response: ResponseListener | None = None,
     ) -> None:
         self.name = name
         self._rows = rows
@@ -101,16 +129,19 @@ class Worker:
         self._timeout = inflight_timeout_s
         self._clock = clock
         self._on_outcome = on_outcome
+        self._max_attempts = max_attempts
+        self._response_timeout = response_timeout_s
+        self._on_response = on_response
         #: VIN → the live session that can receive its deliveries. The biggest state of the
         #: server (one entry per online vehicle): the session shares the key's string when
         #: the clientid is the VIN, see `_own`.
         self.presence: dict[str, Session] = {}
         #: VIN → the one delivery waiting for its PUBACK.
         self.inflight: dict[str, InFlight] = {}
-        #: VIN → (request_id, sha1, attempts) of a delivery published and not acked whose
-        #: in-flight entry was voided since: sending it again is a re-send (one more attempt).
-        #: While a delivery is in flight, its entry says so instead (no second entry per VIN).
-        self._unacked: dict[str, tuple[str, bytes, int]] = {}
+        #: VIN → (request_id, sha1, attempts, await_response) of a delivery published and not
+        #: acked whose in-flight entry was voided since: sending it again is a re-send (one more
+        #: attempt). While a delivery is in flight, its entry says so instead (one entry per VIN).
+        self._unacked: dict[str, tuple[str, bytes, int, bool]] = {}
 
     def handle(self, cmd: Command) -> None:
         if isinstance(cmd, NewBatch):
@@ -128,10 +159,12 @@ class Worker:
             current = self.presence.get(cmd.vin)
             if current is not None and not current.same_connection(cmd.session):
                 del self.presence[cmd.vin]
+        elif isinstance(cmd, Responded):
+            self._responded(cmd)
         elif isinstance(cmd, Refused):
             self._refused(cmd)
         elif isinstance(cmd, Requeue):
-            self._void(cmd.vin)
+            self._void(cmd.vin, force=True)
             self._try_send(cmd.vin, Trigger.REQUEUE)
         elif isinstance(cmd, BrokerLost):
             # Whatever our client had not delivered is gone with its connection.
@@ -139,7 +172,15 @@ class Worker:
                 self._void(vin)
         elif isinstance(cmd, Sweep):
             now = self._clock()
-            late = [v for v, e in self.inflight.items() if now - e.sent_at >= self._timeout]
+            unanswered = [
+                v
+                for v, e in self.inflight.items()
+                if e.acked_at is not None and now - e.acked_at >= self._response_timeout
+            ]
+            for vin in unanswered:  # online or not: the outcome should not wait for the vehicle
+                self._give_up(vin, self.inflight[vin], "response_timeout")
+                self._try_send(vin, Trigger.TIMEOUT)
+            late = [v for v, e in self.inflight.items() if e.acked_at is None and now - e.sent_at >= self._timeout]
             for vin in late:
                 self._try_send(vin, Trigger.TIMEOUT)
         elif isinstance(cmd, BrokerBack):
@@ -155,11 +196,15 @@ class Worker:
             return session.with_clientid(vin)
         return session
 
-    def _void(self, vin: str) -> None:
-        """Forget the VIN's in-flight delivery unacked: it may be sent again (as a re-send)."""
-        entry = self.inflight.pop(vin, None)
-        if entry is not None:
-            self._unacked[vin] = (entry.request_id, entry.sha1, entry.attempts)
+    def _void(self, vin: str, *, force: bool = False) -> None:
+        """Forget the VIN's in-flight delivery unacked: it may be sent again (as a re-send). A
+        delivery the vehicle PUBACKed and whose answer is awaited stays (the vehicle has it),
+        unless `force` (an operator's requeue)."""
+        entry = self.inflight.get(vin)
+        if entry is None or (entry.acked_at is not None and not force):
+            return
+        del self.inflight[vin]
+        self._unacked[vin] = (entry.request_id, entry.sha1, entry.attempts, entry.await_response)
 
     # -- rules -------------------------------------------------------------------
     def _maybe_send(self, cmd: MaybeSend) -> None:
@@ -190,22 +235,55 @@ class Worker:
             return
         entry = self.inflight.get(vin)
         if entry is not None:
-            fresh = self._clock() - entry.sent_at < self._timeout
-            if fresh and entry.session.same_connection(session):
-                return
+            now = self._clock()
+            if entry.acked_at is not None:
+                if now - entry.acked_at < self._response_timeout:
+                    return  # the vehicle has it and is working on its answer
+                self._give_up(vin, entry, "response_timeout")
+            else:
+                fresh = now - entry.sent_at < self._timeout
+                if fresh and entry.session.same_connection(session):
+                    return
+                if entry.cancelled and not fresh:
+                    self._give_up(vin, entry, "cancelled_unacked")
         found = self._rows.oldest(vin)
+        if found is not None and self._max_attempts:
+            row = found[0]
+            prior = self._attempts(vin, row.request_id, row.sha1)
+            if prior >= self._max_attempts:
+                # Sent max_attempts times and never taken: it must not block what follows.
+                self._fail(vin, row.request_id, row.sha1, prior, "max_attempts")
+                found = self._rows.oldest(vin)
         if found is None:
             self._void(vin)
             return
         row, payload = found
-        if not self._publisher.publish(vin, row.request_id, payload):
+        if not self._publisher.publish(vin, row.request_id, payload, expires_ms=row.expires_ms):
             return  # no broker connection: BrokerBack will try again
         attempts = self._attempts(vin, row.request_id, row.sha1) + 1
         resend = attempts > 1
-        self.inflight[vin] = InFlight(row.request_id, row.sha1, session, self._clock(), attempts)
+        self.inflight[vin] = InFlight(
+            row.request_id, row.sha1, session, self._clock(), attempts, await_response=row.await_response
+        )
         self._unacked.pop(vin, None)
         (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
         log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)
+
+    def _fail(self, vin: str, request_id: str, sha1: bytes, attempts: int, reason: str) -> None:
+        """End the row `failed` for `reason` (a cancelled one: amended to failed) and forget it."""
+        entry = self.inflight.get(vin)
+        if entry is not None and entry.request_id == request_id and entry.sha1 == sha1:
+            del self.inflight[vin]
+        voided = self._unacked.get(vin)
+        if voided is not None and voided[0] == request_id and voided[1] == sha1:
+            del self._unacked[vin]
+        if self._rows.ack(vin, request_id, sha1, outcome=Outcome.FAILED, attempts=attempts):
+            self._ended(vin, request_id, sha1, Outcome.FAILED, attempts)
+        metrics.DELIVERIES_FAILED.labels(reason).inc()
+        log.warning("delivery_failed", vin=vin, request_id=request_id, reason=reason, attempts=attempts)
+
+    def _give_up(self, vin: str, entry: InFlight, reason: str) -> None:
+        self._fail(vin, entry.request_id, entry.sha1, entry.attempts, reason)
 
     def _attempts(self, vin: str, request_id: str, sha1: bytes) -> int:
         """How often (request_id, sha1) has been published to `vin` so far (0: never, or
@@ -220,6 +298,8 @@ class Worker:
 
     def _acknowledge(self, cmd: Acknowledge) -> None:
         vin, rid, digest = cmd.vin, cmd.request_id, cmd.sha1
+        if self._awaits_answer(cmd):
+            return  # the answer, not the PUBACK, frees the slot
         attempts = max(1, self._attempts(vin, rid, digest))
         deleted = self._rows.ack(vin, rid, digest, attempts=attempts)
         metrics.DELIVERIES_ACKED.labels("deleted" if deleted else "kept").inc()
@@ -235,6 +315,66 @@ class Worker:
             del self.inflight[vin]
         self._try_send(vin, Trigger.NEW_BATCH)
 
+    def _awaits_answer(self, cmd: Acknowledge) -> bool:
+        """A PUBACK of a delivery awaiting the vehicle's answer: start its response timeout (the
+        vehicle has it now). True when so."""
+        vin = cmd.vin
+        entry = self.inflight.get(vin)
+        if entry is not None and entry.request_id == cmd.request_id and entry.sha1 == cmd.sha1:
+            if not entry.await_response:
+                return False
+            if entry.acked_at is None:
+                entry.acked_at = self._clock()
+            return True
+        voided = self._unacked.get(vin)
+        if entry is None and voided is not None and voided[:2] == (cmd.request_id, cmd.sha1) and voided[3]:
+            # Voided (our link or its connection dropped) yet it reached the vehicle after all.
+            del self._unacked[vin]
+            now = self._clock()
+            self.inflight[vin] = InFlight(cmd.request_id, cmd.sha1, cmd.session, now, voided[2], True, now)
+            return True
+        return False
+
+    def _responded(self, cmd: Responded) -> None:
+        """The vehicle's answer to a request: it ends the one in flight, if it is that one, it
+        awaits an answer, and the answer comes from the vehicle's own client."""
+        vin, rid = cmd.vin, cmd.request_id
+        entry = self.inflight.get(vin)
+        if entry is None or entry.request_id != rid:
+            metrics.RESPONSES.labels("late").inc()
+            log.info("response_ignored", vin=vin, request_id=rid, reason="late", publisher=cmd.session.clientid)
+            return
+        present = self.presence.get(vin)
+        own = {entry.session.clientid} | ({present.clientid} if present is not None else set())
+        if cmd.session.clientid not in own:
+            metrics.RESPONSES.labels("forged").inc()
+            log.warning("response_ignored", vin=vin, request_id=rid, reason="forged", publisher=cmd.session.clientid)
+            return
+        if not entry.await_response:
+            metrics.RESPONSES.labels("not_awaited").inc()
+            log.info("response_ignored", vin=vin, request_id=rid, reason="not_awaited")
+            return
+        del self.inflight[vin]
+        self._unacked.pop(vin, None)
+        metrics.RESPONSES.labels("accepted").inc()
+        if self._rows.ack(
+            vin, rid, entry.sha1, outcome=Outcome.RESPONDED, attempts=entry.attempts, response=cmd.payload
+        ):
+            self._ended(vin, rid, entry.sha1, Outcome.RESPONDED, entry.attempts)
+            if self._on_response is not None:
+                self._on_response(vin, rid, entry.sha1, cmd.payload, cmd.size)
+        self._try_send(vin, Trigger.NEW_BATCH)
+
+    def mark_cancelled(self, vin: str, request_id: str, sha1: bytes) -> bool:
+        """A cancel ended the row (vin, request_id, sha1): True when a delivery of it is out (the
+        entry stays, so the slot stays taken until the vehicle answers or it times out)."""
+        entry = self.inflight.get(vin)
+        if entry is not None and entry.request_id == request_id and entry.sha1 == sha1:
+            entry.cancelled = True
+            return True
+        voided = self._unacked.get(vin)
+        return voided is not None and voided[:2] == (request_id, sha1)
+
     def _refused(self, cmd: Refused) -> None:
         """The broker refused a delivery: that row's attempt failed, nobody else's. Sent again
         (the delivery client sends it alone) until refused for good; then the row ends failed
@@ -244,7 +384,7 @@ class Worker:
         if entry is not None and entry.request_id == rid:
             sha1, attempts = entry.sha1, entry.attempts
         elif vin in self._unacked and self._unacked[vin][0] == rid:
-            _, sha1, attempts = self._unacked[vin]  # voided meanwhile (our link dropped with it)
+            _, sha1, attempts, _ = self._unacked[vin]  # voided meanwhile (our link dropped with it)
         else:
             return  # no longer what this vehicle has out
         metrics.DELIVERIES_REFUSED.labels(cmd.reason).inc()

@@ -59,7 +59,7 @@ class Fleet:
         self.published = 0
 
     # -- the Publisher seam -------------------------------------------------------
-    def publish(self, vin: str, request_id: str, payload: bytes) -> bool:
+    def publish(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
         if not self.link_up:
             return False
         self.published += 1

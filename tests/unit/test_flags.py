@@ -24,6 +24,8 @@ STRINGS = {
     "batch_topic": "fleet/batch",
     "data_topic_prefix": "fleet/data",
     "trigger_topic": "fleet/trigger",
+    "cancel_topic": "fleet/cancel",
+    "response_topic_prefix": "car/{VIN}/answer",
     "vin_pattern": "[A-Z0-9]{17}",
     "data_id_pattern": "[a-f0-9]{40}",
     "request_topic_prefix": "car/{VIN}/cmd",

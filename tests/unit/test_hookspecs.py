@@ -27,9 +27,26 @@ def test_message_hooks_carry_topic_filters() -> None:
 
 def test_topic_filters_follow_configured_topics() -> None:
     """Custom batch topics are what we register."""
-    cfg = Config(batch_topic="fleet/batch", data_topic_prefix="fleet/data", trigger_topic="fleet/trigger")
+    cfg = Config(
+        batch_topic="fleet/batch",
+        data_topic_prefix="fleet/data",
+        trigger_topic="fleet/trigger",
+        cancel_topic="fleet/cancel",
+        response_topic_prefix="car/{VIN}/answer",
+    )
     [(_, topics)] = [s for s in hook_specs(cfg) if s[0] == "message.publish"]
-    assert set(topics) == {"fleet/batch", "fleet/data/#", "fleet/trigger", "ecp/+/online", "ecp/+/heartbeat"}
+    assert set(topics) == {
+        "fleet/batch",
+        "fleet/data/#",
+        "fleet/trigger",
+        "fleet/cancel",
+        "ecp/+/online",
+        "ecp/+/heartbeat",
+        "car/+/answer/+",
+    }
+    # Responses off: no filter for them.
+    [(_, topics)] = [s for s in hook_specs(Config(response_topic_prefix="")) if s[0] == "message.publish"]
+    assert not any("response" in t for t in topics)
 
 
 def test_acks_are_filtered_to_delivery_topics() -> None:
