@@ -172,6 +172,26 @@ REJECTIONS = [
     ),
     ("wrong_type", "$SDV-FANOUT/trigger", json.dumps({"ids": ["VIN1"], "request_id": "t_1", "data_id": 3}).encode()),
     ("missing_field", "$SDV-FANOUT/trigger", json.dumps({"ids": ["VIN1"], "request_id": "t_1"}).encode()),
+    # Lifecycle fields (issue 13).
+    ("expired", "$SDV-FANOUT", json.dumps({**GOOD, "expires_at": 1_000}).encode()),
+    ("expired", "$SDV-FANOUT", json.dumps({**GOOD, "expires_at": "2001-09-09T01:46:40Z"}).encode()),
+    (
+        "expired",
+        "$SDV-FANOUT/trigger",
+        json.dumps({"ids": ["VIN1"], "request_id": "t_1", "data_id": "d1", "expires_at": 5}).encode(),
+    ),
+    ("bad_expires_at", "$SDV-FANOUT", json.dumps({**GOOD, "expires_at": "tomorrow"}).encode()),
+    ("bad_expires_at", "$SDV-FANOUT", json.dumps({**GOOD, "expires_at": "2099-01-01T00:00:00"}).encode()),
+    ("bad_expires_at", "$SDV-FANOUT", json.dumps({**GOOD, "expires_at": 4.5e12}).encode()),
+    ("bad_expires_at", "$SDV-FANOUT", json.dumps({**GOOD, "expires_at": -1}).encode()),
+    ("bad_expires_at", "$SDV-FANOUT", json.dumps({**GOOD, "expires_at": 10**16}).encode()),
+    ("wrong_type", "$SDV-FANOUT", json.dumps({**GOOD, "await_response": "yes"}).encode()),
+    # Cancels are validated like batches.
+    ("missing_field", "$SDV-FANOUT/cancel", json.dumps({"ids": ["VIN1"]}).encode()),
+    ("bad_request_id", "$SDV-FANOUT/cancel", json.dumps({"request_id": "a/b"}).encode()),
+    ("empty_ids", "$SDV-FANOUT/cancel", json.dumps({"request_id": "task_a_1", "ids": []}).encode()),
+    ("bad_vin", "$SDV-FANOUT/cancel", json.dumps({"request_id": "task_a_1", "ids": ["V+"]}).encode()),
+    ("invalid_json", "$SDV-FANOUT/cancel", b"cancel it"),
 ]
 
 
