@@ -284,7 +284,7 @@ def _expires_ms(value: Any) -> int:
         return value
     if isinstance(value, str) and len(value) <= 64:
         try:
-            when = datetime.datetime.fromisoformat(value)
+            when = datetime.datetime.fromisoformat(value.upper())  # RFC 3339 allows "t" and "z"
         except ValueError:
             when = None
         if when is not None and when.tzinfo is not None and "T" in value.upper():
