@@ -256,3 +256,37 @@ def test_serve_takes_mqtt_url_and_metrics_listen_flags(tmp_path: Path) -> None:
         assert any(e["event"] == "delivery_disabled" for e in srv.events())
     finally:
         assert srv.terminate() == 0
+
+
+def test_cancel_through_grpcurl_and_the_cli(proc: SubprocessServer, tmp_path: Path) -> None:
+    """Admin Cancel (grpcurl) and `sdv-fanout cancel --server` end pending rows `cancelled`, for some
+    vehicles or every one; `request` then counts them; a bad request id is refused with its reason;
+    offline, `cancel` works on a stopped server's data dir."""
+    c = ExHookClient(proc.port)
+    c.batch(["CAN1", "CAN2", "CAN3"], "task_can_1", "x")
+    c.batch(["CAN1", "CAN2"], "task_can_2", "y")
+    c.close()
+    some = json.loads(
+        grpcurl(proc.admin_port, "-d", '{"request_id": "task_can_1", "vins": ["CAN1"]}', "sdv.fanout.v1.Admin/Cancel")
+    )
+    assert some == {"cancelled": "1"}  # in_flight 0 is the default, left out by grpcurl
+    sdv = str(BIN / "sdv-fanout")
+    every = run(sdv, "cancel", "task_can_1", "--server", f"127.0.0.1:{proc.admin_port}", "--json")
+    assert json.loads(every.stdout) == {"request_id": "task_can_1", "cancelled": 2, "in_flight": 0}, every.stderr
+    shown = run(sdv, "request", "task_can_1", "--server", f"127.0.0.1:{proc.admin_port}", "--json")
+    [gen] = json.loads(shown.stdout)["generations"]
+    assert gen["counts"]["cancelled"] == 3 and gen["counts"]["pending"] == 0
+    refused = run(sdv, "cancel", "task/x", "--server", f"127.0.0.1:{proc.admin_port}")
+    assert refused.returncode == 2 and "bad_request_id" in refused.stderr
+    # Offline, on a store no server runs on.
+    data_dir = tmp_path / "offline"
+    offline = SubprocessServer(data_dir)
+    c = ExHookClient(offline.port)
+    c.batch(["OFF1", "OFF2"], "task_off_1", "z")
+    c.close()
+    offline.terminate()
+    env = {**os.environ, "SDV_FANOUT_DATA_DIR": str(data_dir)}
+    done = subprocess.run([sdv, "cancel", "task_off_1", "--vin", "OFF2"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and "1 pending row(s) cancelled" in done.stdout, done.stderr
+    inspect = subprocess.run([sdv, "inspect", "OFF2", "--json"], capture_output=True, text=True, env=env)
+    assert [o["outcome"] for o in json.loads(inspect.stdout)["outcomes"]] == ["cancelled"]
