@@ -636,6 +636,8 @@ class Delivery(NamedTuple):
     request_id: str
     payload: bytes
     dup: bool
+    #: Its MQTT 5 Message-Expiry-Interval as received (None: it had none).
+    expiry_s: int | None = None
 
 
 class Acker:
@@ -760,7 +762,8 @@ class Vehicle:
 
     def _on_message(self, client: mqtt.Client, msg: mqtt.MQTTMessage) -> None:
         with self._lock:
-            self.received.append(Delivery(msg.topic.rsplit("/", 1)[-1], bytes(msg.payload), bool(msg.dup)))
+            expiry = getattr(msg.properties, "MessageExpiryInterval", None)
+            self.received.append(Delivery(msg.topic.rsplit("/", 1)[-1], bytes(msg.payload), bool(msg.dup), expiry))
             self._unacked += 1
             self.max_unacked = max(self.max_unacked, self._unacked)
             if not self.auto_ack:
@@ -808,9 +811,17 @@ class Vehicle:
 
     def heartbeat(self, kind: str = "online", *, qos: int = 1, timeout_s: float = 10) -> None:
         """Publish `ecp/<VIN>/<kind>`; at QoS 1 wait for its PUBACK (EMQX ran the hook by then)."""
-        info = self._require().publish(f"ecp/{self.vin}/{kind}", b"{}", qos=qos)
+        self.publish(f"ecp/{self.vin}/{kind}", b"{}", qos=qos, timeout_s=timeout_s)
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, timeout_s: float = 10) -> None:
+        """Publish; at QoS 1 wait for its PUBACK (EMQX ran the message.publish hook by then)."""
+        info = self._require().publish(topic, payload, qos=qos)
         if qos > 0:
             info.wait_for_publish(timeout_s)
+
+    def respond(self, request_id: str, payload: bytes) -> None:
+        """The vehicle's answer to `request_id` on `agent/<VIN>/proxy/response/<request_id>`."""
+        self.publish(f"agent/{self.vin}/proxy/response/{request_id}", payload)
 
     def drop(self) -> None:
         """Close the TCP connection without DISCONNECT (a vehicle losing its network)."""
@@ -892,9 +903,15 @@ class Platform:
         (code,) = poll(lambda: self._codes.pop(info.mid, None), timeout_s)
         return int(code)
 
-    def batch(self, vins: list[str], request_id: str, data: str, topic: str = "$SDV-FANOUT") -> int:
-        """A seed-format batch `{"ids", "request_id", "data"}`; returns the PUBACK reason code."""
-        return self.publish(topic, json.dumps({"ids": vins, "request_id": request_id, "data": data}).encode())
+    def batch(self, vins: list[str], request_id: str, data: str, topic: str = "$SDV-FANOUT", **extra: Any) -> int:
+        """A seed-format batch `{"ids", "request_id", "data", **extra}`; returns the PUBACK reason code."""
+        doc = {"ids": vins, "request_id": request_id, "data": data, **extra}
+        return self.publish(topic, json.dumps(doc).encode())
+
+    def cancel(self, request_id: str, vins: list[str] | None = None) -> int:
+        """`{"request_id", "ids"?}` on `$SDV-FANOUT/cancel`; returns the PUBACK reason code."""
+        doc: dict[str, Any] = {"request_id": request_id} | ({"ids": vins} if vins is not None else {})
+        return self.publish("$SDV-FANOUT/cancel", json.dumps(doc).encode())
 
     def data(self, data_id: str, payload: bytes) -> int:
         """The plugin format's data message on `$SDV-FANOUT/data/<data_id>`."""

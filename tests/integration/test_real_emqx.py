@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from storage.ops import sha1_of
+from storage.outcomes import Outcome
 from storage.store import Store
 from tests.emqx_real import (
     EmqxBroker,
@@ -323,6 +325,39 @@ def test_broker_restart_mid_fanout_delivers_everything(rig: Any) -> None:
         assert sorted(set(v.request_ids())) == rids, v.vin
         assert max(Counter(v.request_ids()).values()) <= 2, (v.vin, v.request_ids())
     assert fanout.srv.proc.poll() is None
+
+
+def test_answers_cancel_and_expiry_through_the_broker(rig: Any) -> None:
+    """Through a real EMQX: a request awaiting answers holds each vehicle's slot until its answer
+    (published on the response topic, which EMQX still routes to a platform subscriber), carries
+    its Message-Expiry-Interval, and a cancel stops the next request for one vehicle."""
+    fanout, fleet, platform, prefix = rig
+    vins = vins_of(prefix, 3)
+    spy = fleet.vehicle(f"{prefix}SPY")
+    spy.connect()
+    spy.subscribe(f"agent/+/proxy/response/task_diag_{prefix}")
+    vehicles = fleet.online(vins)
+    expires = int(time.time() * 1000) + 60_000
+    diag, cfg = f"task_diag_{prefix}", f"task_cfg_{prefix}"
+    platform.batch(vins, diag, "diag", await_response=True, expires_at=expires)
+    platform.batch(vins, cfg, "cfg")
+    poll(lambda: all_have(vehicles, [diag]), DEADLINE_S)
+    for v in vehicles:
+        [got] = v.received
+        assert got.expiry_s is not None and 50 <= got.expiry_s <= 60, got
+    platform.cancel(cfg, [vins[2]])
+    vehicles[0].respond(diag, b"ok-0")
+    vehicles[1].respond(diag, b"ok-1")
+    poll(lambda: all_have(vehicles[:2], [diag, cfg]), DEADLINE_S)
+    vehicles[2].respond(diag, b"ok-2")
+    poll(lambda: len(spy.received) == 3, DEADLINE_S)  # routed on to the platform, too
+    with Store(fanout.data_dir, readonly=True) as store:
+        poll(lambda: store.outcome(vins[2], diag, sha1_of(b"diag")) is Outcome.RESPONDED, DEADLINE_S)
+        assert store.outcome(vins[2], cfg, sha1_of(b"cfg")) is Outcome.CANCELLED
+    poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
+    assert vehicles[2].request_ids() == [diag]
+    assert [v.request_ids() for v in vehicles[:2]] == [[diag, cfg]] * 2
+    assert fanout.events("response_ignored") == []
 
 
 @pytest.mark.parametrize("how", ["sigterm", "kill9"])
