@@ -60,6 +60,12 @@ SCRIPTS: list[tuple[str, str, list[str], str]] = [
         ["--before", "7fd2d64"],  # the last commit without outcome records and generation counts
         "Status topic cost: on vs off, disk per outcome (bench/status_cost.py)",
     ),
+    (
+        "lifecycle",
+        "bench/lifecycle.py",
+        [],  # ~4 min: 6 rounds of 1,200 ingest batches per side and of 500 vehicles x 8 requests per mode
+        "Issue 13 lifecycle: the expiry index on ingest, response mode end to end (bench/lifecycle.py)",
+    ),
 ]
 
 #: bench/status_cost.py: issue 12's target, the status topic costs at most 10 % of ingest and e2e.
@@ -454,6 +460,50 @@ def status_rows(st: dict[str, Any] | None) -> list[Row]:
     return rows
 
 
+def lifecycle_rows(lc: dict[str, Any] | None) -> list[Row]:
+    """bench/lifecycle.py (issue 13): ingest with expires_at over without, response mode over PUBACK mode."""
+    ing = lc.get("ingest") if lc else None
+    e2e = lc.get("e2e") if lc else None
+    meas = "n/a"
+    if ing:
+        s = ing["summary"]
+        index = ", ".join(f"`{name}` {v['bytes_per_row']:.0f} B/row" for name, v in ing["index"].items())
+        meas = (
+            f"{fmt_mmm(s['with_over_without'])}x (with {s['with_rows_per_s']['median']:,.0f} vs without "
+            f"{s['without_rows_per_s']['median']:,.0f} VIN-rows/s, medians); server CPU per row "
+            f"{fmt_mmm(s['cpu_with_over_without'])}x; index {index}; a deadline per batch instead of one for all: "
+            f"{fmt_mmm(s['per_batch_over_without'])}x, CPU per row {fmt_mmm(s['cpu_per_batch_over_without'])}x"
+        )
+    rows: list[Row] = [
+        (
+            "Expiry index (`expires_at` an hour ahead on every batch), ingest VIN-rows/s",
+            "the same batches without `expires_at`, same server, same run",
+            "report",
+            meas,
+            "reported" if ing else "not measured (run failed)",
+        )
+    ]
+    meas = "n/a"
+    if e2e:
+        s = e2e["summary"]
+        us = {mode: s[f"{mode}_server_us_per_request"]["median"] for mode in ("response", "puback")}
+        meas = (
+            f"{fmt_mmm(s['response_over_puback'])}x (response {s['response_per_s']['median']:,.0f} vs PUBACK "
+            f"{s['puback_per_s']['median']:,.0f} completed requests/s, medians); server CPU per request "
+            f"{us['response']:,.0f} vs {us['puback']:,.0f} µs ({fmt_mmm(s['cpu_response_over_puback'])}x)"
+        )
+    rows.append(
+        (
+            "Response mode (`await_response`), end-to-end completed requests/s",
+            "PUBACK mode, same rig, fleet and run",
+            "report",
+            meas,
+            "reported" if e2e else "not measured (run failed)",
+        )
+    )
+    return rows
+
+
 #: Each scenario's summary rows, in the order of the summary table.
 SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "ingest": ingest_rows,
@@ -462,6 +512,7 @@ SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "e2e_emqx": emqx_rows,
     "gc": gc_rows,
     "status_cost": status_rows,
+    "lifecycle": lifecycle_rows,
 }
 
 
