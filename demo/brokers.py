@@ -1,7 +1,8 @@
 """The broker side of `make demo`: the real EMQX when a release is at hand, else the simulator.
 
 Either way the demo gets the same things from it: a URL for the server's delivery client, the
-ExHook registration, a platform that publishes batches on `$SDV-FANOUT`, the MQTT port where the
+ExHook registration, a platform that publishes batches on `$SDV-FANOUT` and cancels on
+`$SDV-FANOUT/cancel`, the MQTT port where the
 platform's status subscriber (demo/platform.py) connects, the settings for the fleet processes,
 and the delivery clients the broker sees connected (counted on the broker's side, so that it does
 not matter how many server processes there are or what their pids are).
@@ -35,6 +36,8 @@ from tests.emqx_real import (
 from tests.emqx_sim import LOOPBACK, FakeEmqx, Mosquitto
 
 BATCH_TOPIC = "$SDV-FANOUT"
+#: The server's default `cancel_topic`: `{"request_id": R}` ends every pending row of R `cancelled`.
+CANCEL_TOPIC = "$SDV-FANOUT/cancel"
 #: The server's default `mqtt_clientid_prefix`: every delivery client's id starts with it.
 DELIVERY_PREFIX = "sdv-fanout-"
 #: The open-source release to use when several are at hand.
@@ -45,16 +48,21 @@ EXHOOK_NAME = "sdv-fanout"
 PUBACK_TIMEOUT_S = 10.0
 
 
-def batch_payload(vins: list[str], request_id: str, data: str | bytes, **tags: str) -> bytes:
+def batch_payload(vins: list[str], request_id: str, data: str | bytes, **fields: Any) -> bytes:
     """A batch as the platform sends it: `{"ids", "request_id", "data"}`, bytes as base64, and
-    its `tags` (`batch_id`, `correlation_id`)."""
+    its optional `fields` (`batch_id`, `correlation_id`, `await_response`, `expires_at`)."""
     doc: dict[str, Any] = {"ids": vins, "request_id": request_id}
     if isinstance(data, bytes):
         doc.update(data=base64.b64encode(data).decode(), data_encoding="base64")
     else:
         doc["data"] = data
-    doc.update(tags)
+    doc.update(fields)
     return json.dumps(doc).encode()
+
+
+def cancel_payload(request_id: str, correlation_id: str) -> bytes:
+    """A cancel of every pending row of `request_id` (no `ids`: every vehicle)."""
+    return json.dumps({"request_id": request_id, "correlation_id": correlation_id}).encode()
 
 
 class Broker(Protocol):
@@ -85,10 +93,10 @@ class Broker(Protocol):
         """Make the broker call the server's hooks; returns the hooks the server asked for."""
         ...
 
-    def publish_batch(self, vins: list[str], request_id: str, data: str | bytes, **tags: str) -> None:
-        """Publish one batch on BATCH_TOPIC with its `tags` (`batch_id`, `correlation_id`); returns
-        once the broker has taken it (raises if not). Stored or rejected, the answer is the same:
-        only the status topic tells them apart."""
+    def publish(self, topic: str, payload: bytes) -> None:
+        """Publish one platform message at QoS 1 on BATCH_TOPIC or CANCEL_TOPIC; returns once the
+        broker has taken it, i.e. the server's hook answered (raises if not). Stored or rejected,
+        the answer is the same: only the status topic tells them apart."""
         ...
 
     def fleet_spec(self, delivery_clientid: str) -> dict[str, Any]:
@@ -179,13 +187,13 @@ class SimBroker:
         self.platform.calls = deque(maxlen=1000)  # the harness keeps every request; we need none
         return [h.name for h in self.platform.load().hooks]
 
-    def publish_batch(self, vins: list[str], request_id: str, data: str | bytes, **tags: str) -> None:
+    def publish(self, topic: str, payload: bytes) -> None:
         assert self.platform is not None
-        resp = self.platform.publish(BATCH_TOPIC, batch_payload(vins, request_id, data, **tags))
+        resp = self.platform.publish(topic, payload)
         # Stored durably (or rejected) before the answer; STOP_AND_RETURN + allow_publish=false:
         # never routed.
         if resp is None or resp.type != pb.ValuedResponse.STOP_AND_RETURN:
-            raise RuntimeError(f"batch {request_id} was not taken by the server: {resp}")
+            raise RuntimeError(f"{topic} {payload[:80]!r} was not taken by the server: {resp}")
 
     def fleet_spec(self, delivery_clientid: str) -> dict[str, Any]:
         return {
@@ -272,18 +280,19 @@ class EmqxSetup:
         if not self._connected.wait(PUBACK_TIMEOUT_S):
             raise EmqxError("the platform's MQTT client could not connect to EMQX")
 
-    def publish_batch(self, vins: list[str], request_id: str, data: str | bytes, **tags: str) -> None:
+    def publish(self, topic: str, payload: bytes) -> None:
         assert self._platform is not None
-        info = self._platform.publish(BATCH_TOPIC, batch_payload(vins, request_id, data, **tags), qos=1)
+        info = self._platform.publish(topic, payload, qos=1)
+        what = f"{topic} {payload[:80]!r}"
         if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-            raise RuntimeError(f"batch {request_id}: publish failed: {info.rc}")
+            raise RuntimeError(f"{what}: publish failed: {info.rc}")
         with self._acked:
             # EMQX sends the PUBACK after message.publish returned, i.e. after the server's commit.
             if not self._acked.wait_for(lambda: info.mid in self._acks, PUBACK_TIMEOUT_S):
-                raise RuntimeError(f"batch {request_id}: no PUBACK from EMQX within {PUBACK_TIMEOUT_S:g} s")
+                raise RuntimeError(f"{what}: no PUBACK from EMQX within {PUBACK_TIMEOUT_S:g} s")
             rc = self._acks.pop(info.mid)
         if rc.is_failure:
-            raise RuntimeError(f"batch {request_id}: EMQX refused it: {rc}")
+            raise RuntimeError(f"{what}: EMQX refused it: {rc}")
 
     def fleet_spec(self, delivery_clientid: str) -> dict[str, Any]:
         return {"broker": "emqx", "mqtt_port": self.broker.mqtt_port}

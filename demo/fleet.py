@@ -6,7 +6,9 @@ final report on stdout. A worker ignores SIGINT (the demo stops it in order) and
 
 Two kinds of vehicle, one behaviour: with the real EMQX a vehicle is a plain paho client of the
 broker (EMQX calls the server's hooks itself); with the simulator it is `tests.emqx_sim.Vehicle`,
-connected to mosquitto, whose hooks `FakeEmqx` calls as EMQX would.
+connected to mosquitto, whose hooks `FakeEmqx` calls as EMQX would. A vehicle that answers
+publishes its answer to a request awaiting one on `agent/<VIN>/proxy/response/<request_id>`
+(QoS 1) after its PUBACK; the others never answer.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from exhook_server._proto import exhook_v3_pb2 as pb
 from tests.emqx_sim import LOOPBACK, FakeEmqx, Received, Vehicle
 
 REQUEST_PREFIX = "agent/{VIN}/proxy/request"
+#: The server's default `response_topic_prefix`: a vehicle answers on `<prefix>/<request_id>`.
+RESPONSE_PREFIX = "agent/{VIN}/proxy/response"
 #: A persistent session (the vehicles that resume) outlives its connection this long.
 SESSION_EXPIRY_S = 300
 #: How long a vehicle waits for its broker's CONNACK or SUBACK, or for a dropped socket to close.
@@ -52,6 +56,17 @@ def sha16(payload: bytes) -> str:
 def request_filter(vin: str) -> str:
     """What a vehicle subscribes to: `agent/<VIN>/proxy/request/+`."""
     return REQUEST_PREFIX.replace("{VIN}", vin) + "/+"
+
+
+def request_of(vin: str, topic: str) -> str | None:
+    """The request id of a delivery topic of `vin`, or None for any other topic."""
+    prefix = REQUEST_PREFIX.replace("{VIN}", vin) + "/"
+    return topic[len(prefix) :] if topic.startswith(prefix) else None
+
+
+def response_topic(vin: str, request_id: str) -> str:
+    """Where `vin` answers `request_id`: `agent/<VIN>/proxy/response/<request_id>`."""
+    return RESPONSE_PREFIX.replace("{VIN}", vin) + "/" + request_id
 
 
 class Tracking:
@@ -71,6 +86,11 @@ class Tracking:
         #: (topic, sha16, time.time() just before the PUBACK went out), for the demo's check of the
         #: server's delivered counts (a PUBACK is what makes a delivery count).
         self.acks: list[tuple[str, str, float]] = []
+        #: (request_id, sha16, body, time.time()) of every answer published (and PUBACKed by the broker).
+        self.answers: list[tuple[str, str, str, float]] = []
+        #: (topic, sha16) PUBACKed, awaiting this vehicle's answer, when a connection dropped: the
+        #: server may send it again after a clean reconnect (never answered: it ends failed anyway).
+        self.awaiting: set[tuple[str, str]] = set()
         self.drops = 0
         self.heartbeats = 0
         self.holding = False
@@ -117,6 +137,11 @@ class SimVehicle(Vehicle, Tracking):
         if done:
             self._track_acked(conn, msg.topic, msg.payload, t)
         return done
+
+    def answer(self, request_id: str, body: bytes) -> None:
+        """Publish the answer to `request_id` at QoS 1 as EMQX would route it: `message.publish`
+        (the server takes it there), then the real publish unless the server stopped it."""
+        self.respond(request_id, body)
 
 
 class _Link:
@@ -234,6 +259,18 @@ class MqttVehicle(Tracking):
         if codes is None or any(c.is_failure for c in codes):
             raise RuntimeError(f"{self.vin}: SUBACK {codes}")
 
+    def answer(self, request_id: str, body: bytes) -> None:
+        """QoS 1 publish of the answer to `request_id` on `agent/<VIN>/proxy/response/<request_id>`;
+        returns once the broker PUBACKed it, i.e. EMQX ran its hooks."""
+        link = self._require_link()
+        topic = response_topic(self.vin, request_id)
+        info = link.client.publish(topic, body, qos=1)
+        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            raise RuntimeError(f"{self.vin}: publish on {topic} failed: {info.rc}")
+        info.wait_for_publish(MQTT_TIMEOUT_S)
+        if not info.is_published():
+            raise RuntimeError(f"{self.vin}: no PUBACK for {topic}")
+
     def heartbeat(self, kind: str) -> None:
         """QoS 0 publish on `ecp/<VIN>/<kind>`: tells the server this vehicle is online."""
         link = self._require_link()
@@ -290,6 +327,10 @@ class FleetWorker:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.stop = threading.Event()
         self.out_lock = threading.Lock()
+        #: Request ids whose batches carry `await_response: true`: answering vehicles answer them.
+        self.await_response: frozenset[str] = frozenset(spec.get("await_response", ()))
+        #: The server's `response_timeout_s`: an unanswered request waits this long, then fails.
+        self.response_timeout_s: float = float(spec.get("response_timeout_s", 0.0))
         self.errors: list[str] = []
         self.emqx: FakeEmqx | None = None
         self.vehicles: dict[str, DemoVehicle] = {}
@@ -348,10 +389,13 @@ class FleetWorker:
                     v.busy = False
             if v.unacked and not v.holding:
                 time.sleep(ack_s)  # "processing" the request before the PUBACK
+                before = len(v.acks)
                 try:
                     v.acked += v.ack_pending()
                 except Exception as exc:
                     self.error(v.vin, "ack", exc)
+                if v.spec.get("answers"):
+                    self._answer(v, v.acks[before:])
             if next_hb is not None and time.monotonic() >= next_hb:
                 next_hb = time.monotonic() + v.spec["hb_s"]
                 if v.is_connected:
@@ -362,6 +406,22 @@ class FleetWorker:
                         pass  # the connection went away under us: it will say online again
                     except Exception as exc:
                         self.error(v.vin, "heartbeat", exc)
+
+    def _answer(self, v: DemoVehicle, acked: list[tuple[str, str, float]]) -> None:
+        """After the PUBACK, run the request (`answer_ms`) and publish the answer, once per
+        request and payload: a redelivered copy was answered already."""
+        for topic, digest, _ in acked:
+            rid = request_of(v.vin, topic)
+            if rid not in self.await_response or any(a[0] == rid and a[1] == digest for a in v.answers):
+                continue
+            time.sleep(v.spec["answer_ms"] / 1000)
+            body = json.dumps({"result": "ok", "dtc": v.spec["dtc"], "took_ms": v.spec["answer_ms"]})
+            try:
+                v.answer(rid, body.encode())
+            except Exception as exc:
+                self.error(v.vin, "respond", exc)
+                continue
+            v.answers.append((rid, digest, body, time.time()))
 
     def _online(self, v: DemoVehicle) -> None:
         v.connect()
@@ -384,6 +444,14 @@ class FleetWorker:
         with v.lock:
             held, v.unacked = v.unacked, []
         v.held.update((topic, digest) for _, topic, digest in held)
+        if not v.spec.get("answers"):
+            # A request PUBACKed less than response_timeout_s ago still waits for our answer.
+            recent = time.time() - self.response_timeout_s - 1.0
+            v.awaiting.update(
+                (topic, digest)
+                for topic, digest, t in v.acks
+                if t > recent and request_of(v.vin, topic) in self.await_response
+            )
         v.held_count += len(held)
         v.holding = False
         v.drops += 1
@@ -409,6 +477,7 @@ class FleetWorker:
             "online": sum(v.is_connected for v in vs),
             "received": sum(len(v.received) for v in vs),
             "acked": sum(v.acked for v in vs),
+            "answered": sum(len(v.answers) for v in vs),
             "unacked": sum(len(v.unacked) for v in vs),
             "busy": sum(v.busy or not v.cmds.empty() for v in vs),
             "max_inflight": max((v.max_inflight for v in vs), default=0),
@@ -425,6 +494,8 @@ class FleetWorker:
                     for r in v.received
                 ],
                 "held": sorted([t[len(prefix) :], d] for t, d in v.held),
+                "awaiting": sorted([t[len(prefix) :], d] for t, d in v.awaiting),
+                "answers": [list(a) for a in v.answers],
                 "ax": [[t[len(prefix) :], d, at] for t, d, at in v.acks if t.startswith(prefix)],
                 "held_count": v.held_count,
                 "max_inflight": v.max_inflight,

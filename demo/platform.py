@@ -4,11 +4,13 @@ The platform (demo/run.py) publishes batches through the broker; EMQX answers ev
 same way, stored or not. What tells them apart is the status topic: `StatusFeed` is a real paho
 MQTT 5 client that subscribes to `$SDV-FANOUT/status/#` at QoS 1 before the first batch, as a
 platform would, and `StatusView` folds what it hears per request: receipts (`accepted`,
-`accepted` with `duplicate: true`, `rejected`) and the latest counts of each generation
-(request_id, blob sha1) from `progress` and `completed`.
+`accepted` with `duplicate: true`, `rejected`), the latest counts of each generation
+(request_id, blob sha1) from `progress` and `completed`, the vehicles' answers (`response`) and
+what a cancel stopped (`cancelled`).
 
-At the end, `check_receipts` and `check_generations` hold that view against what the platform
-sent (`Sent`) and what the vehicles acknowledged.
+At the end, `check_receipts`, `check_generations`, `check_responses`, `check_cancel` and
+`check_expiry` hold that view against what the platform sent (`Sent`, `Cancel`) and what the
+vehicles received, acknowledged and answered (`FleetFacts`).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from tests.emqx_sim import LOOPBACK
 #: The server's default `status_topic_prefix` (the demo's server runs with the defaults).
 STATUS_PREFIX = str(next(f.default for f in dataclasses.fields(Config) if f.name == "status_topic_prefix"))
 STATUS_FILTER = STATUS_PREFIX + "/#"
-#: Outcomes nothing in the demo causes: every generation's counts must show none of them.
-OTHER_OUTCOMES = ("cancelled", "expired", "failed")
+#: Every outcome a generation's counts may show besides `pending`; each pair has exactly one.
+OUTCOMES = ("delivered", "superseded", "cancelled", "expired", "failed", "responded")
 #: A vehicle's PUBACK of a request this long before the publish of a newer version of it (or
 #: later) may reach the server after that version replaced the row: the server then counts the
 #: pair superseded, not delivered. Either count is right for such a pair.
@@ -147,6 +149,8 @@ class StatusView:
 
     receipts: list[Heard] = field(default_factory=list)
     gens: dict[tuple[str, str], Generation] = field(default_factory=dict)
+    responses: list[Heard] = field(default_factory=list)  # a vehicle's answer, relayed by the server
+    cancels: list[Heard] = field(default_factory=list)  # what a cancel of the platform stopped
     events: Counter[str] = field(default_factory=Counter)
     other: list[Heard] = field(default_factory=list)  # events the demo does not expect
 
@@ -156,6 +160,10 @@ class StatusView:
         self.events[event] += 1
         if event in ("accepted", "rejected"):
             self.receipts.append(heard)
+        elif event == "response":
+            self.responses.append(heard)
+        elif event == "cancelled":
+            self.cancels.append(heard)
         elif event in ("progress", "completed") and isinstance(doc.get("counts"), dict):
             key = (str(doc.get("request_id")), str(doc.get("sha1")))
             gen = self.gens.get(key)
@@ -196,6 +204,39 @@ class Sent:
     bad: bool = False
     at: float = 0.0  # time.time() before the publish
     answered: float = 0.0  # time.time() once the broker had taken it
+    await_response: bool = False  # the vehicle's answer, not its PUBACK, ends each pair
+    expires_at_ms: int | None = None  # the batch's `expires_at` (epoch ms)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The platform's `{"request_id", "correlation_id"}` on the cancel topic (every vehicle of it)."""
+
+    request_id: str
+    correlation_id: str
+    at: float  # time.time() before the publish
+    answered: float  # time.time() once the broker had taken it
+    #: Vehicles of the request that were offline when the cancel went out: their rows were
+    #: pending, so the cancel must have stopped at least one.
+    offline: int = 0
+
+
+@dataclass(frozen=True)
+class FleetFacts:
+    """What the vehicles did, per VIN, from their final reports. Payloads are named by the first
+    16 hex digits of their sha1; times are time.time() in the fleet process."""
+
+    received: dict[str, list[tuple[str, str, float]]]  # (request_id, sha16, time) per PUBLISH received
+    acks: dict[str, list[tuple[str, str, float]]]  # (request_id, sha16, time just before the PUBACK)
+    answers: dict[str, list[tuple[str, str, str, float]]]  # (request_id, sha16, body, time) per answer
+    answering: frozenset[str] = frozenset()  # VINs that answer requests awaiting a response
+
+    def answered(self, vin: str, request_id: str, sha16: str) -> bool:
+        return any(a[0] == request_id and a[1] == sha16 for a in self.answers.get(vin, ()))
+
+    def got(self, request_id: str, after: float = 0.0) -> list[str]:
+        """VINs that received `request_id` (later than `after`)."""
+        return [v for v, rx in self.received.items() if any(r[0] == request_id and r[2] > after for r in rx)]
 
 
 @dataclass
@@ -276,21 +317,17 @@ def check_receipts(view: StatusView, sent: list[Sent], extra_deliveries: int) ->
     return Check(ok, ("" if ok else "NO: ") + "; ".join(parts), problems)
 
 
-def check_generations(
-    view: StatusView, sent: list[Sent], acks: dict[str, list[tuple[str, str, float]]], sha_short: int = 16
-) -> Check:
-    """Every generation the platform created reported `completed` once nothing was pending, with
-    counts that match the vehicles: `total` = the VINs it was sent to, `delivered` = those that
-    PUBACKed it before a newer version of the request replaced their row (a PUBACK within
-    ACK_RACE_S of that may count either way), `superseded` = the rest, nothing else.
+#: (vin, request_id, sha1) -> when a newer version of the request was published (`at`, `answered`).
+Replaced = dict[tuple[str, str, str], tuple[float, float]]
 
-    `acks`: VIN -> (request_id, sha1 prefix of `sha_short` hex digits, time.time()) per PUBACK.
-    """
-    firsts = [s for s in sent if not s.retry and not s.bad]
+
+def _members(sent: list[Sent]) -> tuple[dict[tuple[str, str], list[str]], Replaced]:
+    """Each generation's VINs, and when a newer version of the request replaced a VIN's row
+    ((vin, request_id, sha1) -> the newer publish's `at`, `answered`)."""
     members: dict[tuple[str, str], list[str]] = {}
     current: dict[tuple[str, str], str] = {}  # (vin, request_id) -> sha1 of its row
-    replaced: dict[tuple[str, str, str], tuple[float, float]] = {}  # (vin, rid, sha1) -> newer publish
-    for s in sorted(firsts, key=lambda s: s.at):
+    replaced: Replaced = {}
+    for s in sorted((s for s in sent if not s.retry and not s.bad), key=lambda s: s.at):
         pairs = members.setdefault((s.request_id, s.sha1), [])
         for vin in s.vins:
             old = current.get((vin, s.request_id))
@@ -300,15 +337,39 @@ def check_generations(
                 replaced[vin, s.request_id, old] = (s.at, s.answered)
             current[vin, s.request_id] = s.sha1
             pairs.append(vin)
+    return members, replaced
+
+
+def check_generations(
+    view: StatusView, sent: list[Sent], facts: FleetFacts, cancels: list[Cancel], sha_short: int = 16
+) -> Check:
+    """Every generation the platform created reported `completed` once nothing was pending, with
+    counts that match the vehicles: `total` = the VINs it was sent to, every pair with exactly one
+    outcome, and which one as the vehicles and the platform made it:
+
+    * a plain request: `delivered` = the VINs that PUBACKed it before a newer version of the
+      request replaced their row (a PUBACK within ACK_RACE_S of that may count either way),
+      `superseded` = the rest;
+    * `await_response`: `responded` = the VINs that answered it, `failed` = those that never did;
+    * a cancelled request: `delivered` = the PUBACKs, `cancelled` = what the `cancelled` event
+      said it stopped, less those of its `in_flight` rows whose PUBACK still came (the server
+      amends their outcome to what happened);
+    * an expiring request: whatever was never sent by `expires_at` counts `expired`.
+    """
+    firsts = {(s.request_id, s.sha1): s for s in sent if not s.retry and not s.bad}
+    members, replaced = _members(sent)
     acked: dict[tuple[str, str, str], tuple[float, float]] = {}  # (vin, rid, sha prefix) -> first, last
-    for vin, rows in acks.items():
+    for vin, rows in facts.acks.items():
         for rid, digest, t in rows:
             first, last = acked.get((vin, rid, digest), (t, t))
             acked[vin, rid, digest] = (min(first, t), max(last, t))
+    stopped = {c.request_id: _cancel_event(view, c) for c in cancels}
 
     problems: list[str] = []
-    delivered = superseded = either = 0
+    totals: Counter[str] = Counter()
+    either = 0
     for (rid, sha1), vins in members.items():
+        s = firsts[rid, sha1]
         sure = maybe = 0
         for vin in vins:
             times = acked.get((vin, rid, sha1[:sha_short]))
@@ -330,14 +391,36 @@ def check_generations(
         wrong = []
         if c.get("total") != len(vins):
             wrong.append(f"total {c.get('total')}, sent to {len(vins)}")
-        if not sure <= d <= sure + maybe:
+        if c.get("pending") or sum(c.get(k, 0) for k in OUTCOMES) != len(vins):
+            wrong.append(f"counts {c}: not one outcome for each of the {len(vins)} vehicles")
+        allowed = {"delivered", "superseded"}
+        if s.await_response:
+            allowed = {"responded", "failed", "superseded"}
+            answered = sum(facts.answered(vin, rid, sha1[:sha_short]) for vin in vins)
+            if c.get("responded") != answered:
+                wrong.append(f"responded {c.get('responded')}, vehicles answered {answered}")
+        elif rid in stopped:
+            allowed.add("cancelled")
+            event = stopped[rid]
+            if event is not None:
+                said, in_flight = int(event.doc.get("cancelled") or 0), int(event.doc.get("in_flight") or 0)
+                if not said - in_flight <= c.get("cancelled", -1) <= said:
+                    wrong.append(
+                        f"cancelled {c.get('cancelled')}, the cancelled event said {said} ({in_flight} in flight)"
+                    )
+            if not sure <= d <= sure + maybe:
+                wrong.append(f"delivered {d}, vehicles PUBACKed {sure}")
+        elif s.expires_at_ms is not None:
+            allowed = {"delivered", "superseded", "expired"}
+            if d != sure:
+                wrong.append(f"delivered {d}, vehicles PUBACKed {sure}")
+        elif not sure <= d <= sure + maybe:
             wrong.append(f"delivered {d}, vehicles PUBACKed {sure}" + (f"-{sure + maybe}" if maybe else ""))
-        if c.get("pending") or d + c.get("superseded", 0) != len(vins) or any(c.get(k) for k in OTHER_OUTCOMES):
-            wrong.append(f"counts {c}")
+        if any(c.get(k) for k in OUTCOMES if k not in allowed):
+            wrong.append(f"counts {c}: only {', '.join(sorted(allowed))} expected")
         if wrong:
             problems.append(f"{name}: " + "; ".join(wrong))
-        delivered += max(d, 0)
-        superseded += c.get("superseded", 0)
+        totals.update({k: max(c.get(k, 0), 0) for k in OUTCOMES})
         either += maybe
     strays = [g for key, g in view.gens.items() if key not in members]
     problems += [f"status about a generation the platform never sent: {g.request_id} {g.sha1}" for g in strays[:3]]
@@ -345,10 +428,124 @@ def check_generations(
     ok = not problems
     line = (
         f"{done} of {len(members)} generations reported completed, counts as the vehicles PUBACKed them: "
-        f"{delivered:,} delivered, {superseded:,} superseded"
-        + (" (a newer version replaced the row before the PUBACK)" if superseded else "")
-        + f"; {view.events['progress']:,} progress messages"
+        f"{totals['delivered']:,} delivered, {totals['superseded']:,} superseded"
+        + (" (a newer version replaced the row before the PUBACK)" if totals["superseded"] else "")
     )
+    if totals["responded"] or totals["failed"]:
+        line += f"; as they answered: {totals['responded']:,} responded, {totals['failed']:,} failed"
+    if totals["cancelled"] or totals["expired"]:
+        line += (
+            f"; as the platform cancelled and let expire: {totals['cancelled']:,} cancelled, "
+            f"{totals['expired']:,} expired"
+        )
+    line += f"; {view.events['progress']:,} progress messages"
     if either:
         line += f"; {either} PUBACKs raced a newer version (either count is right)"
     return Check(ok, ("" if ok else "NO: ") + line, problems)
+
+
+def _cancel_event(view: StatusView, cancel: Cancel) -> Heard | None:
+    """The `cancelled` event answering `cancel` (by its correlation_id), if one came."""
+    return next((h for h in view.cancels if h.doc.get("correlation_id") == cancel.correlation_id), None)
+
+
+def check_responses(view: StatusView, sent: list[Sent], facts: FleetFacts, timeout_s: float) -> Check:
+    """Every answer a vehicle published was relayed once as a `response` event on its request's
+    status topic, with the vehicle's VIN, the generation's sha1 and the answer itself as `payload`;
+    every answering vehicle answered every request awaiting a response it received, the others none;
+    nothing else was relayed."""
+    awaited = {(s.request_id, s.sha1) for s in sent if s.await_response and not s.retry and not s.bad}
+    if not awaited:
+        return Check(True, "no request awaited an answer", [])
+    problems: list[str] = []
+    heard: Counter[tuple[str, str, str, str]] = Counter()
+    for h in view.responses:
+        d = h.doc
+        if d.get("payload_encoding") or d.get("truncated"):
+            problems.append(f"response {h.topic}: a short UTF-8 answer came {d}")
+        heard[str(d.get("request_id")), str(d.get("vin")), str(d.get("sha1"))[:16], str(d.get("payload"))] += 1
+    answers = 0
+    for vin, rows in facts.answers.items():
+        for rid, digest, body, _ in rows:
+            answers += 1
+            n = heard.pop((rid, vin, digest, body), 0)
+            if n != 1:
+                problems.append(f"{vin} answered {rid} with {body!r}: {n} response events, want one")
+    problems += [f"response event for no answer: {k}" for k in list(heard)[:3]]
+    members, _ = _members(sent)
+    wanted = failed = 0
+    for key in awaited:
+        got = set(facts.got(key[0]))
+        for vin in members[key]:
+            if vin not in got:
+                continue  # never delivered: the rows check says so
+            should = vin in facts.answering
+            wanted += should
+            failed += not should
+            if facts.answered(vin, key[0], key[1][:16]) != should:
+                problems.append(f"{vin} ({'answers' if should else 'never answers'}) and {key[0]}: did the other")
+    ok = not problems
+    line = (
+        f"{len(awaited)} requests awaited an answer (await_response: true): the {len(facts.answering)} vehicles "
+        f"that answer sent {answers:,}, each relayed as a response event with its payload "
+        f"({len(view.responses):,} heard); the others' {failed:,} ended failed, no answer within {timeout_s:g} s"
+    )
+    if answers != wanted:
+        line += f" (answers expected: {wanted:,})"
+    return Check(ok, ("" if ok else "NO: ") + line, problems)
+
+
+def check_cancel(view: StatusView, cancel: Cancel, sent: list[Sent], facts: FleetFacts) -> Check:
+    """The cancel got one `cancelled` event saying what it stopped (at least one pending row when
+    some vehicles were offline); no vehicle received the request after that event arrived,
+    except those `in_flight` at the cancel (a delivery on its way cannot be recalled)."""
+    rid = cancel.request_id
+    total = sum(len(s.vins) for s in sent if s.request_id == rid and not s.retry and not s.bad)
+    mine = [h for h in view.cancels if h.doc.get("request_id") == rid]
+    event = _cancel_event(view, cancel)
+    problems: list[str] = []
+    if len(mine) != 1 or event is None:
+        problems.append(f"cancel of {rid}: {[h.doc for h in mine]}, want one cancelled event with its correlation_id")
+        return Check(False, f"NO: {rid}: no cancelled event", problems)
+    n, in_flight = int(event.doc.get("cancelled") or 0), int(event.doc.get("in_flight") or 0)
+    if cancel.offline and n < 1:
+        problems.append(f"cancel of {rid}: cancelled {n}, but {cancel.offline} of its vehicles were offline")
+    late = facts.got(rid, after=event.at)
+    if len(late) > in_flight:
+        problems.append(f"{len(late)} vehicles received {rid} after its cancelled event ({in_flight} in flight)")
+    got = len(facts.got(rid))
+    during = len(facts.got(rid, after=cancel.at))  # on their way when the cancel came
+    taken = len(facts.got(rid, after=cancel.answered))  # after the hook answered: the cancel was durable
+    ok = not problems
+    line = (
+        f"{rid} ({total} vehicles, {cancel.offline} of them offline) cancelled "
+        f"{cancel.at - min(s.at for s in sent if s.request_id == rid):.1f} s after its publish: "
+        f"the cancelled event ({(event.at - cancel.at) * 1000:.0f} ms after the cancel) says {n} cancelled, "
+        f"{in_flight} of them in flight; {got} vehicles got it, {during} while the cancel was on its way "
+        f"({taken} after the server had taken it), {len(late)} after the event"
+    )
+    return Check(ok, ("" if ok else "NO: ") + line, problems)
+
+
+def check_expiry(view: StatusView, sent: list[Sent], facts: FleetFacts) -> Check:
+    """A request whose vehicles were all offline until after its `expires_at` reached none of
+    them and reported `completed` with every pair `expired`."""
+    expiring = [s for s in sent if s.expires_at_ms is not None and not s.retry and not s.bad]
+    problems: list[str] = []
+    parts: list[str] = []
+    for s in expiring:
+        assert s.expires_at_ms is not None
+        got = facts.got(s.request_id)
+        if got:
+            problems.append(f"{s.request_id} expired, yet {len(got)} vehicles got it ({', '.join(got[:3])})")
+        gen = view.gens.get((s.request_id, s.sha1))
+        c = gen.completed_counts if gen is not None and gen.completed else {}
+        if c.get("expired") != len(s.vins) or c.get("delivered"):
+            problems.append(f"{s.request_id}: completed counts {c or 'none'}, want all {len(s.vins)} expired")
+        parts.append(
+            f"{s.request_id} (expires_at {(s.expires_at_ms / 1000 - s.at):.1f} s after its publish, "
+            f"{len(s.vins)} vehicles offline until later): {c.get('expired', 0)} expired, "
+            f"{c.get('delivered', 0)} delivered; {len(got)} vehicles ever got it"
+        )
+    ok = not problems
+    return Check(ok, ("" if ok else "NO: ") + ("; ".join(parts) or "no request expired"), problems)

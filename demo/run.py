@@ -10,19 +10,26 @@ What runs (all on 127.0.0.1, all stopped at the end, also on Ctrl-C):
 * a **fleet** of real paho MQTT 5 vehicles in a few child processes (demo/fleet.py): each
   connects and subscribes to `agent/<VIN>/proxy/request/+`, takes a little time before each
   PUBACK, heartbeats now and then; some come online late, some drop and reconnect clean, some
-  drop before their PUBACK and resume their persistent session;
+  drop before their PUBACK and resume their persistent session; most answer the requests that
+  await an answer on `agent/<VIN>/proxy/response/<request_id>`, the others never do;
 * a **platform** (this process) publishing fan-out batches on `$SDV-FANOUT`, each with a
   `batch_id` and a `correlation_id` (a few re-sent on purpose with the same `batch_id`, one bad
-  batch), and listening on `$SDV-FANOUT/status/#` as a platform would (demo/platform.py).
+  batch; diagnostics with `await_response: true`; one campaign it cancels on
+  `$SDV-FANOUT/cancel` while it is delivered; one request with an `expires_at` that passes
+  while its vehicles are offline), and listening on `$SDV-FANOUT/status/#` as a platform would
+  (demo/platform.py).
 
 Live progress comes from the vehicles (what they received and acknowledged), from the server's
 LMDB, opened read-only while the server runs (rows still pending), and from the status topic
-(receipts per batch, progress and `completed` per generation). The run ends when every row is
-delivered and acknowledged and the status topic has said so, or at the deadline; then a summary.
-Exit code 0 when every row reached its own vehicle with its latest payload, none is left in LMDB,
-no vehicle ever had more than one request in flight, every batch got exactly one receipt, every
-generation reported `completed` with the counts the vehicles saw, and the server shut down
-cleanly; 1 otherwise. demo/README.md explains the scenario and the numbers.
+(receipts per batch, progress and `completed` per generation, the vehicles' answers, what the
+cancel stopped). The run ends when every row has its outcome and the status topic has said so,
+or at the deadline; then a summary. Exit code 0 when every row reached its own vehicle with its
+latest payload (but the cancelled and the expired ones), none is left in LMDB, no vehicle ever had
+more than one request in flight, every batch got exactly one receipt, every generation reported
+`completed` with the counts the vehicles and the platform made (delivered, superseded,
+responded, failed, cancelled, expired), every answer was relayed with its payload, nobody got the
+cancelled request after its `cancelled` event nor the expired one at all, and the server shut
+down cleanly; 1 otherwise. demo/README.md explains the scenario and the numbers.
 
     .venv/bin/python -m demo.run [--vehicles 200 --batches 36 --interval 0.75 --seed 7 --keep]
 """
@@ -57,17 +64,22 @@ import structlog
 # `python demo/run.py` works too, not only `python -m demo.run`
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo.brokers import BATCH_TOPIC, Broker, Choice, choose, make_broker
-from demo.fleet import REQUEST_PREFIX, sha16
+from demo.brokers import BATCH_TOPIC, CANCEL_TOPIC, Broker, Choice, batch_payload, cancel_payload, choose, make_broker
+from demo.fleet import REQUEST_PREFIX, RESPONSE_PREFIX, sha16
 from demo.platform import (
     STATUS_FILTER,
+    Cancel,
+    FleetFacts,
     Generation,
     Heard,
     Sent,
     StatusFeed,
     StatusView,
+    check_cancel,
+    check_expiry,
     check_generations,
     check_receipts,
+    check_responses,
 )
 from exhook_server.config import Config
 from storage.store import Store
@@ -80,6 +92,15 @@ VIN_FORMAT = "SDVDEMO{:010d}"  # 17 characters, like a real VIN
 RETRY_EVERY, RETRY_AT = 9, 3
 #: Generations shown under the status line on a terminal.
 SHOWN_GENERATIONS = 4
+#: Diagnostics whose result the platform needs: their batches carry `await_response: true`. Half
+#: of them, so that the vehicles that never answer (response_timeout_s each) keep the run short.
+AWAITED_DIAGS = ("read_dtc all", "battery_health")
+#: The expiring request's `expires_at` is this long after its publish ("a few seconds ahead").
+EXPIRES_IN_S = 2.0
+#: Its vehicles (the late ones) come online this long after it expired, at the earliest.
+EXPIRY_MARGIN_S = 1.0
+#: The server's `expiry_sweep_interval_s` in the demo: expired rows end soon after `expires_at`.
+EXPIRY_SWEEP_S = 0.25
 
 
 def human_bytes(n: float) -> str:
@@ -104,6 +125,14 @@ class Batch:
     data: str | bytes
     label: str
     replaces: bool = False
+    await_response: bool = False  # the vehicle's answer ends each pair, not its PUBACK
+    cancelled: bool = False  # the platform cancels it while it is delivered
+    expires_in_s: float | None = None  # `expires_at` this long after the publish
+
+    @property
+    def checked_apart(self) -> bool:
+        """Cancelled or expiring: not every row reaches its vehicle, and it has checks of its own."""
+        return self.cancelled or self.expires_in_s is not None
 
     @property
     def payload(self) -> bytes:
@@ -128,16 +157,30 @@ class Send:
     batch: Batch
     retry: bool = False
     bad: bool = False
+    cancel: bool = False  # not the batch: `{"request_id"}` on the cancel topic
 
     @property
     def correlation_id(self) -> str:
         """Echoed in every status message about this publish (a retry has its own)."""
-        return f"corr-{self.batch.batch_id.removeprefix('batch-')}" + ("-retry" if self.retry else "")
+        suffix = "-retry" if self.retry else "-cancel" if self.cancel else ""
+        return f"corr-{self.batch.batch_id.removeprefix('batch-')}" + suffix
 
 
 def bad_batch(vins: list[str]) -> Batch:
     """A platform bug: one VIN with a '/' (a topic level separator) rejects the whole batch."""
     return Batch(0, "bad", "task_bad_1", [*vins[:3], "SDVDEMO/000000000"], "read_dtc all", "a VIN with a '/'")
+
+
+def rollout_batch(vins: list[str]) -> Batch:
+    """A campaign to the whole fleet that the platform cancels while it is being delivered."""
+    data = json.dumps({"feature": "eco_routing", "enabled": True}, sort_keys=True)
+    return Batch(0, "rollout", "task_rollout_1", list(vins), data, "feature flag rollout", cancelled=True)
+
+
+def locate_batch(vins: list[str]) -> Batch:
+    """A request worth nothing a few seconds later, to vehicles that are offline until after that."""
+    label = f"location request, expires_at {EXPIRES_IN_S:g} s ahead"
+    return Batch(0, "locate", "task_locate_1", list(vins), "report_location", label, expires_in_s=EXPIRES_IN_S)
 
 
 def plan_sends(batches: list[Batch], bad: Batch, interval: float) -> list[Send]:
@@ -151,8 +194,9 @@ def plan_sends(batches: list[Batch], bad: Batch, interval: float) -> list[Send]:
 
 def plan_batches(rng: random.Random, vins: list[str], count: int) -> list[Batch]:
     """A platform's day, deterministic for a seed: OTA campaigns by region (one firmware image
-    shared by two request ids), config pushes and diagnostics to subsets (a few payloads shared by
-    many batches), and every 7th batch re-sends an earlier request id with new data."""
+    shared by two request ids), config pushes and diagnostics (half of them awaiting the vehicle's
+    answer) to subsets (a few payloads shared by many batches), and every 7th batch re-sends an
+    earlier request id with new data."""
     # 24 KiB each: delta updates, not whole images, so that the demo stays light on a laptop.
     firmware = {ver: rng.randbytes(24 * 1024) for ver in ("4.2.0", "4.2.1", "4.3.0")}
     configs = [
@@ -166,7 +210,9 @@ def plan_batches(rng: random.Random, vins: list[str], count: int) -> list[Batch]
 
     def add(kind: str, ids: list[str], data: str | bytes, label: str) -> None:
         counters[kind] += 1
-        batches.append(Batch(len(batches) + 1, kind, f"task_{kind}_{counters[kind]}", ids, data, label))
+        n, rid = len(batches) + 1, f"task_{kind}_{counters[kind]}"
+        # A report is worth its answer: the vehicle's answer, not its PUBACK, ends the pair.
+        batches.append(Batch(n, kind, rid, ids, data, label, await_response=data in AWAITED_DIAGS))
 
     def pick(lo: float, hi: float) -> list[str]:
         k = max(1, round(len(vins) * rng.uniform(lo, hi)))
@@ -281,33 +327,39 @@ class Published:
     logical_bytes: int = 0
     blobs: dict[str, int] = field(default_factory=dict)  # sha16 -> size
     expected: dict[tuple[str, str], str] = field(default_factory=dict)  # (vin, request_id) -> latest sha16
-    version: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (vin, rid, sha16) -> batch no.
-    wall: dict[int, float] = field(default_factory=dict)  # batch no. -> time.time() of its answer
+    #: (vin, rid, sha16) -> k, the batch's place in publish order: each delivery is the oldest
+    #: pending row of its vehicle, so k never goes down on a vehicle.
+    version: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    wall: dict[int, float] = field(default_factory=dict)  # k -> time.time() of its answer
     sent: list[Sent] = field(default_factory=list)  # every publish, retries and the bad batch included
+    cancels: list[Cancel] = field(default_factory=list)
     ingest_ms: list[float] = field(default_factory=list)
     first_at: float = 0.0
     last_at: float = 0.0
 
-    def record(self, s: Send, at: float, answered: float) -> None:
+    def record(self, s: Send, at: float, answered: float, expires_at_ms: int | None = None) -> None:
         """A publish the broker took (`at`, `answered`: time.time() before and after)."""
         b = s.batch
-        self.sent.append(
-            Sent(b.n, b.request_id, b.sha1, tuple(b.vins), b.batch_id, s.correlation_id, s.retry, s.bad, at, answered)
+        sent = Sent(
+            b.n, b.request_id, b.sha1, tuple(b.vins), b.batch_id, s.correlation_id, s.retry, s.bad, at, answered
         )
+        self.sent.append(dataclasses.replace(sent, await_response=b.await_response, expires_at_ms=expires_at_ms))
         self.last_at = time.monotonic()
         if not s.retry and not s.bad:
             self.add(b, answered - at)
 
     def add(self, b: Batch, took_s: float) -> None:
         self.batches += 1
+        k = self.batches
         self.rows += len(b.vins)
         digest = sha16(b.payload)
         self.blobs[digest] = len(b.payload)
         self.logical_bytes += len(b.payload) * len(b.vins)
         for vin in b.vins:
-            self.expected[vin, b.request_id] = digest
-            self.version[vin, b.request_id, digest] = b.n
-        self.wall[b.n] = time.time()
+            if not b.checked_apart:
+                self.expected[vin, b.request_id] = digest
+            self.version[vin, b.request_id, digest] = k
+        self.wall[k] = time.time()
         self.ingest_ms.append(took_s * 1000)
         self.last_at = time.monotonic()
         self.first_at = self.first_at or self.last_at
@@ -335,6 +387,8 @@ class Demo:
         self.view = StatusView()  # what it heard, per request
         self.batch_of: dict[tuple[str, str], Batch] = {}  # (request_id, sha1) -> the batch that made it
         self.sends: list[Send] = []
+        self.answering: frozenset[str] = frozenset()  # VINs that answer requests awaiting an answer
+        self.responded_to: set[str] = set()  # request ids whose first response was shown
 
     # -- helpers ------------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -374,6 +428,14 @@ class Demo:
         # Progress on the status topic at this pace (the server's default, 5 s, is for campaigns).
         env["SDV_FANOUT_PROGRESS_INTERVAL_S"] = f"{self.args.progress_interval:g}"
         settings = {f.name for f in dataclasses.fields(Config)}
+        # A vehicle that never answers costs its queue response_timeout_s (the server's 300 s is
+        # for the field); an expired row ends within a quarter of a second.
+        for name, value in (
+            ("response_timeout_s", self.args.response_timeout),
+            ("expiry_sweep_interval_s", EXPIRY_SWEEP_S),
+        ):
+            if name in settings:
+                env[f"SDV_FANOUT_{name.upper()}"] = f"{value:g}"
         for name in ("metrics_listen", "admin_listen"):  # never a fixed default port
             if name in settings:
                 env[f"SDV_FANOUT_{name.upper()}"] = f"{LOOPBACK}:0"
@@ -412,7 +474,9 @@ class Demo:
                 raise RuntimeError(f"sdv-fanout serve exited; see {self.server_log_path}")
             time.sleep(0.05)
 
-    def start_fleet(self, specs: list[dict[str, Any]], broker: Broker, clientid: str) -> None:
+    def start_fleet(
+        self, specs: list[dict[str, Any]], broker: Broker, clientid: str, await_response: list[str]
+    ) -> None:
         nproc = max(1, math.ceil(len(specs) / self.args.per_proc))
         for k in range(nproc):
             part = specs[k::nproc]
@@ -431,7 +495,14 @@ class Demo:
             fp.reader = threading.Thread(target=fp.read, name=f"fleet-{k}", daemon=True)
             fp.reader.start()
             self.fleet.append(fp)
-            fp.send({**broker.fleet_spec(clientid), "vehicles": part})
+            fp.send(
+                {
+                    **broker.fleet_spec(clientid),
+                    "vehicles": part,
+                    "await_response": await_response,
+                    "response_timeout_s": self.args.response_timeout,
+                }
+            )
         deadline = time.monotonic() + 90
         for fp in self.fleet:
             while not fp.ready.wait(0.5):
@@ -486,6 +557,14 @@ class Demo:
                 spec["hold"] = held % 2 == 0  # half of them drop while holding an unacked request
                 held += 1
             specs.append(spec)
+        # Who answers, from a generator of its own: the rest of the scenario stays as it was.
+        rng = random.Random(f"{a.seed}/answers")
+        answering = set(rng.sample(vins, round(len(vins) * a.answer)))
+        for spec in specs:
+            spec["answers"] = spec["vin"] in answering
+            spec["answer_ms"] = rng.randint(20, 200)  # running the diagnostic
+            spec["dtc"] = sorted(rng.sample(["P0420", "P0171", "U0100", "B1000", "C0035"], rng.randint(0, 2)))
+        self.answering = frozenset(answering)
         return specs
 
     def run(self) -> int:
@@ -500,11 +579,26 @@ class Demo:
         batches = plan_batches(self.rng, vins, a.batches)
         bad = bad_batch(vins)
         self.sends = sends = plan_sends(batches, bad, a.interval)
-        self.batch_of = {(b.request_id, b.sha1): b for b in batches}
         window = (len(batches) - 1) * a.interval
         by_role = {r: [s["vin"] for s in specs if s["role"] == r] for r in ("online", "late", "reconnect", "resume")}
-        events = [(0.30 * window, "reconnect"), (0.45 * window, "late"), (0.60 * window, "resume")]
-        events = [e for e in events if by_role[e[1]]]
+        # The rollout goes to everyone about a fifth into the run and is cancelled two batches
+        # later; the location request goes to the offline vehicles at once and expires before
+        # they come online (later than ~45 % of the run when the run is short).
+        rollout = rollout_batch(vins)
+        rollout_at = (max(1, round(0.2 * (len(batches) - 1))) + 0.25) * a.interval
+        cancel_at = rollout_at + max(2 * a.interval, 0.5)
+        sends += [Send(rollout_at, rollout), Send(cancel_at, rollout, cancel=True)]
+        late_at = max(0.45 * window, cancel_at + 1.0)
+        locate: Batch | None = None
+        if by_role["late"]:
+            locate = locate_batch(by_role["late"])
+            sends.append(Send(0.5 * a.interval, locate))
+            late_at = max(late_at, 0.5 * a.interval + EXPIRES_IN_S + EXPIRY_MARGIN_S)
+        sends.sort(key=lambda s: s.at)
+        firsts = [s.batch for s in sends if not s.retry and not s.bad and not s.cancel]
+        self.batch_of = {(b.request_id, b.sha1): b for b in firsts}
+        events = [(0.30 * window, "reconnect"), (late_at, "late"), (0.60 * window, "resume")]
+        events = sorted(e for e in events if by_role[e[1]])
 
         print(f"sdv-fanout demo: seed {a.seed}, {len(vins)} vehicles, {len(batches)} batches, one every {a.interval} s")
         choice = choose(a.broker, a.emqx_version)
@@ -529,7 +623,8 @@ class Demo:
         print(f"            {', '.join(hooks)}")
         self.feed = StatusFeed(broker.mqtt_port)
         self.feed.start()
-        self.start_fleet(specs, broker, clientids[0])
+        awaited = sorted({b.request_id for b in batches if b.await_response})
+        self.start_fleet(specs, broker, clientids[0], awaited)
         n = {r: len(v) for r, v in by_role.items()}
         print(
             f"  fleet     {len(vins)} paho MQTT 5 vehicles in {len(self.fleet)} process(es), subscribed to "
@@ -537,9 +632,14 @@ class Demo:
             + (" on EMQX" if broker.kind == "emqx" else " through FakeEmqx")
         )
         print(
-            f"            {len(vins) - n['late']} online now, {n['late']} offline until ~{0.45 * window:.0f} s; "
+            f"            {len(vins) - n['late']} online now, {n['late']} offline until ~{late_at:.0f} s; "
             f"{n['reconnect']} will reconnect clean (~{0.30 * window:.0f} s), {n['resume']} will resume a "
             f"persistent session (~{0.60 * window:.0f} s)"
+        )
+        print(
+            f"            {len(self.answering)} answer a request that awaits it on "
+            f"{RESPONSE_PREFIX.replace('{VIN}', '<VIN>')}/<request_id> (QoS 1, 20-200 ms after the PUBACK); "
+            f"{len(vins) - len(self.answering)} never answer (the server gives up after {a.response_timeout:g} s)"
         )
         first = batches[0]
         example = json.dumps({"ids": [*first.vins[:2], "..."], "request_id": first.request_id})[:-1]
@@ -552,7 +652,20 @@ class Demo:
         print(
             f"            re-sends {len(retried)} batch(es) with the same batch_id ({', '.join(map(str, retried))}) "
             f"and one bad batch ({bad.request_id}: {bad.label}); subscribed to {STATUS_FILTER} (QoS 1, "
-            f"{self.feed.clientid}): receipts, progress every {a.progress_interval:g} s, completed"
+            f"{self.feed.clientid}): receipts, progress every {a.progress_interval:g} s, completed, "
+            "responses, cancelled"
+        )
+        print(
+            f'            {" and ".join(map(repr, AWAITED_DIAGS))} diagnostics carry "await_response": true '
+            f"({len(awaited)} requests); {rollout.request_id} "
+            f"({rollout.label}) to all {len(vins)} at ~{rollout_at:.0f} s is cancelled on {CANCEL_TOPIC} at "
+            f"~{cancel_at:.0f} s"
+            + (
+                f"; {locate.request_id} to the {len(locate.vins)} offline vehicles at ~{0.5 * a.interval:.0f} s "
+                f'carries "expires_at" {EXPIRES_IN_S:g} s ahead'
+                if locate is not None
+                else "; no vehicle is offline, so no request expires"
+            )
         )
         print()
 
@@ -565,18 +678,9 @@ class Demo:
                 self.scenario(events[next_event][1], by_role[events[next_event][1]], specs)
                 next_event += 1
             if next_send < len(sends) and sends[next_send].at <= now:
-                send = sends[next_send]
-                b = send.batch
-                at = time.time()
-                # Returns once the server stored it (or rejected it: the answer is the same).
-                broker.publish_batch(
-                    b.vins, b.request_id, b.data, batch_id=b.batch_id, correlation_id=send.correlation_id
-                )
-                pub.record(send, at, time.time())
+                self.publish(broker, sends[next_send], pub, by_role["late"] if now < late_at else [])
                 next_send += 1
-                if b.replaces and not send.retry:
-                    self.say(f"batch {b.n} reuses {b.request_id} with new data for {len(b.vins)} vehicles: {b.label}")
-            self.show(pub, len(batches))
+            self.show(pub, len(firsts))
             time.sleep(0.02)
 
         # Drained: nothing pending in LMDB, every vehicle online, nothing received and not yet acked.
@@ -584,7 +688,7 @@ class Demo:
         idle_since: float | None = None
         drained_at: float | None = None
         while time.monotonic() < deadline:
-            rows = self.show(pub, len(batches))
+            rows = self.show(pub, len(firsts))
             idle = rows == 0 and not self.fleet_total("unacked") and not self.fleet_total("busy")
             if idle and self.fleet_total("online") == len(vins):
                 idle_since = idle_since or time.monotonic()
@@ -599,9 +703,9 @@ class Demo:
         settle_s = max(5.0, 4 * a.progress_interval)
         settle = time.monotonic() + settle_s
         while drained_at is not None and not self.status_settled() and time.monotonic() < settle:
-            self.show(pub, len(batches))
+            self.show(pub, len(firsts))
             time.sleep(0.05)
-        rows = self.show(pub, len(batches), force=True)
+        rows = self.show(pub, len(firsts), force=True)
         self.status.done()
         if drained_at is None:
             print(f"deadline: {rows:,} rows still pending {a.drain_timeout:g} s after the last batch")
@@ -614,7 +718,40 @@ class Demo:
         for fp in self.fleet:
             fp.got_final.wait(30)
         drain_s = None if drained_at is None else max(0.0, drained_at - pub.last_at)
-        return self.summary(vins, specs, batches, pub, rows, drain_s, metrics)
+        return self.summary(vins, specs, firsts, pub, rows, drain_s, metrics)
+
+    def publish(self, broker: Broker, send: Send, pub: Published, offline: list[str]) -> None:
+        """One publish of the platform; returns once the server stored it (or rejected it: the
+        answer is the same), or took the cancel. `offline`: the vehicles not online yet."""
+        b = send.batch
+        at = time.time()
+        if send.cancel:
+            broker.publish(CANCEL_TOPIC, cancel_payload(b.request_id, send.correlation_id))
+            waiting = len(set(b.vins) & set(offline))
+            pub.cancels.append(Cancel(b.request_id, send.correlation_id, at, time.time(), waiting))
+            self.say(
+                f"platform cancels {b.request_id} on {CANCEL_TOPIC}: "
+                + json.dumps({"request_id": b.request_id, "correlation_id": send.correlation_id})
+                + f" ({waiting} of its {len(b.vins)} vehicles are offline, their rows pending)"
+            )
+            return
+        fields: dict[str, Any] = {"batch_id": b.batch_id, "correlation_id": send.correlation_id}
+        if b.await_response:
+            fields["await_response"] = True
+        expires_at_ms = None
+        if b.expires_in_s is not None:
+            expires_at_ms = fields["expires_at"] = int((at + b.expires_in_s) * 1000)
+        broker.publish(BATCH_TOPIC, batch_payload(b.vins, b.request_id, b.data, **fields))
+        pub.record(send, at, time.time(), expires_at_ms)
+        if b.replaces and not send.retry:
+            self.say(f"batch {b.n} reuses {b.request_id} with new data for {len(b.vins)} vehicles: {b.label}")
+        elif b.cancelled and not send.retry:
+            self.say(f"batch {b.request_id} ({b.label}) for all {len(b.vins)} vehicles: the platform will cancel it")
+        elif b.expires_in_s is not None and not send.retry:
+            self.say(
+                f"batch {b.request_id} ({b.label}) for the {len(b.vins)} offline vehicles: "
+                f'"expires_at": {expires_at_ms}, before any of them comes online'
+            )
 
     def scenario(self, role: str, vins: list[str], specs: list[dict[str, Any]]) -> None:
         held = sum(1 for s in specs if s["role"] == role and s.get("hold"))
@@ -676,15 +813,32 @@ class Demo:
             bad = next((s.batch for s in self.sends if s.correlation_id == doc.get("correlation_id")), None)
             why = f" ({bad.label} in its ids)" if bad is not None else ""
             return f"status {rid}: rejected, reason {doc.get('reason')}{why}: nothing of the batch stored"
+        if event == "cancelled":
+            return (
+                f"status {rid}: cancelled ({doc.get('correlation_id')}): {doc.get('cancelled')} rows cancelled, "
+                f"{doc.get('in_flight')} of them already on their way: nobody else gets it"
+            )
+        if event == "response" and str(rid) not in self.responded_to:  # the first answer of each request
+            self.responded_to.add(str(rid))
+            return (
+                f"status {rid}: response from {doc.get('vin')} (sha1 {str(doc.get('sha1'))[:8]}): "
+                f"{doc.get('payload')}" + (" (and more, counted below)" if len(self.responded_to) == 1 else "")
+            )
         if event == "completed":
             counts = doc.get("counts") or {}
             b = self.batch_of.get((str(rid), str(doc.get("sha1"))))
-            made = f"batch {b.n}, " if b is not None else ""
-            superseded = counts.get("superseded", 0)
+            made = f"batch {b.n}, " if b is not None and b.n else ""
+            done = "responded" if b is not None and b.await_response else "delivered"
+            tail = {
+                "superseded": "superseded by a newer version before delivery",
+                "failed": f"failed (no answer within {self.args.response_timeout:g} s)",
+                "cancelled": "cancelled",
+                "expired": "expired",
+            }
             return (
-                f"status {rid} ({made}sha1 {str(doc.get('sha1'))[:8]}): completed, {counts.get('delivered', 0):,} "
-                f"of {counts.get('total', 0):,} delivered"
-                + (f", {superseded:,} superseded by a newer version before delivery" if superseded else "")
+                f"status {rid} ({made}sha1 {str(doc.get('sha1'))[:8]}): completed, {counts.get(done, 0):,} "
+                f"of {counts.get('total', 0):,} {done}"
+                + "".join(f", {counts[k]:,} {text}" for k, text in tail.items() if counts.get(k))
             )
         return None
 
@@ -697,16 +851,17 @@ class Demo:
         head = (
             f"         status topic: receipts {v.accepted():,} accepted, {v.accepted(duplicate=True)} duplicate, "
             f"{v.rejected()} rejected; generations {done}/{len(v.gens)} completed; "
-            f"{v.events['progress']:,} progress messages"
+            f"{v.events['progress']:,} progress messages; {len(v.responses):,} responses"
+            + (f"; {len(v.cancels)} cancelled" if v.cancels else "")
         )
         if not self.status.tty:
             if active:
                 shown = ", ".join(
-                    f"{g.request_id} {g.counts.get('delivered', 0)}/{g.counts.get('total', 0)}"
+                    f"{g.request_id} {g.counts.get(self.done_outcome(g), 0)}/{g.counts.get('total', 0)}"
                     for g in active[:SHOWN_GENERATIONS]
                 )
                 more = f" (+{len(active) - SHOWN_GENERATIONS} more)" if len(active) > SHOWN_GENERATIONS else ""
-                head += f"; in progress (delivered/total): {shown}{more}"
+                head += f"; in progress (delivered or responded/total): {shown}{more}"
             return [head]
         lines = [head]
         for g in active[:SHOWN_GENERATIONS]:
@@ -715,21 +870,30 @@ class Demo:
             lines.append(f"           ... and {len(active) - SHOWN_GENERATIONS} more in progress")
         return lines
 
+    def done_outcome(self, g: Generation) -> str:
+        """What a good end of a pair of this generation is called: `responded` when it awaits answers."""
+        b = self.batch_of.get((g.request_id, g.sha1))
+        return "responded" if b is not None and b.await_response else "delivered"
+
     def generation_line(self, g: Generation) -> str:
         b = self.batch_of.get((g.request_id, g.sha1))
         c = g.counts
+        other = "".join(f"  {k} {c[k]:>4,}" for k in ("responded", "failed", "cancelled", "expired") if c.get(k))
         return (
-            f"{g.request_id:<12} {'batch ' + str(b.n) if b else '':<9} sha1 {g.sha1[:8]}  "
+            f"{g.request_id:<14} {'batch ' + str(b.n) if b and b.n else '':<9} sha1 {g.sha1[:8]}  "
             f"total {c.get('total', 0):>5,}  delivered {c.get('delivered', 0):>5,}  pending {c.get('pending', 0):>5,}  "
-            f"superseded {c.get('superseded', 0):>4,}"
+            f"superseded {c.get('superseded', 0):>4,}{other}"
         )
 
     def status_settled(self) -> bool:
-        """Has the status topic said everything it should: a receipt for every publish and
-        `completed` for every generation the platform created?"""
+        """Has the status topic said everything it should: a receipt for every batch publish,
+        `completed` for every generation the platform created, a `response` for every answer the
+        vehicles published and `cancelled` for every cancel?"""
         self.listen()
         v = self.view
-        if len(v.receipts) < len(self.sends):
+        if len(v.receipts) < sum(not s.cancel for s in self.sends):
+            return False
+        if len(v.responses) < self.fleet_total("answered") or len(v.cancels) < sum(s.cancel for s in self.sends):
             return False
         return all((g := v.gens.get(key)) is not None and g.done for key in self.batch_of)
 
@@ -749,6 +913,8 @@ class Demo:
                 counts["level:" + ev.get("level", "?")] += 1
                 if ev.get("event") == "batch_stored":
                     counts["rows_replaced"] += int(ev.get("replaced", 0))
+                elif ev.get("event") == "delivery_failed":
+                    counts[f"delivery_failed:{ev.get('reason')}"] += 1
         return counts
 
     def summary(
@@ -783,6 +949,8 @@ class Demo:
         dups: Counter[str] = Counter()  # why a vehicle got the same request and payload again
         unexplained: Counter[tuple[str, str]] = Counter()  # (request_id, sha16) -> "otherwise" duplicates
         acks: dict[str, list[tuple[str, str, float]]] = {}  # VIN -> its PUBACKs (request_id, sha16, time)
+        received: dict[str, list[tuple[str, str, float]]] = {}  # VIN -> its PUBLISHes (request_id, sha16, time)
+        answers: dict[str, list[tuple[str, str, str, float]]] = {}  # VIN -> its answers (rid, sha16, body, time)
         fate: Counter[str] = Counter()
         missing: list[tuple[str, str]] = []
         late_backlog: list[int] = []
@@ -796,9 +964,12 @@ class Demo:
             max_inflight = max(max_inflight, f["max_inflight"])
             acked += f["acked"]
             acks[vin] = [(rid, digest, t) for rid, digest, t in f["ax"]]
+            received[vin] = [(rid, digest, t) for rid, digest, t in f["rx"]]
+            answers[vin] = [(rid, digest, body, t) for rid, digest, body, t in f.get("answers", [])]
             held += f["held_count"]
             heartbeats += f["heartbeats"]
             held_keys = {(rid, d) for rid, d in f["held"]}
+            awaiting_keys = {(rid, d) for rid, d in f.get("awaiting", [])}
             seen: Counter[tuple[str, str]] = Counter()
             last = 0
             backlog: list[float] = []
@@ -814,11 +985,13 @@ class Demo:
                 last = max(last, n)
                 seen[rid, digest] += 1
                 if seen[rid, digest] > 1:
-                    if (rid, digest) not in held_keys:
+                    if (rid, digest) in held_keys:
+                        dups["resumed" if role[vin] == "resume" else "clean"] += 1
+                    elif (rid, digest) in awaiting_keys:
+                        dups["awaiting"] += 1  # PUBACKed, its answer awaited, when the connection dropped
+                    else:
                         dups["unexpected"] += 1
                         unexplained[rid, digest] += 1
-                    else:
-                        dups["resumed" if role[vin] == "resume" else "clean"] += 1
                 if role[vin] == "late" and pub.wall[n] < online_at:
                     backlog.append(t)
             missing += [(vin, rid) for (v, rid), d in pub.expected.items() if v == vin and (rid, d) not in seen]
@@ -849,13 +1022,19 @@ class Demo:
         delivered_all = not missing
         retried = {(s.batch.request_id, sha16(s.batch.payload)) for s in self.sends if s.retry}
         receipts = check_receipts(self.view, pub.sent, sum(unexplained[k] for k in retried))
-        progress = check_generations(self.view, pub.sent, acks)
+        facts = FleetFacts(received, acks, answers, self.answering)
+        progress = check_generations(self.view, pub.sent, facts, pub.cancels)
+        responses = check_responses(self.view, pub.sent, facts, self.args.response_timeout)
+        cancels = [check_cancel(self.view, c, pub.sent, facts) for c in pub.cancels]
+        expiry = check_expiry(self.view, pub.sent, facts)
         heard_errors = (self.feed.malformed if self.feed is not None else []) + [
             f"unexpected status message on {h.topic}: {h.doc}" for h in self.view.other
         ]
         server_errors = ev["level:error"] + ev["level:critical"] + ev["level:other"]
+        timeouts = ev["delivery_failed:response_timeout"]  # one warning per request never answered
         ok = pending == 0 and delivered_all and max_inflight <= 1 and foreign == 0 and not fate["lost"]
         ok = ok and receipts.ok and progress.ok and not heard_errors
+        ok = ok and responses.ok and all(c.ok for c in cancels) and expiry.ok
         n_dups = sum(dups.values())
 
         table: list[tuple[str, str]] = [
@@ -867,7 +1046,9 @@ class Demo:
             ),
             (
                 "batches",
-                f"{pub.batches} ({kinds['ota']} ota, {kinds['cfg']} cfg, {kinds['diag']} diag; "
+                f"{pub.batches} ({kinds['ota']} ota, {kinds['cfg']} cfg, {kinds['diag']} diag of which "
+                f"{sum(b.await_response for b in batches)} awaited an answer, {kinds['rollout']} rollout cancelled "
+                f"halfway, {kinds['locate']} locate that expired; "
                 f"{sum(b.replaces for b in batches)} reused an earlier request id with new data); "
                 f"{sum(s.retry for s in self.sends)} re-sent with the same batch_id, 1 bad; server log: "
                 f"{ev['batch_stored']} batch_stored, {ev['batch_duplicate']} batch_duplicate, "
@@ -905,7 +1086,12 @@ class Demo:
                 "duplicates",
                 f"{n_dups} (same request and payload twice to one vehicle): {dups['resumed']} redelivered by "
                 f"the broker on session resume, {dups['clean']} re-sent by the server after a clean reconnect, "
-                f"{dups['unexpected']} otherwise",
+                + (
+                    f"{dups['awaiting']} re-sent after a clean reconnect while the server awaited the answer, "
+                    if dups["awaiting"]
+                    else ""
+                )
+                + f"{dups['unexpected']} otherwise",
             ),
             ("max in flight", f"{max_inflight} per vehicle (must be 1)"),
             (
@@ -952,16 +1138,27 @@ class Demo:
         table += [
             ("receipts", receipts.line),
             ("completed", progress.line),
+            ("responses", responses.line),
+            *(("cancelled", c.line) for c in cancels),
+            ("expired", expiry.line),
             (
                 "every row delivered",
-                ("yes" if delivered_all else f"NO: {len(missing):,} (VIN, request) pairs without their latest payload")
+                (
+                    "yes (but the cancelled and the expired ones, above)"
+                    if delivered_all
+                    else f"NO: {len(missing):,} (VIN, request) pairs without their latest payload"
+                )
                 + f"; {pending:,} rows pending in LMDB",
             ),
             (
                 "errors",
                 f"{error_count} in the fleet and broker, {len(heard_errors)} on the status topic; server log: "
                 f"{ev['level:warning']} warnings"
-                + (" (the bad batch's batch_rejected)" if ev["level:warning"] == ev["batch_rejected"] > 0 else "")
+                + (
+                    f" (the bad batch's batch_rejected, {timeouts} delivery_failed reason=response_timeout)"
+                    if ev["level:warning"] == ev["batch_rejected"] + timeouts and ev["batch_rejected"] > 0
+                    else ""
+                )
                 + f", {server_errors} errors",
             ),
         ]
@@ -970,7 +1167,8 @@ class Demo:
         width = max(len(k) for k, _ in table)
         for k, v in table:
             print(f"  {k:<{width}}  {v}")
-        for e in [*errors[:5], *receipts.problems[:5], *progress.problems[:5], *heard_errors[:5]]:
+        checks = [receipts, progress, responses, *cancels, expiry]
+        for e in [*errors[:5], *(p for c in checks for p in c.problems[:5]), *heard_errors[:5]]:
             print(f"  ! {e}")
         for vin, rid in missing[:5]:
             print(f"  ! {vin} has not received the latest {rid}")
@@ -978,6 +1176,10 @@ class Demo:
         if ok:
             print("PASS: every row reached its vehicle, was acknowledged and deleted, one in flight per vehicle")
             print("PASS: every batch got one receipt, every generation reported completed with the vehicles' counts")
+            print(
+                "PASS: every answer was relayed with its payload, the cancel stopped its campaign, "
+                "the expired request reached no vehicle"
+            )
         else:
             print("FAIL: see above")
         return 0 if ok else 1
@@ -1035,6 +1237,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--late", type=float, default=0.10, help="share of vehicles offline at first (default 0.10)")
     p.add_argument("--reconnect", type=float, default=0.075, help="share that reconnect clean (default 0.075)")
     p.add_argument("--resume", type=float, default=0.05, help="share that resume a session (default 0.05)")
+    p.add_argument("--answer", type=float, default=0.7, help="share that answer what awaits an answer (default 0.7)")
+    p.add_argument(
+        "--response-timeout",
+        type=float,
+        default=3.0,
+        help="the server's response_timeout_s: an unanswered request fails after it (default 3; the server's is 300)",
+    )
     p.add_argument("--per-proc", type=int, default=100, help="vehicles per fleet process (default 100, max ~300)")
     p.add_argument(
         "--processes",
@@ -1066,6 +1275,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--processes must be >= 0")
     if args.late + args.reconnect + args.resume > 1:
         p.error("--late + --reconnect + --resume must not exceed 1")
+    if not 0 <= args.answer <= 1 or args.response_timeout <= 0:
+        p.error("need 0 <= --answer <= 1 and --response-timeout > 0")
     if args.log_dir is None:
         args.log_dir = str(ROOT / "var" / "demo")
 

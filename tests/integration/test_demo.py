@@ -3,7 +3,8 @@ simulator and with the real EMQX.
 
 Each test runs `python -m demo.run` as a subprocess with a small fleet, as a person would, and
 reads its output: what the vehicles got, and what the platform heard on the status topic
-(receipts, a retry's duplicate receipt, the bad batch's rejection, every generation completed).
+(receipts, a retry's duplicate receipt, the bad batch's rejection, every generation completed,
+the vehicles' answers, the cancelled campaign, the request that expired).
 The demo stops everything it started; should it hang, its process group is terminated and then
 killed.
 """
@@ -24,9 +25,11 @@ from tests.harness import ROOT
 
 pytestmark = pytest.mark.slow
 
-#: Small enough for ~10-15 s a run on 2 cores, big enough for every scenario event to happen:
-#: batch 3 is re-sent with its batch_id, batch 7 reuses task_ota_1 with new data, and the bad
-#: batch task_bad_1 goes out between batches 4 and 5.
+#: Small enough for ~15-20 s a run on 2 cores, big enough for every scenario event to happen:
+#: batch 3 is re-sent with its batch_id, batch 7 reuses task_ota_1 with new data, the bad batch
+#: task_bad_1 goes out between batches 4 and 5; batches 3 and 6 (diagnostics) await an answer,
+#: task_rollout_1 is cancelled while the 4 late vehicles are offline, and task_locate_1 expires
+#: before they come online.
 SHORT = ["--vehicles", "40", "--batches", "8", "--interval", "0.3", "--seed", "7", "--drain-timeout", "20"]
 EMQX_VERSION = "5.8.9"
 
@@ -73,6 +76,7 @@ def assert_passed(code: int, out: str, processes: int) -> None:
     assert "PASS: every row reached its vehicle, was acknowledged and deleted, one in flight per vehicle" in out, out
     assert "server stopped cleanly on SIGTERM" in out, out
     assert_heard(out)
+    assert_commands_behave(out)
 
 
 def assert_heard(out: str) -> None:
@@ -85,16 +89,40 @@ def assert_heard(out: str) -> None:
     # The summary: one receipt per batch, one duplicate for the retry, the rejection, every
     # generation completed with the vehicles' counts; the server log agrees.
     batches = summary_row(out, "batches")
-    assert "1 re-sent with the same batch_id, 1 bad; server log: 8 batch_stored, 1 batch_duplicate" in batches, out
+    assert "1 re-sent with the same batch_id, 1 bad; server log: 10 batch_stored, 1 batch_duplicate" in batches, out
     assert batches.endswith(", 1 batch_rejected"), out
     receipts = summary_row(out, "receipts")
-    assert receipts.startswith("8 batches, one accepted receipt each (its sha1, VIN count and correlation_id)"), out
+    assert receipts.startswith("10 batches, one accepted receipt each (its sha1, VIN count and correlation_id)"), out
     assert "1 re-sent with the same batch_id: accepted, duplicate: true, nothing stored or delivered again" in receipts
     assert receipts.endswith("task_bad_1: rejected (bad_vin)"), out
     completed = summary_row(out, "completed")
-    assert completed.startswith("8 of 8 generations reported completed, counts as the vehicles PUBACKed them: "), out
+    assert completed.startswith("10 of 10 generations reported completed, counts as the vehicles PUBACKed them: "), out
     assert "0 on the status topic" in summary_row(out, "errors"), out
     assert "PASS: every batch got one receipt, every generation reported completed with the vehicles' counts" in out
+
+
+def assert_commands_behave(out: str) -> None:
+    """Issue 13 as the platform hears it: answers relayed, unanswered requests failed, the cancel
+    and the expiry stopped their requests (the summary's checks passed, so the numbers agree)."""
+    # Live: the first answer of each request awaiting one, the cancel, the expired generation.
+    assert "status task_diag_1: response from SDVDEMO" in out, out
+    assert "status task_rollout_1: cancelled (corr-rollout-cancel): " in out, out
+    assert "status task_locate_1 (sha1 " in out and "): completed, 0 of 4 delivered, 4 expired" in out, out
+    responses = summary_row(out, "responses")
+    assert responses.startswith("2 requests awaited an answer (await_response: true): the 28 vehicles that answer"), out
+    assert "ended failed, no answer within 3 s" in responses, out
+    completed = summary_row(out, "completed")
+    for outcome in ("responded", "failed", "cancelled", "4 expired"):
+        assert outcome in completed, out
+    cancelled = summary_row(out, "cancelled")
+    assert cancelled.startswith("task_rollout_1 (40 vehicles, 4 of them offline) cancelled "), out
+    expired = summary_row(out, "expired")
+    assert expired.startswith("task_locate_1 (expires_at 2.0 s after its publish, 4 vehicles offline"), out
+    assert expired.endswith(": 4 expired, 0 delivered; 0 vehicles ever got it"), out
+    assert (
+        "PASS: every answer was relayed with its payload, the cancel stopped its campaign, "
+        "the expired request reached no vehicle" in out
+    ), out
 
 
 @pytest.mark.parametrize("processes", [2, 4])
