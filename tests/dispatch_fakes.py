@@ -51,6 +51,9 @@ class MemoryRows:
             self.commit_acks()
         return True
 
+    def acking(self, vin: str, request_id: str, digest: bytes) -> bool:
+        return (vin, request_id, digest) in self.pending_acks
+
     def commit_acks(self) -> None:
         acks, self.pending_acks = self.pending_acks, []
         for vin, rid, digest in acks:

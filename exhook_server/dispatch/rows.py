@@ -137,6 +137,10 @@ class StoreRows:
             # The row stays and is visible again: the next trigger delivers it once more.
             log.error("ack_delete_failed", vin=vin, request_id=request_id, error=repr(future.exception()))
 
+    def acking(self, vin: str, request_id: str, sha1: bytes) -> bool:
+        with self._lock:
+            return self._deleting.get(vin, {}).get(request_id) == sha1
+
     def deleting(self) -> int:
         """Vehicles with an acked row whose delete is not committed yet."""
         return len(self._deleting)

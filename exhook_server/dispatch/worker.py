@@ -84,6 +84,11 @@ class RowSource(Protocol):
         was nothing of that sha1 to end."""
         ...
 
+    def acking(self, vin: str, request_id: str, sha1: bytes) -> bool:
+        """True while an `ack` of exactly this row has started and not yet committed: the
+        vehicle has it, whatever a cancel records meanwhile (the ack then amends it)."""
+        ...
+
 
 #: Told when dispatch ends a pair: (vin, request_id, sha1, outcome, attempts).
 OutcomeListener = Callable[[str, str, bytes, Outcome, int], None]
@@ -373,7 +378,11 @@ class Worker:
             entry.cancelled = True
             return True
         voided = self._unacked.get(vin)
-        return voided is not None and voided[:2] == (request_id, sha1)
+        if voided is not None and voided[:2] == (request_id, sha1):
+            return True
+        # PUBACKed just before the cancel, its delete not yet committed: that delete will find the
+        # row cancelled and amend it to delivered, so it counts as out for delivery too.
+        return self._rows.acking(vin, request_id, sha1)
 
     def _refused(self, cmd: Refused) -> None:
         """The broker refused a delivery: that row's attempt failed, nobody else's. Sent again

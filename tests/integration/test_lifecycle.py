@@ -96,6 +96,23 @@ def test_cancel_of_some_vehicles_with_one_in_flight(make: Any) -> None:
     assert rig.emqx.vehicles[1].received == []
 
 
+def test_a_delivery_pubacked_just_before_the_cancel_is_delivered_not_cancelled(make: Any) -> None:
+    """PUBACKed, its delete waiting for a lazy commit (a long ack_commit_delay_ms): the delete joins
+    the cancel's transaction, ahead of it, so the pair is delivered and the cancel takes the rest.
+    (Another server process's waiting delete cannot join: the cancel counts that one in_flight and
+    the delete amends it, see test_dispatch_rules.)"""
+    rig, platform = make(ack_commit_delay_ms=3_000)
+    v1 = rig.online("V1")
+    rig.emqx.publish_batch(["V1", "V2"], "task_ota_3", "fw3")
+    v1.wait_for(1)
+    rows = rig.srv.server.dispatcher.workers
+    poll(lambda: any(w._rows.acking("V1", "task_ota_3", sha1_of(b"fw3")) for w in rows.values()))
+    cancel(rig, "task_ota_3")
+    [event] = platform.wait(event="cancelled", request_id="task_ota_3")
+    assert (event["cancelled"], event["in_flight"]) == (1, 0)
+    assert counts(rig, "task_ota_3", b"fw3") == {"total": 2, "cancelled": 1, "delivered": 1}
+
+
 def test_cancel_of_every_vehicle_in_chunks_stops_deliveries_at_once(make: Any) -> None:
     """Without ids every pending row of the request ends cancelled, over several bounded
     transactions; from the answer on, none of them is sent, and other requests go on."""

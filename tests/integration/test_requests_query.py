@@ -189,6 +189,7 @@ def test_cli_request_offline_and_server_print_the_same_numbers(story: Story) -> 
         "cancelled": 0,
         "expired": 0,
         "failed": 0,
+        "responded": 0,
     }
     human = cli("request", RID, "--data-dir", story.data_dir).stdout
     assert human == cli("request", RID, "--server", story.admin).stdout

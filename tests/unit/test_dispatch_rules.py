@@ -371,3 +371,20 @@ def test_presence_costs_under_250_bytes_per_online_vin() -> None:
 
     per_vin = asyncio.run(fill()) / n
     assert per_vin < 250, per_vin
+
+
+def test_a_cancel_counts_what_is_out_including_a_pubacked_delivery_not_yet_deleted(rig: Rig) -> None:
+    """mark_cancelled: the delivery in flight is out; so is one PUBACKed whose delete has not
+    committed (its delete will amend the cancelled outcome to delivered); a row never sent is not."""
+    rig.rows.defer_acks = True
+    rig.rows.add("VIN1", "task_a_1", b"a")
+    rig.rows.add("VIN1", "task_b_1", b"b")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    assert rig.worker.mark_cancelled("VIN1", "task_a_1", sha1(b"a"))
+    assert rig.worker.inflight["VIN1"].cancelled
+    rig.ack_last()  # task_a_1 acked (delete pending); task_b_1 now in flight
+    assert rig.worker.mark_cancelled("VIN1", "task_a_1", sha1(b"a"))
+    assert rig.worker.mark_cancelled("VIN1", "task_b_1", sha1(b"b"))
+    assert not rig.worker.mark_cancelled("VIN1", "task_b_1", sha1(b"other"))
+    rig.rows.commit_acks()
+    assert not rig.worker.mark_cancelled("VIN1", "task_a_1", sha1(b"a"))
