@@ -515,6 +515,10 @@ class Ingestor:
         """End `expired` every row past its expires_at, in chunks; returns how many."""
         ended_total = 0
         limit = self._cfg.max_rows_per_commit
+        with self._store.read() as txn:  # an idle sweep costs one read, not a write transaction
+            soonest = pending.first_deadline(txn, self._store.tables)
+        if soonest is None or soonest > self._clock():
+            return 0
         while True:
             ended: list[tuple[str, str, bytes]] = await self._commit(
                 functools.partial(pending.expire_due, t=self._store.tables, now_ms=self._clock(), limit=limit),

@@ -82,6 +82,12 @@ def rebuild_indexes(txn: lmdb.Transaction, t: Tables) -> int:
     return n
 
 
+def first_deadline(txn: lmdb.Transaction, t: Tables) -> int | None:
+    """The soonest expires_at of any row (ms), None when no row has one: whether a sweep has work."""
+    cur = txn.cursor(t.deadlines)
+    return keys.decode_u64(cur.key()[:8]) if cur.first() else None
+
+
 def expire_due(txn: lmdb.Transaction, t: Tables, now_ms: int, limit: int) -> list[tuple[str, str, bytes]]:
     """End `expired` up to `limit` rows whose expires_at is at or before `now_ms`, soonest first,
     walking `deadlines` only as far as the first row still valid: O(expired). Returns (VIN,
