@@ -17,19 +17,27 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as sf
 
 EXPORT_FORMAT = "sdv-fanout-export"
-EXPORT_FORMAT_VERSION = 1
+#: The export format versions the jobs read (storage/export.FORMAT_VERSION): 2 added the lifecycle
+#: columns below; a version-1 export reads as one without expiries, awaited answers or responses.
+EXPORT_FORMAT_VERSIONS = (1, 2)
 
-#: The export's tables (storage/export.py), read with these schemas rather than inferred ones.
+#: The export's tables (storage/export.py), read with these schemas rather than inferred ones. A column
+#: an older export lacks reads as null (Parquet with a given schema), then as EXPORT_DEFAULTS says.
 EXPORT_SCHEMAS = {
-    "rows": "vin string, request_id string, ts_ms long, sha1 binary, size long",
+    "rows": "vin string, request_id string, ts_ms long, sha1 binary, size long, expires_at_ms long, "
+    "await_response boolean",
     "blobs": "sha1 binary, created_ms long, touched_ms long, size long",
     "aliases": "data_id string, sha1 binary, ts_ms long",
     # sha1 as lower-case hex in the two tables below (rows and blobs keep the raw 20 bytes).
     "outcomes": "vin string, request_id string, sha1 string, outcome string, ended_ms long, stored_ms long, "
-    "attempts long",
+    "attempts long, response binary, response_bytes long",
     "generations": "request_id string, sha1 string, first_ms long, last_ms long, total long, pending long, "
-    "delivered long, superseded long, cancelled long, expired long, failed long",
+    "delivered long, superseded long, cancelled long, expired long, failed long, responded long",
 }
+#: Version-2 columns whose null in a version-1 export means something else than null: no answer
+#: was awaited, none responded. (`expires_at_ms`, `response` and `response_bytes` are null for
+#: "none" in version 2 too.)
+EXPORT_DEFAULTS: dict[str, dict[str, Any]] = {"rows": {"await_response": False}, "generations": {"responded": 0}}
 
 #: request_id `task_<type>_<n>`: <type> may contain `_`; <n> is the last `_`-separated part.
 TASK_TYPE_RE = r"^task_(.+)_[^_]+$"
@@ -138,10 +146,10 @@ def read_manifest(spark: SparkSession, export_uri: str) -> dict[str, Any]:
     if not exists(spark, uri):
         raise ExportError(f"{export_uri}: no manifest.json (not an export, or the export did not finish)")
     manifest: dict[str, Any] = json.loads(read_bytes(spark, uri))
-    if manifest.get("format") != EXPORT_FORMAT or manifest.get("format_version") != EXPORT_FORMAT_VERSION:
+    if manifest.get("format") != EXPORT_FORMAT or manifest.get("format_version") not in EXPORT_FORMAT_VERSIONS:
         raise ExportError(
             f"{export_uri}: format {manifest.get('format')!r} version {manifest.get('format_version')!r}, "
-            f"this job reads {EXPORT_FORMAT!r} version {EXPORT_FORMAT_VERSION}"
+            f"this job reads {EXPORT_FORMAT!r} versions {', '.join(map(str, EXPORT_FORMAT_VERSIONS))}"
         )
     if not isinstance(manifest.get("snapshot_ms"), int):
         raise ExportError(f"{export_uri}: manifest.json has no integer snapshot_ms")
@@ -149,11 +157,15 @@ def read_manifest(spark: SparkSession, export_uri: str) -> dict[str, Any]:
 
 
 def read_table(spark: SparkSession, export_uri: str, table: str) -> DataFrame:
-    return spark.read.schema(EXPORT_SCHEMAS[table]).parquet(child(export_uri, table))
+    """One export table with its schema; the columns an older export lacks take EXPORT_DEFAULTS."""
+    df = spark.read.schema(EXPORT_SCHEMAS[table]).parquet(child(export_uri, table))
+    for column, value in EXPORT_DEFAULTS.get(table, {}).items():
+        df = df.withColumn(column, sf.coalesce(sf.col(column), sf.lit(value)))
+    return df
 
 
 def require_tables(manifest: dict[str, Any], export_uri: str, *tables: str) -> None:
-    """Refuse an export made before `tables` existed (the format version stays 1 when a table is added)."""
+    """Refuse an export made before `tables` existed (the format version stays when a table is added)."""
     missing = [t for t in tables if t not in manifest.get("counts", {})]
     if missing:
         raise ExportError(

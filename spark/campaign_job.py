@@ -6,10 +6,11 @@
 A generation is one (request_id, payload sha1): request ids are reused, so each payload sent under an
 id is followed on its own. Reads the export's generations (the counts the server keeps), outcomes
 (one record per ended (VIN, generation)) and rows (what is still pending), and writes into REPORT:
-  generations.csv             per generation: the counts, the oldest pending row, time from store to
-                              delivery p50/p95/p99 (exact), and the check of the counts against a recount
+  generations.csv             per generation: the count of each state, the oldest pending row, time from
+                              store to delivery and to the vehicle's answer p50/p95/p99 (exact), and the
+                              check of the counts against a recount
   by_task_type.csv            the same per task type (`task_<type>_<n>` → <type>, anything else "other")
-  delivered_over_time.csv     deliveries per time bucket and their running total
+  delivered_over_time.csv     deliveries and answers per time bucket and their running totals
   delivered_by_task_type.csv  the same per task type
   count_check.csv             generations whose counts differ from the recount, stored and recounted
   report.png (the two series as charts), report.json (all of it), README.md
@@ -50,16 +51,24 @@ from spark import (
 REPORT_FORMAT = "sdv-fanout-campaign-report"
 #: The states a (VIN, generation) can be in: pending (a row holds it), or how it ended. Their names are
 #: the export's `outcome` values and its generation count columns (storage/keys.COUNT_NAMES).
-STATES = ("pending", "delivered", "superseded", "cancelled", "expired", "failed")
+STATES = ("pending", "delivered", "superseded", "cancelled", "expired", "failed", "responded")
 COUNTS = ("total", *STATES)
 PERCENTILES = (0.5, 0.95, 0.99)
+#: Time to delivery (`delivered`: store to PUBACK) and time to response (`responded`: store to the
+#: vehicle's answer), as columns.
 LATENCY = tuple(f"p{round(p * 100)}_ms" for p in PERCENTILES)
+RESPONSE_LATENCY = tuple(f"response_{c}" for c in LATENCY)
+#: The outcomes with a time from store to end in the report and a series over time: the vehicle took
+#: the request (its PUBACK; its answer).
+REACHED = ("delivered", "responded")
+#: Outcome records the percentiles cover, per generation and task type (GC may have removed older ones).
+RECORDS = tuple(f"{outcome}_records" for outcome in REACHED)
 #: Bucket widths of the delivered-over-time series: the smallest that spans the deliveries in MAX_BUCKETS.
 BUCKET_LADDER_MS = (60_000, 300_000, 900_000, 3_600_000, 21_600_000, 86_400_000, 604_800_000)
 MAX_BUCKETS = 240
 #: A --bucket that would give more buckets than this is refused: the series is dense (every bucket a row).
 MAX_BUCKETS_ASKED = 20_000
-#: Task types drawn in the chart's lower panel (those with the most deliveries); the CSV has them all.
+#: Task types drawn in the chart's lower panel (those with the most deliveries and answers); the CSV has them all.
 CHART_TYPES = 8
 
 #: Check of a generation's stored counts against the recount from rows and outcome records.
@@ -80,11 +89,22 @@ GENERATION_COLUMNS = (
     "oldest_pending_ms",
     "delivered_records",
     *LATENCY,
+    "responded_records",
+    *RESPONSE_LATENCY,
     "check",
 )
-TYPE_COLUMNS = ("task_type", "generations", *COUNTS, "oldest_pending_ms", "delivered_records", *LATENCY)
-SERIES_COLUMNS = ("bucket_ms", "bucket", "delivered", "cumulative")
-TYPE_SERIES_COLUMNS = ("bucket_ms", "bucket", "task_type", "delivered", "cumulative")
+TYPE_COLUMNS = (
+    "task_type",
+    "generations",
+    *COUNTS,
+    "oldest_pending_ms",
+    "delivered_records",
+    *LATENCY,
+    "responded_records",
+    *RESPONSE_LATENCY,
+)
+SERIES_COLUMNS = ("bucket_ms", "bucket", "delivered", "cumulative", "responded", "responded_cumulative")
+TYPE_SERIES_COLUMNS = ("bucket_ms", "bucket", "task_type", *SERIES_COLUMNS[2:])
 CHECK_COLUMNS = (
     "request_id",
     "sha1",
@@ -97,32 +117,36 @@ README = """# sdv-fanout campaign report
 
 Export: {export}
 Snapshot: {snapshot} (snapshot_ms {snapshot_ms}); {generations} generations, {total} (vehicle, request) pairs,
-{delivered} delivered, {pending} pending. Delivered-over-time buckets: {bucket_ms} ms.
+{delivered} delivered, {responded} responded, {cancelled} cancelled, {expired} expired, {failed} failed,
+{pending} pending. Over-time buckets: {bucket_ms} ms.
 Count check: {checks}.
 
 A generation is one (request_id, payload sha1): a request id sent again with another payload is a new
-generation. Each of its (vehicle, generation) pairs is pending (stored, not yet acknowledged) or ended
-once: delivered, superseded (replaced by a newer payload before delivery), cancelled, expired (retention)
-or failed (refused by the broker too often). `total` counts every pair.
+generation. Each of its (vehicle, generation) pairs is pending (stored, not yet ended) or ended once:
+delivered (the vehicle's PUBACK), responded (a request that awaited the vehicle's answer got it),
+superseded (replaced by a newer payload before delivery), cancelled (by the platform's cancel),
+expired (its `expires_at` passed, or the retention period) or failed (refused by the broker too often,
+`max_attempts` sends without a PUBACK, or no answer within `response_timeout_s`). `total` counts every pair.
 
 | file | what |
 |---|---|
 | `generations.csv` | per generation, newest first: the counts as the server keeps them, first and last change \
-(ms), the oldest pending row's store time, and time from store to delivery over its delivery records: \
-p50/p95/p99 in ms (exact, interpolated between the two nearest values, to 0.001 ms) |
+(ms), the oldest pending row's store time, time from store to delivery over its delivery records \
+(`p50_ms`, `p95_ms`, `p99_ms`) and from store to the vehicle's answer over its response records \
+(`response_p50_ms`, ...): in ms, exact, interpolated between the two nearest values, to 0.001 ms |
 | `by_task_type.csv` | the same per task type: request ids `task_<type>_<n>` grouped by `<type>`, others as `other` |
-| `delivered_over_time.csv` | deliveries per bucket of delivery time (`bucket_ms` is its start, UTC) and the \
-running total; every bucket from the first delivery to the last |
+| `delivered_over_time.csv` | deliveries (`delivered`) and answers (`responded`) per bucket of their end time \
+(`bucket_ms` is its start, UTC) and their running totals; every bucket from the first to the last |
 | `delivered_by_task_type.csv` | the same per task type |
 | `count_check.csv` | generations whose counts differ from a recount of pending rows and outcome records; \
 `records_collected`: only ended counts are higher and pending agrees (GC removed outcome records older \
 than `outcome_retention_s`; the counts keep them); `mismatch`: anything else, worth a look |
-| `report.png` | deliveries over time (all, and by task type) |
+| `report.png` | deliveries and answers over time (all, and by task type) |
 | `report.json` | everything above as JSON |
 
-Times to delivery cover delivered pairs whose outcome record is still kept (`delivered_records`); pending
-pairs have none yet, so a generation with many pending has optimistic percentiles: its
-`oldest_pending_ms` shows how long the longest wait has been so far.
+Times to delivery cover delivered pairs whose outcome record is still kept (`delivered_records`), times to
+response the responded ones (`responded_records`); pending pairs have none yet, so a generation with many
+pending has optimistic percentiles: its `oldest_pending_ms` shows how long the longest wait has been so far.
 """
 
 
@@ -141,25 +165,28 @@ def pairs(rows: DataFrame, outcomes: DataFrame) -> DataFrame:
 
 def recount(pairs: DataFrame) -> list[dict[str, Any]]:
     """Per generation, per task type and over all (`level`: generation, task_type, all): the counts
-    recounted from the pairs, the oldest pending row, and the delivery time percentiles.
+    recounted from the pairs, the oldest pending row, and the delivery and response time percentiles.
 
     One aggregation over grouping sets, so the export is read once. `percentile` is exact: it keeps
-    each group's distinct delivery times (a few MB for a million deliveries), and interpolates
-    linearly between the two nearest ranks like numpy's default.
+    each group's distinct delivery (and response) times (a few MB for a million deliveries), and
+    interpolates linearly between the two nearest ranks like numpy's default.
     """
     state = sf.col("state")
-    delivered = state == "delivered"
-    latency = sf.when(delivered, sf.col("ended_ms") - sf.col("stored_ms"))
     aggs = [
         sf.count(sf.lit(1)).alias("total"),
         *(sf.count(sf.when(state == name, 1)).alias(name) for name in STATES),
         sf.min(sf.when(state == "pending", sf.col("stored_ms"))).alias("oldest_pending_ms"),
-        sf.count(latency).alias("delivered_records"),
-        sf.percentile(latency, list(PERCENTILES)).alias("latency"),
-        sf.min(sf.when(delivered, sf.col("ended_ms"))).alias("first_delivered_ms"),
-        sf.max(sf.when(delivered, sf.col("ended_ms"))).alias("last_delivered_ms"),
-        sf.grouping_id().alias("gid"),
     ]
+    for outcome in REACHED:
+        ended = state == outcome
+        latency = sf.when(ended, sf.col("ended_ms") - sf.col("stored_ms"))
+        aggs += [
+            sf.count(latency).alias(f"{outcome}_records"),
+            sf.percentile(latency, list(PERCENTILES)).alias(f"{outcome}_latency"),
+            sf.min(sf.when(ended, sf.col("ended_ms"))).alias(f"first_{outcome}_ms"),
+            sf.max(sf.when(ended, sf.col("ended_ms"))).alias(f"last_{outcome}_ms"),
+        ]
+    aggs.append(sf.grouping_id().alias("gid"))
     levels = {0: "generation", 3: "task_type", 7: "all"}  # grouping_id bits: task_type, request_id, sha1
     grouped = pairs.groupingSets(
         [["task_type", "request_id", "sha1"], ["task_type"], []], "task_type", "request_id", "sha1"
@@ -168,12 +195,13 @@ def recount(pairs: DataFrame) -> list[dict[str, Any]]:
     for row in grouped.collect():
         rec = row.asDict()
         rec["level"] = levels[rec.pop("gid")]
-        # Inputs are whole ms: rounding to µs drops only float noise of the interpolation (…1999999995).
-        percentiles = [None if p is None else round(p, 3) for p in rec.pop("latency") or [None] * len(LATENCY)]
-        rec.update(zip(LATENCY, percentiles, strict=True))
+        for columns, outcome in ((LATENCY, "delivered"), (RESPONSE_LATENCY, "responded")):
+            # Inputs are whole ms: rounding to µs drops only float noise of the interpolation (…1999999995).
+            found = rec.pop(f"{outcome}_latency") or [None] * len(columns)
+            rec.update(zip(columns, [None if p is None else round(p, 3) for p in found], strict=True))
         out.append(rec)
     if not any(r["level"] == "all" for r in out):  # an empty export has no groups at all
-        out.append({"level": "all", **dict.fromkeys((*COUNTS, "delivered_records"), 0)})
+        out.append({"level": "all", **dict.fromkeys((*COUNTS, *RECORDS), 0)})
     return out
 
 
@@ -214,33 +242,48 @@ def _utc(ms: int) -> str:
 
 
 def delivered_series(outcomes: DataFrame, width_ms: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Deliveries per bucket (start = ended_ms rounded down to a multiple of `width_ms`), over all and per
-    task type, with running totals; dense from the first bucket to the last, so gaps show as zeros."""
+    """Deliveries and answers per bucket (start = ended_ms rounded down to a multiple of `width_ms`), over
+    all and per task type, with running totals; dense from the first bucket of either to the last, so
+    gaps show as zeros."""
     bucket = sf.col("ended_ms") - sf.pmod(sf.col("ended_ms"), sf.lit(width_ms))
+    outcome = sf.col("outcome")
     counted = (
-        outcomes.where(sf.col("outcome") == "delivered")
+        outcomes.where(outcome.isin(*REACHED))
         .groupBy(bucket.alias("bucket_ms"), task_type("request_id").alias("task_type"))
-        .agg(sf.count(sf.lit(1)).alias("delivered"))
+        .agg(*(sf.count(sf.when(outcome == name, 1)).alias(name) for name in REACHED))
         .collect()
     )
     if not counted:
         return [], []
-    per: dict[str, dict[int, int]] = {}
+    per: dict[str, dict[int, tuple[int, int]]] = {}
     for r in counted:
-        per.setdefault(r["task_type"], {})[r["bucket_ms"]] = r["delivered"]
+        per.setdefault(r["task_type"], {})[r["bucket_ms"]] = (r["delivered"], r["responded"])
     starts = range(min(r["bucket_ms"] for r in counted), max(r["bucket_ms"] for r in counted) + 1, width_ms)
 
-    def running(counts: dict[int, int], **extra: Any) -> list[dict[str, Any]]:
-        total, out = 0, []
+    def running(counts: dict[int, tuple[int, int]], **extra: Any) -> list[dict[str, Any]]:
+        delivered = responded = 0
+        out = []
         for b in starts:
-            total += counts.get(b, 0)
-            out.append({"bucket_ms": b, "bucket": _utc(b), **extra, "delivered": counts.get(b, 0), "cumulative": total})
+            in_bucket, answered = counts.get(b, (0, 0))
+            delivered, responded = delivered + in_bucket, responded + answered
+            out.append(
+                {
+                    "bucket_ms": b,
+                    "bucket": _utc(b),
+                    **extra,
+                    "delivered": in_bucket,
+                    "cumulative": delivered,
+                    "responded": answered,
+                    "responded_cumulative": responded,
+                }
+            )
         return out
 
-    overall: dict[int, int] = {}
+    overall: dict[int, tuple[int, int]] = {}
     for counts in per.values():
-        for b, n in counts.items():
-            overall[b] = overall.get(b, 0) + n
+        for b, (in_bucket, answered) in counts.items():
+            so_far = overall.get(b, (0, 0))
+            overall[b] = (so_far[0] + in_bucket, so_far[1] + answered)
     by_type = [rec for name in sorted(per) for rec in running(per[name], task_type=name)]
     return running(overall), by_type
 
@@ -262,9 +305,7 @@ def build_tables(
         generations.append(
             {
                 **{c: g[c] for c in ("request_id", "sha1", "task_type", "first_ms", "last_ms", *COUNTS)},
-                "oldest_pending_ms": r["oldest_pending_ms"] if r else None,
-                "delivered_records": r["delivered_records"] if r else 0,
-                **{p: r[p] if r else None for p in LATENCY},
+                **_timings(r),
                 "check": verdict,
             }
         )
@@ -283,24 +324,29 @@ def build_tables(
         for c in COUNTS:
             t[c] += g[c]
     for name, t in by_type.items():
-        r = types.get(name)
-        t["oldest_pending_ms"] = r["oldest_pending_ms"] if r else None
-        t["delivered_records"] = r["delivered_records"] if r else 0
-        t.update({p: r[p] if r else None for p in LATENCY})
+        t.update(_timings(types.get(name)))
     type_rows = sorted(by_type.values(), key=lambda t: (-t["total"], t["task_type"]))
 
     verdicts = [g["check"] for g in generations] + [CHECK_MISMATCH] * len(again)
     totals = {
         "generations": len(generations),
         **{c: sum(g[c] for g in generations) for c in COUNTS},
-        "oldest_pending_ms": everything.get("oldest_pending_ms"),
-        "delivered_records": everything["delivered_records"],
-        **{p: everything.get(p) for p in LATENCY},
-        "first_delivered_ms": everything.get("first_delivered_ms"),
-        "last_delivered_ms": everything.get("last_delivered_ms"),
+        **_timings(everything),
+        **{f"{end}_{o}_ms": everything.get(f"{end}_{o}_ms") for o in REACHED for end in ("first", "last")},
         "checks": {v: verdicts.count(v) for v in (CHECK_OK, CHECK_COLLECTED, CHECK_MISMATCH)},
     }
     return generations, type_rows, checks, totals
+
+
+def _timings(recounted: dict[str, Any] | None) -> dict[str, Any]:
+    """What the recount adds to a generation, a task type or the totals: the oldest pending row, the
+    outcome records the percentiles cover, and the percentiles (None where there are none)."""
+    r = recounted or {}
+    return {
+        "oldest_pending_ms": r.get("oldest_pending_ms"),
+        **{c: r.get(c) or 0 for c in RECORDS},
+        **{p: r.get(p) for p in (*LATENCY, *RESPONSE_LATENCY)},
+    }
 
 
 def _check_row(
@@ -325,8 +371,8 @@ def csv_bytes(columns: Sequence[str], records: Iterable[dict[str, Any]]) -> byte
 
 
 def chart_png(series: list[dict[str, Any]], by_type: list[dict[str, Any]], width_ms: int, title: str) -> bytes:
-    """Two panels sharing the time axis: deliveries per bucket with their running total, and the running
-    total of the CHART_TYPES task types with the most deliveries."""
+    """Two panels sharing the time axis: deliveries and answers per bucket (stacked) with their running
+    totals, and the running total of both together for the CHART_TYPES task types with the most."""
     from matplotlib import dates as mdates  # registers datetime axis units
     from matplotlib.figure import Figure  # Agg canvas; no pyplot, no display
     from matplotlib.ticker import MaxNLocator
@@ -339,43 +385,53 @@ def chart_png(series: list[dict[str, Any]], by_type: list[dict[str, Any]], width
     def at(ms: int) -> datetime:
         return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
+    type_title = "Delivered or responded by task type, running total"
     if series:
         starts = [at(r["bucket_ms"]) for r in series]
-        ax_all.bar(starts, [r["delivered"] for r in series], width=width * 0.9, align="edge", color="tab:blue")
+        delivered = [r["delivered"] for r in series]
+        bar = {"width": width * 0.9, "align": "edge"}
+        ax_all.bar(starts, delivered, color="tab:blue", **bar)
+        answered = any(r["responded"] for r in series)
+        if answered:
+            ax_all.bar(starts, [r["responded"] for r in series], bottom=delivered, color="tab:green", **bar)
         ax_cum = ax_all.twinx()
         ends = [starts[0], *(s + width for s in starts)]
-        ax_cum.plot(ends, [0, *(r["cumulative"] for r in series)], color="tab:orange", label="running total")
-        ax_cum.set_ylabel("delivered, running total")
+        ax_cum.plot(ends, [0, *(r["cumulative"] for r in series)], color="tab:orange", label="delivered, running total")
+        if answered:
+            ax_cum.plot(
+                ends,
+                [0, *(r["responded_cumulative"] for r in series)],
+                color="tab:olive",
+                label="responded, running total",
+            )
+        ax_cum.set_ylabel("running total")
         ax_cum.set_ylim(bottom=0)
         ax_cum.legend(loc="upper left")
         totals: dict[str, int] = {}
         for r in by_type:
-            totals[r["task_type"]] = r["cumulative"]  # the last bucket's running total wins
+            totals[r["task_type"]] = r["cumulative"] + r["responded_cumulative"]  # the last bucket's wins
         drawn = sorted(totals, key=lambda name: (-totals[name], name))[:CHART_TYPES]
         for name in drawn:
             mine = [r for r in by_type if r["task_type"] == name]
             ax_type.plot(
                 [starts[0], *(at(r["bucket_ms"]) + width for r in mine)],
-                [0, *(r["cumulative"] for r in mine)],
+                [0, *(r["cumulative"] + r["responded_cumulative"] for r in mine)],
                 label=f"{name} ({totals[name]})",
             )
         ax_type.legend(loc="upper left", fontsize=8)
         more = len(totals) - len(drawn)
-        ax_type.set_title(
-            "Delivered by task type, running total" + (f" (top {len(drawn)} of {len(totals)})" if more > 0 else "")
-        )
+        ax_type.set_title(type_title + (f" (top {len(drawn)} of {len(totals)})" if more > 0 else ""))
         ax_type.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax_type.xaxis.get_major_locator()))  # type: ignore[no-untyped-call]
     else:
         for ax in (ax_all, ax_type):
             ax.text(0.5, 0.5, "no deliveries", ha="center", va="center", transform=ax.transAxes, color="gray")
-        ax_type.set_title("Delivered by task type, running total")
+        ax_type.set_title(type_title)
     minutes = width_ms / 60_000
-    ax_all.set_title(
-        f"Delivered per {minutes:g} min (UTC)" if minutes < 120 else f"Delivered per {minutes / 60:g} h (UTC)"
-    )
-    ax_all.set_ylabel("delivered per bucket")
+    per = f"{minutes:g} min" if minutes < 120 else f"{minutes / 60:g} h"
+    ax_all.set_title(f"Delivered (blue) and responded (green) per {per} (UTC)")
+    ax_all.set_ylabel("per bucket")
     ax_all.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_type.set_ylabel("delivered")
+    ax_type.set_ylabel("delivered + responded")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     return buf.getvalue()
@@ -393,8 +449,9 @@ def build_report(spark: SparkSession, export_uri: str, out_uri: str, bucket_ms: 
     gens = tables["generations"].withColumn("task_type", task_type("request_id"))
     stored = [r.asDict() for r in gens.collect()]
     generations, by_type, checks, totals = build_tables(stored, recounted)
-    first, last = totals["first_delivered_ms"], totals["last_delivered_ms"]
-    width = bucket_width_ms(first, last, bucket_ms) if first is not None else (bucket_ms or BUCKET_LADDER_MS[0])
+    firsts = [totals[f"first_{o}_ms"] for o in REACHED if totals[f"first_{o}_ms"] is not None]
+    lasts = [totals[f"last_{o}_ms"] for o in REACHED if totals[f"last_{o}_ms"] is not None]
+    width = bucket_width_ms(min(firsts), max(lasts), bucket_ms) if firsts else bucket_ms or BUCKET_LADDER_MS[0]
     series, type_series = delivered_series(tables["outcomes"], width)
 
     files = {
@@ -407,8 +464,9 @@ def build_report(spark: SparkSession, export_uri: str, out_uri: str, bucket_ms: 
     for name, (columns, records) in files.items():
         write_bytes(spark, child(out_uri, name), csv_bytes(columns, records))
     snapshot = _utc(snapshot_ms)
+    answered = f"{totals['responded']} responded, " if totals["responded"] else ""
     title = (
-        f"sdv-fanout campaign report: {totals['delivered']} delivered, {totals['pending']} pending "
+        f"sdv-fanout campaign report: {totals['delivered']} delivered, {answered}{totals['pending']} pending "
         f"in {totals['generations']} generations, snapshot {snapshot}"
     )
     write_bytes(spark, child(out_uri, "report.png"), chart_png(series, type_series, width, title))
@@ -419,8 +477,7 @@ def build_report(spark: SparkSession, export_uri: str, out_uri: str, bucket_ms: 
         snapshot_ms=snapshot_ms,
         generations=totals["generations"],
         total=totals["total"],
-        delivered=totals["delivered"],
-        pending=totals["pending"],
+        **{c: totals[c] for c in STATES},
         bucket_ms=width,
         checks=", ".join(f"{n} {k}" for k, n in totals["checks"].items()),
     )
@@ -455,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         "--bucket",
         type=parse_duration_ms,
         help="delivered-over-time bucket (7d, 1h, 30m, 45s or seconds); default: the smallest of 1m, 5m, 15m, "
-        f"1h, 6h, 1d, 7d that spans the deliveries in {MAX_BUCKETS} buckets",
+        f"1h, 6h, 1d, 7d that spans the deliveries and answers in {MAX_BUCKETS} buckets",
     )
     parser.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     args = parser.parse_args(argv)

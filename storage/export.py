@@ -1,5 +1,5 @@
 """LMDB → Parquet export: one consistent snapshot of rows, blobs (metadata only), aliases,
-outcome records and generation counts.
+outcome records (with the vehicles' answers) and generation counts.
 
 The Spark jobs in spark/ read exports, never the live store. One read transaction gives the
 snapshot, so the generation counts and the rows and outcomes they count are of the same instant;
@@ -26,10 +26,16 @@ from storage.store import SCHEMA_VERSION, Store, now_ms
 FORMAT = "sdv-fanout-export"
 #: Changes only when a table that readers already know changes. Adding a table (outcomes and
 #: generations came later) does not: older jobs ignore it, and a job that needs it checks the
-#: manifest's counts for it.
-FORMAT_VERSION = 1
-#: Rows per Parquet record batch: ~3 MB of Arrow memory per batch.
+#: manifest's counts for it. 2 (store schema 3, request lifecycle): rows gained `expires_at_ms`
+#: and `await_response`, outcomes the `responded` outcome with `response` and `response_bytes`,
+#: generations the `responded` count. The jobs in spark/ read 1 and 2 (a column version 1 lacks
+#: reads as its "nothing" value: no expiry, no answer awaited, none responded).
+FORMAT_VERSION = 2
+#: Rows per Parquet record batch: ~3 MB of Arrow memory per batch ...
 BATCH_ROWS = 65_536
+#: ... or fewer, where a batch would hold more than this many bytes of the vehicles' answers
+#: (up to max_response_bytes, 1 MiB at most, each).
+BATCH_BYTES = 32 << 20
 
 ROWS_SCHEMA = pa.schema(
     [
@@ -38,6 +44,10 @@ ROWS_SCHEMA = pa.schema(
         ("ts_ms", pa.int64()),
         ("sha1", pa.binary()),
         ("size", pa.int64()),
+        #: Epoch ms after which the row is never sent; null: no expiry.
+        ("expires_at_ms", pa.int64()),
+        #: The vehicle's answer, not its PUBACK, ends the row.
+        ("await_response", pa.bool_()),
     ]
 )
 BLOBS_SCHEMA = pa.schema(
@@ -45,7 +55,9 @@ BLOBS_SCHEMA = pa.schema(
 )
 ALIASES_SCHEMA = pa.schema([("data_id", pa.string()), ("sha1", pa.binary()), ("ts_ms", pa.int64())])
 #: One per (VIN, generation) that has ended; sha1 as lower-case hex (what receipts and the Admin API
-#: show), outcome as its name (`delivered`, `superseded`, `cancelled`, `expired`, `failed`).
+#: show), outcome as its name (`delivered`, `superseded`, `cancelled`, `expired`, `failed`,
+#: `responded`). `response` is the answer of a `responded` pair as stored (its first
+#: max_response_bytes) and `response_bytes` its length; both null for every other outcome.
 OUTCOMES_SCHEMA = pa.schema(
     [
         ("vin", pa.string()),
@@ -55,6 +67,8 @@ OUTCOMES_SCHEMA = pa.schema(
         ("ended_ms", pa.int64()),
         ("stored_ms", pa.int64()),
         ("attempts", pa.int64()),
+        ("response", pa.binary()),
+        ("response_bytes", pa.int64()),
     ]
 )
 #: One per generation (request_id, sha1): its first and last change and its counts, as stored.
@@ -81,15 +95,26 @@ def _write(path: Path, schema: pa.Schema, batches: Iterator[list[tuple[Any, ...]
     return n
 
 
-def _batched(items: Iterator[tuple[Any, ...]]) -> Iterator[list[tuple[Any, ...]]]:
+def _batched(
+    items: Iterator[tuple[Any, ...]], weight: Callable[[tuple[Any, ...]], int] | None = None
+) -> Iterator[list[tuple[Any, ...]]]:
+    """Chunks of BATCH_ROWS items, or fewer once their `weight` (bytes) reaches BATCH_BYTES."""
     chunk: list[tuple[Any, ...]] = []
+    held = 0
     for item in items:
         chunk.append(item)
-        if len(chunk) >= BATCH_ROWS:
+        if weight is not None:
+            held += weight(item)
+        if len(chunk) >= BATCH_ROWS or held >= BATCH_BYTES:
             yield chunk
             chunk = []
+            held = 0
     if chunk:
         yield chunk
+
+
+def _response_size(item: tuple[Any, ...]) -> int:
+    return item[-1] or 0  # response_bytes; null for every outcome but `responded`
 
 
 def export(store: Store, out: str | os.PathLike[str], progress: Progress | None = None) -> dict[str, Any]:
@@ -104,7 +129,7 @@ def export(store: Store, out: str | os.PathLike[str], progress: Progress | None 
         def rows() -> Iterator[tuple[Any, ...]]:
             for k, v in txn.cursor(t.ids):
                 r = keys.decode_row(k, v)
-                yield r.vin, r.request_id, r.ts_ms, r.sha1, r.size
+                yield r.vin, r.request_id, r.ts_ms, r.sha1, r.size, r.expires_ms or None, r.await_response
 
         def blobs() -> Iterator[tuple[Any, ...]]:
             for k, v in txn.cursor(t.data):
@@ -125,7 +150,19 @@ def export(store: Store, out: str | os.PathLike[str], progress: Progress | None 
             for k, v in txn.cursor(t.outcomes):
                 vin, request_id, sha1 = keys.split_outcome_key(k)
                 ended_ms, stored_ms, attempts, code = keys.decode_outcome(v)
-                yield vin, request_id, sha1.hex(), Outcome(code).label, ended_ms, stored_ms, attempts
+                outcome = Outcome(code)
+                response = keys.outcome_response(v) if outcome is Outcome.RESPONDED else None
+                yield (
+                    vin,
+                    request_id,
+                    sha1.hex(),
+                    outcome.label,
+                    ended_ms,
+                    stored_ms,
+                    attempts,
+                    response,
+                    None if response is None else len(response),
+                )
 
         def generations() -> Iterator[tuple[Any, ...]]:
             for k, v in txn.cursor(t.gens):
@@ -137,7 +174,7 @@ def export(store: Store, out: str | os.PathLike[str], progress: Progress | None 
             "rows": _write(out / "rows", ROWS_SCHEMA, _batched(rows()), tick),
             "blobs": _write(out / "blobs", BLOBS_SCHEMA, _batched(blobs()), tick),
             "aliases": _write(out / "aliases", ALIASES_SCHEMA, _batched(aliases()), tick),
-            "outcomes": _write(out / "outcomes", OUTCOMES_SCHEMA, _batched(ended()), tick),
+            "outcomes": _write(out / "outcomes", OUTCOMES_SCHEMA, _batched(ended(), _response_size), tick),
             "generations": _write(out / "generations", GENERATIONS_SCHEMA, _batched(generations()), tick),
         }
     manifest = {

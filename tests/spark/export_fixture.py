@@ -10,7 +10,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.export import ALIASES_SCHEMA, BLOBS_SCHEMA, GENERATIONS_SCHEMA, OUTCOMES_SCHEMA, ROWS_SCHEMA
+from storage.export import (
+    ALIASES_SCHEMA,
+    BLOBS_SCHEMA,
+    FORMAT_VERSION,
+    GENERATIONS_SCHEMA,
+    OUTCOMES_SCHEMA,
+    ROWS_SCHEMA,
+)
 
 #: The export's own schemas: a fixture export differs from a real one only in how it was made.
 SCHEMAS = {
@@ -21,14 +28,34 @@ SCHEMAS = {
     "generations": GENERATIONS_SCHEMA,
 }
 
+#: The columns export format 2 added, with the value a record that leaves them out gets; an export
+#: written as version 1 has none of them.
+ADDED_IN_2: dict[str, dict[str, Any]] = {
+    "rows": {"expires_at_ms": None, "await_response": False},
+    "outcomes": {"response": None, "response_bytes": None},
+    "generations": {"responded": 0},
+}
+
 Record = Sequence[Any] | Mapping[str, Any]
 
 
-def _table(schema: pa.Schema, records: list[Record]) -> pa.Table:
+def _schema(name: str, version: int) -> pa.Schema:
+    schema = SCHEMAS[name]
+    if version < 2:
+        for column in ADDED_IN_2.get(name, {}):
+            schema = schema.remove(schema.get_field_index(column))
+    return schema
+
+
+def _table(schema: pa.Schema, records: list[Record], defaults: Mapping[str, Any]) -> pa.Table:
     names = schema.names
     columns: list[list[Any]] = [[] for _ in names]
     for rec in records:
-        values = [rec[n] for n in names] if isinstance(rec, Mapping) else list(rec)
+        if isinstance(rec, Mapping):
+            values = [rec[n] if n in rec or n not in defaults else defaults[n] for n in names]
+        else:
+            values = list(rec)
+            values += [defaults[n] for n in names[len(values) :] if n in defaults]
         if len(values) != len(names):
             raise ValueError(f"expected {names}, got {rec!r}")
         for col, v in zip(columns, values, strict=True):
@@ -46,15 +73,18 @@ def write_export(
     parts: int = 1,
     outcomes: Iterable[Record] | None = None,
     generations: Iterable[Record] | None = None,
+    version: int = FORMAT_VERSION,
 ) -> dict[str, Any]:
     """Write OUT/{rows,blobs,aliases}/part-NNNNN.parquet and OUT/manifest.json; returns the manifest.
 
-    Records are tuples in schema order (rows: vin, request_id, ts_ms, sha1, size; blobs: sha1,
-    created_ms, touched_ms, size; aliases: data_id, sha1, ts_ms; outcomes: vin, request_id, sha1 hex,
-    outcome, ended_ms, stored_ms, attempts; generations: request_id, sha1 hex, first_ms, last_ms, then
-    the seven counts) or dicts. `outcomes` and `generations` are written only when given (without
-    them: an export of a server from before they existed). `parts` splits each non-empty table into
-    that many part files; an empty table still gets one part file with the schema.
+    Records are tuples in schema order (rows: vin, request_id, ts_ms, sha1, size, expires_at_ms,
+    await_response; blobs: sha1, created_ms, touched_ms, size; aliases: data_id, sha1, ts_ms; outcomes:
+    vin, request_id, sha1 hex, outcome, ended_ms, stored_ms, attempts, response, response_bytes;
+    generations: request_id, sha1 hex, first_ms, last_ms, then the eight counts) or dicts; the columns
+    of ADDED_IN_2 may be left off (the end of a tuple) and take their "nothing" value. `version` 1
+    writes an export from before them. `outcomes` and `generations` are written only when given
+    (without them: an export of a server from before they existed). `parts` splits each non-empty
+    table into that many part files; an empty table still gets one part file with the schema.
     """
     counts = {}
     tables = [
@@ -67,7 +97,7 @@ def write_export(
     for name, records in tables:
         if records is None:
             continue
-        table = _table(SCHEMAS[name], list(records))
+        table = _table(_schema(name, version), list(records), ADDED_IN_2.get(name, {}) if version >= 2 else {})
         (out / name).mkdir(parents=True, exist_ok=True)
         n_parts = max(1, min(parts, table.num_rows))
         step = -(-table.num_rows // n_parts) if table.num_rows else 0
@@ -76,8 +106,8 @@ def write_export(
         counts[name] = table.num_rows
     manifest = {
         "format": "sdv-fanout-export",
-        "format_version": 1,
-        "schema_version": 1,
+        "format_version": version,
+        "schema_version": 3 if version >= 2 else 2,
         "snapshot_ms": snapshot_ms,
         "counts": counts,
     }

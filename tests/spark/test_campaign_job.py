@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 
 from spark import ExportError, require_tables
@@ -24,7 +25,7 @@ from spark.campaign_job import (
     build_report,
     check,
 )
-from storage import keys, ops, outcomes
+from storage import cancel, keys, ops, outcomes, pending
 from storage.export import export
 from storage.outcomes import Outcome
 from storage.store import Store
@@ -33,8 +34,7 @@ from tests.spark.export_fixture import write_export
 H = 3_600_000
 SNAP = 1_763_800_000_000
 T0 = SNAP - 48 * H
-COUNTS = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed")
-ENDED = COUNTS[2:]
+COUNTS = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed", "responded")
 
 #: (request_id, sha1 hex, its task type as the report must name it, states its pairs may be in, VINs).
 GENERATIONS = [
@@ -45,6 +45,9 @@ GENERATIONS = [
     ("task_cfg_8", "ee" * 20, "cfg", ("delivered",), 10),  # some records collected by GC
     ("task_diag_1", "ff" * 20, "diag", ("delivered", "pending"), 8),  # counts one pending too many
     ("task_diag_2", "11" * 20, "diag", ("delivered",), 5),  # records, no counts
+    # await_response: answered, timed out, cancelled, expired, still waiting
+    ("task_unlock_3", "22" * 20, "unlock", ("responded", "failed", "cancelled", "expired", "pending"), 40),
+    ("task_cfg_9", "33" * 20, "cfg", ("responded", "delivered"), 20),  # answers in a type with deliveries
 ]
 COLLECTED, EXTRA_PENDING, UNCOUNTED = ("task_cfg_8", "ee" * 20), ("task_diag_1", "ff" * 20), ("task_diag_2", "11" * 20)
 
@@ -65,7 +68,11 @@ def seeded_export(out: Path) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...
                 rows.append((f"V{v:03d}", rid, stored, bytes.fromhex(sha), 100))
             else:
                 end = stored + int(rng.expovariate(1 / 600_000)) + 1  # ~10 min to an outcome
-                ended.append((f"V{v:03d}", rid, sha, state, end, stored, rng.randint(1, 3)))
+                record: tuple[Any, ...] = (f"V{v:03d}", rid, sha, state, end, stored, rng.randint(1, 3))
+                if state == "responded":
+                    answer = rng.randbytes(rng.randrange(5))
+                    record += (answer, len(answer))
+                ended.append(record)
                 last = max(last, end)
         counts["total"] = sum(counts.values())
         if (rid, sha) == COLLECTED:
@@ -93,12 +100,21 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def latencies(ended: list[tuple[Any, ...]], keep: Any) -> list[int]:
-    return [e[4] - e[5] for e in ended if e[3] == "delivered" and keep(e)]
+def latencies(ended: list[tuple[Any, ...]], keep: Any, outcome: str = "delivered") -> list[int]:
+    return [e[4] - e[5] for e in ended if e[3] == outcome and keep(e)]
+
+
+def assert_percentiles(got: dict[str, Any], times: list[int], prefix: str = "") -> None:
+    for p, col in ((0.5, "p50_ms"), (0.95, "p95_ms"), (0.99, "p99_ms")):
+        value = got[prefix + col]
+        if times:
+            assert float(value) == pytest.approx(percentile(times, p), abs=0.001), prefix + col
+        else:
+            assert value in ("", None), prefix + col
 
 
 def test_campaign_report_equals_a_python_reference(spark: Any, tmp_path: Path) -> None:
-    """Counts, delivery-time percentiles, per-type totals, the hourly series and the count check agree."""
+    """Counts of every outcome, delivery and response percentiles, per-type totals, the series and the check agree."""
     export_dir, report = tmp_path / "export", tmp_path / "report"
     rows, ended, gens = seeded_export(export_dir)
     types = {(rid, sha): t for rid, sha, t, _, _ in GENERATIONS}
@@ -111,10 +127,10 @@ def test_campaign_report_equals_a_python_reference(spark: Any, tmp_path: Path) -
         g = got[rid, sha]
         assert [int(g[c]) for c in COUNTS] == counts and (int(g["first_ms"]), int(g["last_ms"])) == (first, last)
         assert g["task_type"] == types[rid, sha]
-        times = latencies(ended, lambda e: (e[1], e[2]) == (rid, sha))  # noqa: B023 (called at once)
-        assert int(g["delivered_records"]) == len(times)
-        for p, col in ((0.5, "p50_ms"), (0.95, "p95_ms"), (0.99, "p99_ms")):
-            assert float(g[col]) == pytest.approx(percentile(times, p), abs=0.001)
+        for outcome, prefix in (("delivered", ""), ("responded", "response_")):
+            times = latencies(ended, lambda e: (e[1], e[2]) == (rid, sha), outcome)  # noqa: B023 (called at once)
+            assert int(g[f"{outcome}_records"]) == len(times)
+            assert_percentiles(g, times, prefix)
         pending = [r[2] for r in rows if (r[1], r[3].hex()) == (rid, sha)]
         assert g["oldest_pending_ms"] == (str(min(pending)) if pending else "")
     assert [g["first_ms"] for g in read_csv(report / "generations.csv")] == sorted(
@@ -122,23 +138,39 @@ def test_campaign_report_equals_a_python_reference(spark: Any, tmp_path: Path) -
     )
 
     by_type = {t["task_type"]: t for t in read_csv(report / "by_task_type.csv")}
-    assert set(by_type) == {"ota_update", "cfg", "other", "diag"}
+    assert set(by_type) == {"ota_update", "cfg", "other", "diag", "unlock"}
     for name, t in by_type.items():
         mine = [g for g in gens if types[g[0], g[1]] == name]
         assert [int(t[c]) for c in COUNTS] == [sum(g[4 + i] for g in mine) for i in range(len(COUNTS))]
-        times = latencies(ended, lambda e: types[e[1], e[2]] == name)  # noqa: B023 (called at once)
-        assert float(t["p95_ms"]) == pytest.approx(percentile(times, 0.95), abs=0.001)
+        for outcome, prefix in (("delivered", ""), ("responded", "response_")):
+            times = latencies(ended, lambda e: types[e[1], e[2]] == name, outcome)  # noqa: B023 (called at once)
+            assert int(t[f"{outcome}_records"]) == len(times)
+            assert_percentiles(t, times, prefix)
+    assert by_type["unlock"]["p50_ms"] == "" and int(by_type["unlock"]["responded"]) > 0
+    assert int(by_type["unlock"]["cancelled"]) > 0 and int(by_type["unlock"]["expired"]) > 0
     everything = latencies(ended, lambda e: True)
+    answers = latencies(ended, lambda e: True, "responded")
     assert summary["totals"]["p99_ms"] == pytest.approx(percentile(everything, 0.99), abs=0.001)
-    assert summary["totals"]["delivered"] == sum(g[6] for g in gens)
+    assert summary["totals"]["response_p99_ms"] == pytest.approx(percentile(answers, 0.99), abs=0.001)
+    for i, c in enumerate(COUNTS):
+        assert summary["totals"][c] == sum(g[4 + i] for g in gens), c
+    assert summary["totals"]["responded_records"] == len(answers) == summary["totals"]["responded"]
 
-    per_hour = Counter(e[4] - e[4] % H for e in ended if e[3] == "delivered")
+    per_hour = {o: Counter(e[4] - e[4] % H for e in ended if e[3] == o) for o in ("delivered", "responded")}
+    buckets = per_hour["delivered"] | per_hour["responded"]
     series = read_csv(report / "delivered_over_time.csv")
-    assert [int(s["bucket_ms"]) for s in series] == list(range(min(per_hour), max(per_hour) + H, H))
-    assert [int(s["delivered"]) for s in series] == [per_hour[int(s["bucket_ms"])] for s in series]
-    assert int(series[-1]["cumulative"]) == len(everything)
-    diag = [s for s in read_csv(report / "delivered_by_task_type.csv") if s["task_type"] == "diag"]
+    assert [int(s["bucket_ms"]) for s in series] == list(range(min(buckets), max(buckets) + H, H))
+    for o in ("delivered", "responded"):
+        assert [int(s[o]) for s in series] == [per_hour[o][int(s["bucket_ms"])] for s in series]
+    assert (int(series[-1]["cumulative"]), int(series[-1]["responded_cumulative"])) == (len(everything), len(answers))
+    by_type_series = read_csv(report / "delivered_by_task_type.csv")
+    diag = [s for s in by_type_series if s["task_type"] == "diag"]
     assert int(diag[-1]["cumulative"]) == len(latencies(ended, lambda e: e[1].startswith("task_diag_")))
+    unlock = [s for s in by_type_series if s["task_type"] == "unlock"]
+    assert (int(unlock[-1]["cumulative"]), int(unlock[-1]["responded_cumulative"])) == (
+        0,
+        len(latencies(ended, lambda e: e[1] == "task_unlock_3", "responded")),
+    )
 
     checks = {(c["request_id"], c["sha1"]): c for c in read_csv(report / "count_check.csv")}
     assert {k: c["check"] for k, c in checks.items()} == {
@@ -148,7 +180,7 @@ def test_campaign_report_equals_a_python_reference(spark: Any, tmp_path: Path) -
     }
     assert int(checks[EXTRA_PENDING]["stored_pending"]) == int(checks[EXTRA_PENDING]["recounted_pending"]) + 1
     assert checks[UNCOUNTED]["stored_total"] == "" and int(checks[UNCOUNTED]["recounted_total"]) == 5
-    assert summary["totals"]["checks"] == {CHECK_OK: 4, CHECK_COLLECTED: 1, CHECK_MISMATCH: 2}
+    assert summary["totals"]["checks"] == {CHECK_OK: 6, CHECK_COLLECTED: 1, CHECK_MISMATCH: 2}
 
     png = (report / "report.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
@@ -167,7 +199,18 @@ def test_export_round_trip_of_outcomes_and_generations(tmp_path: Path) -> None:
         run(ops.store_batch, vins=["V1", "V2", "V3"], request_id="task_ota_1", blob=b"fw1", now_ms=1_000)
         run(ops.store_batch, vins=["V2"], request_id="task_ota_1", blob=b"fw2", now_ms=1_500)
         run(ops.store_batch, vins=["V9"], request_id="manual", blob=b"x", now_ms=1_200)
-        fw1 = ops.sha1_of(b"fw1")
+        awaited = ops.RowSpec(expires_ms=5_000, flags=keys.FLAG_AWAIT_RESPONSE)
+        run(
+            ops.store_batch,
+            vins=["V1", "V4", "V5"],
+            request_id="task_unlock_1",
+            blob=b"open",
+            now_ms=1_800,
+            spec=awaited,
+        )
+        awaited_later = ops.RowSpec(expires_ms=9_000, flags=keys.FLAG_AWAIT_RESPONSE)
+        run(ops.store_batch, vins=["V6"], request_id="task_unlock_2", blob=b"lock", now_ms=1_900, spec=awaited_later)
+        fw1, opened = ops.sha1_of(b"fw1"), ops.sha1_of(b"open")
         for vin, outcome, attempts in (("V1", Outcome.DELIVERED, 2), ("V3", Outcome.FAILED, 3)):
             assert run(
                 ops.delete_row_if,
@@ -178,16 +221,39 @@ def test_export_round_trip_of_outcomes_and_generations(tmp_path: Path) -> None:
                 outcome=outcome,
                 attempts=attempts,
             )
+        answer = b"unlocked \xff"  # not UTF-8: the export keeps bytes as they came
+        assert run(
+            ops.delete_row_if,
+            vin="V1",
+            request_id="task_unlock_1",
+            sha1=opened,
+            now_ms=2_100,
+            outcome=Outcome.RESPONDED,
+            attempts=1,
+            response=answer,
+        )
+        assert run(cancel.cancel_vins, request_id="task_unlock_1", vins=["V4"], now_ms=2_200).total == 1
+        assert len(run(pending.expire_due, now_ms=5_000, limit=10)) == 1  # V5; V6 expires at 9_000
         manifest = export(store, tmp_path / "export")
         with store.read() as txn:
             held = outcomes.all_generations(txn, store.tables)
 
-    assert manifest["counts"] == {"rows": 2, "blobs": 3, "aliases": 0, "outcomes": 3, "generations": 3}
+    assert manifest["format_version"] == 2
+    assert manifest["counts"] == {"rows": 3, "blobs": 5, "aliases": 0, "outcomes": 6, "generations": 5}
+    rows = ds.dataset(tmp_path / "export" / "rows").to_table().to_pylist()
+    assert sorted((r["vin"], r["request_id"], r["ts_ms"], r["expires_at_ms"], r["await_response"]) for r in rows) == [
+        ("V2", "task_ota_1", 1_500, None, False),
+        ("V6", "task_unlock_2", 1_900, 9_000, True),
+        ("V9", "manual", 1_200, None, False),
+    ]
     got = ds.dataset(tmp_path / "export" / "outcomes").to_table().to_pylist()
     assert sorted(tuple(r.values()) for r in got) == [
-        ("V1", "task_ota_1", fw1.hex(), "delivered", 2_000, 1_000, 2),
-        ("V2", "task_ota_1", fw1.hex(), "superseded", 1_500, 1_000, 0),
-        ("V3", "task_ota_1", fw1.hex(), "failed", 2_000, 1_000, 3),
+        ("V1", "task_ota_1", fw1.hex(), "delivered", 2_000, 1_000, 2, None, None),
+        ("V1", "task_unlock_1", opened.hex(), "responded", 2_100, 1_800, 1, answer, len(answer)),
+        ("V2", "task_ota_1", fw1.hex(), "superseded", 1_500, 1_000, 0, None, None),
+        ("V3", "task_ota_1", fw1.hex(), "failed", 2_000, 1_000, 3, None, None),
+        ("V4", "task_unlock_1", opened.hex(), "cancelled", 2_200, 1_800, 0, None, None),
+        ("V5", "task_unlock_1", opened.hex(), "expired", 5_000, 1_800, 0, None, None),
     ]
     gens = {
         (g["request_id"], g["sha1"]): g for g in ds.dataset(tmp_path / "export" / "generations").to_table().to_pylist()
@@ -202,29 +268,76 @@ def test_export_round_trip_of_outcomes_and_generations(tmp_path: Path) -> None:
         }
         for g in held
     }
-    assert gens["task_ota_1", fw1.hex()] | {"first_ms": 0, "last_ms": 0} == {
-        "request_id": "task_ota_1",
-        "sha1": fw1.hex(),
-        "first_ms": 0,
-        "last_ms": 0,
-        **dict(zip(COUNTS, (3, 0, 1, 1, 0, 0, 1), strict=True)),
-    }
+    for (rid, sha), counts in (
+        (("task_ota_1", fw1.hex()), (3, 0, 1, 1, 0, 0, 1, 0)),
+        (("task_unlock_1", opened.hex()), (3, 0, 0, 0, 1, 1, 0, 1)),
+    ):
+        assert gens[rid, sha] | {"first_ms": 0, "last_ms": 0} == {
+            "request_id": rid,
+            "sha1": sha,
+            "first_ms": 0,
+            "last_ms": 0,
+            **dict(zip(COUNTS, counts, strict=True)),
+        }
+
+
+def test_export_batches_are_bounded_by_the_answers_they_hold(tmp_path: Path, monkeypatch: Any) -> None:
+    """Outcome records with large answers go out in smaller record batches (Arrow memory stays bounded)."""
+    import storage.export as export_module
+
+    monkeypatch.setattr(export_module, "BATCH_BYTES", 10_000)
+    with Store(tmp_path / "lmdb") as store:
+        spec = ops.RowSpec(flags=keys.FLAG_AWAIT_RESPONSE)
+        vins = [f"V{n:02d}" for n in range(12)]
+        with store.write() as txn:
+            ops.store_batch(txn, store.tables, vins, "task_unlock_1", b"open", now_ms=1_000, spec=spec)
+            for vin in vins:
+                ops.delete_row_if(
+                    txn,
+                    store.tables,
+                    vin,
+                    "task_unlock_1",
+                    ops.sha1_of(b"open"),
+                    2_000,
+                    Outcome.RESPONDED,
+                    1,
+                    b"a" * 4096,
+                )
+        export(store, tmp_path / "export")
+
+    part = pq.ParquetFile(tmp_path / "export" / "outcomes" / "part-00000.parquet")
+    assert part.metadata.num_rows == 12 and part.num_row_groups == 4  # 3 answers of 4 KiB reach 10,000 bytes
+    assert {len(r) for r in part.read(columns=["response"]).column("response").to_pylist()} == {4096}
 
 
 def test_report_on_a_real_store_finds_its_counts_consistent(spark: Any, tmp_path: Path) -> None:
-    """Random batches, replacements and outcomes through storage.ops: every generation checks `ok`."""
+    """Batches, replacements, acks, answers, cancels and expiry sweeps through storage: every generation is `ok`."""
     assert ("total", *STATES) == keys.COUNT_NAMES  # the job's state names are the store's
     rng = random.Random(7)
     with Store(tmp_path / "lmdb") as store:
-        for n in range(300):
+        t = store.tables
+        for n in range(400):
+            now = T0 + n * 60_000
             vins = [f"V{rng.randrange(25)}" for _ in range(rng.randint(1, 5))]
             rid, blob = f"task_t{n % 3}_{rng.randrange(3)}", bytes([rng.randrange(3)])
             with store.write() as txn:
-                if rng.random() < 0.6:
-                    ops.store_batch(txn, store.tables, vins, rid, blob, now_ms=T0 + n * 60_000)
+                roll = rng.random()
+                if roll < (0.55 if n < 300 else 0):  # the last 100 steps only end rows (a re-store revives them)
+                    spec = ops.RowSpec(
+                        expires_ms=rng.choice([0, now + rng.randrange(1, 60) * 60_000]),
+                        flags=rng.choice([0, keys.FLAG_AWAIT_RESPONSE]),
+                        max_pending=8,
+                    )
+                    ops.store_batch(txn, t, vins, rid, blob, now_ms=now, spec=spec)
+                elif roll < 0.9:
+                    # What dispatch ends rows with (a cancelled pair's is amended); the others below.
+                    outcome = rng.choice([Outcome.DELIVERED, Outcome.FAILED, Outcome.RESPONDED])
+                    answer = rng.randbytes(3) if outcome is Outcome.RESPONDED else b""
+                    ops.delete_row_if(txn, t, vins[0], rid, ops.sha1_of(blob), now + 5, outcome, 1, answer)
+                elif roll < 0.95:
+                    cancel.cancel_vins(txn, t, rid, vins, now + 5)
                 else:
-                    outcome = rng.choice(list(Outcome))
-                    ops.delete_row_if(txn, store.tables, vins[0], rid, ops.sha1_of(blob), T0 + n * 60_000 + 5, outcome)
+                    pending.expire_due(txn, t, now + 5, limit=100)
         export(store, tmp_path / "export")
         with store.read() as txn:
             held = outcomes.all_generations(txn, store.tables)
@@ -234,7 +347,31 @@ def test_report_on_a_real_store_finds_its_counts_consistent(spark: Any, tmp_path
     assert summary["totals"]["checks"] == {CHECK_OK: len(held), CHECK_COLLECTED: 0, CHECK_MISMATCH: 0}
     for c in COUNTS:
         assert summary["totals"][c] == sum(g.counts[c] for g in held)
+        assert summary["totals"][c] > 0, c  # every state is exercised
     assert 0 < summary["totals"]["delivered_records"] == summary["totals"]["delivered"]
+    assert 0 < summary["totals"]["responded_records"] == summary["totals"]["responded"]
+
+
+def test_a_version_1_export_reads_as_one_without_answers(spark: Any, tmp_path: Path) -> None:
+    """An export from before the `responded` outcome (7 counts, no answers) gives the same report, none responded."""
+    sha = "aa" * 20
+    ended = [
+        ("V1", "task_ota_1", sha, "delivered", T0 + 60_000, T0, 1),
+        ("V2", "task_ota_1", sha, "delivered", T0 + 180_000, T0, 2),
+        ("V3", "task_ota_1", sha, "cancelled", T0 + 200_000, T0, 0),
+    ]
+    rows = [("V4", "task_ota_1", T0, bytes.fromhex(sha), 10)]
+    gens = [("task_ota_1", sha, T0, T0 + 200_000, 4, 1, 2, 0, 1, 0, 0)]
+    write_export(tmp_path / "export", rows, [], [], SNAP, outcomes=ended, generations=gens, version=1)
+
+    summary = build_report(spark, str(tmp_path / "export"), str(tmp_path / "report"))
+
+    [g] = read_csv(tmp_path / "report" / "generations.csv")
+    assert [g[c] for c in COUNTS] == ["4", "1", "2", "0", "1", "0", "0", "0"] and g["check"] == CHECK_OK
+    assert (g["p50_ms"], g["responded_records"], g["response_p50_ms"]) == ("120000.0", "0", "")
+    assert summary["totals"]["checks"] == {CHECK_OK: 1, CHECK_COLLECTED: 0, CHECK_MISMATCH: 0}
+    series = read_csv(tmp_path / "report" / "delivered_over_time.csv")
+    assert (series[-1]["cumulative"], series[-1]["responded_cumulative"]) == ("2", "0")
 
 
 def test_an_empty_export_gives_empty_tables_and_a_chart(spark: Any, tmp_path: Path) -> None:
@@ -245,15 +382,19 @@ def test_an_empty_export_gives_empty_tables_and_a_chart(spark: Any, tmp_path: Pa
 
     assert (summary["totals"]["generations"], summary["totals"]["total"], summary["totals"]["p50_ms"]) == (0, 0, None)
     assert read_csv(tmp_path / "report" / "generations.csv") == []
-    assert (tmp_path / "report" / "delivered_over_time.csv").read_text() == "bucket_ms,bucket,delivered,cumulative\n"
+    assert (tmp_path / "report" / "delivered_over_time.csv").read_text() == (
+        "bucket_ms,bucket,delivered,cumulative,responded,responded_cumulative\n"
+    )
     assert (tmp_path / "report" / "report.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_count_check_tells_collected_records_from_a_mismatch() -> None:
     """Only ended counts above the recount is GC's doing; a pending difference or a missing side is not."""
-    recounted = dict(zip(COUNTS, (5, 2, 3, 0, 0, 0, 0), strict=True))
+    recounted = dict(zip(COUNTS, (6, 2, 3, 0, 0, 0, 0, 1), strict=True))
     assert check(dict(recounted), recounted) == CHECK_OK
-    assert check({**recounted, "total": 9, "delivered": 5, "expired": 2}, recounted) == CHECK_COLLECTED
+    assert check({**recounted, "total": 10, "delivered": 5, "expired": 2}, recounted) == CHECK_COLLECTED
+    assert check({**recounted, "total": 7, "responded": 2}, recounted) == CHECK_COLLECTED
+    assert check({**recounted, "responded": 0}, recounted) == CHECK_MISMATCH
     assert check({**recounted, "total": 6, "pending": 3}, recounted) == CHECK_MISMATCH
     assert check({**recounted, "total": 4, "delivered": 2}, recounted) == CHECK_MISMATCH  # fewer than the records
     assert check({**recounted, "delivered": 4}, recounted) == CHECK_MISMATCH  # total disagrees with the states

@@ -171,7 +171,7 @@ def test_empty_export_gives_an_empty_plan_with_schemas(spark: Any, tmp_path: Pat
 
 
 def test_incomplete_or_foreign_export_is_refused(spark: Any, tmp_path: Path) -> None:
-    """A table with fewer rows than the manifest says, or another format, stops the job and leaves no summary."""
+    """A short table, another format or an unknown version stops the job and leaves no summary."""
     export, plan = tmp_path / "export", tmp_path / "plan"
     write_export(export, [("VIN1", "task_a_1", SNAP, sha(1), 1)], [(sha(1), SNAP, 0, 1)], [], SNAP)
     plan.mkdir()
@@ -184,6 +184,9 @@ def test_incomplete_or_foreign_export_is_refused(spark: Any, tmp_path: Path) -> 
 
     (export / "manifest.json").write_text(json.dumps({**manifest, "format": "something-else"}))
     with pytest.raises(ExportError, match="format"):
+        build_plan(spark, str(export), str(plan), RETENTION, GRACE)
+    (export / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))  # a newer sdv-fanout's
+    with pytest.raises(ExportError, match="version 3"):
         build_plan(spark, str(export), str(plan), RETENTION, GRACE)
     with pytest.raises(ValueError, match="grace"):
         build_plan(spark, str(export), str(plan), RETENTION, 59_000)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.dataset as ds
+import pytest
 
 from spark.report_job import build_report
 from tests.spark.export_fixture import write_export
@@ -84,3 +85,76 @@ def test_report_tables_csv_and_chart(spark: Any, tmp_path: Path) -> None:
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     assert "deliveries per day" in (report / "README.md").read_text()
     assert json.loads((report / "report.json").read_text())["tables"]["age_histogram"][5]["pending"] == 4
+    assert (summary["backlog_bound"], summary["vins_at_bound"], summary["rows_with_expiry"]) == (1000, 0, 0)
+    assert parquet(report, "at_bound") == [] and parquet(report, "expiring_requests") == []
+
+
+def lifecycle_export(out: Path, version: int = 2) -> None:
+    """VIN-A and VIN-B hold 4 pending each (B's oldest is older), VIN-C 3. task_unlock_1 expires for A
+    (overdue: past it at the snapshot), B and C (later); task_unlock_2 expires later for A and awaits an
+    answer; task_cfg_1 has no expiry."""
+    rows: list[tuple[Any, ...]] = []
+    for vin, n, oldest in (("VIN-A", 2, SNAP - 2 * H), ("VIN-B", 2, SNAP - 5 * H), ("VIN-C", 2, SNAP - H)):
+        rows += [(vin, f"task_cfg_{i}", oldest + i, SHA, 10) for i in range(n)]
+    rows += [
+        ("VIN-A", "task_unlock_1", SNAP - 30 * 60_000, SHA, 10, SNAP - 60_000, False),
+        ("VIN-B", "task_unlock_1", SNAP - 30 * 60_000, SHA, 10, SNAP + 60_000, False),
+        ("VIN-C", "task_unlock_1", SNAP - 30 * 60_000, SHA, 10, SNAP + 120_000, False),
+        ("VIN-A", "task_unlock_2", SNAP - 10 * 60_000, SHA, 10, SNAP + H, True),
+        ("VIN-B", "manual-9", SNAP - 10 * 60_000, SHA, 10, None, True),
+    ]
+    if version < 2:
+        rows = [r[:5] for r in rows]
+    write_export(out, rows, [(SHA, 0, 0, 10)], [], SNAP, version=version)
+
+
+def test_vehicles_at_the_backlog_bound_and_requests_with_an_expiry(spark: Any, tmp_path: Path) -> None:
+    """Vehicles at the bound are listed longest-waiting first, expiring requests soonest first with overdue rows."""
+    export, report = tmp_path / "export", tmp_path / "report"
+    lifecycle_export(export)
+
+    summary = build_report(spark, str(export), str(report), max_pending_per_vehicle=4)
+
+    assert {k: summary[k] for k in ("backlog_bound", "vins_at_bound")} == {"backlog_bound": 4, "vins_at_bound": 2}
+    at_bound = parquet(report, "at_bound")
+    assert [(r["rank"], r["vin"], r["pending"]) for r in at_bound] == [(1, "VIN-B", 4), (2, "VIN-A", 4)]
+    assert at_bound[0]["oldest_age_ms"] == 5 * H and at_bound[0]["bytes"] == 40
+    assert [r["vin"] for r in csv_rows(report, "at_bound")] == ["VIN-B", "VIN-A"]
+    assert {k: summary[k] for k in ("rows_with_expiry", "overdue_rows", "requests_with_expiry")} == {
+        "rows_with_expiry": 4,
+        "overdue_rows": 1,
+        "requests_with_expiry": 2,
+    }
+    assert summary["await_response_rows"] == 2
+    expiring = parquet(report, "expiring_requests")
+    assert [(r["request_id"], r["task_type"], r["pending"], r["overdue"]) for r in expiring] == [
+        ("task_unlock_1", "unlock", 3, 1),
+        ("task_unlock_2", "unlock", 1, 0),
+    ]
+    assert (expiring[0]["earliest_expires_at_ms"], expiring[0]["latest_expires_at_ms"]) == (
+        SNAP - 60_000,
+        SNAP + 120_000,
+    )
+    assert (expiring[0]["expires_in_ms"], expiring[1]["expires_in_ms"]) == (-60_000, H)
+    assert csv_rows(report, "expiring_requests")[1]["expires_in_ms"] == str(H)
+    text = (report / "README.md").read_text()
+    assert "2 vehicles hold at least 4 pending requests" in text and "1 of them past it" in text
+    assert json.loads((report / "report.json").read_text())["tables"]["at_bound"][0]["vin"] == "VIN-B"
+
+    skipped = build_report(spark, str(export), str(tmp_path / "skipped"), max_pending_per_vehicle=0)
+    assert (skipped["backlog_bound"], skipped["vins_at_bound"]) == (None, None)
+    assert parquet(tmp_path / "skipped", "at_bound") == []
+    with pytest.raises(ValueError, match="max_pending_per_vehicle"):
+        build_report(spark, str(export), str(tmp_path / "bad"), max_pending_per_vehicle=-1)
+
+
+def test_a_version_1_export_reads_as_one_without_expiries_or_answers(spark: Any, tmp_path: Path) -> None:
+    """An export from before the lifecycle columns still gives the whole report: no expiry, nothing awaited."""
+    export, report = tmp_path / "export", tmp_path / "report"
+    lifecycle_export(export, version=1)
+
+    summary = build_report(spark, str(export), str(report), max_pending_per_vehicle=4)
+
+    assert (summary["pending"], summary["vins_at_bound"]) == (11, 2)
+    assert (summary["rows_with_expiry"], summary["requests_with_expiry"], summary["await_response_rows"]) == (0, 0, 0)
+    assert parquet(report, "expiring_requests") == []

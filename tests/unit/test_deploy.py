@@ -145,14 +145,50 @@ def test_dockerfile_lints_clean_and_runs_the_server() -> None:
     assert out.returncode == 0 and "--listen" in out.stdout
 
 
+def dashboard_panels() -> list[dict[str, Any]]:
+    """Every panel of the Grafana dashboard, those inside a collapsed row included (rows too)."""
+    dash = json.loads((ROOT / "deploy" / "grafana" / "sdv-fanout.json").read_text())
+    return [q for p in dash["panels"] for q in (p, *p.get("panels", []))]
+
+
+def queried(panel: dict[str, Any]) -> set[str]:
+    return {n for t in panel.get("targets", []) for n in re.findall(r"sdv_fanout_\w+", t["expr"])}
+
+
 def test_grafana_dashboard_uses_only_metrics_we_export() -> None:
     """Every metric a dashboard panel queries exists in exhook_server.metrics."""
-    dash = json.loads((ROOT / "deploy" / "grafana" / "sdv-fanout.json").read_text())
     exported = {
         name
         for m in vars(metrics).values()
         if hasattr(m, "_name")
         for name in (m._name, m._name + "_total", m._name + "_bucket")
     }
-    used = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"sdv_fanout_\w+", t["expr"])}
+    used = {n for p in dashboard_panels() for n in queried(p)}
     assert used and used <= exported, used - exported
+
+
+def test_grafana_dashboard_has_a_request_lifecycle_row() -> None:
+    """The "Request lifecycle" row charts every lifecycle metric, and no two panels share ids or grid cells."""
+    panels = dashboard_panels()
+    [row] = [p for p in panels if p["type"] == "row" and p["title"] == "Request lifecycle"]
+    below = [p for p in panels if p["type"] != "row" and p["gridPos"]["y"] > row["gridPos"]["y"]]
+    lifecycle = {
+        metrics.ROWS_REFUSED,
+        metrics.VEHICLES_AT_BOUND,
+        metrics.CANCELS,
+        metrics.RESPONSES,
+        metrics.AWAITING_RESPONSE,
+        metrics.DELIVERIES_FAILED,
+        metrics.OUTCOMES,
+    }
+    names = {m._name for m in lifecycle}
+    used = {n.removesuffix("_total") for p in below for n in queried(p)}
+    assert names <= used, names - used
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells = [
+        (x, y)
+        for p in panels
+        for x in range(p["gridPos"]["x"], p["gridPos"]["x"] + p["gridPos"]["w"])
+        for y in range(p["gridPos"]["y"], p["gridPos"]["y"] + p["gridPos"]["h"])
+    ]
+    assert len(cells) == len(set(cells)) and max(x for x, _ in cells) < 24
