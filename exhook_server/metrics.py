@@ -56,14 +56,20 @@ DELIVERIES_REFUSED = Counter(
 )
 DELIVERIES_FAILED = Counter(
     "sdv_fanout_deliveries_failed_total",
-    "Rows that ended without delivery (broker_refused = refused delivery_max_refusals times)",
+    "Rows that ended failed: broker_refused (refused delivery_max_refusals times), max_attempts, response_timeout,"
+    " cancelled_unacked (cancelled while out and never PUBACKed)",
     ["reason"],
 )
 STATUS_PUBLISHED = Counter("sdv_fanout_status_published_total", "Status messages handed to the broker link")
 STATUS_DROPPED = Counter(
     "sdv_fanout_status_dropped_total", "Status messages dropped: status_queue_max was full while the link was down"
 )
-OUTCOMES = Counter("sdv_fanout_outcomes_total", "(VIN, request) pairs that ended, by outcome", ["outcome"])
+OUTCOMES = Counter(
+    "sdv_fanout_outcomes_total",
+    "(VIN, request) pairs that ended, by outcome (a pair cancelled while out counts cancelled, then again as what"
+    " its delivery became: the stored counts move it)",
+    ["outcome"],
+)
 # Gauges say how to combine the server processes' values (prometheus-client's multiprocess
 # mode, used when processes > 1; ignored with one process).
 ONLINE_VEHICLES = Gauge(

@@ -169,6 +169,8 @@ def amend_cancelled(
     """A pair cancelled while its delivery was in flight learns how that delivery ended: the
     vehicle took it (delivered, responded) or it was given up (failed). The cancel could not
     recall it, so its outcome says what happened. True when amended (it was `cancelled`)."""
+    if outcome is Outcome.CANCELLED:
+        return False  # nothing to amend: it is cancelled already
     okey = keys.outcome_key(vin, request_id, sha1)
     raw = txn.get(okey, db=t.outcomes)
     if raw is None or keys.decode_outcome(raw)[3] != Outcome.CANCELLED:

@@ -158,3 +158,13 @@ def test_a_schema_2_store_is_upgraded_with_its_indexes_built(tmp_path: Path) -> 
         assert s.schema_version == 3
         assert s.backlog("V1") == 2 and s.backlog("V2") == 1
         assert_consistent(s)
+
+
+def test_cancelling_a_cancelled_pair_again_changes_no_count(store: Store) -> None:
+    """delete_row_if(outcome=cancelled) on a pair already cancelled amends nothing (the counts
+    once moved a pair from cancelled to cancelled and lost the decrement)."""
+    batch(store, ["V1"], "task_a_1", b"a", 1_000)
+    run(store, cancel.cancel_vins, request_id="task_a_1", vins=["V1"], now_ms=1_001)
+    args = {"vin": "V1", "request_id": "task_a_1", "sha1": sha1_of(b"a"), "now_ms": 1_002}
+    assert not run(store, ops.delete_row_if, outcome=Outcome.CANCELLED, **args)
+    assert_consistent(store)
