@@ -2,36 +2,71 @@
 
 A small broker model plays MQTT: deliveries reach a vehicle's live connection,
 wait in a persistent session while it is offline, and die with a discarded or
-terminated session. Events (connect, resume, disconnect, drop, heartbeat,
-batch, ack, our broker link dropping) are interleaved at random. Invariants:
-never two of our deliveries outstanding at one vehicle without a cause; every
-row of a vehicle that stays online long enough is delivered and deleted;
-nothing is published on another VIN's topic.
+terminated session. Events are interleaved at random: connect, resume, disconnect,
+heartbeat, batches (some with an expires_at, some awaiting the vehicle's answer),
+PUBACKs, answers (some late or guessed, some forged by another vehicle), cancels of
+named VINs and of every vehicle (walked in chunks behind a cut), time passing (the
+response timeouts), the expiry sweep (apart: the queue must skip an expired row before
+it), deferred commits of acked rows, and our broker link dropping.
+
+Invariants, checked at every step against `MemoryRows` (the store's rules in memory):
+- one delivery at most holds a vehicle's slot: the last one sent, until its PUBACK (or,
+  awaiting an answer, until the answer or the response timeout), until our link drops or
+  its session ends; a cancelled or expired row's delivery still holds it;
+- only to a vehicle online, only its own rows, the oldest the store may send: never past
+  its expires_at (which the delivery carries), never a row a cancel took;
+- the worker ends what happened: the PUBACK of the delivery out ends it delivered with its
+  attempts, the awaited answer from the vehicle itself responded with that answer, the
+  response timeout failed; late and forged answers end nothing; a cancel counts exactly
+  the deliveries out;
+- at the end every row is drained and every pair the store took has exactly one outcome;
+  a cancelled pair the vehicle PUBACKed later was amended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
+import structlog.testing
 
 from exhook_server.dispatch.commands import EndReason, Session
 from exhook_server.dispatch.pool import Dispatcher
-from tests.dispatch_fakes import MemoryRows, sha1
+from storage.outcomes import Outcome
+from tests.dispatch_fakes import MemoryRows, Pair, sha1
 
 SEEDS = [1, 2, 3, 4, 5, 6]
 VEHICLES = 120
 STEPS = 1500
+#: Rows a cancel of every vehicle ends per transaction (max_rows_per_commit).
+CANCEL_CHUNK = 7
+RESPONSE_TIMEOUT_S = 30.0
+
+#: An `ack` call the worker must make: (vin, request_id, sha1, outcome, attempts, response).
+Expected = tuple[str, str, bytes, Outcome, int, bytes]
 
 
 @dataclass
 class Delivery:
+    """One publish of ours to a vehicle, and where it stands in the vehicle's slot."""
+
     vin: str
     request_id: str
     payload: bytes
-    epoch: int  # our broker-link epoch when published
+    await_response: bool = False
+    #: Publishes of this (request_id, payload) in a row, this one included (the worker's count).
+    attempts: int = 1
+    #: out: sent, not PUBACKed; voided: our link or its session lost it (sent again as a re-send);
+    #: awaiting: PUBACKed, its answer awaited; done: the slot is free.
+    state: str = "out"
+    acked_at: float = 0.0
+
+    @property
+    def sha1(self) -> bytes:
+        return sha1(self.payload)
 
 
 @dataclass
@@ -43,46 +78,158 @@ class Vehicle:
     unacked: list[Delivery] = field(default_factory=list)
     has_session: bool = False  # a broker session exists (live or persistent-idle)
     last_session: Session | None = None
+    #: The last delivery published to it: the only one that may hold its slot.
+    last: Delivery | None = None
+    #: PUBACKed deliveries awaiting the vehicle's answer (it answers each once).
+    to_answer: list[Delivery] = field(default_factory=list)
 
 
 class Fleet:
-    """The broker model and the checks; the Dispatcher under test publishes into it."""
+    """The broker model, the clock and the checks; the Dispatcher under test publishes into it."""
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
-        self.rows = MemoryRows()
+        self.now = 1000.0  # seconds: the workers' clock; epoch ms for the store is now * 1000
+        self.rows = MemoryRows(now_ms=lambda: int(self.now * 1000))
         self.vehicles = {f"VIN{n:05d}": Vehicle(f"VIN{n:05d}") for n in range(VEHICLES)}
-        self.epoch = 0
         self.link_up = True
         self.port = 10_000
         self.violations: list[str] = []
         self.published = 0
+        self.step = 0
+        #: Ack calls the step's events should cause (in any order across vehicles).
+        self.expected: list[Expected] = []
+        #: pair → step of its latest cancel; pair → steps of the PUBACKs of its deliveries.
+        self.cancelled_at: dict[Pair, int] = {}
+        self.pubacked: dict[Pair, list[int]] = {}
+        self.events: Counter[str] = Counter()
+
+    def clock(self) -> float:
+        return self.now
+
+    def holds_slot(self, d: Delivery | None) -> bool:
+        if d is None:
+            return False
+        return d.state == "out" or (d.state == "awaiting" and self.now - d.acked_at < RESPONSE_TIMEOUT_S)
 
     # -- the Publisher seam -------------------------------------------------------
     def publish(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
         if not self.link_up:
             return False
-        self.published += 1
-        row = self.rows.rows.get((vin, request_id))
-        if row is None or row[1] != payload:
-            self.violations.append(f"published {vin}/{request_id} which is not that VIN's row")
-        v = self.vehicles[vin]
-        # Outstanding since the last link loss, and not a duplicate of a row already completed.
-        same_epoch = [
-            d
-            for d in v.unacked
-            if d.epoch == self.epoch and self.rows.rows.get((vin, d.request_id), (0, None))[1] == d.payload
-        ]
-        if same_epoch:
-            self.violations.append(f"{vin}: second delivery {request_id} while {same_epoch[0].request_id} unacked")
-        if v.has_session:
-            v.unacked.append(Delivery(vin, request_id, payload, self.epoch))
+        try:
+            self._published(vin, request_id, payload, expires_ms)
+        except Exception as exc:  # the pool logs and drops a failing command: a check must not vanish so
+            self.violations.append(f"step {self.step}: publish check failed: {exc!r}")
         return True
 
-    # -- vehicle actions -------------------------------------------------------------
+    def _published(self, vin: str, request_id: str, payload: bytes, expires_ms: int) -> None:
+        self.published += 1
+        v = self.vehicles[vin]
+        where = f"step {self.step}: {vin}/{request_id}"
+        row = self.rows.rows.get((vin, request_id))
+        if row is None or row.payload != payload:
+            self.violations.append(f"{where}: published, and it is not that VIN's row")
+            return
+        oldest = self.rows.oldest(vin)
+        if oldest is None or (oldest[0].request_id, oldest[1]) != (request_id, payload):
+            self.violations.append(f"{where}: not the oldest row the store may send ({oldest and oldest[0]})")
+        if 0 < row.expires_ms <= self.now * 1000:
+            self.violations.append(f"{where}: published past its expires_at")
+        job = self.rows.cancels.get(request_id)
+        if job is not None and row.ts <= job.cut:
+            self.violations.append(f"{where}: published after a cancel took it")
+        if expires_ms != row.expires_ms:
+            self.violations.append(f"{where}: carries expires_ms {expires_ms}, its row {row.expires_ms}")
+        if v.session is None:
+            self.violations.append(f"{where}: published to a vehicle offline")
+        if self.holds_slot(v.last):
+            assert v.last is not None
+            self.violations.append(f"{where}: second delivery while {v.last.request_id} holds the slot")
+        # Sent again while the worker knows it unacked (out or voided): one more attempt.
+        last, attempts = v.last, 1
+        unacked = last is not None and last.state in ("out", "voided")
+        if unacked and last is not None and (last.request_id, last.sha1) == (request_id, row.sha1):
+            attempts = last.attempts + 1
+        d = Delivery(vin, request_id, payload, row.await_response, attempts)
+        v.last = d
+        if v.has_session:
+            v.unacked.append(d)
+
+    # -- the vehicle's side ---------------------------------------------------------
     def new_session(self, vin: str) -> Session:
         self.port += 1
         return Session("emqx@n1", vin, "10.1.0.1", self.port)
+
+    def void(self, v: Vehicle) -> None:
+        """Its delivery out is lost (our link dropped, its session ended); a PUBACKed one awaiting
+        its answer is not: the vehicle has it."""
+        if v.last is not None and v.last.state == "out":
+            v.last.state = "voided"
+
+    def puback(self, v: Vehicle, d: Delivery) -> None:
+        """What the worker must do with the vehicle's PUBACK of `d`."""
+        last = v.last
+        self.pubacked.setdefault((v.vin, d.request_id, d.sha1), []).append(self.step)
+        if d.await_response:
+            v.to_answer.append(d)
+        if last is not None and (last.request_id, last.sha1) == (d.request_id, d.sha1):
+            if last.state == "awaiting":
+                return  # held until the answer
+            if last.state in ("out", "voided"):
+                if last.await_response:
+                    last.state, last.acked_at = "awaiting", self.now
+                    return
+                last.state = "done"
+                self.expected.append((v.vin, d.request_id, d.sha1, Outcome.DELIVERED, last.attempts, b""))
+                return
+        self.expected.append((v.vin, d.request_id, d.sha1, Outcome.DELIVERED, 1, b""))  # not what is out: any end
+
+    def answer(self, v: Vehicle, request_id: str, payload: bytes, by: Vehicle) -> None:
+        """What the worker must do with an answer on `v`'s response topic published by `by`."""
+        last = v.last
+        if (
+            by is v
+            and last is not None
+            and last.request_id == request_id
+            and last.await_response
+            and last.state in ("out", "awaiting")
+        ):
+            last.state = "done"
+            self.expected.append((v.vin, request_id, last.sha1, Outcome.RESPONDED, last.attempts, payload))
+            self.events["answer_accepted"] += 1
+        else:
+            self.events["answer_ignored"] += 1
+
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+        for v in self.vehicles.values():
+            d = v.last
+            if d is not None and d.state == "awaiting" and self.now - d.acked_at >= RESPONSE_TIMEOUT_S:
+                d.state = "done"
+                self.expected.append((v.vin, d.request_id, d.sha1, Outcome.FAILED, d.attempts, b""))
+
+    def out_for_cancel(self, request_id: str, chunk: list[tuple[str, bytes]]) -> int:
+        """How many rows a cancel ended are out for delivery: sent and not done, or PUBACKed with
+        their end not committed yet."""
+        out = 0
+        for vin, digest in chunk:
+            self.cancelled_at[vin, request_id, digest] = self.step
+            last = self.vehicles[vin].last
+            sent = last is not None and last.state != "done" and (last.request_id, last.sha1) == (request_id, digest)
+            out += sent or self.rows.acking(vin, request_id, digest)
+        return out
+
+    def check_acks(self, mark: int) -> None:
+        """The worker's `ack` calls since `mark` are exactly the ends the step's events call for
+        (in any order across vehicles: each worker drains its own queue)."""
+        got = sorted((a.vin, a.request_id, a.sha1, a.outcome, a.attempts, a.response) for a in self.rows.acks[mark:])
+        expected, self.expected = sorted(self.expected), []
+        if got != expected:
+            self.violations.append(f"step {self.step}: the worker ended {brief(got)}, expected {brief(expected)}")
+
+
+def brief(calls: list[Expected]) -> str:
+    return ", ".join(f"{v}/{rid}/{s.hex()[:6]} {o.label} x{a} {r[:14]!r}" for v, rid, s, o, a, r in calls[:6])
 
 
 async def settle(d: Dispatcher) -> None:
@@ -99,12 +246,23 @@ async def settle(d: Dispatcher) -> None:
 async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
     rng = random.Random(seed)
     fleet = Fleet(rng)
+    rows = fleet.rows
+    rows.defer_acks = seed % 2 == 0  # acked rows end at once, or with a later commit
     # With vin_from_clientid the pool keeps no client map for these vehicles (clientid = VIN).
     named = (lambda clientid: True) if vin_from_clientid else None
-    d = Dispatcher(fleet.rows, fleet, workers=4, inflight_timeout_s=1e9, vin_from_clientid=named)
+    d = Dispatcher(
+        rows, fleet, workers=4, inflight_timeout_s=1e9, vin_from_clientid=named, response_timeout_s=RESPONSE_TIMEOUT_S
+    )
+    for worker in d.workers.values():
+        worker._clock = fleet.clock  # the pool takes no clock; its workers do
     d.start()
     vins = list(fleet.vehicles)
     rids = [f"task_{t}_{n}" for t in ("ota", "cfg") for n in range(4)]
+
+    def durable_write() -> None:
+        """The group committer may take acked rows' ends before a durable write, or after it."""
+        if rows.pending_acks and rng.random() < 0.5:
+            rows.commit_acks()
 
     def connect(v: Vehicle, clean: bool) -> None:
         s = fleet.new_session(v.vin)
@@ -113,6 +271,7 @@ async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
         else:
             if v.has_session and v.last_session is not None:
                 d.ended(v.last_session, EndReason.DISCARDED)
+                fleet.void(v)
             v.unacked.clear()  # a clean start loses the old session
         v.session = v.last_session = s
         v.has_session, v.persistent = True, not clean
@@ -120,46 +279,107 @@ async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
         if clean:
             d.subscribed(s, v.vin)
 
-    def disconnect(v: Vehicle, reason: str) -> None:
+    def disconnect(v: Vehicle) -> None:
         assert v.session is not None
         s, v.session = v.session, None
         d.ended(s, EndReason.OFFLINE)
         if not v.persistent:
             d.ended(s, EndReason.TERMINATED)
+            fleet.void(v)
             v.has_session = False
             v.unacked.clear()
 
-    for _ in range(STEPS):
+    async def cancel_chunks() -> None:
+        """The ingestor's walk of every cancel of every vehicle in progress: one chunk each."""
+        for rid in list(rows.cancels):
+            durable_write()
+            chunk, _ = rows.cancel_chunk(rid, CANCEL_CHUNK)
+            want = fleet.out_for_cancel(rid, chunk)
+            got = await d.cancelled(rid, tuple(chunk))
+            if got != want:
+                fleet.violations.append(f"step {fleet.step}: cancel of {rid} counts {got} out, expected {want}")
+
+    def answer(v: Vehicle, request_id: str, payload: bytes, by: Vehicle) -> None:
+        assert by.session is not None
+        fleet.answer(v, request_id, payload, by)
+        d.responded(by.session, v.vin, request_id, payload, len(payload))
+
+    def puback(v: Vehicle, msg: Delivery) -> None:
+        assert v.session is not None
+        fleet.puback(v, msg)
+        d.acked(v.session, v.vin, msg.request_id, sha1(msg.payload))
+
+    for fleet.step in range(STEPS):
+        mark = len(rows.acks)
         v = fleet.vehicles[rng.choice(vins)]
         r = rng.random()
-        if r < 0.12:
+        if rows.cancels and rng.random() < 0.5:
+            await cancel_chunks()
+        if r < 0.10:
             if v.session is None:
                 connect(v, clean=not (v.has_session and rng.random() < 0.6))
-        elif r < 0.18:
+        elif r < 0.15:
             if v.session is not None:
-                disconnect(v, rng.choice(["normal", "tcp_closed", "keepalive_timeout"]))
-        elif r < 0.30:
+                disconnect(v)
+        elif r < 0.24:
             if v.session is not None:
                 d.heartbeat(Session("emqx@n1", v.vin, "10.1.0.1"), v.vin)
-        elif r < 0.55:
+        elif r < 0.46:
             batch = rng.sample(vins, rng.randint(1, 30))
             rid = rng.choice(rids)
             payload = rng.choice([b"shared", rid.encode(), rng.randbytes(8)])
+            expires_ms = int(fleet.now * 1000) + rng.randint(2_000, 60_000) if rng.random() < 0.25 else 0
+            awaited = rng.random() < 0.3
+            durable_write()
             for vin in batch:
-                fleet.rows.add(vin, rid, payload)
+                rows.add(vin, rid, payload, expires_ms=expires_ms, await_response=awaited)
             d.new_batch(batch)
-        elif r < 0.97:
+        elif r < 0.74:
             if v.session is not None and v.unacked:
-                msg = v.unacked.pop(0)
-                d.acked(v.session, v.vin, msg.request_id, sha1(msg.payload))
+                puback(v, v.unacked.pop(0))
+        elif r < 0.84:
+            if v.session is not None and v.to_answer:
+                msg = v.to_answer.pop(0)
+                answer(v, msg.request_id, b"answer to " + msg.payload, v)
+            elif v.session is not None and rng.random() < 0.5:  # late, or for a request it never had
+                answer(v, rng.choice(rids), b"answer to a guess", v)
+            else:  # forged: another vehicle publishes on this one's response topic
+                by = fleet.vehicles[rng.choice(vins)]
+                if by is not v and by.session is not None and v.last is not None:
+                    answer(v, v.last.request_id, b"forged", by)
+        elif r < 0.87:
+            rid = rng.choice(rids)
+            durable_write()
+            if rng.random() < 0.5:
+                chunk = rows.cancel_vins(rid, rng.sample(vins, rng.randint(1, 10)))
+                fleet.events["cancel_some"] += 1
+            else:
+                chunk, _ = rows.start_cancel_all(rid, CANCEL_CHUNK)
+                fleet.events["cancel_all"] += 1
+            want = fleet.out_for_cancel(rid, chunk)
+            got = await d.cancelled(rid, tuple(chunk))
+            if got != want:
+                fleet.violations.append(f"step {fleet.step}: cancel of {rid} counts {got} out, expected {want}")
+        elif r < 0.91:  # the periodic sweeps of dispatch (response timeouts) and of the store (expiry) run apart
+            fleet.time_passes(rng.uniform(1.0, 20.0))
+            d.sweep()
+        elif r < 0.93:
+            durable_write()
+            fleet.events["expired"] += len(rows.expire_due())
+        elif r < 0.97:
+            rows.commit_acks()
         else:
             fleet.link_up = not fleet.link_up
-            if not fleet.link_up:
-                fleet.epoch += 1
+            if not fleet.link_up:  # whatever our client had not delivered is void
+                for each in fleet.vehicles.values():
+                    fleet.void(each)
             d.broker_connected(fleet.link_up)
         await settle(d)
+        fleet.check_acks(mark)
 
-    # Everyone comes online, the link is up, and vehicles ack everything they get.
+    # Everyone comes online, the link is up, cancels finish, vehicles ack and answer everything
+    # they get, and time runs past every expiry and response timeout.
+    fleet.step = STEPS
     if not fleet.link_up:
         fleet.link_up = True
         d.broker_connected(True)
@@ -167,25 +387,70 @@ async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
         if v.session is None:
             connect(v, clean=True)
     await settle(d)
-    for _ in range(200):
-        acted = False
+    for _ in range(2000):
+        fleet.step += 1
+        mark = len(rows.acks)
+        acted = bool(rows.cancels or rows.pending_acks)
+        await cancel_chunks()
+        rows.commit_acks()
+        # One PUBACK or answer per vehicle, then the workers: the next delivery may be the
+        # request an answer names, so what the answer does depends on what came before it.
         for v in fleet.vehicles.values():
-            while v.unacked:
-                msg = v.unacked.pop(0)
-                d.acked(v.session, v.vin, msg.request_id, sha1(msg.payload))  # type: ignore[arg-type]
-                acted = True
+            if v.unacked:
+                puback(v, v.unacked.pop(0))
+            elif v.to_answer:
+                msg = v.to_answer.pop(0)
+                answer(v, msg.request_id, b"answer to " + msg.payload, v)
+            else:
+                continue
+            acted = True
         await settle(d)
+        fleet.check_acks(mark)
         if not acted:
-            break
+            mark = len(rows.acks)
+            fleet.time_passes(RESPONSE_TIMEOUT_S + 60.0)
+            expired = rows.expire_due()
+            d.sweep()
+            await settle(d)
+            fleet.check_acks(mark)
+            if not expired and not rows.rows:
+                break
+    rows.commit_acks()
     await d.stop()
     return fleet
+
+
+def check_outcomes(fleet: Fleet) -> list[str]:
+    """Every pair the store took ended once, as what happened to it."""
+    rows = fleet.rows
+    problems = []
+    if set(rows.outcomes) != rows.taken:
+        problems.append(f"{len(rows.taken - set(rows.outcomes))} pairs without an outcome")
+    for pair, ended in rows.outcomes.items():
+        if ended.outcome is Outcome.RESPONDED and not ended.response.startswith(b"answer to "):
+            problems.append(f"{pair} responded with {ended.response!r}: not its vehicle's answer")
+        if ended.outcome is Outcome.DELIVERED and pair not in fleet.pubacked:
+            problems.append(f"{pair} delivered and never PUBACKed")
+        later = [step for step in fleet.pubacked.get(pair, []) if step > fleet.cancelled_at.get(pair, step)]
+        if ended.outcome is Outcome.CANCELLED and later:
+            problems.append(f"{pair} PUBACKed after its cancel (step {later[0]}), still cancelled: not amended")
+    return problems
 
 
 @pytest.mark.parametrize("vin_from_clientid", [False, True], ids=["client-map", "clientid-is-vin"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_fleet_keeps_invariants_and_drains(seed: int, vin_from_clientid: bool) -> None:
-    """Random interleavings never put two deliveries in flight, never mix VINs, and drain every row."""
-    fleet = asyncio.run(simulate(seed, vin_from_clientid))
+    """Random interleavings (cancels, expiries and answers among them) never put two deliveries
+    in a vehicle's slot, send only what may be sent, end each pair once as it happened, and drain."""
+    with structlog.testing.capture_logs() as logs:
+        fleet = asyncio.run(simulate(seed, vin_from_clientid))
+    assert [e for e in logs if e["event"] == "dispatch_command_failed"] == []
     assert fleet.violations == [], f"seed {seed}: {fleet.violations[:5]}"
     assert fleet.rows.rows == {}, f"seed {seed}: {len(fleet.rows.rows)} rows never delivered"
-    assert fleet.published > 100
+    assert fleet.rows.cancels == {} and fleet.rows.pending_acks == []
+    assert check_outcomes(fleet) == [], f"seed {seed}: {check_outcomes(fleet)[:5]}"
+    outcomes = Counter(e.outcome.label for e in fleet.rows.outcomes.values())
+    # Not vacuous: every way a pair ends took part, and answers were both taken and ignored.
+    assert fleet.published > 100 and fleet.rows.amended > 0, (fleet.published, fleet.rows.amended)
+    assert {"delivered", "superseded", "cancelled", "expired", "responded", "failed"} <= outcomes.keys(), outcomes
+    assert fleet.events["answer_accepted"] and fleet.events["answer_ignored"], fleet.events
