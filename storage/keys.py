@@ -132,11 +132,24 @@ def decode_alias(value: bytes | memoryview) -> tuple[bytes, int]:
     return sha1, ts_ms
 
 
-def deadline_entries(expires_ms: int, rkeys: Iterable[bytes]) -> list[tuple[bytes, bytes]]:
-    """`deadlines` (key, empty value) pairs: the rows' expires_at, then their `ids` key, so the
-    sweep walks rows in the order they expire and stops at the first one still valid."""
-    head = _U64.pack(expires_ms)
-    return [(head + rkey, b"") for rkey in rkeys]
+def deadline_key(expires_ms: int, vin: str, request_id: str) -> bytes:
+    """`deadlines` key: the row's expires_at, so the sweep walks rows in the order they expire
+    and stops at the first one still valid; then request id and VIN (not VIN first), so the rows
+    of one batch sit side by side even when many batches share one expires_at (VIN first
+    scattered them over the index: ingest cost 31 % more CPU per row, bench/lifecycle.py)."""
+    return _U64.pack(expires_ms) + request_id.encode() + SEP + vin.encode()
+
+
+def deadline_entries(expires_ms: int, request_id: str, vins: Iterable[str]) -> list[tuple[bytes, bytes]]:
+    """`deadlines` (key, empty value) pairs of one batch's rows (VINs sorted: keys sorted)."""
+    head = _U64.pack(expires_ms) + request_id.encode() + SEP
+    return [(head + vin.encode(), b"") for vin in vins]
+
+
+def split_deadline_key(key: bytes) -> tuple[int, bytes]:
+    """(expires_at ms, `ids` key of its row)."""
+    rid, _, vin = key[8:].partition(SEP)
+    return decode_u64(key[:8]), vin + SEP + rid
 
 
 def request_index_entries(request_id: str, vins: Iterable[str]) -> list[tuple[bytes, bytes]]:

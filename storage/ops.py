@@ -246,7 +246,7 @@ def put_rows(
         else:
             txn.delete(keys.expiry_key(keys.row_ts(old), rkey), db=t.expiry)
             if old_expires := keys.row_expires(old):
-                txn.delete(keys.timed_key(old_expires, rkey), db=t.deadlines)
+                txn.delete(keys.deadline_key(old_expires, vin, request_id), db=t.deadlines)
             replaced += 1
             old_sha1 = keys.row_sha1(old)
             if old_sha1 != sha1:
@@ -268,7 +268,7 @@ def put_rows(
     expiry.putmulti(entries, append=append)
     txn.cursor(t.by_request).putmulti(keys.request_index_entries(request_id, stored_vins))
     if spec.expires_ms:
-        txn.cursor(t.deadlines).putmulti(keys.deadline_entries(spec.expires_ms, stored))
+        txn.cursor(t.deadlines).putmulti(keys.deadline_entries(spec.expires_ms, request_id, stored_vins))
     return RowsPut(replaced, frozenset(superseded), tuple(refused))
 
 

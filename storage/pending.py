@@ -57,7 +57,7 @@ def end_row(
     txn.delete(rkey, db=t.ids)
     txn.delete(keys.expiry_key(row.ts_ms, rkey), db=t.expiry)
     if row.expires_ms:
-        txn.delete(keys.timed_key(row.expires_ms, rkey), db=t.deadlines)
+        txn.delete(keys.deadline_key(row.expires_ms, row.vin, row.request_id), db=t.deadlines)
     txn.delete(keys.request_index_key(row.vin, row.request_id), db=t.by_request)
     vin_key = row.vin.encode()
     set_backlog(txn, t, vin_key, backlog(txn, t, vin_key) - 1)
@@ -73,7 +73,7 @@ def rebuild_indexes(txn: lmdb.Transaction, t: Tables) -> int:
         row = keys.decode_row(key, value)
         txn.put(keys.request_index_key(row.vin, row.request_id), b"", db=t.by_request)
         if row.expires_ms:
-            txn.put(keys.timed_key(row.expires_ms, bytes(key)), b"", db=t.deadlines)
+            txn.put(keys.deadline_key(row.expires_ms, row.vin, row.request_id), b"", db=t.deadlines)
         vin_key = row.vin.encode()
         counts[vin_key] = counts.get(vin_key, 0) + 1
         n += 1
@@ -101,9 +101,9 @@ def expire_due(txn: lmdb.Transaction, t: Tables, now_ms: int, limit: int) -> lis
             due.append(bytes(dkey))
     ended = []
     for dkey in due:
-        rkey = dkey[8:]
+        expires_ms, rkey = keys.split_deadline_key(dkey)
         value = txn.get(rkey, db=t.ids)
-        if value is None or keys.row_expires(value) != keys.decode_u64(dkey[:8]):
+        if value is None or keys.row_expires(value) != expires_ms:
             txn.delete(dkey, db=t.deadlines)  # left by a row ended without its entry (never expected)
             continue
         value = bytes(value)

@@ -50,7 +50,7 @@ def assert_consistent(store: Store) -> None:
         recounted = outcomes.recount(txn, t)
         stored = {(g.request_id, g.sha1): g.counts for g in outcomes.all_generations(txn, t)}
     assert by_request == {keys.request_index_key(r.vin, r.request_id) for r in rows}
-    assert deadlines == {keys.timed_key(r.expires_ms, keys.row_key(r.vin, r.request_id)) for r in rows if r.expires_ms}
+    assert deadlines == {keys.deadline_key(r.expires_ms, r.vin, r.request_id) for r in rows if r.expires_ms}
     assert expiry == {keys.expiry_key(r.ts_ms, keys.row_key(r.vin, r.request_id)) for r in rows}
     assert backlogs == dict(Counter(r.vin for r in rows))
     assert {k: v for k, v in stored.items() if v["total"]} == recounted
