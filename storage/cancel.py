@@ -132,6 +132,17 @@ def cancel_chunk(txn: lmdb.Transaction, t: Tables, request_id: str, now_ms: int,
     return CancelChunk(request_id, tuple(done), job["done"], more, job.get("correlation_id"))
 
 
+def count_taken(txn: lmdb.Transaction, t: Tables, request_id: str, rows: int) -> None:
+    """Rows of a cancel in progress that a newer batch replaced before its walk reached them:
+    they ended cancelled there (ops.put_rows), and count in the cancel's total."""
+    key = request_id.encode()
+    raw = txn.get(key, db=t.cancels)
+    if raw is not None:
+        job = orjson.loads(bytes(raw))
+        job["done"] = int(job["done"]) + rows
+        txn.put(key, orjson.dumps(job), db=t.cancels)
+
+
 def cancels_in_progress(txn: lmdb.Transaction, t: Tables) -> list[str]:
     """Request ids whose cancel of every vehicle a crash cut short (resumed at start-up)."""
     return [bytes(k).decode() for k in txn.cursor(t.cancels).iternext(keys=True, values=False)]

@@ -222,6 +222,7 @@ def put_rows(
         now_ms = cut + 1  # a cancel in progress takes the rows stored up to its cut, not these
     known = outcomes.generation_exists(txn, t, request_id, sha1)
     replaced = 0
+    taken = 0
     superseded: set[bytes] = set()
     refused: list[str] = []
     stored: list[bytes] = []
@@ -250,11 +251,19 @@ def put_rows(
             replaced += 1
             old_sha1 = keys.row_sha1(old)
             if old_sha1 != sha1:
-                outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.SUPERSEDED, now_ms, keys.row_ts(old))
-                superseded.add(old_sha1)
+                old_ts = keys.row_ts(old)
+                if cut is not None and old_ts <= cut:
+                    # A cancel in progress took it already (its walk had not come this far).
+                    outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.CANCELLED, now_ms, old_ts)
+                    taken += 1
+                else:
+                    outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.SUPERSEDED, now_ms, old_ts)
+                    superseded.add(old_sha1)
                 newly.append(rkey)
         stored.append(rkey)
         stored_vins.append(vin)
+    if taken:
+        cancel.count_taken(txn, t, request_id, taken)
     if not stored:
         return RowsPut(replaced, frozenset(superseded), tuple(refused))
     outcomes.rows_pending(txn, t, newly, request_id, sha1, now_ms, known=known)

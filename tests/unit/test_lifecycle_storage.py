@@ -126,7 +126,10 @@ def test_a_cancel_takes_rows_stored_up_to_its_cut_and_not_later_ones(store: Stor
     chunk = first
     while chunk.more:
         chunk = run(store, cancel.cancel_chunk, request_id="task_a_1", now_ms=1_001, max_rows=2)
-    assert chunk.total == 4  # V0..V3; V4 and V5 hold the new version, stored after the cut
+    # All six old rows end cancelled: V0..V3 by the walk, V4 and V5 when the new version replaced
+    # them (the cut had taken them already); the new version, stored after the cut, stays.
+    assert chunk.total == 6
+    assert store.outcome("V5", "task_a_1", sha1_of(b"old")) is Outcome.CANCELLED
     assert [r.request_id for r in store.pending("V5")] == ["task_a_1"]
     assert store.oldest("V5")[0] is not None
     assert_consistent(store)
