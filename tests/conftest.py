@@ -11,6 +11,7 @@ import pytest
 from exhook_server import log
 from exhook_server.config import Config
 from tests.harness import ExHookClient, InProcessServer
+from tests.pg_cluster import PgCluster, find_bindir
 
 log.configure("console", "warning", cache=False)
 
@@ -46,3 +47,14 @@ def client(server: InProcessServer) -> Iterator[ExHookClient]:
     c = ExHookClient(server.port)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgCluster]:
+    """One throwaway PostgreSQL for the whole session (127.0.0.1, a free port, never as root); tests
+    sharing it keep to tables or databases of their own (`PgCluster.new_database`)."""
+    if find_bindir() is None:
+        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl) found: install postgresql-15 (scripts/bootstrap)")
+    cluster = PgCluster.create(name="session")
+    yield cluster
+    cluster.stop()
