@@ -231,18 +231,23 @@ def put_rows(
     newly: list[bytes] = []
     value = keys.row_value(now_ms, sha1, size, spec.expires_ms, spec.flags)
     rows = txn.cursor(t.ids)
+    counter = txn.cursor(t.ids)
     backlogs = txn.cursor(t.backlogs)
     for rkey, vin in pairs:
         old = rows.replace(rkey, value)
         if old is None:
             vin_key = vin.encode()
             raw = backlogs.get(vin_key)
-            count = 0 if raw is None else pending.decode_count(raw)
-            if spec.max_pending and count >= spec.max_pending:
+            if raw is not None:
+                before = pending.decode_count(raw)
+            else:  # fewer than COUNTED_FROM before this one: count them where they lie
+                before = pending.count_rows(counter, vin_key, pending.COUNTED_FROM) - 1
+            if spec.max_pending and before >= spec.max_pending:
                 txn.delete(rkey, db=t.ids)
                 refused.append(vin)
                 continue
-            backlogs.put(vin_key, pending.encode_count(count + 1))
+            if raw is not None or before + 1 >= pending.COUNTED_FROM:
+                backlogs.put(vin_key, pending.encode_count(before + 1))
             newly.append(rkey)
         else:
             txn.delete(keys.expiry_key(keys.row_ts(old), rkey), db=t.expiry)

@@ -18,6 +18,8 @@ from storage.outcomes import Outcome
 from storage.store import Tables
 
 _U32 = struct.Struct(">I")
+#: A vehicle has a `backlogs` entry exactly while it has at least this many rows.
+COUNTED_FROM = 32
 
 
 def decode_count(raw: bytes | memoryview) -> int:
@@ -28,17 +30,43 @@ def encode_count(count: int) -> bytes:
     return _U32.pack(min(count, 0xFFFFFFFF))
 
 
+def count_rows(rows: lmdb.Cursor, vin_key: bytes, limit: int) -> int:
+    """Rows of the vehicle in `ids`, counting at most `limit` (a short scan of its key range:
+    from its first key to the first key past it, `next` and one comparison per row)."""
+    prefix = vin_key + keys.SEP
+    if not rows.set_range(prefix):
+        return 0
+    end = vin_key + b"\x01"  # the first key past the range: VINs never hold NUL
+    n = 0
+    while n < limit and bytes(rows.key()) < end:  # set_range put it at or past the range's start
+        n += 1
+        if not rows.next():
+            break
+    return n
+
+
 def backlog(txn: lmdb.Transaction, t: Tables, vin_key: bytes) -> int:
-    """Pending rows of one vehicle (its `backlogs` count), O(1)."""
+    """Pending rows of one vehicle: its `backlogs` count, or a scan of fewer than COUNTED_FROM."""
     raw = txn.get(vin_key, db=t.backlogs)
-    return 0 if raw is None else decode_count(raw)
+    if raw is not None:
+        return decode_count(raw)
+    return count_rows(txn.cursor(t.ids), vin_key, COUNTED_FROM)
 
 
 def set_backlog(txn: lmdb.Transaction, t: Tables, vin_key: bytes, count: int) -> None:
-    if count > 0:
+    """Record the vehicle's row count (kept only from COUNTED_FROM on)."""
+    if count >= COUNTED_FROM:
         txn.put(vin_key, encode_count(count), db=t.backlogs)
     else:
         txn.delete(vin_key, db=t.backlogs)
+
+
+def _row_gone(txn: lmdb.Transaction, t: Tables, vin_key: bytes) -> None:
+    """One row of the vehicle ended: its count, if it has one, goes down (and away below
+    COUNTED_FROM); a vehicle without one needs nothing."""
+    raw = txn.get(vin_key, db=t.backlogs)
+    if raw is not None:
+        set_backlog(txn, t, vin_key, decode_count(raw) - 1)
 
 
 def end_row(
@@ -59,8 +87,7 @@ def end_row(
     if row.expires_ms:
         txn.delete(keys.deadline_key(row.expires_ms, row.vin, row.request_id), db=t.deadlines)
     txn.delete(keys.request_index_key(row.vin, row.request_id), db=t.by_request)
-    vin_key = row.vin.encode()
-    set_backlog(txn, t, vin_key, backlog(txn, t, vin_key) - 1)
+    _row_gone(txn, t, row.vin.encode())
     outcomes.end(txn, t, rkey, row.request_id, row.sha1, outcome, now_ms, row.ts_ms, attempts, response)
 
 

@@ -475,19 +475,29 @@ class Store:
             return int(txn.stat(self.tables.ids)["entries"])
 
     def vehicles_at(self, bound: int) -> int:
-        """Vehicles with at least `bound` pending rows: one pass over the per-vehicle counts."""
+        """Vehicles with at least `bound` pending rows: a pass over the per-vehicle counts (only
+        vehicles with many rows have one), or over every row for a bound below COUNTED_FROM."""
+        from storage import pending  # pending builds on this module
+
         with self.read() as txn:
-            return sum(
-                1
-                for raw in txn.cursor(self.tables.backlogs).iternext(keys=False, values=True)
-                if int.from_bytes(raw) >= bound
-            )
+            if bound >= pending.COUNTED_FROM:
+                return sum(
+                    1
+                    for raw in txn.cursor(self.tables.backlogs).iternext(keys=False, values=True)
+                    if pending.decode_count(raw) >= bound
+                )
+            per_vin: dict[bytes, int] = {}
+            for key in txn.cursor(self.tables.ids).iternext(keys=True, values=False):
+                vin = bytes(key).partition(keys.SEP)[0]
+                per_vin[vin] = per_vin.get(vin, 0) + 1
+            return sum(1 for n in per_vin.values() if n >= bound)
 
     def backlog(self, vin: str) -> int:
-        """The vehicle's pending rows, O(1)."""
+        """The vehicle's pending rows."""
+        from storage import pending  # pending builds on this module
+
         with self.read() as txn:
-            raw = txn.get(vin.encode(), db=self.tables.backlogs)
-            return 0 if raw is None else int.from_bytes(raw)
+            return pending.backlog(txn, self.tables, vin.encode())
 
     def early_count(self) -> int:
         with self.read() as txn:

@@ -52,7 +52,11 @@ def assert_consistent(store: Store) -> None:
     assert by_request == {keys.request_index_key(r.vin, r.request_id) for r in rows}
     assert deadlines == {keys.deadline_key(r.expires_ms, r.vin, r.request_id) for r in rows if r.expires_ms}
     assert expiry == {keys.expiry_key(r.ts_ms, keys.row_key(r.vin, r.request_id)) for r in rows}
-    assert backlogs == dict(Counter(r.vin for r in rows))
+    # A count for each vehicle with at least COUNTED_FROM rows, none for the others.
+    assert backlogs == {v: n for v, n in Counter(r.vin for r in rows).items() if n >= pending.COUNTED_FROM}
+    for vin, n in Counter(r.vin for r in rows).items():
+        with store.read() as txn:
+            assert pending.backlog(txn, t, vin.encode()) == n
     assert {k: v for k, v in stored.items() if v["total"]} == recounted
 
 
@@ -170,4 +174,21 @@ def test_cancelling_a_cancelled_pair_again_changes_no_count(store: Store) -> Non
     run(store, cancel.cancel_vins, request_id="task_a_1", vins=["V1"], now_ms=1_001)
     args = {"vin": "V1", "request_id": "task_a_1", "sha1": sha1_of(b"a"), "now_ms": 1_002}
     assert not run(store, ops.delete_row_if, outcome=Outcome.CANCELLED, **args)
+    assert_consistent(store)
+
+
+def test_a_long_queue_is_counted_from_counted_from_on_and_bounded_exactly(store: Store) -> None:
+    """Below COUNTED_FROM a vehicle's rows are counted where they lie; from it on in `backlogs`;
+    the bound holds either way, and the count goes away again as the queue drains."""
+    n = pending.COUNTED_FROM
+    for i in range(n + 8):
+        written = batch(store, ["V1", "V2"], f"task_t_{i}", b"x", 1_000 + i, max_pending=n + 5)
+        assert written.refused == (("V1", "V2") if i >= n + 5 else ())
+    assert store.backlog("V1") == n + 5 and store.vehicles_at(n + 5) == 2 and store.vehicles_at(3) == 2
+    assert_consistent(store)
+    for i in range(10):
+        run(store, ops.delete_row_if, vin="V1", request_id=f"task_t_{i}", sha1=sha1_of(b"x"), now_ms=5_000)
+    assert store.backlog("V1") == n - 5
+    with store.read() as txn:
+        assert txn.get(b"V1", db=store.tables.backlogs) is None  # below COUNTED_FROM: no entry
     assert_consistent(store)
