@@ -213,8 +213,8 @@ def run_ingest(args: argparse.Namespace, tmp: Path, say: Callable[[str], None]) 
                 before = listener.settle()
                 res = ingest.measure("ours", batches, tmp / f"r{r}-{side}", args, envs[side])
                 res["status"] = diff(listener.settle(), before)
-                # Which code ran: an older tree's store has no generation counts.
-                if ("gens" in res["disk"]["tables"]) == (side == "before"):
+                # Which code ran: an older tree's store lacks the newest schema's tables.
+                if ("by_request" in res["disk"]["tables"]) == (side == "before"):
                     raise SystemExit(f"ingest {side}: unexpected tables {res['disk']['tables']}")
                 result[side] = res
             result["on_over_off"] = result["on"]["rows_per_s"] / result["off"]["rows_per_s"]
