@@ -1,0 +1,622 @@
+"""Issue 14 item 6: cross-process forwarding vs store claims on LMDB, side by side, paired rounds.
+
+Several server processes on one host share the LMDB environment. Today each hook event for a
+VIN another process owns is forwarded to the owner over local sockets
+(`exhook_server/dispatch/peers.py`). The alternative (docs scale-out.md §3 applied to LMDB): any
+process handles any VIN, and "at most one in flight per VIN" is a claim, a write transaction that
+sets an in-flight marker only if none is set, in a second LMDB environment opened without fsync
+(sync=False, metasync=False: the marker is soft state, rebuilt after a crash). This script
+measures the three costs the choice rests on, each in its own helper processes (siblings, so the
+real Peers accept their links), all phases in every round, their order reversed every other round:
+
+(a) **forwarding**: process 0 routes hook events through a real `Dispatcher` (ring, the
+    `ClientEvent`/`Acknowledge` items and the metric the server uses) into the real `Peers`
+    (same framing, same pickling) to process 1, which owns every VIN used; an even mix of
+    heartbeats (`ClientEvent("heartbeat", (Session, VIN))`) and acks (`Acknowledge`). The driver
+    hands over `burst` events per event-loop turn (1: a lightly loaded server, a frame per event;
+    8: a busy one), at most `--window` unconfirmed (process 1 confirms every 256 over the same
+    Peers link). Events/s and CPU per event on both sides; the sender's CPU is also given net of
+    the driver loop itself (the same loop run without the dispatcher call, same number of turns).
+    The receiver only counts: the work the owner does with an event is done in both designs.
+(b) **claims**: claim + release cycles on the nosync marker env. Claim = one write txn: get the
+    VIN's marker; if none, read the vehicle's oldest row and its payload from the real store
+    (`Store.oldest`, layout built with `storage/ops.py store_batch`) and put a ~60 B marker
+    (request id, sha1, sent-at, attempts, flags, session address). Release (the ack) = one write
+    txn: get the marker, delete it if it names that row. 1 process, then 2 (or `--procs`) at once
+    on disjoint VIN slices: their only contention is LMDB's process-shared writer mutex. Also
+    timed: waiting for the writer lock (`begin`) and holding it (`begin` returned -> `commit`
+    returned), per cycle.
+(c) **heartbeat fast path** of the claim design: is anything pending (one cursor seek to the
+    VIN's first row in `ids`, through `Store.read`) and nothing in flight (a get in the marker
+    env), two lookups in two read txns; reads/s and CPU per read with 1 and 2 processes.
+    Reference: `Store.oldest` alone (the row read today's owner does per delivery, lock-free).
+
+    .venv/bin/python bench/lmdb_claims.py [--rounds 5 --duration 1.5 --vins 10000 --rows-per-vin 4
+                                           --bursts 1,8 --procs 1,2 --json F]
+
+Markdown to stdout, progress to stderr. Not part of `make bench` / run_all.py. About 65 s with the
+defaults on the 2-core VM; smoke: `--rounds 1 --duration 0.3 --vins 1000`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import random
+import shutil
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout
+
+import lmdb
+from plumbing import Child, dec, machine_busy_s, machine_meta, make_vins, num, proc_cpu_s  # bench/ is sys.path[0]
+
+from storage import keys, ops
+from storage.keys import Row
+from storage.store import Store
+
+NODE = "emqx@10.0.0.7"
+#: The marker: sha1, sent-at (ms), attempts, flags, process index, session address (IPv4 + port),
+#: session node id; then the request id. 42 B + a 14-18 B request id.
+_MARK = struct.Struct(">20sQHBB6sI")
+MARKS_MAP_BYTES = 256 << 20
+
+
+def request_id(r: int) -> str:
+    return f"task_ota_{(r * 7919) % 1_000_000:06d}"
+
+
+def marker(row: Row, process: int) -> bytes:
+    return (
+        _MARK.pack(row.sha1, time.time_ns() // 1_000_000, 1, row.flags, process, b"\x0a\x00\x00\x07\x75\x30", 7)
+        + row.request_id.encode()
+    )
+
+
+def open_marks(path: Path) -> lmdb.Environment:
+    """The in-flight markers: soft state, so no fsync of data or meta page."""
+    return lmdb.open(str(path), map_size=MARKS_MAP_BYTES, sync=False, metasync=False, readahead=False, max_readers=126)
+
+
+# -- helper: forwarding over the real Peers -----------------------------------------------------
+
+
+def forward_helper(args: argparse.Namespace) -> int:
+    import structlog
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    from exhook_server.dispatch.commands import Session
+    from exhook_server.dispatch.peers import Group, Peers
+    from exhook_server.dispatch.pool import Dispatcher
+
+    index = args.fwd_index
+    group = Group(index, 2, args.fwd_key, 0)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        state = {"confirmed": 0, "received": 0}
+        credit = asyncio.Event()
+        ended: asyncio.Future[int] | None = None
+        peers: Peers
+
+        def on_item(item: Any) -> None:
+            nonlocal ended
+            if index == 1:  # the owner: count, confirm every 256, answer the end marker
+                if type(item) is tuple:  # the end of a phase: how many came, then start again
+                    peers.send(0, ("end_ack", state["received"]))
+                    state["received"] = 0
+                    return
+                state["received"] += 1
+                if not state["received"] & 255:
+                    peers.send(0, ("credit", state["received"]))
+                return
+            kind, count = item
+            state["confirmed"] = max(state["confirmed"], count)
+            credit.set()
+            if kind == "end_ack" and ended is not None and not ended.done():
+                ended.set_result(count)
+
+        peers = Peers(group, on_item, lambda q: None)
+        await peers.start()
+        # Process 0 routes like a server process: a Dispatcher over both processes' workers, whose
+        # forward is this Peers. Only VINs process 1 owns are used, so every event crosses.
+        dispatcher = Dispatcher(
+            cast(Any, None),  # no rows, no publisher: every VIN is owned elsewhere, nothing runs here
+            cast(Any, None),
+            workers=2,
+            inflight_timeout_s=30,
+            vin_from_clientid=lambda c: len(c) == 17,
+            process=index,
+            processes=2,
+            forward=peers.send,
+        )
+        vins = [v for v in make_vins(args.seed, 8000) if dispatcher.worker_of(v) is None][:4096]
+        sessions = [Session(NODE, v, f"10.{i >> 8 & 255}.{i & 255}.9", 40000 + i % 20000) for i, v in enumerate(vins)]
+        digests = [bytes([i & 255]) * 20 for i in range(len(vins))]
+        rids = [request_id(i) for i in range(len(vins))]
+        hb, acked = dispatcher.heartbeat, dispatcher.acked
+
+        def event(i: int) -> None:
+            j = i % len(vins)
+            if i & 1:
+                hb(sessions[j], vins[j])
+            else:
+                acked(sessions[j], vins[j], rids[j], digests[j])
+
+        def no_event(i: int) -> None:
+            j = i % len(vins)
+            if i & 1:
+                (sessions[j], vins[j])
+            else:
+                (sessions[j], vins[j], rids[j], digests[j])
+
+        async def drive(fn: Callable[[int], None], burst: int, until: float, turns: int, window: int) -> int:
+            """`burst` calls of fn per loop turn until `until` (monotonic) or for `turns` turns."""
+            i = 0
+            t = 0
+            now = time.monotonic
+            while (turns and t < turns) or (not turns and now() < until):
+                if window and i - state["confirmed"] > window:
+                    credit.clear()
+                    await credit.wait()
+                    continue
+                for _ in range(burst):
+                    fn(i)
+                    i += 1
+                t += 1
+                await asyncio.sleep(0)
+            return i
+
+        # Commands on stdin, read by the loop itself (no reader thread in the measured process).
+        stdin = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+        while True:
+            line = await stdin.readline()
+            if not line:
+                break
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                break
+            if cmd["cmd"] != "forward":
+                continue
+            burst, window = cmd["burst"], cmd["window"]
+            state["confirmed"] = 0
+            ended = loop.create_future()
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            sent = await drive(event, burst, time.monotonic() + cmd["duration"], 0, window)
+            peers.send(1, ("end", sent))
+            got = await asyncio.wait_for(ended, 60)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            # The driver loop alone, same turns, no dispatcher call: what is not forwarding.
+            b0 = time.process_time()
+            await drive(no_event, burst, 0, max(1, sent // burst), 0)
+            base = time.process_time() - b0
+            print(
+                json.dumps(
+                    {
+                        "events": sent,
+                        "received": got,
+                        "wall_s": wall,
+                        "cpu_s": cpu,
+                        "base_cpu_s": base,
+                    }
+                ),
+                flush=True,
+            )
+        await peers.stop(linger_s=0.5)
+
+    asyncio.run(run())
+    return 0
+
+
+# -- helper: claims and the read fast path -------------------------------------------------------
+
+
+def store_helper(args: argparse.Namespace) -> int:
+    store = Store(args.store)
+    marks = open_marks(Path(args.marks))
+    all_vins = make_vins(args.seed, args.vins)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        vins = all_vins[cmd["part"] :: cmd["parts"]]
+        vkeys = [v.encode() for v in vins]
+        delay = cmd["start_at"] - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        fn = {"claims": claim_loop, "reads": read_loop, "oldest": oldest_loop}[cmd["cmd"]]
+        print(json.dumps(fn(store, marks, vins, vkeys, cmd["duration"], cmd["part"])), flush=True)
+    marks.close()
+    store.close()
+    return 0
+
+
+def claim_loop(
+    store: Store, marks: lmdb.Environment, vins: list[str], vkeys: list[bytes], duration: float, part: int
+) -> dict[str, Any]:
+    clock, tclock = time.perf_counter, time.thread_time
+    n = claimed = released = sampled = 0
+    wait = held = held_cpu = 0.0
+    mark_bytes = 0
+    i, size = 0, len(vins)
+    cpu0, t0 = time.process_time(), clock()
+    end = t0 + duration
+    while n & 31 or clock() < end:
+        vin, k = vins[i], vkeys[i]
+        i = i + 1 if i + 1 < size else 0
+        sample = not n & 7  # every 8th cycle: also the CPU spent holding the lock
+        a = clock()
+        txn = marks.begin(write=True)
+        b = clock()
+        tb = tclock() if sample else 0.0
+        row = None
+        if txn.get(k) is None:
+            found, _ = store.oldest(vin)
+            if found is not None:
+                row = found[0]
+                value = marker(row, part)
+                mark_bytes += len(value)
+                txn.put(k, value)
+                claimed += 1
+        txn.commit()
+        tc = tclock() if sample else 0.0
+        c = clock()
+        # The ack: clear the marker if it names the row it acknowledges.
+        txn = marks.begin(write=True)
+        d = clock()
+        td = tclock() if sample else 0.0
+        current = txn.get(k)
+        if row is not None and current is not None and current[:20] == row.sha1:
+            txn.delete(k)
+            released += 1
+        txn.commit()
+        if sample:
+            held_cpu += tclock() - td + tc - tb
+            sampled += 1
+        e = clock()
+        wait += (b - a) + (d - c)
+        held += (c - b) + (e - d)
+        n += 1
+    wall, cpu = clock() - t0, time.process_time() - cpu0
+    return {
+        "cycles": n,
+        "claimed": claimed,
+        "released": released,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "lock_wait_s": wait,
+        "lock_held_s": held,
+        "lock_held_cpu_s": held_cpu / max(1, sampled) * n,
+        "mark_bytes": mark_bytes / max(1, claimed),
+    }
+
+
+def read_loop(
+    store: Store, marks: lmdb.Environment, vins: list[str], vkeys: list[bytes], duration: float, part: int
+) -> dict[str, Any]:
+    clock = time.perf_counter
+    n = want = 0
+    i, size = 0, len(vins)
+    prefixes = [keys.vin_prefix(v) for v in vins]
+    ids = store.tables.ids
+    cpu0, t0 = time.process_time(), clock()
+    end = t0 + duration
+    while n & 63 or clock() < end:
+        prefix, k = prefixes[i], vkeys[i]
+        i = i + 1 if i + 1 < size else 0
+        # Anything pending: one seek to the vehicle's first row in `ids` (no count needed).
+        with store.read() as txn:
+            cur = txn.cursor(ids)
+            pending = cur.set_range(prefix) and cur.key()[: len(prefix)] == prefix
+        with marks.begin(buffers=True) as txn:
+            free = txn.get(k) is None
+        if pending and free:
+            want += 1  # a claim would follow
+        n += 1
+    wall, cpu = clock() - t0, time.process_time() - cpu0
+    return {"reads": n, "want_claim": want, "wall_s": wall, "cpu_s": cpu}
+
+
+def oldest_loop(
+    store: Store, marks: lmdb.Environment, vins: list[str], vkeys: list[bytes], duration: float, part: int
+) -> dict[str, Any]:
+    """The reference: the row read alone (what today's owner does per delivery, outside any lock)."""
+    clock = time.perf_counter
+    n = found = 0
+    i, size = 0, len(vins)
+    oldest = store.oldest
+    cpu0, t0 = time.process_time(), clock()
+    end = t0 + duration
+    while n & 63 or clock() < end:
+        vin = vins[i]
+        i = i + 1 if i + 1 < size else 0
+        if oldest(vin)[0] is not None:
+            found += 1
+        n += 1
+    wall, cpu = clock() - t0, time.process_time() - cpu0
+    return {"reads": n, "want_claim": found, "wall_s": wall, "cpu_s": cpu}
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def build_store(path: Path, vins: list[str], rows_per_vin: int, blob_bytes: int) -> None:
+    with Store(path) as store:
+        t0 = 1_700_000_000_000
+        for r in range(rows_per_vin):
+            blob = bytes([r & 255]) * blob_bytes
+            for k in range(0, len(vins), 200):  # 200-VIN batches, as the platform sends them
+                with store.write() as txn:
+                    ops.store_batch(txn, store.tables, vins[k : k + 200], request_id(r), blob, t0 + r * 1000 + k)
+
+
+class Rig:
+    """The helper processes: f0 sends, f1 owns (forwarding); s0.. run claims and reads."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args = args
+        self.tmp = tmp
+        self.children: list[Child] = []
+        me = [sys.executable, str(Path(__file__).resolve())]
+        key = f"bench-{os.getpid()}-{random.Random().getrandbits(32):08x}"
+        common = ["--seed", str(args.seed), "--vins", str(args.vins)]
+        self.fwd = [
+            self._spawn(f"fwd{i}", [*me, "--role", "forward", "--fwd-index", str(i), "--fwd-key", key, *common])
+            for i in (0, 1)
+        ]
+        paths = ["--store", str(tmp / "store"), "--marks", str(tmp / "marks")]
+        self.st = [self._spawn(f"store{i}", [*me, "--role", "store", *paths, *common]) for i in range(max(args.procs))]
+
+    def _spawn(self, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv, self.tmp / f"{name}.log")
+        self.children.append(child)
+        return child
+
+    def pids(self) -> list[int]:
+        return [os.getpid(), *(c.proc.pid for c in self.children)]
+
+    def stop(self) -> None:
+        for c in self.children:  # the sender first: its link closes, the owner's stop is quick
+            with contextlib.suppress(Exception):
+                c.stop()
+
+
+def measured(rig: Rig, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one phase; add the CPU of processes that are not this bench's, as a share of one core."""
+    pids = rig.pids()
+    c0, m0, t0 = sum(map(proc_cpu_s, pids)), machine_busy_s(), time.monotonic()
+    out = body()
+    wall = time.monotonic() - t0
+    ours = sum(map(proc_cpu_s, pids)) - c0
+    out["other_cpu"] = max(0.0, (machine_busy_s() - m0 - ours) / wall)
+    return out
+
+
+def phase_forward(rig: Rig, burst: int, duration: float) -> dict[str, Any]:
+    sender, owner = rig.fwd
+
+    def body() -> dict[str, Any]:
+        r0 = proc_cpu_s(owner.proc.pid)
+        sender.send({"cmd": "forward", "burst": burst, "duration": duration, "window": rig.args.window})
+        res = sender.recv(120)
+        res["owner_cpu_s"] = proc_cpu_s(owner.proc.pid) - r0
+        return res
+
+    res = measured(rig, body)
+    if res["received"] != res["events"]:
+        raise RuntimeError(f"forwarding lost events: {res['received']} of {res['events']}")
+    ev = res["events"]
+    return {
+        "events_s": ev / res["wall_s"],
+        "send_us": res["cpu_s"] / ev * 1e6,
+        "send_net_us": (res["cpu_s"] - res["base_cpu_s"]) / ev * 1e6,
+        "recv_us": res["owner_cpu_s"] / ev * 1e6,
+        "both_net_us": (res["cpu_s"] - res["base_cpu_s"] + res["owner_cpu_s"]) / ev * 1e6,
+        "other_cpu": res["other_cpu"],
+    }
+
+
+def phase_store(rig: Rig, kind: str, procs: int, duration: float) -> dict[str, Any]:
+    def body() -> dict[str, Any]:
+        start_at = time.time() + 0.15
+        for p in range(procs):
+            rig.st[p].send({"cmd": kind, "part": p, "parts": procs, "duration": duration, "start_at": start_at})
+        return {"parts": [rig.st[p].recv(60 + duration) for p in range(procs)]}
+
+    res = measured(rig, body)
+    parts = res["parts"]
+    unit = "cycles" if kind == "claims" else "reads"
+    n = sum(p[unit] for p in parts)
+    out = {
+        "rate": sum(p[unit] / p["wall_s"] for p in parts),
+        "per_proc": [p[unit] / p["wall_s"] for p in parts],
+        "cpu_us": sum(p["cpu_s"] for p in parts) / n * 1e6,
+        "other_cpu": res["other_cpu"],
+    }
+    if kind == "claims":
+        if any(p["claimed"] != p["cycles"] or p["released"] != p["cycles"] for p in parts):
+            raise RuntimeError(f"a claim or release did not happen: {parts}")
+        out["wait_us"] = sum(p["lock_wait_s"] for p in parts) / n * 1e6
+        out["held_us"] = sum(p["lock_held_s"] for p in parts) / n * 1e6
+        out["held_cpu_us"] = sum(p["lock_held_cpu_s"] for p in parts) / n * 1e6
+        # How much of the lock's time the claims used, counting only CPU spent holding it.
+        out["lock_use"] = out["rate"] * out["held_cpu_us"] / 1e6
+        out["mark_bytes"] = statistics.mean(p["mark_bytes"] for p in parts)
+    else:
+        if any(p["want_claim"] != p["reads"] for p in parts):
+            raise RuntimeError(f"{kind}: every VIN should have a row pending (and no marker)")
+    return out
+
+
+def paired(many: Sequence[dict[str, Any]], one: Sequence[dict[str, Any]]) -> list[float]:
+    """Rate with several processes over rate with one, round by round."""
+    return [m["rate"] / o["rate"] for m, o in zip(many, one, strict=True)]
+
+
+def med3(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    return f"{fmt(min(values))} | {fmt(statistics.median(values))} | {fmt(max(values))}"
+
+
+def report(args: argparse.Namespace, rounds: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"#### Forwarding over Peers vs LMDB claims (bench/lmdb_claims.py), {len(rounds)} paired rounds",
+        "",
+        "| metric | min | median | max |",
+        "|---|---:|---:|---:|",
+    ]
+
+    def row(label: str, values: Sequence[float], fmt: Callable[[float], str] = num) -> None:
+        lines.append(f"| {label} | {med3(values, fmt)} |")
+
+    for b in args.bursts:
+        f = [r[f"fwd{b}"] for r in rounds]
+        tag = f"(a) forward, {b} event(s) per loop turn"
+        row(f"{tag}: **events/s** one process hands to another", [x["events_s"] for x in f])
+        row(f"{tag}: sender CPU µs/event (driver loop included)", [x["send_us"] for x in f], dec)
+        row(f"{tag}: sender CPU µs/event, net of the driver loop", [x["send_net_us"] for x in f], dec)
+        row(f"{tag}: owner (receiver) CPU µs/event", [x["recv_us"] for x in f], dec)
+        row(f"{tag}: **sender net + owner CPU µs/event**", [x["both_net_us"] for x in f], dec)
+    one = [r["claims1"] for r in rounds]
+    row("(b) claim+release, 1 process: **cycles/s**", [x["rate"] for x in one])
+    row("(b) 1 process: CPU µs/cycle (2 write txns)", [x["cpu_us"] for x in one], dec)
+    row(
+        "(b) reference, 1 process: CPU µs of Store.oldest alone (the row read today's owner also does, lock-free)",
+        [r["oldest1"]["cpu_us"] for r in rounds],
+        dec,
+    )
+    row(
+        "(b) 1 process: claim cycle CPU µs net of that row read (paired)",
+        [r["claims1"]["cpu_us"] - r["oldest1"]["cpu_us"] for r in rounds],
+        dec,
+    )
+    row("(b) 1 process: CPU µs/cycle spent holding the writer lock", [x["held_cpu_us"] for x in one], dec)
+    row("(b) 1 process: writer lock held, wall µs/cycle", [x["held_us"] for x in one], dec)
+    for p in args.procs:
+        if p == 1:
+            continue
+        many = [r[f"claims{p}"] for r in rounds]
+        row(f"(b) {p} processes at once: **cycles/s, all together**", [x["rate"] for x in many])
+        row(f"(b) {p} processes: cycles/s per process", [statistics.mean(x["per_proc"]) for x in many])
+        row(f"(b) **ratio {p} processes / 1** (paired)", paired(many, one), dec)
+        row(f"(b) {p} processes: CPU µs/cycle", [x["cpu_us"] for x in many], dec)
+        row(f"(b) {p} processes: waiting for the writer lock µs/cycle", [x["wait_us"] for x in many], dec)
+        row(f"(b) {p} processes: CPU µs/cycle spent holding the writer lock", [x["held_cpu_us"] for x in many], dec)
+        row(f"(b) {p} processes: writer lock held, wall µs/cycle", [x["held_us"] for x in many], dec)
+        row(f"(b) {p} processes: writer lock in use, % (CPU held x cycles/s)", [x["lock_use"] * 100 for x in many])
+    row(
+        "(b) **writer-lock ceiling**, any number of processes: cycles/s (1e6 / CPU µs held per cycle, 1 process)",
+        [1e6 / x["held_cpu_us"] for x in one],
+    )
+    rone = [r["reads1"] for r in rounds]
+    row("(c) heartbeat fast path, 1 process: **reads/s**", [x["rate"] for x in rone])
+    row("(c) 1 process: CPU µs/read (2 read txns)", [x["cpu_us"] for x in rone], dec)
+    for p in args.procs:
+        if p == 1:
+            continue
+        many = [r[f"reads{p}"] for r in rounds]
+        row(f"(c) {p} processes at once: **reads/s, all together**", [x["rate"] for x in many])
+        row(f"(c) **ratio {p} processes / 1** (paired)", paired(many, rone), dec)
+        row(f"(c) {p} processes: CPU µs/read", [x["cpu_us"] for x in many], dec)
+    others = [ph["other_cpu"] * 100 for r in rounds for ph in r.values() if isinstance(ph, dict)]
+    row("**other processes' CPU** during the phases (% of one core; should be ~0)", others)
+    mark = statistics.mean(r["claims1"]["mark_bytes"] for r in rounds)
+    lines += [
+        "",
+        f"Store: {args.vins:,} VINs x {args.rows_per_vin} rows (storage/ops.py store_batch, 200-VIN batches, "
+        f"{args.blob_bytes} B payloads), the claim reads the oldest row and its payload (Store.oldest); marker "
+        f"env sync=False, metasync=False, markers {mark:.0f} B under the 17-char VIN. Forwarding: window "
+        f"{args.window} unconfirmed events, an even mix of heartbeat ClientEvents and Acknowledges through "
+        f"Dispatcher.heartbeat/acked into Peers. {args.duration} s per phase, phase order reversed every other "
+        f"round. {meta['cpus']} CPUs shared with everything else on the machine; 1-min load average "
+        f"{meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after; {meta['wall_s']:.0f} s "
+        f"in all. Python {meta['python']}, py-lmdb {lmdb.__version__} (LMDB {'.'.join(map(str, lmdb.version()))}). "
+        f"Seed {args.seed}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
+    p.add_argument("--duration", type=float, default=1.5, help="seconds per phase (default 1.5)")
+    p.add_argument("--vins", type=int, default=10_000, help="VINs in the store (default 10,000)")
+    p.add_argument("--rows-per-vin", type=int, default=4, help="pending rows per VIN (default 4)")
+    p.add_argument("--blob-bytes", type=int, default=1024, help="payload size (default 1024)")
+    p.add_argument("--bursts", default="1,8", help="forwarded events per loop turn, comma-separated (default 1,8)")
+    p.add_argument("--window", type=int, default=8192, help="forwarded events not yet confirmed, at most")
+    p.add_argument("--procs", default="1,2", help="process counts for claims and reads (default 1,2)")
+    p.add_argument("--seed", type=int, default=20261201)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--role", choices=("forward", "store"), help=argparse.SUPPRESS)
+    p.add_argument("--fwd-index", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--fwd-key", help=argparse.SUPPRESS)
+    p.add_argument("--store", help=argparse.SUPPRESS)
+    p.add_argument("--marks", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.role == "forward":
+        return forward_helper(args)
+    if args.role == "store":
+        return store_helper(args)
+    args.bursts = [int(x) for x in args.bursts.split(",")]
+    args.procs = sorted({1, *(int(x) for x in args.procs.split(","))})
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    load_before = os.getloadavg()[0]
+    wall0 = time.monotonic()
+    say(f"1-min load average before: {load_before:.2f}")
+    tmp = Path(tempfile.mkdtemp(prefix="sdv-bench-claims-"))
+    rig: Rig | None = None
+    ok = False
+    try:
+        vins = make_vins(args.seed, args.vins)
+        build_store(tmp / "store", vins, args.rows_per_vin, args.blob_bytes)
+        open_marks(tmp / "marks").close()
+        say(f"store built: {len(vins) * args.rows_per_vin:,} rows ({time.monotonic() - wall0:.1f} s)")
+        rig = Rig(args, tmp)
+        phases: list[tuple[str, Callable[[float], dict[str, Any]]]] = []
+        for b in args.bursts:
+            phases.append((f"fwd{b}", functools.partial(phase_forward, rig, b)))
+        phases.append(("oldest1", functools.partial(phase_store, rig, "oldest", 1)))
+        for kind in ("claims", "reads"):
+            for n in args.procs:
+                phases.append((f"{kind}{n}", functools.partial(phase_store, rig, kind, n)))
+        for _, fn in phases:  # warm-up: links up, pages cached, not recorded
+            fn(min(0.3, args.duration))
+        rounds = []
+        for r in range(args.rounds):
+            order = phases if r % 2 == 0 else phases[::-1]
+            res = {}
+            for name, fn in order:
+                res[name] = fn(args.duration)
+                shown = {k: round(v, 2) for k, v in res[name].items() if k != "per_proc"}
+                say(f"round {r + 1}: {name} {json.dumps(shown)}")
+            rounds.append(res)
+        meta = machine_meta(load_before, wall0)
+        say(f"1-min load average after: {meta['loadavg_1m_after']:.2f}")
+        print(report(args, rounds, meta), end="")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=1))
+        ok = True
+    finally:
+        if rig is not None:
+            rig.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
