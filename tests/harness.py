@@ -227,6 +227,16 @@ class SubprocessServer:
             if line.startswith("{"):
                 yield json.loads(line)
 
+    def logged(self, event: str) -> bool:
+        """Has the server logged `event`? (A line still being written is skipped.)"""
+        for line in self.log().splitlines():
+            try:
+                if json.loads(line).get("event") == event:
+                    return True
+            except ValueError:
+                continue
+        return False
+
     def kill(self) -> None:
         """kill -9: no chance to flush or close anything."""
         if self.proc.poll() is None:

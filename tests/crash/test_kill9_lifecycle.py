@@ -125,17 +125,6 @@ def in_flight(srv: SubprocessServer, vin: str) -> admin_pb2.InFlight | None:
     return vehicle.in_flight if vehicle.HasField("in_flight") else None
 
 
-def logged(srv: SubprocessServer, event: str) -> bool:
-    """Has the server logged `event` (a line still being written is skipped)?"""
-    for line in srv.log().splitlines():
-        try:
-            if json.loads(line).get("event") == event:
-                return True
-        except ValueError:
-            continue
-    return False
-
-
 # -- the store as a crash left it ---------------------------------------------------------------
 @dataclass
 class Snapshot:
@@ -249,7 +238,7 @@ def cancel_cut_short(tmp_path: Path) -> CutShort:
             vehicles = [online(emqx, vin) for vin in held_vins + later_vins]
             fixed = [online(emqx, vin) for vin in replaced]
             [event] = platform.wait(event="cancelled", request_id=rid)
-            assert logged(second, "cancel_resumed")
+            assert second.logged("cancel_resumed")
             for v in vehicles + fixed:
                 v.wait_for(1)
             # The cancelled rows are older than task_cfg_7: had any of them been visible, it came first.

@@ -9,7 +9,6 @@ Set KILL9_SEED to replay a seed.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import threading
@@ -39,17 +38,6 @@ FLEET = [f"LSVOUTCOME{n:07d}" for n in range(16)]
 REQUEST_IDS = [f"task_{kind}_{n}" for kind in ("ota", "cfg") for n in range(4)]
 #: GC off: it would collect outcome records and finished generations, and the recount with them.
 SERVER_ENV = {"SDV_FANOUT_GC_INTERVAL_S": "0", "SDV_FANOUT_WORKERS": "2", "SDV_FANOUT_PROGRESS_INTERVAL_S": "0.2"}
-
-
-def logged(srv: SubprocessServer, event: str) -> bool:
-    """Has the server logged `event` (a line still being written is skipped)?"""
-    for line in srv.log().splitlines():
-        try:
-            if json.loads(line).get("event") == event:
-                return True
-        except ValueError:
-            continue
-    return False
 
 
 @contextmanager
@@ -255,9 +243,9 @@ def test_a_kill9_between_commit_and_receipt_then_a_retry_delivers_once(tmp_path:
     sha1 = sha1_of(data.encode())
     with Mosquitto(tmp_path) as broker:
         with serving(data_dir, broker) as first:
-            poll(lambda: logged(first, "mqtt_connected"))
+            poll(lambda: first.logged("mqtt_connected"))
             broker.stop()  # the receipt can only wait in the server's queue now
-            poll(lambda: logged(first, "mqtt_disconnected"))
+            poll(lambda: first.logged("mqtt_disconnected"))
             with emqx_for(first, broker) as emqx:
                 reply = emqx.publish_batch([vin], rid, data, batch_id=batch_id)
             assert reply is not None and reply.type == pb.ValuedResponse.STOP_AND_RETURN, "the batch was stored"
@@ -274,7 +262,7 @@ def test_a_kill9_between_commit_and_receipt_then_a_retry_delivers_once(tmp_path:
                 Store(data_dir, readonly=True) as store,
                 emqx_for(second, broker) as emqx,
             ):
-                poll(lambda: logged(second, "mqtt_connected"))
+                poll(lambda: second.logged("mqtt_connected"))
                 vehicle = emqx.vehicle(vin)
                 vehicle.connect()
                 vehicle.subscribe()
