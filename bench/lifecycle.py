@@ -50,7 +50,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -58,14 +57,25 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.enums import MQTTErrorCode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
 
 import e2e  # bench/ is sys.path[0] when run as a script
 import ingest
-from plumbing import Child, CpuMeter, cycle_stats, dec, machine_meta, make_vins, min_med_max, num, quiesce, share
+from plumbing import (
+    Child,
+    CpuMeter,
+    cycle_stats,
+    dec,
+    machine_meta,
+    make_vins,
+    min_med_max,
+    num,
+    quiesce,
+    serve_status_counts,
+    share,
+)
 from status_cost import order
 
 from exhook_server._proto import exhook_v3_pb2 as pb
@@ -348,51 +358,27 @@ def platform_main(port: int) -> int:
     events per mode and the summed counts of the `completed` generations per mode."""
     events: dict[str, Counter[str]] = {}
     completed: dict[tuple[str, str], dict[str, int]] = {}  # (request_id, sha1) -> counts
-    last = [time.monotonic()]
-    lock = threading.Lock()
-    subscribed = threading.Event()
 
-    def message(_client: mqtt.Client, _userdata: Any, msg: mqtt.MQTTMessage) -> None:
-        doc = json.loads(msg.payload)
+    def record(doc: dict[str, Any]) -> None:
         rid = str(doc.get("request_id", ""))
-        with lock:
-            events.setdefault(mode_of(rid), Counter())[doc.get("event", "?")] += 1
-            if doc.get("event") == "completed":
-                completed[rid, str(doc.get("sha1"))] = dict(doc.get("counts") or {})
-            last[0] = time.monotonic()
+        events.setdefault(mode_of(rid), Counter())[doc.get("event", "?")] += 1
+        if doc.get("event") == "completed":
+            completed[rid, str(doc.get("sha1"))] = dict(doc.get("counts") or {})
 
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-lifecycle-platform-{os.getpid()}",
-                         protocol=mqtt.MQTTv5)  # fmt: skip
-    client.on_connect = lambda c, *_: c.subscribe(f"{STATUS_PREFIX}/#", qos=1)
-    client.on_subscribe = lambda *_: subscribed.set()
-    client.on_message = message
-    client.connect(LOOPBACK, port)
-    client.loop_start()
-    try:
-        if not subscribed.wait(10):
-            print("no SUBACK within 10 s", file=sys.stderr)
-            return 1
-        print(json.dumps({"ready": True}), flush=True)
-        for line in sys.stdin:
-            if json.loads(line).get("cmd") != "counts":
-                break
-            with lock:
-                sums: dict[str, Counter[str]] = {}
-                gens: Counter[str] = Counter()
-                for (rid, _), counts in completed.items():
-                    sums.setdefault(mode_of(rid), Counter()).update(counts)
-                    gens[mode_of(rid)] += 1
-                answer = {
-                    "events": {m: dict(c) for m, c in events.items()},
-                    "completed": {m: dict(c) for m, c in sums.items()},
-                    "completed_gens": dict(gens),
-                    "idle_s": time.monotonic() - last[0],
-                }
-            print(json.dumps(answer), flush=True)
-    finally:
-        client.disconnect()
-        client.loop_stop()
-    return 0
+    def answer() -> dict[str, Any]:
+        sums: dict[str, Counter[str]] = {}
+        gens: Counter[str] = Counter()
+        for (rid, _), counts in completed.items():
+            sums.setdefault(mode_of(rid), Counter()).update(counts)
+            gens[mode_of(rid)] += 1
+        return {
+            "events": {m: dict(c) for m, c in events.items()},
+            "completed": {m: dict(c) for m, c in sums.items()},
+            "completed_gens": dict(gens),
+        }
+
+    clientid = f"bench-lifecycle-platform-{os.getpid()}"
+    return serve_status_counts(port, f"{STATUS_PREFIX}/#", clientid, record, answer)
 
 
 class Platform:

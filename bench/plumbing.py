@@ -16,6 +16,7 @@ import random
 import statistics
 import string
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -273,3 +274,51 @@ def share(v: float) -> str:
 
 def mib(v: float) -> str:
     return f"{v / (1 << 20):.1f}"
+
+
+def serve_status_counts(
+    port: int,
+    topic_filter: str,
+    clientid: str,
+    on_doc: Callable[[dict[str, Any]], None],
+    answer: Callable[[], dict[str, Any]],
+) -> int:
+    """The body of a helper process that listens to the status topic as a platform would:
+    subscribe QoS 1 to `topic_filter` on the broker at 127.0.0.1:`port`, hand every message's
+    JSON to `on_doc`, print {"ready": true} once subscribed, then answer each {"cmd": "counts"}
+    line on stdin with `answer()` plus `idle_s` (seconds since the last message) until another
+    line or EOF. Both callbacks run under one lock. Returns the process's exit code."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    last = [time.monotonic()]
+    lock = threading.Lock()
+    subscribed = threading.Event()
+
+    def message(_client: Any, _userdata: Any, msg: Any) -> None:
+        doc = json.loads(msg.payload)
+        with lock:
+            on_doc(doc)
+            last[0] = time.monotonic()
+
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=clientid, protocol=mqtt.MQTTv5)
+    client.on_connect = lambda c, *_: c.subscribe(topic_filter, qos=1)
+    client.on_subscribe = lambda *_: subscribed.set()
+    client.on_message = message
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    try:
+        if not subscribed.wait(10):
+            print("no SUBACK within 10 s", file=sys.stderr)
+            return 1
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            if json.loads(line).get("cmd") != "counts":
+                break
+            with lock:
+                reply = {**answer(), "idle_s": time.monotonic() - last[0]}
+            print(json.dumps(reply), flush=True)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    return 0

@@ -48,25 +48,21 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
 
 import e2e  # bench/ is sys.path[0] when run as a script
 import ingest
-from plumbing import Child, dec, machine_meta, make_vins, min_med_max, num, quiesce, share
+from plumbing import Child, dec, machine_meta, make_vins, min_med_max, num, quiesce, serve_status_counts, share
 
 from storage import ops
 from storage.store import Store, now_ms
-from tests.emqx_sim import LOOPBACK, Mosquitto
+from tests.emqx_sim import Mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
 #: status_topic_prefix's default: what "on" publishes to.
@@ -137,38 +133,12 @@ class StatusListener:
 def platform_main(port: int, name: str, prefix: str = STATUS_PREFIX) -> int:
     """The helper of StatusListener: subscribe, then answer {"cmd": "counts"} lines until quit."""
     counts: Counter[str] = Counter()
-    last = [time.monotonic()]
-    lock = threading.Lock()
-    subscribed = threading.Event()
 
-    def message(_client: mqtt.Client, _userdata: Any, msg: mqtt.MQTTMessage) -> None:
-        event = json.loads(msg.payload).get("event", "?")
-        with lock:
-            counts[event] += 1
-            last[0] = time.monotonic()
+    def count(doc: dict[str, Any]) -> None:
+        counts[doc.get("event", "?")] += 1
 
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-platform-{name}-{os.getpid()}",
-                         protocol=mqtt.MQTTv5)  # fmt: skip
-    client.on_connect = lambda c, *_: c.subscribe(f"{prefix}/#", qos=1)
-    client.on_subscribe = lambda *_: subscribed.set()
-    client.on_message = message
-    client.connect(LOOPBACK, port)
-    client.loop_start()
-    try:
-        if not subscribed.wait(10):
-            print("no SUBACK within 10 s", file=sys.stderr)
-            return 1
-        print(json.dumps({"ready": True}), flush=True)
-        for line in sys.stdin:
-            if json.loads(line).get("cmd") != "counts":
-                break
-            with lock:
-                answer = {"counts": dict(counts), "idle_s": time.monotonic() - last[0]}
-            print(json.dumps(answer), flush=True)
-    finally:
-        client.disconnect()
-        client.loop_stop()
-    return 0
+    clientid = f"bench-platform-{name}-{os.getpid()}"
+    return serve_status_counts(port, f"{prefix}/#", clientid, count, lambda: {"counts": dict(counts)})
 
 
 def diff(after: Counter[str], before: Counter[str]) -> dict[str, int]:
