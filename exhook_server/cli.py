@@ -104,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
     cancel.add_argument("--vin", action="append", metavar="VIN", help="only this vehicle (repeat for more)")
     _server_arg(cancel, "ask a running server (it also tells which deliveries were already out)")
     cancel.add_argument("--json", action="store_true", help="one JSON object")
+    db = sub.add_parser("db", help="the PostgreSQL store (store_url)")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    migrate = db_sub.add_parser(
+        "migrate", help="create or upgrade the schema at store_url (under an advisory lock: safe beside others)"
+    )
+    _config_args(migrate, ("store_url",))
     gc = sub.add_parser("gc", help="retention and garbage collection")
     gc_sub = gc.add_subparsers(dest="gc_command", required=True)
     gc_run = gc_sub.add_parser("run", help="one GC pass now (offline, or next to a running server)")
@@ -396,6 +402,34 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_db(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from storage.pg.migrate import migrate, schema_version
+
+    cfg = _load(args)
+    if not cfg.store_url:
+        raise ConfigError("db migrate needs store_url (flag --store-url, env SDV_FANOUT_STORE_URL)")
+
+    async def run() -> tuple[list[int], int]:
+        import asyncpg
+
+        try:
+            conn = await asyncpg.connect(cfg.store_url, timeout=10)
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise StorageError(f"cannot connect to store_url: {exc}") from None
+        try:
+            applied = await migrate(conn)
+            return applied, await schema_version(conn)
+        finally:
+            await conn.close()
+
+    applied, version = asyncio.run(run())
+    done = f"applied {', '.join(map(str, applied))}" if applied else "nothing to apply"
+    print(f"schema version {version} ({done})")
+    return 0
+
+
 def _cmd_requests(args: argparse.Namespace) -> int:
     from storage import outcomes
     from storage.store import Store
@@ -506,6 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_requests(args)
         if args.command == "cancel":
             return _cmd_cancel(args)
+        if args.command == "db":
+            return _cmd_db(args)
         return _cmd_inspect(args)
     except _NotFound as exc:
         print(f"sdv-fanout: {exc}", file=sys.stderr)

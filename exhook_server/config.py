@@ -76,6 +76,11 @@ class Config:
     shutdown_timeout_s: float = 20.0
 
     # -- storage --------------------------------------------------------------
+    # Where requests are stored: "" = the embedded LMDB environment in data_dir (the default: one
+    # host, nothing to run beside it); postgresql://user:pass@host:port/db (several hosts
+    # comma-separated, with ?target_session_attrs=read-write) = a shared PostgreSQL. Serving from
+    # PostgreSQL is being built (issue 14): today only `sdv-fanout db migrate` uses it.
+    store_url: str = ""
     # Relative to the working directory, so `make run` works from a checkout.
     data_dir: str = "./var/lmdb"
     # Initial LMDB map: 1 GiB of address space (sparse on disk); grows by doubling.
@@ -372,6 +377,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError("response_topic_prefix must differ from request_topic_prefix")
     elif cfg.await_response:
         raise ConfigError("await_response needs a response_topic_prefix (vehicles answer there)")
+    if cfg.store_url and not cfg.store_url.startswith(("postgresql://", "postgres://")):
+        raise ConfigError("store_url must be empty (LMDB in data_dir) or a postgresql:// URL")
     if cfg.max_pending_per_vehicle < 0 or cfg.max_attempts < 0:
         raise ConfigError("max_pending_per_vehicle and max_attempts must be >= 0 (0 = no limit)")
     if not 0 <= cfg.max_response_bytes <= 1 << 20:

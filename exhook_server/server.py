@@ -110,6 +110,11 @@ class FanoutServer:
     """
 
     def __init__(self, cfg: Config, group: Group | None = None) -> None:
+        if cfg.store_url:
+            raise ConfigError(
+                "store_url: serving from PostgreSQL is not available yet (issue 14); "
+                "leave it empty to serve from LMDB in data_dir (`sdv-fanout db migrate` already prepares the schema)"
+            )
         self.cfg = cfg
         self.group = group
         self.store = Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes)

@@ -26,6 +26,7 @@ STRINGS = {
     "trigger_topic": "fleet/trigger",
     "cancel_topic": "fleet/cancel",
     "response_topic_prefix": "car/{VIN}/answer",
+    "store_url": "postgresql://sdv@db-1:5432,db-2:5432/sdv?target_session_attrs=read-write",
     "vin_pattern": "[A-Z0-9]{17}",
     "data_id_pattern": "[a-f0-9]{40}",
     "request_topic_prefix": "car/{VIN}/cmd",
