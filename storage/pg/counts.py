@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from storage import keys
-from storage.outcomes import Generation, Outcome
+from storage.outcomes import Generation, Outcome, OutcomeRecord
 
 TOTAL = 0
 PENDING = 1
@@ -161,7 +161,7 @@ async def generation(conn: Any, request_id: str, sha1: bytes) -> Generation | No
 
 async def all_generations(conn: Any) -> list[Generation]:
     """Every generation, newest first by last change (as `storage.outcomes.all_generations`)."""
-    records = await conn.fetch("SELECT * FROM generations ORDER BY last_ms DESC, request_id DESC, sha1 DESC")
+    records = await conn.fetch("SELECT * FROM generations ORDER BY last_ms DESC, request_id DESC, sha1")
     return [_generation(r) for r in records]
 
 
@@ -187,3 +187,36 @@ async def recount(conn: Any) -> dict[tuple[str, bytes], dict[str, int]]:
         counts["pending" if code < 0 else Outcome(code).label] += n
         counts["total"] += n
     return out
+
+
+async def generations(conn: Any, request_id: str) -> list[Generation]:
+    """The generations of `request_id`, newest first by first change (as
+    `storage.outcomes.generations`: ties in sha1 order)."""
+    records = await conn.fetch(
+        "SELECT * FROM generations WHERE request_id = $1 ORDER BY first_ms DESC, sha1", request_id
+    )
+    return [_generation(r) for r in records]
+
+
+async def vehicle_outcomes(conn: Any, vin: str, limit: int = 20) -> list[OutcomeRecord]:
+    """The vehicle's most recent outcomes, newest first, with the stored answers (as
+    `storage.outcomes.vehicle_outcomes`: ties in (request id, sha1) order)."""
+    records = await conn.fetch(
+        """SELECT request_id, sha1, code, ended_ms, stored_ms, attempts, response FROM outcomes
+           WHERE vin = $1 ORDER BY ended_ms DESC, request_id, sha1 LIMIT $2""",
+        vin,
+        limit,
+    )
+    return [
+        OutcomeRecord(
+            vin,
+            r["request_id"],
+            bytes(r["sha1"]),
+            Outcome(r["code"]),
+            r["ended_ms"],
+            r["stored_ms"],
+            r["attempts"],
+            bytes(r["response"]),
+        )
+        for r in records
+    ]

@@ -9,8 +9,8 @@ records and generation counts change in the same transaction as the rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from storage.cancel import CancelChunk
 from storage.errors import StorageError
@@ -18,6 +18,8 @@ from storage.ops import PLAIN, BatchWritten, Duplicate, RowSpec, RowsPut, sha1_o
 from storage.outcomes import Outcome
 from storage.pg import counts
 from storage.pg.counts import Bumps, Ended
+
+T = TypeVar("T")
 
 #: A blob's touched_ms is rewritten at most this often: every batch of a campaign names the same
 #: blob, and an update would hold its row lock to each commit, one batch after another. GC's
@@ -27,7 +29,7 @@ TOUCH_EVERY_MS = 1_000
 #: start of a cancel of every vehicle exclusive, so a batch commits wholly before or after a cut.
 REQUEST_LOCK = 0x5344
 #: Times a batch is retried when a concurrent one created a row between our read and our upsert.
-_RACE_RETRIES = 5
+RACE_RETRIES = 5
 #: The cut of a cancel that names its VINs: every row (the largest bigint).
 _NO_CUT = 2**63 - 1
 
@@ -49,8 +51,20 @@ RETURNING vin, xmax = 0 AS inserted
 """
 
 
-class _Raced(Exception):
+class Raced(Exception):
     """A concurrent transaction created a row this one had read as absent: retry from the start."""
+
+
+async def retrying(conn: Any, what: str, body: Callable[[], Awaitable[T]]) -> T:
+    """Run `body` in a transaction of `conn`, again from the start (at most RACE_RETRIES times)
+    when it raises `Raced`."""
+    for _ in range(RACE_RETRIES):
+        try:
+            async with conn.transaction():
+                return await body()
+        except Raced:
+            continue
+    raise StorageError(f"{what} kept racing concurrent writes ({RACE_RETRIES} tries)")
 
 
 async def store_batch(
@@ -64,13 +78,9 @@ async def store_batch(
 ) -> BatchWritten | Duplicate:
     """The blob once, then one row per VIN; nothing if `batch_id` was stored (`ops.store_batch`).
     `vins` are distinct (the hook layer folds duplicates)."""
-    for _ in range(_RACE_RETRIES):
-        try:
-            async with conn.transaction():
-                return await _store_batch(conn, vins, request_id, blob, now_ms, batch_id, spec)
-        except _Raced:
-            continue
-    raise StorageError(f"batch of {request_id} kept racing concurrent batches ({_RACE_RETRIES} tries)")
+    return await retrying(
+        conn, f"batch of {request_id}", lambda: _store_batch(conn, vins, request_id, blob, now_ms, batch_id, spec)
+    )
 
 
 async def _store_batch(
@@ -82,11 +92,11 @@ async def _store_batch(
     batch_id: str | None,
     spec: RowSpec,
 ) -> BatchWritten | Duplicate:
-    if batch_id is not None and (dup := await _claim_batch_id(conn, batch_id, request_id, now_ms)) is not None:
+    if batch_id is not None and (dup := await claim_batch_id(conn, batch_id, request_id, now_ms)) is not None:
         return dup
     sha1 = sha1_of(blob)
-    new_blob = await _put_blob(conn, sha1, blob, now_ms)
-    put = await _put_rows(conn, vins, request_id, sha1, len(blob), now_ms, spec)
+    new_blob = await put_blob(conn, sha1, blob, now_ms)
+    put = await put_rows(conn, vins, request_id, sha1, len(blob), now_ms, spec)
     if batch_id is not None:
         await conn.execute(
             "UPDATE batches SET sha1 = $2, rows = $3, refused = $4::text[] WHERE batch_id = $1",
@@ -100,7 +110,7 @@ async def _store_batch(
     return BatchWritten(request_id, sha1, stored, put.replaced, new_blob, put.superseded, refused=put.refused)
 
 
-async def _claim_batch_id(conn: Any, batch_id: str, request_id: str, now_ms: int) -> Duplicate | None:
+async def claim_batch_id(conn: Any, batch_id: str, request_id: str, now_ms: int) -> Duplicate | None:
     """Take `batch_id` for this transaction, or the receipt of whoever took it first. The insert
     comes first: a concurrent retry of the same batch waits on it, then finds it a duplicate."""
     taken = await conn.fetchval(
@@ -116,12 +126,12 @@ async def _claim_batch_id(conn: Any, batch_id: str, request_id: str, now_ms: int
         "SELECT request_id, sha1, rows, ts_ms, refused FROM batches WHERE batch_id = $1", batch_id
     )
     if first is None:  # gone between the two statements (GC): the next try stores the batch
-        raise _Raced
+        raise Raced
     sha1 = None if first["sha1"] is None else bytes(first["sha1"])
     return Duplicate(batch_id, first["request_id"], sha1, first["rows"], first["ts_ms"], tuple(first["refused"]))
 
 
-async def _put_blob(conn: Any, sha1: bytes, blob: bytes, now_ms: int) -> bool:
+async def put_blob(conn: Any, sha1: bytes, blob: bytes, now_ms: int) -> bool:
     """Store `blob` under its sha1 unless it is there; True when written. A present blob is
     touched (for GC) without taking its row lock unless its touch is older than TOUCH_EVERY_MS."""
     if await conn.fetchval(
@@ -132,17 +142,24 @@ async def _put_blob(conn: Any, sha1: bytes, blob: bytes, now_ms: int) -> bool:
         now_ms,
     ):
         return True
-    touched = await conn.fetchval("SELECT touched_ms FROM blobs WHERE sha1 = $1", sha1)
-    if touched is None:
-        raise _Raced  # collected between the two statements: the next try writes it again
-    if touched < now_ms - TOUCH_EVERY_MS:
-        status = await conn.execute("UPDATE blobs SET touched_ms = $2 WHERE sha1 = $1", sha1, now_ms)
-        if status == "UPDATE 0":
-            raise _Raced
+    if not await touch_blob(conn, sha1, now_ms):
+        raise Raced  # collected between the two statements: the next try writes it again
     return False
 
 
-async def _put_rows(
+async def touch_blob(conn: Any, sha1: bytes, now_ms: int) -> bool:
+    """Record that a write refers to the blob `sha1` now (for GC's grace period), taking its row
+    lock only when its touch is older than TOUCH_EVERY_MS; False when the blob is gone."""
+    touched = await conn.fetchval("SELECT touched_ms FROM blobs WHERE sha1 = $1", sha1)
+    if touched is None:
+        return False
+    if touched < now_ms - TOUCH_EVERY_MS:
+        status = await conn.execute("UPDATE blobs SET touched_ms = $2 WHERE sha1 = $1", sha1, now_ms)
+        return bool(status != "UPDATE 0")
+    return True
+
+
+async def put_rows(
     conn: Any,
     vins: Sequence[str],
     request_id: str,
@@ -199,7 +216,7 @@ async def _put_rows(
         newly.append(vin)
     written = await conn.fetch(_UPSERT, stored, request_id, now_ms, sha1, size, spec.expires_ms, spec.flags)
     if any(r["inserted"] == (r["vin"] in old) for r in written):
-        raise _Raced  # a row appeared after our read (or one we locked was not found): not our view
+        raise Raced  # a row appeared after our read (or one we locked was not found): not our view
     bumps = Bumps()
     await counts.end_pairs(conn, ended, now_ms, bumps)
     if taken:
