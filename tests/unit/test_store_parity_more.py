@@ -8,10 +8,12 @@ method of that name, or its `storage.pg` twin, with the same keyword arguments.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 
 from storage import gc, ops, outcomes, pending
@@ -300,3 +302,44 @@ def test_a_vehicles_queue_and_its_next_deliverable_row(store: Side) -> None:
     assert row.await_response
     (row, _), count = store.op("oldest", vin="V1", hidden={"task_b_1": sha1(b"other")})
     assert (row.request_id, count) == ("task_b_1", 3)
+
+
+# -- PostgreSQL alone: triggers racing their data ---------------------------------------------------
+
+
+def test_no_trigger_stays_parked_when_its_data_races_it_on_postgresql(pg_dsn: str) -> None:
+    """Four connections send triggers of one data_id while a fifth stores the data: each trigger
+    either wrote its rows or was parked and completed by the data; none is left waiting."""
+    side = PgSide(pg_dsn)
+    side._run(side.conn.execute(f"TRUNCATE {parity._TABLES}"))
+
+    async def triggers(conn: asyncpg.Connection, n: int) -> list[bool]:
+        parked = []
+        for i in range(15):
+            done = await early.store_trigger(conn, "d1", [f"V{n}_{i}"], f"task_{n}_{i}", 1_000 + i, early_max=1_000)
+            assert isinstance(done, TriggerWritten)
+            parked.append(done.early)
+        return parked
+
+    async def data(conn: asyncpg.Connection) -> ops.DataWritten:
+        await asyncio.sleep(0.01)
+        return await early.store_data(conn, "d1", b"fw", 1_005)
+
+    async def go() -> list[Any]:
+        conns = [await asyncpg.connect(pg_dsn, timeout=10) for _ in range(5)]
+        try:
+            return list(await asyncio.gather(data(conns[4]), *(triggers(c, n) for n, c in enumerate(conns[:4]))))
+        finally:
+            for c in conns:
+                await c.close()
+
+    try:
+        stored, *parked = side._run(go())
+        assert {p for each in parked for p in each} == {True, False}  # some before the data, some after
+        assert sum(map(len, (b.vins for b in stored.completed))) == sum(map(sum, parked))
+        assert side.op("waiting_data_ids") == []
+        assert side._run(side.conn.fetchval("SELECT count(*) FROM early_triggers")) == 0
+        assert len(side.rows()) == 60
+        parity.assert_recount(side)
+    finally:
+        side.close()
