@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from storage.outcomes import Outcome
-from storage.pg import counts
+from storage.pg import counts, ingest
 from storage.pg.counts import Bumps, Ended
 from storage.store import now_ms as clock_ms
 
@@ -41,9 +41,13 @@ async def _end_expired(conn: Any, deleted: list[Any], now_ms: int) -> None:
 async def expire_due(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str, bytes]]:
     """End `expired` up to `limit` rows whose expires_at is at or before `now_ms`, soonest first
     (then request id, VIN); (VIN, request id, sha1) of each, in that order."""
-    async with conn.transaction():
-        deleted = await conn.fetch(_EXPIRE_DUE, now_ms, limit)
-        await _end_expired(conn, deleted, now_ms)
+
+    async def body() -> list[Any]:
+        found: list[Any] = await conn.fetch(_EXPIRE_DUE, now_ms, limit)
+        await _end_expired(conn, found, now_ms)
+        return found
+
+    deleted = await ingest.retrying(conn, "expiry sweep", body)
     deleted.sort(key=lambda r: (r["expires_ms"], r["request_id"].encode(), r["vin"].encode()))
     return [(r["vin"], r["request_id"], bytes(r["sha1"])) for r in deleted]
 
@@ -59,7 +63,10 @@ async def expire_rows(conn: Any, cutoff_ms: int, limit: int, now_ms: int | None 
     many. Their outcomes are stamped with the wall clock, as `gc.expire_rows` does (`now_ms`
     overrides it)."""
     when = clock_ms() if now_ms is None else now_ms
-    async with conn.transaction():
-        deleted = await conn.fetch(_EXPIRE_OLD, cutoff_ms, limit)
-        await _end_expired(conn, deleted, when)
-    return len(deleted)
+
+    async def body() -> int:
+        found = await conn.fetch(_EXPIRE_OLD, cutoff_ms, limit)
+        await _end_expired(conn, found, when)
+        return len(found)
+
+    return await ingest.retrying(conn, "retention", body)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import asyncpg
+
 from storage.cancel import CancelChunk
 from storage.errors import StorageError
 from storage.ops import PLAIN, BatchWritten, Duplicate, RowSpec, RowsPut, sha1_of
@@ -57,12 +59,13 @@ class Raced(Exception):
 
 async def retrying(conn: Any, what: str, body: Callable[[], Awaitable[T]]) -> T:
     """Run `body` in a transaction of `conn`, again from the start (at most RACE_RETRIES times)
-    when it raises `Raced`."""
+    when it raises `Raced`, or when PostgreSQL aborted it to break a deadlock or a serialization
+    conflict (its documented remedy: run the transaction again; nothing of it was committed)."""
     for _ in range(RACE_RETRIES):
         try:
             async with conn.transaction():
                 return await body()
-        except Raced:
+        except (Raced, asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError):
             continue
     raise StorageError(f"{what} kept racing concurrent writes ({RACE_RETRIES} tries)")
 
@@ -238,8 +241,9 @@ async def delete_row_if(
 ) -> bool:
     """End the (vin, request_id) row with `outcome` only if it still holds `sha1`; else amend a
     `cancelled` outcome of that pair to this one (`ops.delete_row_if`). True when either did."""
-    bumps = Bumps()
-    async with conn.transaction():
+
+    async def body() -> bool:
+        bumps = Bumps()
         stored_ms = await conn.fetchval(
             "DELETE FROM rows WHERE vin = $1 AND request_id = $2 AND sha1 = $3 RETURNING ts_ms", vin, request_id, sha1
         )
@@ -252,7 +256,9 @@ async def delete_row_if(
             await counts.end_pairs(conn, [ended], when, bumps)
             done = True
         await bumps.write(conn, when)
-    return done
+        return done
+
+    return await retrying(conn, f"end of {request_id} for {vin}", body)
 
 
 async def _cancel_rows(conn: Any, request_id: str, vins: Sequence[str], now_ms: int, cut: int | None) -> list[Ended]:
@@ -278,8 +284,7 @@ async def _cancel_rows(conn: Any, request_id: str, vins: Sequence[str], now_ms: 
 
 async def cancel_vins(conn: Any, request_id: str, vins: Sequence[str], now_ms: int) -> CancelChunk:
     """Cancel `request_id` for these VINs, in one transaction (`cancel.cancel_vins`)."""
-    async with conn.transaction():
-        ended = await _cancel_rows(conn, request_id, vins, now_ms, None)
+    ended = await retrying(conn, f"cancel of {request_id}", lambda: _cancel_rows(conn, request_id, vins, now_ms, None))
     by_vin = {e.vin: e.sha1 for e in ended}
     done = tuple((v, by_vin[v]) for v in dict.fromkeys(vins) if v in by_vin)
     return CancelChunk(request_id, done, len(done), False)
@@ -291,7 +296,8 @@ async def start_cancel_all(
     """Record a cancel of every vehicle of `request_id` and run its first chunk
     (`cancel.start_cancel_all`); a second one while the first runs moves the cut to now and starts
     the walk over, keeping the count."""
-    async with conn.transaction():
+
+    async def body() -> CancelChunk:
         # Exclusive: batches of the request in progress commit first, later ones see the cut.
         await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", REQUEST_LOCK, request_id)
         await conn.execute(
@@ -305,12 +311,13 @@ async def start_cancel_all(
         )
         return await _cancel_chunk(conn, request_id, now_ms, max_rows)
 
+    return await retrying(conn, f"cancel of {request_id}", body)
+
 
 async def cancel_chunk(conn: Any, request_id: str, now_ms: int, max_rows: int) -> CancelChunk:
     """The next chunk of a cancel of every vehicle (`cancel.cancel_chunk`): up to `max_rows` of
     the request's pending VINs in VIN order past where the last chunk stopped."""
-    async with conn.transaction():
-        return await _cancel_chunk(conn, request_id, now_ms, max_rows)
+    return await retrying(conn, f"cancel of {request_id}", lambda: _cancel_chunk(conn, request_id, now_ms, max_rows))
 
 
 async def _cancel_chunk(conn: Any, request_id: str, now_ms: int, max_rows: int) -> CancelChunk:
