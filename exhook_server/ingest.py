@@ -1,7 +1,8 @@
 """From a checked batch message to durable rows, with the log line and metrics of each outcome.
 
-`Ingestor.ingest` returns only once the batch is committed and fsynced (or
-raises): the hook answers EMQX after that, which is the durability promise.
+`Ingestor.ingest` returns only once the batch is durable in the store behind `Writes`
+(storage/port.py: LMDB committed and fsynced, or PostgreSQL committed), or raises: the hook
+answers EMQX after that, which is the durability promise.
 Rejections are logged and counted here, once, with their reason code.
 """
 
@@ -9,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 import structlog
@@ -37,10 +36,11 @@ from exhook_server.errors import BatchRejected, EarlyTriggersFull, Reason, Stora
 from exhook_server.status import StatusPublisher
 from exhook_server.topics import is_level
 from storage import cancel as cancelling
-from storage import ops, pending
+from storage import ops
+from storage.errors import CommitTimeout
 from storage.outcomes import Outcome
-from storage.store import Store, now_ms
-from storage.writer import GroupCommitter
+from storage.port import Writes
+from storage.store import now_ms
 
 log = structlog.get_logger("sdv_fanout.ingest")
 
@@ -64,56 +64,6 @@ class CancelResult:
     cancelled: int
     #: Of those, deliveries already out: their outcome becomes what the vehicle does with them.
     in_flight: int
-
-
-T = TypeVar("T")
-
-
-class _LoopWaker:
-    """Hands the writer's finished futures to the event loop with one wake-up per burst.
-
-    The group committer finishes a whole group at once, in its own thread.
-    `asyncio.wrap_future` would wake the loop once per op (a self-pipe write,
-    under the GIL the loop thread also wants); under load that cost ~0.2 ms per
-    batch on the writer's critical path. Here the first op of a burst schedules
-    one drain and the others just join the list it will drain.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._done: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Future[Any]]]] = {}
-
-    def wrap(self, future: Future[T]) -> asyncio.Future[T]:
-        """An asyncio future of the running loop that settles like `future`."""
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[T] = loop.create_future()
-        future.add_done_callback(functools.partial(self._finished, loop, waiter))
-        return waiter
-
-    def _finished(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[Any], future: Future[Any]) -> None:
-        with self._lock:
-            pending = self._done.setdefault(loop, [])
-            first = not pending
-            pending.append((waiter, future))
-        if first and not loop.is_closed():  # a closed loop has nobody left to wake
-            loop.call_soon_threadsafe(self._drain, loop)
-
-    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        with self._lock:
-            done = self._done.pop(loop, [])
-        for waiter, future in done:
-            _settle(waiter, future)
-
-
-def _settle(waiter: asyncio.Future[Any], future: Future[Any]) -> None:
-    if waiter.done():  # nobody waits any more (the caller's wait was cancelled)
-        return
-    if future.cancelled():
-        waiter.cancel()
-    elif (exc := future.exception()) is not None:
-        waiter.set_exception(exc)
-    else:
-        waiter.set_result(future.result())
 
 
 def report_expired_early(expired: list[ops.EarlyExpired], status: StatusPublisher | None = None) -> None:
@@ -140,32 +90,26 @@ def report_expired_early(expired: list[ops.EarlyExpired], status: StatusPublishe
         )
 
 
-class IngestTimeout(StorageError):
-    """The commit did not finish within ingest_timeout_s (it may still land later)."""
-
-
 class Ingestor:
     """Validates, stores and reports batch messages."""
 
     def __init__(
         self,
         cfg: Config,
-        store: Store,
-        committer: GroupCommitter,
+        writes: Writes,
         clock: Callable[[], int] = now_ms,
         status: StatusPublisher | None = None,
     ) -> None:
         self._cfg = cfg
         #: Receipts go here (after the commit); None: no status topic (tools, tests).
         self.status = status
-        self._store = store
-        self._committer = committer
+        #: The store, whichever engine it is (storage/port.py).
+        self._writes = writes
         self._clock = clock
         self.parser = BatchParser(cfg, clock)
         self.listeners: list[StoredListener] = []
         self.cancel_listener: CancelledListener | None = None
         self.outcome_listeners: list[OutcomeListener] = []
-        self._waker = _LoopWaker()
         #: data_id → the task completing its remaining parked triggers.
         self._completing: dict[str, asyncio.Task[None]] = {}
         #: request id → the task finishing its cancel (counting in-flight rows, further chunks).
@@ -196,52 +140,25 @@ class Ingestor:
             log.error("batch_not_stored", reason=kind_label, detail=str(exc), topic=topic, publisher=clientid)
             # A commit that timed out may still land: say nothing, a retry with its batch_id
             # gets the receipt. Any other storage error stored nothing.
-            if not isinstance(exc, IngestTimeout):
+            if not isinstance(exc, CommitTimeout):
                 self._receipt_rejected("storage_unavailable", kind, payload)
             raise
         metrics.INGEST_SECONDS.observe(asyncio.get_running_loop().time() - started)
         return True
 
-    async def _commit(self, op: Callable[..., Any], rows: int = 1) -> Any:
-        future = self._waker.wrap(self._committer.submit(op, rows=rows))
-        try:
-            # shield: a timeout stops our wait, not the commit; the batch may still land.
-            return await asyncio.wait_for(asyncio.shield(future), self._cfg.ingest_timeout_s)
-        except TimeoutError:
-            raise IngestTimeout(f"commit took longer than {self._cfg.ingest_timeout_s} s") from None
-
     async def _store_parsed(self, parsed: Parsed) -> None:
-        t = self._store.tables
         now = self._clock()
         if isinstance(parsed, Batch):
-            written = await self._commit(
-                functools.partial(
-                    ops.store_batch,
-                    t=t,
-                    vins=parsed.vins,
-                    request_id=parsed.request_id,
-                    blob=parsed.blob,
-                    now_ms=now,
-                    batch_id=parsed.tags.batch_id,
-                    spec=self._spec(parsed.life),
-                ),
-                rows=len(parsed.vins),
+            written = await self._writes.store_batch(
+                parsed.vins, parsed.request_id, parsed.blob, now, parsed.tags.batch_id, self._spec(parsed.life)
             )
             if isinstance(written, ops.Duplicate):
                 self._duplicate(written, parsed.tags)
                 return
             self._stored(written, "batch", tags=parsed.tags)
         elif isinstance(parsed, Data):
-            data: ops.DataWritten = await self._commit(
-                functools.partial(
-                    ops.store_data,
-                    t=t,
-                    data_id=parsed.data_id,
-                    blob=parsed.blob,
-                    now_ms=now,
-                    max_rows=self._cfg.max_rows_per_commit,
-                    max_pending=self._cfg.max_pending_per_vehicle,
-                )
+            data = await self._writes.store_data(
+                parsed.data_id, parsed.blob, now, self._cfg.max_rows_per_commit, self._cfg.max_pending_per_vehicle
             )
             _count_blob(data.new_blob)
             log.info(
@@ -261,21 +178,16 @@ class Ingestor:
         else:
             trig = parsed
             try:
-                result: ops.TriggerWritten | ops.Duplicate = await self._commit(
-                    functools.partial(
-                        ops.store_trigger,
-                        t=t,
-                        data_id=trig.data_id,
-                        vins=trig.vins,
-                        request_id=trig.request_id,
-                        now_ms=now,
-                        early_max=self._cfg.early_max_count,
-                        early_max_rows=self._cfg.early_max_rows,
-                        batch_id=trig.tags.batch_id,
-                        correlation_id=trig.tags.correlation_id,
-                        spec=self._spec(trig.life),
-                    ),
-                    rows=len(trig.vins),
+                result = await self._writes.store_trigger(
+                    trig.data_id,
+                    trig.vins,
+                    trig.request_id,
+                    now,
+                    self._cfg.early_max_count,
+                    self._cfg.early_max_rows,
+                    trig.tags.batch_id,
+                    trig.tags.correlation_id,
+                    self._spec(trig.life),
                 )
             except EarlyTriggersFull as exc:
                 raise BatchRejected(
@@ -380,16 +292,8 @@ class Ingestor:
         chunks = 0
         while True:
             try:
-                chunk: ops.EarlyCompleted = await self._commit(
-                    functools.partial(
-                        ops.complete_early,
-                        t=self._store.tables,
-                        data_id=data_id,
-                        now_ms=self._clock(),
-                        max_rows=self._cfg.max_rows_per_commit,
-                        max_pending=self._cfg.max_pending_per_vehicle,
-                    ),
-                    rows=self._cfg.max_rows_per_commit,
+                chunk = await self._writes.complete_early(
+                    data_id, self._clock(), self._cfg.max_rows_per_commit, self._cfg.max_pending_per_vehicle
                 )
             except StorageError as exc:  # the triggers stay parked: the next start-up retries
                 log.error("early_completion_failed", data_id=data_id, reason=type(exc).__name__, detail=str(exc))
@@ -416,20 +320,12 @@ class Ingestor:
         behind the caller's answer (in-flight count, further chunks, the `cancelled` event)
         and gives the totals; Admin waits for it, the hook does not."""
         now = self._clock()
-        t = self._store.tables
         if vins is not None:
-            op = functools.partial(cancelling.cancel_vins, t=t, request_id=request_id, vins=vins, now_ms=now)
-            first: cancelling.CancelChunk = await self._commit(op, rows=len(vins))
+            first = await self._writes.cancel_vins(request_id, vins, now)
         else:
-            op = functools.partial(
-                cancelling.start_cancel_all,
-                t=t,
-                request_id=request_id,
-                now_ms=now,
-                max_rows=self._cfg.max_rows_per_commit,
-                correlation_id=tags.correlation_id,
+            first = await self._writes.start_cancel_all(
+                request_id, now, self._cfg.max_rows_per_commit, tags.correlation_id
             )
-            first = await self._commit(op, rows=self._cfg.max_rows_per_commit)
         log.info("cancel_started", request_id=request_id, vins=None if vins is None else len(vins), more=first.more)
         return self._finish_cancel(request_id, first, tags.correlation_id)
 
@@ -469,16 +365,7 @@ class Ingestor:
                 if not chunk.more:
                     break
             try:
-                chunk = await self._commit(
-                    functools.partial(
-                        cancelling.cancel_chunk,
-                        t=self._store.tables,
-                        request_id=request_id,
-                        now_ms=self._clock(),
-                        max_rows=self._cfg.max_rows_per_commit,
-                    ),
-                    rows=self._cfg.max_rows_per_commit,
-                )
+                chunk = await self._writes.cancel_chunk(request_id, self._clock(), self._cfg.max_rows_per_commit)
             except StorageError as exc:  # the job stays recorded: the next start-up resumes it
                 log.error("cancel_failed", request_id=request_id, reason=type(exc).__name__, detail=str(exc))
                 raise
@@ -503,8 +390,7 @@ class Ingestor:
 
     async def resume_cancels(self) -> list[str]:
         """At start-up: finish cancels of every vehicle a crash cut short."""
-        with self._store.read() as txn:
-            found = cancelling.cancels_in_progress(txn, self._store.tables)
+        found = await self._writes.cancels_in_progress()
         for request_id in found:
             log.info("cancel_resumed", request_id=request_id)
             self._finish_cancel(request_id, None, None)
@@ -515,15 +401,11 @@ class Ingestor:
         """End `expired` every row past its expires_at, in chunks; returns how many."""
         ended_total = 0
         limit = self._cfg.max_rows_per_commit
-        with self._store.read() as txn:  # an idle sweep costs one read, not a write transaction
-            soonest = pending.first_deadline(txn, self._store.tables)
+        soonest = await self._writes.first_deadline()  # an idle sweep costs one read, no write
         if soonest is None or soonest > self._clock():
             return 0
         while True:
-            ended: list[tuple[str, str, bytes]] = await self._commit(
-                functools.partial(pending.expire_due, t=self._store.tables, now_ms=self._clock(), limit=limit),
-                rows=limit,
-            )
+            ended = await self._writes.expire_due(self._clock(), limit)
             if ended:
                 metrics.OUTCOMES.labels("expired").inc(len(ended))
                 log.info("rows_expired", rows=len(ended), request_ids=sorted({rid for _, rid, _ in ended})[:10])
@@ -545,8 +427,7 @@ class Ingestor:
 
     async def resume_waiting(self) -> list[str]:
         """At start-up: complete triggers whose data arrived before a crash cut their chunks short."""
-        with self._store.read() as txn:
-            found = ops.waiting_data_ids(txn, self._store.tables)
+        found = await self._writes.waiting_data_ids()
         for data_id in found:
             log.info("early_completion_resumed", data_id=data_id)
             self.complete_waiting(data_id)
@@ -554,14 +435,8 @@ class Ingestor:
 
     async def sweep_early(self) -> list[ops.EarlyExpired]:
         """Drop early triggers whose data never came, each with a logged reason."""
-        expired: list[ops.EarlyExpired] = await self._commit(
-            functools.partial(
-                ops.expire_early,
-                t=self._store.tables,
-                now_ms=self._clock(),
-                ttl_ms=int(self._cfg.early_ttl_s * 1000),
-                limit=self._cfg.early_max_count,
-            )
+        expired = await self._writes.expire_early(
+            self._clock(), int(self._cfg.early_ttl_s * 1000), self._cfg.early_max_count
         )
         report_expired_early(expired, self.status)
         return expired

@@ -34,6 +34,7 @@ from exhook_server.ingest import Ingestor
 from exhook_server.procs import write_ready_file
 from exhook_server.progress import ProgressReporter
 from exhook_server.status import StatusPublisher, answer_fields
+from storage.lmdb_writes import LmdbWrites
 from storage.outcomes import Outcome
 from storage.store import Store
 from storage.writer import GroupCommitter
@@ -126,7 +127,7 @@ class FanoutServer:
         )
         #: Receipts, progress and outcomes for the platform, published by the delivery client.
         self.status = StatusPublisher(cfg, lambda: self.delivery)
-        self.ingestor = Ingestor(cfg, self.store, self.committer, status=self.status)
+        self.ingestor = Ingestor(cfg, LmdbWrites(self.store, self.committer, cfg.ingest_timeout_s), status=self.status)
         self.delivery: MqttDelivery | None = None
         vin_re = re.compile(cfg.vin_pattern)
         self.dispatcher = Dispatcher(

@@ -20,3 +20,7 @@ class EarlyTriggersFull(StorageError):
 
 class PlanError(StorageError):
     """The directory is not a GC plan this build can apply."""
+
+
+class CommitTimeout(StorageError):
+    """A write did not commit within its deadline (it may still land later)."""
