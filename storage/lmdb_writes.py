@@ -8,11 +8,12 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from storage import cancel, ops, pending
 from storage.errors import CommitTimeout
 from storage.ops import PLAIN, RowSpec
+from storage.port import Writes
 from storage.store import Store
 from storage.writer import GroupCommitter
 
@@ -185,3 +186,7 @@ class LmdbWrites:
 
     async def expire_due(self, now_ms: int, limit: int) -> list[tuple[str, str, bytes]]:
         return await self._commit(pending.expire_due, rows=limit, now_ms=now_ms, limit=limit)
+
+
+if TYPE_CHECKING:  # mypy checks that LmdbWrites is a storage.port.Writes
+    _is_writes: Writes = LmdbWrites(Store.__new__(Store), GroupCommitter.__new__(GroupCommitter), 0.0)

@@ -1,0 +1,163 @@
+"""The Ingestor (parse, store, receipts, cancel, expiry, parked triggers) over either store.
+
+The same test bodies run on the embedded LMDB store (LmdbWrites over the group committer) and on
+a real PostgreSQL (PgWrites over an asyncpg pool on the session's throwaway cluster): what the
+platform hears back must not depend on the engine behind storage/port.Writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from exhook_server.batch import Kind
+from exhook_server.config import Config
+from exhook_server.ingest import Ingestor
+from exhook_server.status import StatusPublisher
+from storage.lmdb_writes import LmdbWrites
+from storage.pg import migrate
+from storage.pg.writes import PgWrites
+from storage.port import Writes
+from storage.store import Store
+from storage.writer import GroupCommitter
+from tests.pg_cluster import PgCluster
+
+_names = itertools.count()
+
+
+class Heard:
+    """The status link: every status message, decoded."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def publish_status(self, topic: str, payload: bytes) -> bool:
+        self.events.append(json.loads(payload))
+        return True
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == event]
+
+
+Opener = Callable[[], Any]
+
+
+@asynccontextmanager
+async def lmdb_writes(tmp: Path) -> AsyncIterator[Writes]:
+    store = Store(tmp / "lmdb")
+    committer = GroupCommitter(store)
+    try:
+        yield LmdbWrites(store, committer, 4.0)
+    finally:
+        await asyncio.to_thread(committer.close)
+        store.close()
+
+
+@asynccontextmanager
+async def pg_writes(dsn: str) -> AsyncIterator[Writes]:
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
+    assert pool is not None
+    try:
+        async with pool.acquire() as conn:
+            await migrate.migrate(conn)
+        yield PgWrites(pool, 4.0)
+    finally:
+        await pool.close()
+
+
+@pytest.fixture(params=["lmdb", "postgresql"])
+def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
+    if request.param == "lmdb":
+        return lambda: lmdb_writes(tmp_path)
+    cluster: PgCluster = request.getfixturevalue("pg_cluster")
+    dsn = cluster.new_database(f"ingest_{next(_names)}")
+    return lambda: pg_writes(dsn)
+
+
+def run(opener: Opener, body: Callable[[Ingestor, Heard], Awaitable[None]], **settings: Any) -> None:
+    cfg = Config(**settings)
+
+    async def go() -> None:
+        async with opener() as writes:
+            heard = Heard()
+            ingestor = Ingestor(cfg, writes, status=StatusPublisher(cfg, lambda: heard))
+            try:
+                await body(ingestor, heard)
+            finally:
+                await ingestor.stop()
+
+    asyncio.run(go())
+
+
+def batch(vins: list[str], request_id: str, data: str, **extra: Any) -> bytes:
+    return json.dumps({"ids": vins, "request_id": request_id, "data": data, **extra}).encode()
+
+
+async def publish(ingestor: Ingestor, kind: Kind, topic: str, payload: bytes) -> bool:
+    return await ingestor.ingest(kind, topic, payload, "sdv-platform", "platform")
+
+
+def test_receipts_say_what_was_stored_refused_and_retried(opener: Opener) -> None:
+    """accepted with its refusals at the backlog bound; a retried batch_id: duplicate, same refusals."""
+
+    async def body(ingestor: Ingestor, heard: Heard) -> None:
+        assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", batch(["V1"], "task_a_1", "a"))
+        retry = batch(["V1", "V2"], "task_b_1", "b", batch_id="b-1", correlation_id="c-1")
+        assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", retry)
+        assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", retry)
+        first, dup = heard.of("accepted")[1:]
+        assert first["refused"] == [{"vin": "V1", "reason": "vehicle_backlog_full"}] and first["vins"] == 1
+        assert dup["duplicate"] is True and dup["refused"] == first["refused"]
+        assert dup["correlation_id"] == "c-1"
+
+    run(opener, body, max_pending_per_vehicle=1)
+
+
+def test_a_parked_trigger_gets_its_receipt_when_its_data_arrives(opener: Opener) -> None:
+    async def body(ingestor: Ingestor, heard: Heard) -> None:
+        trigger = json.dumps({"ids": ["V1", "V2"], "request_id": "task_cfg_1", "data_id": "d1"}).encode()
+        assert await publish(ingestor, Kind.TRIGGER, "$SDV-FANOUT/trigger", trigger)
+        assert heard.of("accepted") == []
+        assert await publish(ingestor, Kind.DATA, "$SDV-FANOUT/data/d1", b"config")
+        [receipt] = heard.of("accepted")
+        assert (receipt["request_id"], receipt["vins"]) == ("task_cfg_1", 2)
+
+    run(opener, body)
+
+
+def test_a_cancel_of_every_vehicle_in_chunks_reports_its_total(opener: Opener) -> None:
+    async def body(ingestor: Ingestor, heard: Heard) -> None:
+        for part in range(0, 12, 4):
+            vins = [f"V{n:02}" for n in range(part, part + 4)]
+            await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", batch(vins, "task_ota_1", "fw"))
+        task = await ingestor.cancel("task_ota_1", None)
+        result = await task
+        assert (result.cancelled, result.in_flight) == (12, 0)
+        [event] = heard.of("cancelled")
+        assert event["cancelled"] == 12
+        assert await ingestor.resume_cancels() == []  # nothing left half done
+
+    run(opener, body, max_ids_per_batch=4, max_rows_per_commit=4)
+
+
+def test_the_expiry_sweep_ends_rows_past_their_time(opener: Opener) -> None:
+    async def body(ingestor: Ingestor, heard: Heard) -> None:
+        clock = [1_000_000]
+        ingestor._clock = lambda: clock[0]  # the ingest clock only: the parser checks against it too
+        ingestor.parser._clock = ingestor._clock
+        doc = batch(["V1", "V2"], "task_unlock_1", "u", expires_at=1_000_500)
+        assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", doc)
+        assert await ingestor.sweep_expired() == 0
+        clock[0] = 1_000_600
+        assert await ingestor.sweep_expired() == 2
+        assert await ingestor.sweep_expired() == 0
+
+    run(opener, body)
