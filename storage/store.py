@@ -411,9 +411,14 @@ class Store:
             blob = txn.get(row.sha1, db=self.tables.data)
             if blob is not None:
                 return (row, bytes(blob[keys.BLOB_HEAD_SIZE :])), count
-            # Its blob is gone (lost data, never the normal case): walk the queue in order.
+            # Its blob is gone (lost data, never the normal case): walk the queue in order, passing
+            # over what the first pass passes over (hidden, expired, taken by a cancel).
+            cancels = self._cancel_cuts(txn)
+            now = now_ms()
             for row in self._queue(txn, vin):
                 if hidden and hidden.get(row.request_id) == row.sha1:
+                    continue
+                if row.expired(now) or (cancels and row.ts_ms <= cancels.get(row.request_id.encode(), -1)):
                     continue
                 blob = txn.get(row.sha1, db=self.tables.data)
                 if blob is not None:

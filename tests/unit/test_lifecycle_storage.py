@@ -192,3 +192,15 @@ def test_a_long_queue_is_counted_from_counted_from_on_and_bounded_exactly(store:
     with store.read() as txn:
         assert txn.get(b"V1", db=store.tables.backlogs) is None  # below COUNTED_FROM: no entry
     assert_consistent(store)
+
+
+def test_the_lost_blob_fallback_passes_over_expired_rows_too(store: Store) -> None:
+    """When the oldest row's blob is gone (lost data), the queue walk that follows still skips a
+    row past its expires_at, as the first pass does."""
+    batch(store, ["V1"], "task_a_1", b"lost", 1_000)
+    batch(store, ["V1"], "task_b_1", b"stale", 1_001, expires_ms=1_002)
+    batch(store, ["V1"], "task_c_1", b"good", 1_003)
+    with store.write() as txn:
+        txn.delete(sha1_of(b"lost"), db=store.tables.data)
+    found, _ = store.oldest("V1")
+    assert found is not None and found[0].request_id == "task_c_1"
