@@ -32,6 +32,7 @@ from storage import keys, outcomes, pending
 from storage.ops import sha1_of
 from storage.outcomes import Outcome
 from storage.store import Store
+from tests.crash.test_kill9_outcomes import emqx_for
 from tests.emqx_sim import FakeEmqx, Mosquitto, Vehicle
 from tests.harness import SubprocessServer, poll
 from tests.integration.test_status_topic import Platform
@@ -63,19 +64,6 @@ def serving(data_dir: Path, broker: Mosquitto, **settings: object) -> Iterator[S
         yield srv
     finally:
         srv.kill()
-
-
-@contextmanager
-def emqx_for(srv: SubprocessServer, broker: Mosquitto, *, strict: bool = True) -> Iterator[FakeEmqx]:
-    """The hook driver for `srv`; harness errors fail the test, and failed hook calls too
-    unless not `strict` (calls a SIGKILL cut short)."""
-    emqx = FakeEmqx(srv.port, broker.port, strict_rpc=strict)
-    try:
-        emqx.load()
-        yield emqx
-    finally:
-        emqx.close(check=False)  # a failure of the body is the one to report
-    emqx.check()
 
 
 @contextmanager
