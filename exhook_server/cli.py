@@ -122,9 +122,12 @@ def _parser() -> argparse.ArgumentParser:
     gc_apply.add_argument("--dry-run", action="store_true", help="count the candidates; change nothing")
     gc_apply.add_argument("--json", action="store_true", help="one JSON object")
 
-    exp = sub.add_parser("export", help="one consistent snapshot as Parquet, for spark/")
-    exp.add_argument("--data-dir", metavar="DIR", default=None)
+    exp = sub.add_parser(
+        "export", help="one consistent snapshot as Parquet, for spark/ (from PostgreSQL when store_url is set)"
+    )
+    exp.add_argument("--data-dir", metavar="DIR", default=None, help="the LMDB store (when store_url is empty)")
     exp.add_argument("--out", metavar="OUT", required=True, help="output directory")
+    _config_args(exp, ("store_url",))
     return top
 
 
@@ -138,10 +141,6 @@ def _positive(text: str) -> int:
 def _load(args: argparse.Namespace) -> Config:
     path = getattr(args, "config", None) or os.environ.get(ENV_PREFIX + "CONFIG")
     return load(path, overrides=flags.overrides(args))
-
-
-def _data_dir(args: argparse.Namespace) -> str:
-    return args.data_dir or os.environ.get(ENV_PREFIX + "DATA_DIR") or Config().data_dir
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -461,7 +460,7 @@ def _cmd_requests(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(total: int, unit: str) -> Any:
+def _progress(total: int | None, unit: str) -> Any:
     """A progress bar on stderr when a person is watching; silent in pipelines."""
     from tqdm import tqdm
 
@@ -495,12 +494,40 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from storage.export import export
     from storage.store import Store
 
-    with Store(_data_dir(args), readonly=True) as store:
+    cfg = _load(args)
+    if cfg.store_url:
+        print(json.dumps(_export_pg(cfg.store_url, args.out)))
+        return 0
+    with Store(cfg.data_dir, readonly=True) as store:  # --data-dir is the setting's flag here too
         n = store.counts()
         with _progress(n["ids"] + n["data"] + n["aliases"] + n["outcomes"] + n["gens"], "records") as bar:
             manifest = export(store, args.out, progress=bar.update)
     print(json.dumps(manifest))
     return 0
+
+
+def _export_pg(store_url: str, out: str) -> dict[str, Any]:
+    """`export` from the PostgreSQL store at `store_url` (storage/pg/export.py); the manifest."""
+    import asyncio
+
+    async def run() -> dict[str, Any]:
+        import asyncpg
+
+        from storage.pg import export
+
+        try:
+            conn = await asyncpg.connect(store_url, timeout=10)
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise StorageError(f"cannot connect to store_url: {exc}") from None
+        try:
+            with _progress(await export.estimated_records(conn), "records") as bar:
+                return await export.export(conn, out, progress=bar.update)
+        except asyncpg.PostgresError as exc:
+            raise StorageError(f"export from store_url failed: {exc}") from None
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
 
 
 def _print_report(out: dict[str, Any], as_json: bool) -> None:
