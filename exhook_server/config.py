@@ -79,7 +79,7 @@ class Config:
     # Where requests are stored: "" = the embedded LMDB environment in data_dir (the default: one
     # host, nothing to run beside it); postgresql://user:pass@host:port/db (several hosts
     # comma-separated, with ?target_session_attrs=read-write) = a shared PostgreSQL. Serving from
-    # PostgreSQL is being built (issue 14): today only `sdv-fanout db migrate` uses it.
+    # PostgreSQL is being built (issue 14): today `sdv-fanout db migrate` and `export` use it.
     store_url: str = ""
     # Relative to the working directory, so `make run` works from a checkout.
     data_dir: str = "./var/lmdb"
