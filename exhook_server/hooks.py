@@ -106,6 +106,11 @@ def session_of(info: Any) -> Session:
     return Session(info.node, info.clientid, info.peerhost, info.peerport)
 
 
+def _publisher(msg: Any) -> Session:
+    """The connection that published `msg` (a message carries no peer port)."""
+    return Session(msg.node, getattr(msg, "from"), msg.headers.get("peerhost", ""))
+
+
 def _end_reason(reason: str) -> EndReason:
     if reason == "takenover":
         return EndReason.TAKENOVER
@@ -213,12 +218,11 @@ class HookServicer:
         for template in self._heartbeats:
             vin = template.vin(msg.topic)
             if vin is not None:
-                sender = Session(msg.node, getattr(msg, "from"), msg.headers.get("peerhost", ""))
-                self._dispatch.heartbeat(sender, vin)
+                self._dispatch.heartbeat(_publisher(msg), vin)
                 return
         if self._responses is not None and (parsed := self._responses.parse_delivery(msg.topic)) is not None:
             vin, request_id = parsed
-            sender = Session(msg.node, getattr(msg, "from"), msg.headers.get("peerhost", ""))
+            sender = _publisher(msg)
             payload = msg.payload
             self._dispatch.responded(sender, vin, request_id, payload[: self._cfg.max_response_bytes], len(payload))
 

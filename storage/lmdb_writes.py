@@ -11,9 +11,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from storage import cancel, ops, pending
-from storage.errors import CommitTimeout
 from storage.ops import PLAIN, RowSpec
-from storage.port import Writes
+from storage.port import Writes, durable_within
 from storage.store import Store
 from storage.writer import GroupCommitter
 
@@ -80,11 +79,7 @@ class LmdbWrites:
 
     async def _commit(self, op: Callable[..., T], rows: int = 1, **kw: Any) -> T:
         future = self._waker.wrap(self._committer.submit(functools.partial(op, t=self._t, **kw), rows=rows))
-        try:
-            # shield: a timeout stops our wait, not the commit; the write may still land.
-            return await asyncio.wait_for(asyncio.shield(future), self._timeout_s)
-        except TimeoutError:
-            raise CommitTimeout(f"commit took longer than {self._timeout_s} s") from None
+        return await durable_within(future, self._timeout_s)
 
     async def store_batch(
         self,

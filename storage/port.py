@@ -10,10 +10,12 @@ knows which engine answered.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from storage.cancel import CancelChunk
+from storage.errors import CommitTimeout
 from storage.ops import (
     PLAIN,
     BatchWritten,
@@ -24,6 +26,18 @@ from storage.ops import (
     RowSpec,
     TriggerWritten,
 )
+
+T = TypeVar("T")
+
+
+async def durable_within(write: asyncio.Future[T], timeout_s: float) -> T:
+    """The result of a write in progress, waited for at most `timeout_s`; CommitTimeout then.
+    The wait is shielded: a timeout ends our wait, not the write, which may still land (the
+    platform's retry with its batch_id tells)."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(write), timeout_s)
+    except TimeoutError:
+        raise CommitTimeout(f"commit took longer than {timeout_s} s") from None
 
 
 class Writes(Protocol):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -274,8 +274,9 @@ class Worker:
         (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
         log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)
 
-    def _fail(self, vin: str, request_id: str, sha1: bytes, attempts: int, reason: str) -> None:
-        """End the row `failed` for `reason` (a cancelled one: amended to failed) and forget it."""
+    def _fail(self, vin: str, request_id: str, sha1: bytes, attempts: int, reason: str, **fields: Any) -> None:
+        """End the row `failed` for `reason` (a cancelled one: amended to failed) and forget it;
+        a broker's refusal (our link's problem, not the vehicle's) is logged as an error."""
         entry = self.inflight.get(vin)
         if entry is not None and entry.request_id == request_id and entry.sha1 == sha1:
             del self.inflight[vin]
@@ -285,9 +286,11 @@ class Worker:
         if self._rows.ack(vin, request_id, sha1, outcome=Outcome.FAILED, attempts=attempts):
             self._ended(vin, request_id, sha1, Outcome.FAILED, attempts)
         metrics.DELIVERIES_FAILED.labels(reason).inc()
-        log.warning("delivery_failed", vin=vin, request_id=request_id, reason=reason, attempts=attempts)
+        emit = log.error if reason == "broker_refused" else log.warning
+        emit("delivery_failed", vin=vin, request_id=request_id, reason=reason, attempts=attempts, **fields)
 
     def _give_up(self, vin: str, entry: InFlight, reason: str) -> None:
+        """Stop waiting for the delivery `entry`: its row ends failed."""
         self._fail(vin, entry.request_id, entry.sha1, entry.attempts, reason)
 
     def _attempts(self, vin: str, request_id: str, sha1: bytes) -> int:
@@ -398,12 +401,7 @@ class Worker:
             return  # no longer what this vehicle has out
         metrics.DELIVERIES_REFUSED.labels(cmd.reason).inc()
         if cmd.final:
-            self.inflight.pop(vin, None)
-            self._unacked.pop(vin, None)
-            if self._rows.ack(vin, rid, sha1, outcome=Outcome.FAILED, attempts=attempts):
-                self._ended(vin, rid, sha1, Outcome.FAILED, attempts)
-            metrics.DELIVERIES_FAILED.labels("broker_refused").inc()
-            log.error("delivery_failed", vin=vin, request_id=rid, reason="broker_refused", last_refusal=cmd.reason)
+            self._fail(vin, rid, sha1, attempts, "broker_refused", last_refusal=cmd.reason)
         else:
             self._void(vin)
         self._try_send(vin, Trigger.REFUSED)

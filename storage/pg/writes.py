@@ -8,7 +8,6 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from storage.cancel import CancelChunk
-from storage.errors import CommitTimeout
 from storage.ops import (
     PLAIN,
     BatchWritten,
@@ -20,7 +19,7 @@ from storage.ops import (
     TriggerWritten,
 )
 from storage.pg import early, expiry, ingest
-from storage.port import Writes
+from storage.port import Writes, durable_within
 
 T = TypeVar("T")
 
@@ -37,12 +36,7 @@ class PgWrites:
             async with self._pool.acquire() as conn:
                 return await fn(conn, *args, **kw)
 
-        task = asyncio.ensure_future(on_a_connection())
-        try:
-            # shield: a timeout stops our wait, not the transaction; the write may still land.
-            return await asyncio.wait_for(asyncio.shield(task), self._timeout_s)
-        except TimeoutError:
-            raise CommitTimeout(f"commit took longer than {self._timeout_s} s") from None
+        return await durable_within(asyncio.ensure_future(on_a_connection()), self._timeout_s)
 
     async def store_batch(
         self,
