@@ -84,6 +84,21 @@ MQTT_CONNECTED = Gauge(
 FORWARDED = Counter(
     "sdv_fanout_dispatch_forwarded_total", "Dispatch events handed to the server process that owns their VIN"
 )
+DISPATCH_DROPPED = Counter(
+    "sdv_fanout_dispatch_dropped_total",
+    "Dispatch events not queued because the instance's queue was full (PostgreSQL mode; the"
+    " vehicle's next heartbeat or the timeout sweep recovers them), by event",
+    ["event"],
+)
+DISPATCH_EVENT_FAILURES = Counter(
+    "sdv_fanout_dispatch_event_failures_total",
+    "Vehicle events whose database transaction failed or timed out (PostgreSQL mode)",
+)
+DB_UP = Gauge(
+    "sdv_fanout_db_up",
+    "1 while the instance reaches its PostgreSQL store (PostgreSQL mode)",
+    multiprocess_mode="livemin",
+)
 GC_RUNS = Counter("sdv_fanout_gc_runs_total", "Garbage collection passes, by outcome", ["outcome"])
 GC_DELETED = Counter("sdv_fanout_gc_deleted_total", "What GC removed, by kind (rows, aliases, blobs, early)", ["kind"])
 PENDING_ROWS = Gauge(

@@ -21,10 +21,11 @@ follows what the vehicle does with it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -112,6 +113,21 @@ class InFlight:
     cancelled: bool = False
 
 
+#: What a worker holds for one vehicle: its live session, its delivery in flight, and the
+#: (request_id, sha1, attempts, await_response) of a voided one (never both deliveries).
+VehicleState = tuple[Session | None, InFlight | None, tuple[str, bytes, int, bool] | None]
+
+
+V = TypeVar("V")
+
+
+def _put(table: dict[str, V], vin: str, value: V | None) -> None:
+    if value is None:
+        table.pop(vin, None)
+    else:
+        table[vin] = value
+
+
 class Worker:
     """State and rules for the VINs one worker owns."""
 
@@ -147,6 +163,19 @@ class Worker:
         #: acked whose in-flight entry was voided since: sending it again is a re-send (one more
         #: attempt). While a delivery is in flight, its entry says so instead (one entry per VIN).
         self._unacked: dict[str, tuple[str, bytes, int, bool]] = {}
+
+    def restore(self, vin: str, state: VehicleState) -> None:
+        """Put a vehicle's state in place: a store that keeps it outside the process (PostgreSQL,
+        exhook_server/dispatch/shared.py) runs these same rules on it one event at a time."""
+        presence, entry, voided = state
+        _put(self.presence, vin, presence)
+        _put(self.inflight, vin, entry)
+        _put(self._unacked, vin, voided)
+
+    def state_of(self, vin: str) -> VehicleState:
+        """A copy of what the worker holds for `vin` (see `restore`)."""
+        entry = self.inflight.get(vin)
+        return self.presence.get(vin), (dataclasses.replace(entry) if entry else None), self._unacked.get(vin)
 
     def handle(self, cmd: Command) -> None:
         if isinstance(cmd, NewBatch):

@@ -14,7 +14,18 @@ from tests.pg_cluster import PgCluster
 
 _names = itertools.count()
 
-TABLES = {"blobs", "rows", "aliases", "early_triggers", "generations", "outcomes", "batches", "cancels", "vin_state"}
+TABLES = {
+    "blobs",
+    "rows",
+    "aliases",
+    "early_triggers",
+    "generations",
+    "outcomes",
+    "batches",
+    "cancels",
+    "vin_state",
+    "presence",
+}
 
 
 async def _connect(dsn: str, n: int) -> list[asyncpg.Connection]:

@@ -1,0 +1,240 @@
+"""A vehicle's dispatch state on PostgreSQL: read under its lock, written back, filtered in bulk.
+
+On LMDB one process owns a vehicle and keeps its presence and delivery in memory
+(exhook_server/dispatch/worker.py). With several instances on one database any instance may get
+any hook of any vehicle, so that state lives in `presence` and `vin_state` (dispatch.sql), and an
+event runs the worker's own rules on it inside one transaction: `load` takes the vehicle's
+advisory lock and reads the state (one round trip), the rules decide, `save` writes back what
+changed. The lock serialises one vehicle's events across instances, so "at most one delivery in
+flight per vehicle" holds between them exactly as it holds inside one worker.
+
+The bulk filters (`heartbeats`, `present_wanting`) answer in one statement which of many vehicles
+need such an event at all: most heartbeats come from vehicles that are busy or have nothing
+pending, and cost no lock and no write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from storage import keys
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """The delivery recorded for a vehicle (`vin_state`): in flight, or voided (sent, not acked,
+    its connection gone since), with what the worker's InFlight entry holds."""
+
+    request_id: str
+    sha1: bytes
+    session: str
+    sent_ms: int
+    attempts: int
+    await_response: bool = False
+    acked_ms: int | None = None
+    cancelled: bool = False
+    voided: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A vehicle's state as its event found it, under its lock."""
+
+    #: The encoded session of its live connection (None: offline).
+    presence: str | None
+    marker: Marker | None
+    #: Its first deliverable rows, oldest first, with payloads.
+    rows: list[tuple[keys.Row, bytes]]
+
+
+async def load(conn: Any, vin: str, now_ms: int, rows: int) -> Loaded:
+    """Lock the vehicle until the end of the transaction of `conn` and read its state with its
+    first `rows` deliverable rows (one round trip)."""
+    presence: str | None = None
+    marker: Marker | None = None
+    found: list[tuple[keys.Row, bytes]] = []
+    for r in await conn.fetch("SELECT * FROM sdv_vin_load($1, $2, $3)", vin, now_ms, rows):
+        kind = r["kind"]
+        if kind == "p":
+            presence = r["session"]
+        elif kind == "r":
+            row = keys.Row(vin, r["request_id"], r["ts_ms"], bytes(r["sha1"]), r["size"], r["expires_ms"], r["flags"])
+            found.append((row, bytes(r["data"])))
+        else:
+            marker = Marker(
+                r["request_id"],
+                bytes(r["sha1"]),
+                r["session"],
+                r["sent_ms"],
+                r["attempts"],
+                r["await_response"],
+                r["acked_ms"],
+                r["cancelled"],
+                r["voided"],
+            )
+    return Loaded(presence, marker, found)
+
+
+async def save_presence(conn: Any, vin: str, session: str | None, now_ms: int) -> None:
+    """Record the vehicle's live session, encoded (None: offline)."""
+    if session is None:
+        await conn.execute("DELETE FROM presence WHERE vin = $1", vin)
+    else:
+        await conn.execute(
+            """INSERT INTO presence (vin, session, seen_ms) VALUES ($1, $2, $3)
+               ON CONFLICT (vin) DO UPDATE SET session = excluded.session, seen_ms = excluded.seen_ms""",
+            vin,
+            session,
+            now_ms,
+        )
+
+
+async def save_marker(conn: Any, vin: str, marker: Marker | None, sender: str | None) -> None:
+    """Record the vehicle's delivery (None: nothing out); `sender` is the instance that just sent
+    it (None: it was not sent now, the recorded sender stays)."""
+    if marker is None:
+        await conn.execute("DELETE FROM vin_state WHERE vin = $1", vin)
+        return
+    await conn.execute(
+        """INSERT INTO vin_state AS s (vin, request_id, sha1, session, sent_ms, attempts, await_response,
+                                      acked_ms, cancelled, voided, sender)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+           ON CONFLICT (vin) DO UPDATE SET request_id = excluded.request_id, sha1 = excluded.sha1,
+               session = excluded.session, sent_ms = excluded.sent_ms, attempts = excluded.attempts,
+               await_response = excluded.await_response, acked_ms = excluded.acked_ms,
+               cancelled = excluded.cancelled, voided = excluded.voided,
+               sender = coalesce(excluded.sender, s.sender)""",
+        vin,
+        marker.request_id,
+        marker.sha1,
+        marker.session,
+        marker.sent_ms,
+        marker.attempts,
+        marker.await_response,
+        marker.acked_ms,
+        marker.cancelled,
+        marker.voided,
+        sender,
+    )
+
+
+# A vehicle has something deliverable (the queue's rule, as in sdv_vin_load) ...
+_HAS_WORK = """EXISTS (
+    SELECT 1 FROM rows r LEFT JOIN cancels c ON c.request_id = r.request_id
+    WHERE r.vin = v.vin AND NOT (r.expires_ms > 0 AND r.expires_ms <= $2::bigint)
+        AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms))"""
+# ... and no delivery holding its slot: one out for less than the in-flight timeout ($3 ms), or
+# PUBACKed and awaiting its answer for less than the response timeout ($4 ms).
+_FREE = """NOT EXISTS (
+    SELECT 1 FROM vin_state s WHERE s.vin = v.vin AND s.request_id IS NOT NULL AND NOT s.voided
+        AND ((s.acked_ms IS NULL AND s.sent_ms > $2::bigint - $3::bigint) OR s.acked_ms > $2::bigint - $4::bigint))"""
+
+_HEARTBEATS = f"""
+SELECT v.vin, p.session, ({_HAS_WORK} AND {_FREE}) AS wanting
+FROM unnest($1::text[]) AS v(vin) LEFT JOIN presence p ON p.vin = v.vin
+"""
+
+_PRESENT_WANTING = f"""
+SELECT v.vin FROM unnest($1::text[]) AS v(vin) JOIN presence p ON p.vin = v.vin
+WHERE {_HAS_WORK} AND {_FREE}
+"""
+
+_ONLINE_WANTING = f"""
+SELECT v.vin FROM (SELECT vin FROM presence WHERE vin > $1 ORDER BY vin LIMIT $5) AS v
+WHERE {_HAS_WORK} AND {_FREE}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """The dispatch timeouts the bulk filters apply, in ms."""
+
+    inflight_ms: int
+    response_ms: int
+
+
+async def heartbeats(
+    conn: Any, vins: Sequence[str], now_ms: int, timeouts: Timeouts
+) -> list[tuple[str, str | None, bool]]:
+    """For heartbeats gathered over a few milliseconds: each vehicle's recorded session and
+    whether it has work and a free slot (one statement, no lock)."""
+    found = await conn.fetch(_HEARTBEATS, list(vins), now_ms, timeouts.inflight_ms, timeouts.response_ms)
+    return [(r["vin"], r["session"], r["wanting"]) for r in found]
+
+
+async def present_wanting(conn: Any, vins: Sequence[str], now_ms: int, timeouts: Timeouts) -> list[str]:
+    """Of `vins` (a new batch's), those online with work and a free slot: the only ones a new
+    batch can cause a send to."""
+    found = await conn.fetch(_PRESENT_WANTING, list(vins), now_ms, timeouts.inflight_ms, timeouts.response_ms)
+    return [r["vin"] for r in found]
+
+
+async def online_wanting(
+    conn: Any, after: str, limit: int, now_ms: int, timeouts: Timeouts
+) -> tuple[list[str], str | None]:
+    """One page (`limit` online vehicles after `after`, in VIN order) of the online vehicles
+    with work and a free slot, and where the next page starts (None: done)."""
+    page = await conn.fetch(
+        "SELECT vin FROM presence WHERE vin > $1 ORDER BY vin LIMIT $2",
+        after,
+        limit,
+    )
+    if not page:
+        return [], None
+    found = await conn.fetch(_ONLINE_WANTING, after, now_ms, timeouts.inflight_ms, timeouts.response_ms, limit)
+    last = page[-1]["vin"]
+    return [r["vin"] for r in found], (last if len(page) == limit else None)
+
+
+async def overdue(conn: Any, now_ms: int, timeouts: Timeouts, limit: int) -> list[str]:
+    """Vehicles whose delivery is past the in-flight timeout (not acked) or past the response
+    timeout (acked, no answer): what the timeout sweep looks at, oldest first."""
+    found = await conn.fetch(
+        """SELECT vin FROM vin_state
+           WHERE request_id IS NOT NULL AND NOT voided
+               AND ((acked_ms IS NULL AND sent_ms <= $1::bigint - $2::bigint) OR acked_ms <= $1::bigint - $3::bigint)
+           ORDER BY sent_ms LIMIT $4""",
+        now_ms,
+        timeouts.inflight_ms,
+        timeouts.response_ms,
+        limit,
+    )
+    return [r["vin"] for r in found]
+
+
+async def sent_by(conn: Any, sender: str, after: str, limit: int) -> list[str]:
+    """Vehicles with a delivery out that `sender`'s MQTT client published (lost with its link)."""
+    found = await conn.fetch(
+        """SELECT vin FROM vin_state WHERE sender = $1 AND request_id IS NOT NULL AND NOT voided AND vin > $2
+           ORDER BY vin LIMIT $3""",
+        sender,
+        after,
+        limit,
+    )
+    return [r["vin"] for r in found]
+
+
+async def with_marker_of(conn: Any, request_id: str, vins: Sequence[str]) -> list[str]:
+    """Of `vins`, those whose recorded delivery is of `request_id` (a cancel's candidates)."""
+    found = await conn.fetch(
+        "SELECT vin FROM vin_state WHERE request_id = $1 AND vin = ANY($2::text[])", request_id, list(vins)
+    )
+    return [r["vin"] for r in found]
+
+
+async def totals(conn: Any) -> tuple[int, int, int]:
+    """(vehicles online, deliveries out, of which PUBACKed and awaiting their answer), everywhere."""
+    r = await conn.fetchrow(
+        """SELECT (SELECT count(*) FROM presence) AS online,
+                  (SELECT count(*) FROM vin_state WHERE request_id IS NOT NULL AND NOT voided) AS out,
+                  (SELECT count(*) FROM vin_state WHERE acked_ms IS NOT NULL) AS awaiting"""
+    )
+    return int(r["online"]), int(r["out"]), int(r["awaiting"])
+
+
+async def online_page(conn: Any, after: str, limit: int) -> list[str]:
+    """Online vehicles after `after`, in VIN order."""
+    found = await conn.fetch("SELECT vin FROM presence WHERE vin > $1 ORDER BY vin LIMIT $2", after, limit)
+    return [r["vin"] for r in found]

@@ -1,0 +1,309 @@
+"""Dispatch over a real PostgreSQL (exhook_server/dispatch/shared.py): the worker's rules on state
+kept in the database, and several instances sharing one database (issue 14)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+
+from exhook_server.dispatch.commands import EndReason, Session
+from exhook_server.dispatch.shared import SharedDispatcher
+from storage.ops import RowSpec, sha1_of
+from storage.outcomes import Outcome
+from storage.pg import counts, ingest, migrate
+from tests.pg_cluster import PgCluster
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def dsn(pg_cluster: PgCluster) -> str:
+    dsn = pg_cluster.new_database(f"shared_{next(_names)}")
+
+    async def setup() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await migrate.migrate(conn)
+        finally:
+            await conn.close()
+
+    asyncio.run(setup())
+    return dsn
+
+
+class Recorder:
+    """A Publisher that keeps what each instance sent, in order."""
+
+    def __init__(self, name: str, log: list[tuple[str, str, str, bytes]]) -> None:
+        self.name = name
+        self.log = log
+        self.up = True
+
+    def publish(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
+        if not self.up:
+            return False
+        self.log.append((self.name, vin, request_id, payload))
+        return True
+
+
+class Rig:
+    """`n` instances (SharedDispatcher + pool) over one database."""
+
+    def __init__(self, dsn: str, n: int = 1, **kw: Any) -> None:
+        self.dsn = dsn
+        self.n = n
+        self.kw = kw
+        self.sent: list[tuple[str, str, str, bytes]] = []
+        self.outcomes: list[tuple[str, str, Outcome, int]] = []
+        self.instances: list[SharedDispatcher] = []
+        self.pubs: list[Recorder] = []
+        self.pools: list[Any] = []
+        self.conn: Any = None
+
+    async def __aenter__(self) -> Rig:
+        self.conn = await asyncpg.connect(self.dsn)
+        for i in range(self.n):
+            pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=4)
+            pub = Recorder(f"i{i}", self.sent)
+            kw = {"inflight_timeout_s": 60.0, "lanes": 4, "heartbeat_window_s": 0.002} | self.kw
+            d = SharedDispatcher(
+                pool,
+                pub,
+                sender=lambda i=i: f"sdv-fanout-i{i}",
+                connected=lambda pub=pub: pub.up,
+                vin_from_clientid=lambda c: c.startswith("V"),
+                on_outcome=lambda vin, rid, sha1, outcome, attempts: self.outcomes.append(
+                    (vin, rid, outcome, attempts)
+                ),
+                **kw,
+            )
+            d.start()
+            self.instances.append(d)
+            self.pubs.append(pub)
+            self.pools.append(pool)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for d in self.instances:
+            await d.stop()
+        for pool in self.pools:
+            await pool.close()
+        await self.conn.close()
+
+    async def batch(self, vins: list[str], rid: str, data: bytes, spec: RowSpec | None = None) -> None:
+        kwargs = {} if spec is None else {"spec": spec}
+        await ingest.store_batch(self.conn, vins, rid, data, int(time.time() * 1000), **kwargs)
+        self.instances[0].new_batch(vins)
+
+    def sent_to(self, vin: str) -> list[str]:
+        return [rid for _, v, rid, _ in self.sent if v == vin]
+
+    async def until(self, cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; sent={self.sent}")
+            await asyncio.sleep(0.005)
+
+    async def idle(self) -> None:
+        """Every instance's queues empty (events done)."""
+        await self.until(lambda: all(d.backlog() == 0 and not d._background for d in self.instances), "idle")
+
+
+def S(vin: str, port: int = 1) -> Session:
+    return Session("emqx@n1", vin, "10.0.0.1", port)
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(body())
+
+
+def test_online_vehicle_gets_oldest_first_one_at_a_time(dsn: str) -> None:
+    async def body() -> None:
+        async with Rig(dsn) as rig:
+            d = rig.instances[0]
+            d.subscribed(S("V1"), "V1")
+            await rig.batch(["V1"], "task_a_1", b"one")
+            await rig.batch(["V1"], "task_a_2", b"two")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1"], "first delivery")
+            await rig.idle()
+            assert rig.sent_to("V1") == ["task_a_1"]  # one in flight
+            d.acked(S("V1"), "V1", "task_a_1", sha1_of(b"one"))
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1", "task_a_2"], "second delivery")
+            d.acked(S("V1"), "V1", "task_a_2", sha1_of(b"two"))
+            await rig.until(lambda: len(rig.outcomes) == 2, "two outcomes")
+            assert await counts.outcome_of(rig.conn, "V1", "task_a_1", sha1_of(b"one")) is Outcome.DELIVERED
+            assert await rig.conn.fetchval("SELECT count(*) FROM rows") == 0
+
+    run(body)
+
+
+def test_offline_vehicle_gets_nothing_until_it_subscribes(dsn: str) -> None:
+    async def body() -> None:
+        async with Rig(dsn) as rig:
+            await rig.batch(["V1"], "task_a_1", b"one")
+            await rig.idle()
+            assert rig.sent == []
+            rig.instances[0].heartbeat(S("V1"), "V1")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1"], "delivery on heartbeat")
+
+    run(body)
+
+
+def test_disconnect_elsewhere_voids_and_resubscribe_resends(dsn: str) -> None:
+    """Subscribe on one instance, the disconnect (discarded) on another, a new subscription on a
+    third: the delivery goes again as a re-send (attempt 2)."""
+
+    async def body() -> None:
+        async with Rig(dsn, 3) as rig:
+            a, b, c = rig.instances
+            a.subscribed(S("V1", 1), "V1")
+            await rig.batch(["V1"], "task_a_1", b"one")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1"], "delivery")
+            b.ended(S("V1", 1), EndReason.DISCARDED)
+            await rig.idle()
+            assert await rig.conn.fetchval("SELECT count(*) FROM presence") == 0
+            c.subscribed(S("V1", 2), "V1")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1", "task_a_1"], "re-send")
+            c.acked(S("V1", 2), "V1", "task_a_1", sha1_of(b"one"))
+            await rig.until(lambda: len(rig.outcomes) == 1, "outcome")
+            assert rig.outcomes == [("V1", "task_a_1", Outcome.DELIVERED, 2)]
+
+    run(body)
+
+
+def test_resume_on_another_instance_does_not_resend(dsn: str) -> None:
+    async def body() -> None:
+        async with Rig(dsn, 2) as rig:
+            a, b = rig.instances
+            a.subscribed(S("V1", 1), "V1")
+            await rig.batch(["V1"], "task_a_1", b"one")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1"], "delivery")
+            a.ended(S("V1", 1), EndReason.OFFLINE)
+            b.resumed(S("V1", 2))
+            await rig.idle()
+            assert rig.sent_to("V1") == ["task_a_1"]
+            b.acked(S("V1", 2), "V1", "task_a_1", sha1_of(b"one"))
+            await rig.until(lambda: len(rig.outcomes) == 1, "outcome")
+
+    run(body)
+
+
+def test_timeout_sweep_resends_and_attempts_limit_fails(dsn: str) -> None:
+    async def body() -> None:
+        async with Rig(dsn, 2, inflight_timeout_s=0.05, max_attempts=2) as rig:
+            a, b = rig.instances
+            a.subscribed(S("V1"), "V1")
+            await rig.batch(["V1"], "task_a_1", b"one")
+            await rig.batch(["V1"], "task_a_2", b"two")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1"], "delivery")
+            for _ in range(200):
+                if rig.sent_to("V1")[-1:] == ["task_a_2"]:
+                    break
+                await asyncio.sleep(0.06)
+                b.sweep()
+            assert rig.sent_to("V1")[:3] == ["task_a_1", "task_a_1", "task_a_2"]
+            assert ("V1", "task_a_1", Outcome.FAILED, 2) in rig.outcomes
+
+    run(body)
+
+
+def test_awaited_answer_ends_responded_from_any_instance(dsn: str) -> None:
+    async def body() -> None:
+        async with Rig(dsn, 2) as rig:
+            a, b = rig.instances
+            a.subscribed(S("V1"), "V1")
+            await rig.batch(["V1"], "task_diag_1", b"q", RowSpec(flags=1))
+            await rig.batch(["V1"], "task_diag_2", b"r")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_diag_1"], "delivery")
+            b.acked(S("V1"), "V1", "task_diag_1", sha1_of(b"q"))
+            await rig.idle()
+            assert rig.sent_to("V1") == ["task_diag_1"]  # the slot waits for the answer
+            a.responded(S("V1"), "V1", "task_diag_1", b"ok", 2)
+            await rig.until(lambda: rig.sent_to("V1") == ["task_diag_1", "task_diag_2"], "next after answer")
+            assert ("V1", "task_diag_1", Outcome.RESPONDED, 1) in rig.outcomes
+
+    run(body)
+
+
+def test_cancel_marks_the_delivery_out_and_its_puback_amends(dsn: str) -> None:
+    async def body() -> None:
+        async with Rig(dsn, 2) as rig:
+            a, b = rig.instances
+            a.subscribed(S("V1"), "V1")
+            await rig.batch(["V1", "V2"], "task_a_1", b"one")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1"], "delivery")
+            chunk = await ingest.cancel_vins(rig.conn, "task_a_1", ["V1", "V2"], int(time.time() * 1000))
+            assert await b.cancelled("task_a_1", chunk.cancelled) == 1
+            a.acked(S("V1"), "V1", "task_a_1", sha1_of(b"one"))
+            await rig.until(lambda: len(rig.outcomes) == 1, "amended")
+            assert await counts.outcome_of(rig.conn, "V1", "task_a_1", sha1_of(b"one")) is Outcome.DELIVERED
+
+    run(body)
+
+
+def test_broker_lost_voids_only_this_instances_deliveries_and_back_resends(dsn: str) -> None:
+    async def body() -> None:
+        async with Rig(dsn, 2) as rig:
+            a, _b = rig.instances
+            a.subscribed(S("V1"), "V1")
+            await rig.batch(["V1"], "task_a_1", b"one")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1"], "delivery")
+            sender = rig.sent[-1][0]
+            owner = rig.instances[int(sender[1])]
+            rig.pubs[int(sender[1])].up = False
+            owner.broker_connected(False)
+            await rig.idle()
+            assert await rig.conn.fetchval("SELECT voided FROM vin_state WHERE vin = 'V1'")
+            rig.pubs[int(sender[1])].up = True
+            owner.broker_connected(True)
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1", "task_a_1"], "re-send")
+
+    run(body)
+
+
+def test_three_instances_random_hooks_never_two_in_flight(dsn: str) -> None:
+    """The harsh mode: every hook of every vehicle goes to a random instance. Vehicles ack what
+    they get; at no time does a vehicle have two deliveries out, everything is delivered, and
+    each vehicle gets its requests oldest first."""
+
+    async def body() -> None:
+        rnd = random.Random(7)
+        async with Rig(dsn, 3) as rig:
+            vins = [f"V{n:03d}" for n in range(40)]
+            for vin in vins:
+                rnd.choice(rig.instances).subscribed(S(vin), vin)
+            rids = [f"task_a_{n}" for n in range(5)]
+            for rid in rids:
+                await ingest.store_batch(rig.conn, vins, rid, rid.encode(), int(time.time() * 1000))
+                rnd.choice(rig.instances).new_batch(vins)
+            acked = 0
+            seen = 0
+            out: dict[str, str] = {}
+            deadline = time.monotonic() + 60
+            while acked < len(vins) * len(rids):
+                assert time.monotonic() < deadline, f"stuck at {acked} acks"
+                for _, vin, rid, _payload in rig.sent[seen:]:
+                    assert vin not in out, f"{vin} got {rid} while {out.get(vin)} was out"
+                    out[vin] = rid
+                seen = len(rig.sent)
+                for vin, rid in list(out.items()):
+                    if rnd.random() < 0.5:
+                        del out[vin]
+                        rnd.choice(rig.instances).acked(S(vin), vin, rid, sha1_of(rid.encode()))
+                        acked += 1
+                    elif rnd.random() < 0.2:
+                        rnd.choice(rig.instances).heartbeat(S(vin), vin)
+                await asyncio.sleep(0.01)
+            for vin in vins:
+                assert rig.sent_to(vin) == rids
+            assert await rig.conn.fetchval("SELECT count(*) FROM rows") == 0
+
+    run(body)
