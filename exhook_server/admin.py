@@ -2,14 +2,13 @@
 
 Read-only views of the store (stats, a vehicle's queue and outcomes, each request's
 generations) and of the dispatch state, plus two actions (GC now, requeue one vehicle). It runs
-on the event loop that owns the dispatch state, so reads need no locks; store scans run in a
-thread, off that loop; with several server processes, the state other processes own is asked
-for over local IPC.
+on the event loop that owns the dispatch state, so reads need no locks; the store is read through
+its `Reads` port (LMDB or PostgreSQL; LMDB's scans run in a thread, off that loop); with several
+server processes, the state other processes own is asked for over local IPC.
 """
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import time
 from collections.abc import Awaitable, Callable
@@ -28,9 +27,7 @@ from exhook_server.errors import BatchRejected, StorageError
 from exhook_server.housekeeping import run_gc
 from exhook_server.ingest import Ingestor
 from storage import outcomes
-from storage.keys import Row
-from storage.store import Store
-from storage.writer import GroupCommitter
+from storage.port import Reads
 
 SERVICE_NAME = "sdv.fanout.v1.Admin"
 _MAX_PAGE = 10_000
@@ -83,21 +80,19 @@ class AdminServicer:
     def __init__(
         self,
         cfg: Config,
-        store: Store,
-        committer: GroupCommitter,
+        reads: Reads,
         dispatcher: Dispatcher,
         mqtt_connected: Callable[[], bool],
         ingestor: Ingestor | None = None,
     ) -> None:
         self._cfg = cfg
-        self._store = store
-        self._committer = committer
+        self._reads = reads
         self._dispatch = dispatcher
         self._mqtt_connected = mqtt_connected
         self._ingestor = ingestor
 
     async def GetStats(self, request: apb.GetStatsRequest, context: grpc.aio.ServicerContext) -> apb.Stats:
-        stats = await asyncio.to_thread(self._store.stats)  # scans: keep it off the event loop
+        stats = await self._reads.stats()
         online, in_flight, backlog = await self._dispatch.group_totals()
         return apb.Stats(
             rows=stats.rows,
@@ -138,7 +133,7 @@ class AdminServicer:
                     cancelled=entry.cancelled,
                 )
             )
-        rows, ended = await asyncio.to_thread(self._vehicle_store_view, vin, request.outcomes_limit)
+        rows, ended = await self._reads.vehicle(vin, min(request.outcomes_limit or _DEFAULT_OUTCOMES, _MAX_OUTCOMES))
         for row in rows:
             out.pending.add(
                 request_id=row.request_id,
@@ -154,16 +149,6 @@ class AdminServicer:
         out.at_backlog_bound = bool(bound) and len(rows) >= bound
         return out
 
-    def _vehicle_store_view(self, vin: str, limit: int) -> tuple[list[Row], list[outcomes.OutcomeRecord]]:
-        """The vehicle's queue, then its recent outcomes (two snapshots: a row that ends between
-        them shows in both, never in neither)."""
-        rows = self._store.pending(vin)
-        with self._store.read() as txn:
-            ended = outcomes.vehicle_outcomes(
-                txn, self._store.tables, vin, min(limit or _DEFAULT_OUTCOMES, _MAX_OUTCOMES)
-            )
-        return rows, ended
-
     async def ListOnline(
         self, request: apb.ListOnlineRequest, context: grpc.aio.ServicerContext
     ) -> apb.ListOnlineResponse:
@@ -175,9 +160,8 @@ class AdminServicer:
         return apb.ListOnlineResponse(vins=page, next_page_token=page[-1] if more and page else "", total=len(vins))
 
     async def TriggerGC(self, request: apb.TriggerGCRequest, context: grpc.aio.ServicerContext) -> apb.GCReport:
-        report = await asyncio.to_thread(run_gc, self._cfg, self._store, self._committer, dry_run=request.dry_run)
-        d = report.as_dict()
-        return apb.GCReport(**d)
+        report = await run_gc(self._cfg, self._reads, dry_run=request.dry_run)
+        return apb.GCReport(**report.as_dict())
 
     async def Requeue(self, request: apb.RequeueRequest, context: grpc.aio.ServicerContext) -> apb.RequeueResponse:
         session, entry = await self._dispatch.vehicle_state(request.vin)
@@ -186,11 +170,7 @@ class AdminServicer:
         return answer
 
     async def GetRequest(self, request: apb.GetRequestRequest, context: grpc.aio.ServicerContext) -> apb.RequestStatus:
-        def read() -> list[outcomes.Generation]:
-            with self._store.read() as txn:
-                return outcomes.generations(txn, self._store.tables, request.request_id)
-
-        found = await asyncio.to_thread(read)
+        found = await self._reads.generations(request.request_id)
         if not found:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no generation of request {request.request_id!r} is stored")
         return apb.RequestStatus(request_id=request.request_id, generations=map(generation_message, found))
@@ -203,12 +183,7 @@ class AdminServicer:
             after = page_place(request.page_token) if request.page_token else None
         except ValueError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server gave")
-
-        def read() -> tuple[list[outcomes.Generation], outcomes.PageKey | None, int]:
-            with self._store.read() as txn:  # one scan of the gens table: keep it off the event loop
-                return outcomes.generations_page(txn, self._store.tables, size, after)
-
-        page, last, total = await asyncio.to_thread(read)
+        page, last, total = await self._reads.generations_page(size, after)
         return apb.ListRequestsResponse(
             generations=map(generation_message, page),
             next_page_token=page_token(last) if last else "",

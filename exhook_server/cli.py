@@ -1,9 +1,10 @@
 """The `sdv-fanout` command: serve, show the configuration, and look into a store.
 
-`stats`, `inspect`, `request` and `requests` open the LMDB environment read-only, so they
-work on the data dir of a running server (LMDB readers never block its writer); with
-`--server` they ask the server's Admin API instead, on its admin listener, over TLS when it
-has TLS. Both ways print the same numbers.
+`stats`, `inspect`, `request`, `requests` and `gc run` read the store through its `Reads` port
+(storage/port.py): PostgreSQL when store_url is set, else the LMDB environment, opened
+read-only for the reads, so they work on the data dir of a running server (LMDB readers never
+block its writer); with `--server` they ask the server's Admin API instead, on its admin
+listener, over TLS when it has TLS. Every way prints the same numbers.
 Every setting is a flag of `serve`, `check-config` and `gc` (see `flags`).
 """
 
@@ -14,9 +15,9 @@ import datetime as dt
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from exhook_server import __version__, flags, log
 from exhook_server.config import ENV_PREFIX, Config, join_host_port, load, loopback, split_host_port
@@ -24,7 +25,17 @@ from exhook_server.errors import ConfigError, StorageError
 from storage.keys import COUNT_NAMES
 
 if TYPE_CHECKING:
-    from storage.outcomes import Generation
+    from storage.gc import GcReport
+    from storage.keys import Row
+    from storage.outcomes import Generation, OutcomeRecord, PageKey
+    from storage.port import Reads
+
+T = TypeVar("T")
+#: How long one read of the CLI may take on PostgreSQL: a scan of a large store (stats) takes a
+#: while, and the operator watching can end it sooner with Ctrl-C.
+_CLI_READ_TIMEOUT_S = 3600.0
+#: Outcomes `inspect` shows: the Admin API's default too.
+_INSPECT_OUTCOMES = 20
 
 #: What `--server` needs besides the address: the client side of a TLS admin listener.
 _CLIENT_SETTINGS = ("cli_tls_ca_file", "cli_tls_cert_file", "cli_tls_key_file", "cli_tls_server_name")
@@ -47,7 +58,7 @@ def _server_arg(p: argparse.ArgumentParser, what: str) -> None:
         const="",
         help=f"{what} (the Admin API); without HOST:PORT, the admin_listen of the settings in force",
     )
-    _config_args(p, ("data_dir", *_CLIENT_SETTINGS))
+    _config_args(p, ("data_dir", "store_url", *_CLIENT_SETTINGS))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -256,17 +267,55 @@ def _generation_line(g: Mapping[str, Any]) -> str:
     return f"{counts}  first {_iso(g['first_ms'])}  last {_iso(g['last_ms'])}"
 
 
-def _cmd_stats(args: argparse.Namespace) -> int:
+def _on_store(cfg: Config, read: Callable[[Reads], Coroutine[Any, Any, T]], *, writable: bool = False) -> T:
+    """`read(reads)` on the store in force: PostgreSQL when store_url is set, else the LMDB data
+    dir, opened read-only unless `writable` (GC deletes through a group committer)."""
+    import asyncio
+
+    from storage.lmdb_reads import LmdbReads
     from storage.store import Store
 
+    async def on_postgresql() -> T:
+        import asyncpg
+
+        from storage.pg.reads import PgReads
+
+        try:
+            pool = await asyncpg.create_pool(cfg.store_url, min_size=1, max_size=1, timeout=10)
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise StorageError(f"cannot connect to store_url: {exc}") from None
+        try:
+            return await read(PgReads(pool, _CLI_READ_TIMEOUT_S))
+        finally:
+            await pool.close()
+
+    if cfg.store_url:
+        return asyncio.run(on_postgresql())
+    if not writable:
+        with Store(cfg.data_dir, readonly=True) as store:
+            return asyncio.run(read(LmdbReads(store)))
+    from storage.writer import GroupCommitter
+
+    with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
+        committer = GroupCommitter(store)
+        try:
+            return asyncio.run(read(LmdbReads(store, committer)))
+        finally:
+            committer.close()
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if args.server is not None:
         from exhook_server._proto import admin_pb2
 
         stats = _admin_call(cfg, args.server, "GetStats", admin_pb2.GetStatsRequest())
     else:
-        with Store(cfg.data_dir, readonly=True) as store:
-            stats = store.stats().as_dict()
+
+        async def read(reads: Reads) -> dict[str, Any]:
+            return (await reads.stats()).as_dict()
+
+        stats = _on_store(cfg, read)
     if args.json:
         print(json.dumps(stats))
     else:
@@ -278,7 +327,6 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from storage import outcomes
-    from storage.store import Store
 
     cfg = _load(args)
     if args.server is not None:
@@ -287,10 +335,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         vehicle = _admin_call(cfg, args.server, "GetVehicle", admin_pb2.GetVehicleRequest(vin=args.vin))
         print(json.dumps(vehicle, indent=None if args.json else 2))
         return 0
-    with Store(cfg.data_dir, readonly=True) as store:
-        rows = store.pending(args.vin)
-        with store.read() as txn:
-            ended = outcomes.vehicle_outcomes(txn, store.tables, args.vin)
+
+    async def read(reads: Reads) -> tuple[list[Row], list[OutcomeRecord]]:
+        return await reads.vehicle(args.vin, _INSPECT_OUTCOMES)
+
+    rows, ended = _on_store(cfg, read)
     pending: list[dict[str, Any]] = [
         {
             "request_id": r.request_id,
@@ -339,9 +388,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_request(args: argparse.Namespace) -> int:
-    from storage import outcomes
-    from storage.store import Store
-
     cfg = _load(args)
     if args.server is not None:
         from exhook_server._proto import admin_pb2
@@ -349,8 +395,11 @@ def _cmd_request(args: argparse.Namespace) -> int:
         reply = _admin_rpc(cfg, args.server, "GetRequest", admin_pb2.GetRequestRequest(request_id=args.request_id))
         found = [_served_generation(m) for m in reply.generations]
     else:
-        with Store(cfg.data_dir, readonly=True) as store, store.read() as txn:
-            found = [_stored_generation(g) for g in outcomes.generations(txn, store.tables, args.request_id)]
+
+        async def read(reads: Reads) -> list[Generation]:
+            return await reads.generations(args.request_id)
+
+        found = [_stored_generation(g) for g in _on_store(cfg, read)]
         if not found:
             raise _NotFound(f"no generation of request {args.request_id!r} is stored")
     if args.json:
@@ -430,9 +479,6 @@ def _cmd_db(args: argparse.Namespace) -> int:
 
 
 def _cmd_requests(args: argparse.Namespace) -> int:
-    from storage import outcomes
-    from storage.store import Store
-
     cfg = _load(args)
     found: list[dict[str, Any]] = []
     if args.server is not None:
@@ -447,9 +493,12 @@ def _cmd_requests(args: argparse.Namespace) -> int:
             if not token or len(found) >= args.limit:
                 break
     else:
-        with Store(cfg.data_dir, readonly=True) as store, store.read() as txn:
-            page, _, total = outcomes.generations_page(txn, store.tables, args.limit)
-            found = [_stored_generation(g) for g in page]
+
+        async def read(reads: Reads) -> tuple[list[Generation], PageKey | None, int]:
+            return await reads.generations_page(args.limit)
+
+        page, _, total = _on_store(cfg, read)
+        found = [_stored_generation(g) for g in page]
     if args.json:
         print(json.dumps({"total": total, "generations": found}))
         return 0
@@ -474,16 +523,21 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from storage.writer import GroupCommitter
 
     cfg = _load(args)
+    if args.gc_command == "run":
+
+        async def run(reads: Reads) -> GcReport:
+            return await run_gc(cfg, reads, dry_run=args.dry_run)
+
+        _print_report(_on_store(cfg, run, writable=True).as_dict(), args.json)
+        return 0
+    # A plan from spark/gc_job.py is applied to the LMDB store of data_dir.
     with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
         committer = GroupCommitter(store)
         try:
-            if args.gc_command == "run":
-                report: Any = run_gc(cfg, store, committer, dry_run=args.dry_run)
-            else:
-                path = Path(args.plan)
-                total = sum(plan.count(path, t) for t in ("expired_rows", "expired_aliases", "garbage_blobs"))
-                with _progress(total, "candidates") as bar:
-                    report = plan.apply_plan(store, committer.submit, path, dry_run=args.dry_run, progress=bar.update)
+            path = Path(args.plan)
+            total = sum(plan.count(path, t) for t in ("expired_rows", "expired_aliases", "garbage_blobs"))
+            with _progress(total, "candidates") as bar:
+                report = plan.apply_plan(store, committer.submit, path, dry_run=args.dry_run, progress=bar.update)
         finally:
             committer.close()
     _print_report(report.as_dict(), args.json)

@@ -1,7 +1,8 @@
 """Periodic background work of a running server: garbage collection and gauge refresh.
 
-GC runs in a thread (its mark scan is a long read) and writes through the group
-committer in short chunks, so hooks keep answering while it runs.
+Everything here reads the store through its `Reads` port (storage/port.py), so it runs the same
+over LMDB or PostgreSQL. A GC pass deletes in short chunks (LMDB: in a worker thread, through the
+group committer), so hooks keep answering while it runs.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from exhook_server.ingest import report_expired_early
 from exhook_server.status import StatusPublisher
 from storage import gc
 from storage.errors import StorageError
-from storage.store import Store, now_ms
-from storage.writer import GroupCommitter
+from storage.port import GcSettings, Reads
+from storage.store import now_ms
 
 log = structlog.get_logger("sdv_fanout.gc")
 
@@ -27,29 +28,27 @@ log = structlog.get_logger("sdv_fanout.gc")
 FIRST_GC_MAX_DELAY_S = 1800.0
 
 
-def run_gc(cfg: Config, store: Store, committer: GroupCommitter, *, dry_run: bool = False) -> gc.GcReport:
-    """One GC pass with the configured retention and grace (blocking)."""
-    return gc.collect(
-        store,
-        committer.submit,
+async def run_gc(cfg: Config, reads: Reads, *, dry_run: bool = False) -> gc.GcReport:
+    """One GC pass with the configured retention and grace."""
+    settings = GcSettings(
         now_ms=now_ms(),
         retention_ms=int(cfg.retention_s * 1000),
         grace_ms=int(cfg.gc_grace_s * 1000),
         early_ttl_ms=int(cfg.early_ttl_s * 1000),
         early_limit=cfg.early_max_count,
         outcome_retention_ms=int(cfg.outcome_retention * 1000),
-        dry_run=dry_run,
     )
+    return await reads.gc(settings, dry_run=dry_run)
 
 
-async def gc_loop(cfg: Config, store: Store, committer: GroupCommitter, status: StatusPublisher | None = None) -> None:
+async def gc_loop(cfg: Config, reads: Reads, status: StatusPublisher | None = None) -> None:
     """Forever: GC every gc_interval_s; failures are logged and counted, never fatal."""
     if not cfg.gc_interval_s:
         return
     await asyncio.sleep(min(FIRST_GC_MAX_DELAY_S, cfg.gc_interval_s))
     while True:
         try:
-            report = await asyncio.to_thread(run_gc, cfg, store, committer)
+            report = await run_gc(cfg, reads)
         except StorageError as exc:
             metrics.GC_RUNS.labels("failed").inc()
             log.error("gc_failed", reason=type(exc).__name__, detail=str(exc))
@@ -67,14 +66,16 @@ async def gc_loop(cfg: Config, store: Store, committer: GroupCommitter, status: 
         await asyncio.sleep(cfg.gc_interval_s)
 
 
-async def tick_loop(dispatcher: Dispatcher, store: Store, interval_s: float = 5.0) -> None:
+async def tick_loop(dispatcher: Dispatcher, reads: Reads, interval_s: float = 5.0) -> None:
     """Every few seconds: re-send timed-out deliveries, refresh the level gauges for scrapes."""
     while True:
         dispatcher.sweep()
         dispatcher.refresh_gauges()
         with contextlib.suppress(StorageError):
-            metrics.PENDING_ROWS.set(store.row_count())
-            metrics.MAP_USAGE.set(store.map_usage())
+            metrics.PENDING_ROWS.set(await reads.row_count())
+            usage = await reads.map_usage()
+            if usage is not None:  # a store without a map (PostgreSQL) leaves the gauge unset
+                metrics.MAP_USAGE.set(usage)
         await asyncio.sleep(interval_s)
 
 
@@ -82,13 +83,14 @@ async def tick_loop(dispatcher: Dispatcher, store: Store, interval_s: float = 5.
 BACKLOG_GAUGE_INTERVAL_S = 60.0
 
 
-async def backlog_gauge_loop(cfg: Config, store: Store, interval_s: float = BACKLOG_GAUGE_INTERVAL_S) -> None:
+async def backlog_gauge_loop(cfg: Config, reads: Reads, interval_s: float = BACKLOG_GAUGE_INTERVAL_S) -> None:
     """Every minute: count the vehicles at max_pending_per_vehicle (their new rows are refused).
-    A pass over the per-vehicle counts, in a thread: O(vehicles with pending rows)."""
+    A pass over the per-vehicle counts (LMDB, in a thread: O(vehicles with pending rows)) or
+    over the queue index (PostgreSQL: O(rows))."""
     if not cfg.max_pending_per_vehicle:
         return
     while True:
         with contextlib.suppress(StorageError):
-            full = await asyncio.to_thread(store.vehicles_at, cfg.max_pending_per_vehicle)
+            full = await reads.vehicles_at(cfg.max_pending_per_vehicle)
             metrics.VEHICLES_AT_BOUND.set(full)
         await asyncio.sleep(interval_s)

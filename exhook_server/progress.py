@@ -3,9 +3,10 @@
 One server process (the one that runs store-wide housekeeping) reads the generation counts
 every `progress_interval_s` and reports each generation whose counts changed since the last
 look: `progress` with the counts, and `completed` once nothing of it is pending. The counts
-live in LMDB with the rows, so every process's work is seen and a message never says more than
-the store does. A generation that changes and completes between two looks reports both. After
-a restart, only changes since the start are reported (the queries know the rest).
+live in the store with the rows (read through its `Reads` port, LMDB or PostgreSQL), so every
+process's work is seen and a message never says more than the store does. A generation that
+changes and completes between two looks reports both. After a restart, only changes since the
+start are reported (the queries know the rest).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import structlog
 from exhook_server.status import StatusPublisher
 from storage import outcomes
 from storage.errors import StorageError
-from storage.store import Store
+from storage.port import Reads
 
 log = structlog.get_logger("sdv_fanout.progress")
 
@@ -25,16 +26,12 @@ log = structlog.get_logger("sdv_fanout.progress")
 class ProgressReporter:
     """Compares the stored generation counts with the last look and reports the differences."""
 
-    def __init__(self, store: Store, status: StatusPublisher) -> None:
-        self._store = store
+    def __init__(self, reads: Reads, status: StatusPublisher) -> None:
+        self._reads = reads
         self._status = status
         #: (request_id, sha1) → (last change ms, pending) at the last look.
         self._seen: dict[tuple[str, bytes], tuple[int, int]] = {}
         self._started = False
-
-    def _read(self) -> list[outcomes.Generation]:
-        with self._store.read() as txn:
-            return outcomes.all_generations(txn, self._store.tables)
 
     def report(self, gens: list[outcomes.Generation]) -> int:
         """Emit what changed since the last call (the first call only remembers); returns how
@@ -59,7 +56,7 @@ class ProgressReporter:
         """Forever: look every `interval_s`; storage errors are logged, not fatal."""
         while True:
             try:
-                self.report(await asyncio.to_thread(self._read))
+                self.report(await self._reads.all_generations())
             except StorageError as exc:
                 log.error("progress_failed", reason=type(exc).__name__, detail=str(exc))
             await asyncio.sleep(interval_s)

@@ -1,10 +1,12 @@
-"""The writes the server asks of a store: one interface, whichever engine is behind it.
+"""What the server asks of a store: one interface per side, whichever engine is behind it.
 
-Ingest, cancel and the expiry sweep (exhook_server/ingest.py) go through `Writes` only, so the
-embedded LMDB store (`storage/lmdb_writes.py`) and the shared PostgreSQL store (issue 14,
-`storage/pg/`) are interchangeable behind it. Every method returns once its change is durable
-(or raises StorageError, CommitTimeout included, having stored nothing or possibly landing
-later); results are the dataclasses of storage/ops.py and storage/cancel.py, so a caller never
+Ingest, cancel and the expiry sweep (exhook_server/ingest.py) go through `Writes` only; the Admin
+API, progress reporting and housekeeping (GC, level gauges) through `Reads`. So the embedded LMDB
+store (`storage/lmdb_writes.py`, `storage/lmdb_reads.py`) and the shared PostgreSQL store (issue
+14, `storage/pg/writes.py`, `storage/pg/reads.py`) are interchangeable behind them. Every write
+returns once its change is durable (or raises StorageError, CommitTimeout included, having stored
+nothing or possibly landing later); results are the dataclasses of storage/ops.py,
+storage/cancel.py, storage/outcomes.py, storage/gc.py and storage/store.Stats, so a caller never
 knows which engine answered.
 """
 
@@ -12,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from storage.cancel import CancelChunk
 from storage.errors import CommitTimeout
+from storage.gc import GcReport
+from storage.keys import Row
 from storage.ops import (
     PLAIN,
     BatchWritten,
@@ -26,6 +31,8 @@ from storage.ops import (
     RowSpec,
     TriggerWritten,
 )
+from storage.outcomes import Generation, OutcomeRecord, PageKey
+from storage.store import Stats
 
 T = TypeVar("T")
 
@@ -110,4 +117,78 @@ class Writes(Protocol):
 
     async def expire_due(self, now_ms: int, limit: int) -> list[tuple[str, str, bytes]]:
         """End `expired` up to `limit` rows past their expires_at: (VIN, request id, sha1) each."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class GcSettings:
+    """One GC pass's clock and limits (times in ms); the fields are `storage.gc.collect`'s and
+    `storage.pg.gc.collect`'s keyword arguments of the same names."""
+
+    now_ms: int
+    #: Rows, aliases and batch ids stored before now_ms - retention_ms go.
+    retention_ms: int
+    #: A blob nothing refers to stays while created or touched within this.
+    grace_ms: int
+    #: Parked triggers older than this go (their data never came).
+    early_ttl_ms: int
+    #: Parked triggers dropped per pass at most.
+    early_limit: int
+    #: Outcome records and finished generations older than this go; None: retention_ms.
+    outcome_retention_ms: int | None = None
+
+
+class Reads(Protocol):
+    """What the Admin API, progress reporting and housekeeping read of a store, and the GC pass.
+
+    Each answer comes from one consistent snapshot unless the method says otherwise. Failures are
+    StorageError (on PostgreSQL also a read that outlives its deadline, or a lost connection), so
+    the background loops can log them and carry on.
+    """
+
+    async def stats(self) -> Stats:
+        """Counts and sizes of the whole store (`sdv-fanout stats`, GetStats): O(rows + blobs).
+        The map fields are LMDB's alone: PostgreSQL has no memory map and answers 0 for both."""
+        ...
+
+    async def vehicle(self, vin: str, outcomes_limit: int) -> tuple[list[Row], list[OutcomeRecord]]:
+        """The vehicle's pending rows in delivery order (deliverable or not), then its
+        `outcomes_limit` most recent outcome records, newest first. A pair that ends while this
+        reads may show in both lists, never in neither."""
+        ...
+
+    async def generations(self, request_id: str) -> list[Generation]:
+        """The generations of `request_id`, newest first by first change; empty when none is stored."""
+        ...
+
+    async def generations_page(
+        self, size: int, after: PageKey | None = None
+    ) -> tuple[list[Generation], PageKey | None, int]:
+        """Up to `size` generations newest first by last change (then by key, descending),
+        starting past `after`; the place of the last one when more follow (the next page's
+        `after`), and how many generations there are in all (`outcomes.generations_page`).
+        A place names the same generation on either store, so a page token outlives a restart."""
+        ...
+
+    async def all_generations(self) -> list[Generation]:
+        """Every generation, newest first by last change (what progress reporting compares)."""
+        ...
+
+    async def gc(self, settings: GcSettings, *, dry_run: bool = False) -> GcReport:
+        """One GC pass (`storage.gc.collect`'s steps, order and report) in short transactions,
+        so ingest and dispatch keep going while it runs; `dry_run` counts and changes nothing.
+        Not bounded by a read deadline: a pass takes as long as the store is large."""
+        ...
+
+    async def row_count(self) -> int:
+        """Pending rows in the whole store (O(1) on LMDB; a count on PostgreSQL)."""
+        ...
+
+    async def map_usage(self) -> float | None:
+        """Used pages over the LMDB map size (how close StorageFull is); None where there is no
+        map to fill (PostgreSQL grows its files as needed)."""
+        ...
+
+    async def vehicles_at(self, bound: int) -> int:
+        """Vehicles with at least `bound` pending rows (their new rows are refused)."""
         ...

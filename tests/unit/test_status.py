@@ -82,7 +82,7 @@ def gen(rid: str, last: int, pending: int, delivered: int = 0) -> Generation:
 def test_progress_reports_changes_then_completed_once() -> None:
     """The first look only remembers; a change reports progress; the last pending pair ending reports completed once."""
     link = Link()
-    reporter = ProgressReporter(store=None, status=publisher(link))  # type: ignore[arg-type]
+    reporter = ProgressReporter(reads=None, status=publisher(link))  # type: ignore[arg-type]
     assert reporter.report([gen("task_1", 10, pending=2)]) == 0
     assert reporter.report([gen("task_1", 10, pending=2)]) == 0
     assert reporter.report([gen("task_1", 11, pending=1, delivered=1)]) == 1
@@ -95,7 +95,7 @@ def test_progress_reports_changes_then_completed_once() -> None:
 def test_a_generation_born_and_finished_between_looks_reports_both() -> None:
     """New since the last look and already done: progress and completed."""
     link = Link()
-    reporter = ProgressReporter(store=None, status=publisher(link))  # type: ignore[arg-type]
+    reporter = ProgressReporter(reads=None, status=publisher(link))  # type: ignore[arg-type]
     reporter.report([])
     reporter.report([gen("task_2", 20, pending=0, delivered=3)])
     assert [doc["event"] for _, doc in link.sent] == ["progress", "completed"]

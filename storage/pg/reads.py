@@ -1,0 +1,168 @@
+"""`Reads` over PostgreSQL: the Admin API's, progress reporting's and housekeeping's reads, and the
+GC pass (storage/pg/gc.py), on a bounded asyncpg pool.
+
+Each read is one REPEATABLE READ, READ ONLY transaction (one snapshot, as an LMDB read) bounded by
+`timeout_s`; asyncpg and connection failures come out as StorageError, so the background loops
+that suppress StorageError on LMDB do the same here. The answers are the LMDB reads' dataclasses,
+orders and page places (tested side by side in tests/unit/test_store_parity_reads.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import asyncpg
+
+from storage import keys
+from storage.errors import StorageError
+from storage.gc import GcReport
+from storage.outcomes import Generation, OutcomeRecord, PageKey
+from storage.pg import counts, queue
+from storage.pg import gc as pg_gc
+from storage.port import GcSettings, Reads
+from storage.store import Stats
+
+T = TypeVar("T")
+
+# One statement: one snapshot even outside a transaction. length(bytea) reads the stored size
+# without detoasting the payload.
+_STATS = """
+SELECT r.n AS rows, r.logical AS logical_bytes, b.n AS blobs, b.bytes AS blob_bytes,
+       (SELECT count(*) FROM aliases) AS aliases,
+       (SELECT count(*) FROM early_triggers) AS early_triggers,
+       (SELECT coalesce(max(version), 0) FROM schema_version) AS schema_version
+FROM (SELECT count(*) AS n, coalesce(sum(size), 0)::bigint AS logical FROM rows) r,
+     (SELECT count(*) AS n, coalesce(sum(length(data)), 0)::bigint AS bytes FROM blobs) b
+"""
+# ListRequests' order is LMDB's `gens` key order, descending: (last_ms, request id, NUL, sha1).
+# With request ids COLLATE "C" (bytes, and text never holds a NUL) that is (last_ms, request_id,
+# sha1). A page token's place is compared as those key bytes, so any place LMDB accepts means
+# the same here; `last_ms <= $1` first lets the scan start at the place.
+_PAGE_FIRST = "SELECT * FROM generations ORDER BY last_ms DESC, request_id DESC, sha1 DESC LIMIT $1"
+_PAGE_AFTER = """
+SELECT * FROM generations
+WHERE last_ms <= $1 AND (last_ms < $1 OR convert_to(request_id, 'UTF8') || '\\x00'::bytea || sha1 < $2)
+ORDER BY last_ms DESC, request_id DESC, sha1 DESC LIMIT $3
+"""
+_VEHICLES_AT = "SELECT count(*) FROM (SELECT 1 FROM rows GROUP BY vin HAVING count(*) >= $1) v"
+
+
+async def stats(conn: Any) -> Stats:
+    """The store's counts and sizes (as `Store.stats`); the LMDB map fields are 0: there is no map."""
+    r = await conn.fetchrow(_STATS)
+    return Stats(
+        rows=int(r["rows"]),
+        blobs=int(r["blobs"]),
+        blob_bytes=int(r["blob_bytes"]),
+        logical_bytes=int(r["logical_bytes"]),
+        aliases=int(r["aliases"]),
+        early_triggers=int(r["early_triggers"]),
+        map_size_bytes=0,
+        map_used_bytes=0,
+        schema_version=int(r["schema_version"]),
+    )
+
+
+async def generations_page(
+    conn: Any, limit: int, after: PageKey | None = None
+) -> tuple[list[Generation], PageKey | None, int]:
+    """Up to `limit` generations newest first by last change, starting past `after`; the place of
+    the last one when more follow, and how many there are in all (as `outcomes.generations_page`).
+    Run it in one snapshot: the page and the total then agree."""
+    want = max(limit, 1) + 1  # one more than shown tells whether more follow
+    if after is None:
+        found = await conn.fetch(_PAGE_FIRST, want)
+    else:
+        found = await conn.fetch(_PAGE_AFTER, after[0], after[1], want)
+    page = [counts._generation(r) for r in found[:limit]]  # the row decoder of counts' own reads
+    total = int(await conn.fetchval("SELECT count(*) FROM generations"))
+    more = bool(page) and len(found) > len(page)
+    return page, (page[-1].last_ms, keys.gen_key(page[-1].request_id, page[-1].sha1)) if more else None, total
+
+
+async def vehicle(conn: Any, vin: str, outcomes_limit: int) -> tuple[list[keys.Row], list[OutcomeRecord]]:
+    """The vehicle's pending rows in delivery order and its most recent outcomes."""
+    return await queue.pending(conn, vin), await counts.vehicle_outcomes(conn, vin, outcomes_limit)
+
+
+async def row_count(conn: Any) -> int:
+    return int(await conn.fetchval("SELECT count(*) FROM rows"))
+
+
+async def vehicles_at(conn: Any, bound: int) -> int:
+    """Vehicles with at least `bound` pending rows: one pass over the queue index."""
+    return int(await conn.fetchval(_VEHICLES_AT, bound))
+
+
+#: What a failure of PostgreSQL or of the way to it looks like from asyncpg.
+_FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+
+
+class PgReads:
+    """The PostgreSQL store's `Reads` (storage/port.py)."""
+
+    def __init__(self, pool: Any, timeout_s: float) -> None:
+        self._pool = pool
+        self._timeout_s = timeout_s
+
+    async def _read(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """`fn(conn, *args)` in one read-only snapshot, within the deadline (the wait for a pooled
+        connection included); a read cancelled at the deadline changes nothing."""
+
+        async def in_a_snapshot() -> T:
+            async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+                return await fn(conn, *args)
+
+        try:
+            return await asyncio.wait_for(_failing_as_storage(in_a_snapshot()), self._timeout_s)
+        except TimeoutError:
+            raise StorageError(f"read took longer than {self._timeout_s} s") from None
+
+    async def stats(self) -> Stats:
+        return await self._read(stats)
+
+    async def vehicle(self, vin: str, outcomes_limit: int) -> tuple[list[keys.Row], list[OutcomeRecord]]:
+        return await self._read(vehicle, vin, outcomes_limit)
+
+    async def generations(self, request_id: str) -> list[Generation]:
+        return await self._read(counts.generations, request_id)
+
+    async def generations_page(
+        self, size: int, after: PageKey | None = None
+    ) -> tuple[list[Generation], PageKey | None, int]:
+        return await self._read(generations_page, size, after)
+
+    async def all_generations(self) -> list[Generation]:
+        return await self._read(counts.all_generations)
+
+    async def gc(self, settings: GcSettings, *, dry_run: bool = False) -> GcReport:
+        # One pooled connection for the whole pass, no deadline: its chunks are short
+        # transactions of their own, the pass as long as the store is large.
+        async def on_a_connection() -> GcReport:
+            async with self._pool.acquire() as conn:
+                return await pg_gc.collect(conn, **dataclasses.asdict(settings), dry_run=dry_run)
+
+        return await _failing_as_storage(on_a_connection())
+
+    async def row_count(self) -> int:
+        return await self._read(row_count)
+
+    async def map_usage(self) -> float | None:
+        return None  # no memory map to fill: PostgreSQL grows its files as needed
+
+    async def vehicles_at(self, bound: int) -> int:
+        return await self._read(vehicles_at, bound)
+
+
+async def _failing_as_storage(work: Awaitable[T]) -> T:
+    try:
+        return await work
+    except _FAILURES as exc:
+        raise StorageError(f"PostgreSQL: {type(exc).__name__}: {exc}") from exc
+
+
+if TYPE_CHECKING:  # mypy checks that PgReads is a storage.port.Reads
+    _is_reads: Reads = PgReads(None, 0.0)
