@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import tomllib
 from pathlib import Path
@@ -14,11 +15,14 @@ import pytest
 import yaml
 
 from exhook_server import metrics
-from exhook_server.config import Config
+from exhook_server.config import Config, load
 from tests.harness import BIN, ROOT
 
 K8S = ROOT / "deploy" / "k8s"
+PG = K8S / "postgresql"
 KUBERNETES_VERSIONS = ["1.30.0", "1.37.0"]
+#: `kustomize build`, or kubectl's copy of it; the tests that need the real rendering skip without.
+KUSTOMIZE = shutil.which("kustomize") or shutil.which("kubectl")
 
 
 def resources(kustomization: Path) -> list[dict[str, Any]]:
@@ -34,9 +38,19 @@ def resources(kustomization: Path) -> list[dict[str, Any]]:
     return docs
 
 
-def by_kind(kind: str) -> dict[str, Any]:
-    [doc] = [d for d in resources(K8S / "kustomization.yaml") if d["kind"] == kind]
+def by_kind(kind: str, root: Path = K8S) -> dict[str, Any]:
+    [doc] = [d for d in resources(root / "kustomization.yaml") if d["kind"] == kind]
     return doc
+
+
+def kustomize(root: Path) -> list[dict[str, Any]]:
+    """What `kubectl apply -k root` sends: the build with namespace, labels, images and patches applied."""
+    if KUSTOMIZE is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    verb = ["build"] if Path(KUSTOMIZE).name == "kustomize" else ["kustomize"]
+    out = subprocess.run([KUSTOMIZE, *verb, str(root)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -127,12 +141,214 @@ def test_admin_api_stays_inside_the_pod() -> None:
 
 
 def test_service_monitor_scrapes_the_metrics_port() -> None:
-    """The optional ServiceMonitor points at the Service's metrics port."""
-    docs = resources(K8S / "monitoring" / "kustomization.yaml")
-    [sm] = [d for d in docs if d["kind"] == "ServiceMonitor"]
-    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
-    service_ports = {p["name"] for d in docs if d["kind"] == "Service" for p in d["spec"]["ports"]}
-    assert sm["spec"]["endpoints"][0]["port"] in service_ports
+    """The optional ServiceMonitor selects the Service both modes share, by its metrics port."""
+    [sm] = resources(K8S / "monitoring" / "kustomization.yaml")
+    assert sm["kind"] == "ServiceMonitor" and sm["apiVersion"] == "monitoring.coreos.com/v1"
+    [service] = [d for d in resources(K8S / "base" / "kustomization.yaml") if d["kind"] == "Service"]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+# -- PostgreSQL mode (deploy/k8s/postgresql) -----------------------------------------------------
+
+#: The workload of each mode, by the directory `kubectl apply -k` is given.
+WORKLOADS = {K8S: "StatefulSet", PG: "Deployment"}
+MODES = [pytest.param(K8S, id="lmdb"), pytest.param(PG, id="postgresql")]
+#: What the pod's Secrets hold, for loading its environment as the server would.
+SECRET_SAMPLES = {("sdv-fanout-db-app", "uri"): "postgresql://sdv_fanout:pw@sdv-fanout-db-rw.sdv:5432/sdv_fanout"}
+
+
+def workload(root: Path) -> dict[str, Any]:
+    return by_kind(WORKLOADS[root], root)
+
+
+def container(root: Path) -> dict[str, Any]:
+    containers: list[dict[str, Any]] = workload(root)["spec"]["template"]["spec"]["containers"]
+    [c] = containers
+    return c
+
+
+def database() -> dict[str, Any]:
+    [cluster] = resources(PG / "database" / "kustomization.yaml")
+    return cluster
+
+
+def pod_env(c: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the process sees it: Secrets from SECRET_SAMPLES, the CPU request."""
+    env: dict[str, str] = {}
+    for e in c["env"]:
+        source = e.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            env[e["name"]] = SECRET_SAMPLES.get((ref["name"], ref["key"]), "sample")
+        elif "resourceFieldRef" in source:
+            assert source["resourceFieldRef"]["resource"] == "requests.cpu"
+            env[e["name"]] = c["resources"]["requests"]["cpu"]
+        else:
+            env[e["name"]] = e["value"]
+    return env
+
+
+def pod_config(root: Path, tmp_path: Path) -> Config:
+    """The settings a pod's server runs with: its ConfigMap's config.toml, then its environment."""
+    config = tmp_path / "config.toml"
+    config.write_text(by_kind("ConfigMap", root)["data"]["config.toml"])
+    env = pod_env(container(root))
+    assert env["SDV_FANOUT_CONFIG"] == "/etc/sdv-fanout/config.toml"
+    return load(config, env=env)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_postgresql_manifests_validate_strictly(version: str) -> None:
+    """The PostgreSQL mode's core manifests validate against the Kubernetes schemas, with no StatefulSet."""
+    docs = resources(PG / "kustomization.yaml")
+    assert sorted(d["kind"] for d in docs) == sorted(
+        ["Namespace", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "NetworkPolicy"]
+    )
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("root", MODES)
+def test_pod_settings_load_with_the_server_loader(root: Path, tmp_path: Path) -> None:
+    """Each mode's config.toml with its pod's SDV_FANOUT_* variables loads: the server would start on them."""
+    cfg = pod_config(root, tmp_path)
+    assert cfg.store_url == pod_env(container(root)).get("SDV_FANOUT_STORE_URL", "")
+    assert cfg.shutdown_timeout_s < workload(root)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+
+
+def test_postgresql_pods_are_stateless_replicas() -> None:
+    """A Deployment of several replicas, no volume claim, nothing mounted but the settings and /tmp."""
+    deployment = workload(PG)
+    assert deployment["spec"]["replicas"] >= 2
+    pod = deployment["spec"]["template"]["spec"]
+    assert "volumeClaimTemplates" not in deployment["spec"]
+    assert all(set(v) & {"configMap", "emptyDir"} for v in pod["volumes"]), pod["volumes"]
+    mounts = {m["mountPath"] for m in container(PG)["volumeMounts"]}
+    assert mounts == {"/etc/sdv-fanout", "/tmp"}
+    rolling = deployment["spec"]["strategy"]["rollingUpdate"]
+    assert rolling["maxUnavailable"] == 0 and rolling["maxSurge"] >= 1
+
+
+def test_postgresql_store_url_comes_from_the_database_secret() -> None:
+    """SDV_FANOUT_STORE_URL is the `uri` of the Secret CloudNativePG writes for the Cluster, required."""
+    [store_url] = [e for e in container(PG)["env"] if e["name"] == "SDV_FANOUT_STORE_URL"]
+    ref = store_url["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": database()["metadata"]["name"] + "-app", "key": "uri"}
+    assert "value" not in store_url and not ref.get("optional", False)
+
+
+def test_postgresql_pods_close_connections_so_emqx_rebalances(tmp_path: Path) -> None:
+    """gRPC max connection age is set, long enough not to churn EMQX's pool; the LMDB pod keeps its one."""
+    assert 60 <= pod_config(PG, tmp_path).grpc_max_connection_age_s <= 3600
+    assert pod_config(K8S, tmp_path).grpc_max_connection_age_s == 0
+
+
+def test_postgresql_disruption_budget_lets_one_pod_go() -> None:
+    """The PDB allows one pod away at a time (rolling updates, drains) and selects the Deployment's pods."""
+    pdb = by_kind("PodDisruptionBudget", PG)["spec"]
+    assert pdb["maxUnavailable"] == 1 and "minAvailable" not in pdb
+    assert pdb["selector"]["matchLabels"].items() <= workload(PG)["spec"]["template"]["metadata"]["labels"].items()
+    assert workload(PG)["spec"]["replicas"] > pdb["maxUnavailable"]
+    assert by_kind("PodDisruptionBudget", K8S)["spec"]["maxUnavailable"] == 0  # LMDB: a single writer
+
+
+def test_postgresql_pod_matches_the_lmdb_pod_where_the_modes_agree() -> None:
+    """Image, probes, ports, resources, security and the shared env are the same in both modes' pods."""
+    lmdb, pg = container(K8S), container(PG)
+    for key in ("image", "ports", "startupProbe", "readinessProbe", "livenessProbe", "resources", "securityContext"):
+        assert pg[key] == lmdb[key], key
+    lmdb_pod, pg_pod = (workload(r)["spec"]["template"]["spec"] for r in (K8S, PG))
+    for key in ("securityContext", "terminationGracePeriodSeconds", "automountServiceAccountToken"):
+        assert pg_pod[key] == lmdb_pod[key], key
+    assert [e for e in lmdb["env"] if e not in pg["env"]] == []
+    lmdb_volumes = {v["name"]: v for v in lmdb_pod["volumes"]}
+    assert all(lmdb_volumes[v["name"]] == v for v in pg_pod["volumes"])
+
+
+def test_service_and_network_policy_select_the_postgresql_pods() -> None:
+    """The shared Service and NetworkPolicy match the Deployment's pod labels."""
+    labels = workload(PG)["spec"]["template"]["metadata"]["labels"].items()
+    assert by_kind("Service", PG)["spec"]["selector"].items() <= labels
+    assert by_kind("NetworkPolicy", PG)["spec"]["podSelector"]["matchLabels"].items() <= labels
+    assert workload(PG)["spec"]["selector"]["matchLabels"].items() <= labels
+
+
+def test_database_cluster_commits_on_a_synchronous_standby() -> None:
+    """CloudNativePG Cluster: 3 instances, quorum of one synchronous standby, never relaxed, commit waits for it."""
+    cluster = database()
+    assert (cluster["apiVersion"], cluster["kind"]) == ("postgresql.cnpg.io/v1", "Cluster")
+    spec = cluster["spec"]
+    sync = spec["postgresql"]["synchronous"]
+    assert sync["method"] in ("any", "first") and sync["number"] >= 1
+    # One standby more than the quorum needs: either standby may be away without stopping writes.
+    assert spec["instances"] >= sync["number"] + 2
+    assert sync["dataDurability"] == "required"
+    # The older fields and the stanza together are refused by the operator.
+    assert not {"minSyncReplicas", "maxSyncReplicas"} & set(spec)
+    assert spec["postgresql"]["parameters"]["synchronous_commit"] in ("on", "remote_apply")
+
+
+def test_database_connections_cover_every_server_process(tmp_path: Path) -> None:
+    """max_connections holds every process's pool (surge pod included) with room for the CLI and the operator."""
+    spec = workload(PG)["spec"]
+    pods = spec["replicas"] + spec["strategy"]["rollingUpdate"]["maxSurge"]
+    processes = pods * int(container(PG)["resources"]["requests"]["cpu"])
+    pool = pod_config(PG, tmp_path).store_pool_size
+    assert int(database()["spec"]["postgresql"]["parameters"]["max_connections"]) >= processes * pool + 20
+
+
+# -- rendered by kustomize (what `kubectl apply -k` sends) ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "root", sorted(p.parent for p in K8S.rglob("kustomization.yaml")), ids=lambda p: str(p.relative_to(K8S))
+)
+def test_every_kustomization_builds(root: Path) -> None:
+    """kustomize builds every directory under deploy/k8s (it refuses, say, an overlay inside its base)."""
+    assert kustomize(root)
+
+
+def test_lmdb_mode_renders_one_statefulset_with_its_volume() -> None:
+    """deploy/k8s stays the LMDB mode: one StatefulSet replica with a claim, PDB 0, nothing of PostgreSQL."""
+    docs = kustomize(K8S)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        ["Namespace", "ConfigMap", "Service", "Service", "StatefulSet", "PodDisruptionBudget", "NetworkPolicy"]
+    )
+    [sts] = [d for d in docs if d["kind"] == "StatefulSet"]
+    assert sts["spec"]["replicas"] == 1 and sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "Service"} == {"sdv-fanout", "sdv-fanout-headless"}
+    [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["maxUnavailable"] == 0
+    assert all("SDV_FANOUT_STORE_URL" not in json.dumps(d) for d in docs)
+
+
+def test_postgresql_mode_renders_like_the_lmdb_mode_where_they_agree() -> None:
+    """Same namespace, labels, image and settings file as the LMDB mode; no StatefulSet, no headless Service."""
+    lmdb, pg = kustomize(K8S), kustomize(PG)
+    assert {d["kind"] for d in pg} == {d["kind"] for d in lmdb} - {"StatefulSet"} | {"Deployment"}
+    assert [d["metadata"]["name"] for d in pg if d["kind"] == "Service"] == ["sdv-fanout"]
+    for doc in pg:
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "sdv", doc["kind"]
+        assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "sdv-fanout", doc["kind"]
+
+    def image(docs: list[dict[str, Any]], kind: str) -> str:
+        [d] = [d for d in docs if d["kind"] == kind]
+        return str(d["spec"]["template"]["spec"]["containers"][0]["image"])
+
+    assert image(pg, "Deployment") == image(lmdb, "StatefulSet") != "sdv-fanout"
+    [pg_cm], [lmdb_cm] = ([d for d in docs if d["kind"] == "ConfigMap"] for docs in (pg, lmdb))
+    assert pg_cm == lmdb_cm
+
+
+def test_database_does_not_carry_the_server_pod_label() -> None:
+    """The Cluster is not labelled as the server: the Service and NetworkPolicy select pods by that label."""
+    [cluster] = kustomize(PG / "database")
+    assert cluster["metadata"]["namespace"] == "sdv"
+    assert "app.kubernetes.io/name" not in cluster["metadata"]["labels"]
+    assert "app.kubernetes.io/name" not in json.dumps(cluster["spec"])
 
 
 def test_dockerfile_lints_clean_and_runs_the_server() -> None:
