@@ -22,7 +22,7 @@ import structlog
 from exhook_server import metrics
 from exhook_server.config import Config
 from exhook_server.dispatch.commands import Session
-from exhook_server.dispatch.pool import Dispatcher
+from exhook_server.dispatch.port import Dispatch
 from exhook_server.errors import ConfigError
 from exhook_server.topics import RequestTopics
 
@@ -107,7 +107,7 @@ def parse_ack(payload: bytes, topics: RequestTopics, publisher_prefix: str) -> R
 class RuleAcks:
     """The delivery client's ack subscription, feeding the dispatcher (event-loop thread)."""
 
-    def __init__(self, cfg: Config, dispatcher: Dispatcher) -> None:
+    def __init__(self, cfg: Config, dispatcher: Dispatch) -> None:
         self._dispatch = dispatcher
         self._topics = RequestTopics(cfg.request_topic_prefix)
         self._publisher_prefix = cfg.mqtt_clientid_prefix

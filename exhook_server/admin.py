@@ -22,7 +22,7 @@ from exhook_server._proto import admin_pb2 as apb
 from exhook_server.batch import Cancel, Kind
 from exhook_server.config import Config
 from exhook_server.dispatch.commands import Session
-from exhook_server.dispatch.pool import Dispatcher
+from exhook_server.dispatch.port import Dispatch
 from exhook_server.errors import BatchRejected, StorageError
 from exhook_server.housekeeping import run_gc
 from exhook_server.ingest import Ingestor
@@ -81,7 +81,7 @@ class AdminServicer:
         self,
         cfg: Config,
         reads: Reads,
-        dispatcher: Dispatcher,
+        dispatcher: Dispatch,
         mqtt_connected: Callable[[], bool],
         ingestor: Ingestor | None = None,
     ) -> None:

@@ -65,6 +65,10 @@ class Config:
     # the call (failed_action applies): 128 x pool_size calls in progress is far above what a
     # fleet needs (rate x latency), while 1 MB batches on every stream stay in the pod's limit.
     grpc_max_concurrent_streams: int = 128
+    # Close each EMQX connection after this long (gRPC GOAWAY; calls in progress finish, EMQX
+    # reconnects): with several instances behind one Service, new instances get their share of
+    # EMQX's long-lived pool connections. 0 = never (one instance: nothing to rebalance).
+    grpc_max_connection_age_s: float = 0.0
 
     # Server processes sharing the port (SO_REUSEPORT) and the LMDB environment; 0 = one per
     # CPU this process may use (affinity, capped by a cgroup CPU limit): a Python process answers
@@ -78,9 +82,17 @@ class Config:
     # -- storage --------------------------------------------------------------
     # Where requests are stored: "" = the embedded LMDB environment in data_dir (the default: one
     # host, nothing to run beside it); postgresql://user:pass@host:port/db (several hosts
-    # comma-separated, with ?target_session_attrs=read-write) = a shared PostgreSQL. Serving from
-    # PostgreSQL is being built (issue 14): today `sdv-fanout db migrate` and `export` use it.
+    # comma-separated, with ?target_session_attrs=read-write) = a shared PostgreSQL, any number of
+    # instances on it (docs/operations.md, "PostgreSQL mode").
     store_url: str = ""
+    # PostgreSQL mode: connections each server process keeps to the database (dispatch lanes,
+    # ingest, housekeeping share them); size max_connections for instances x processes x this.
+    store_pool_size: int = 16
+    # PostgreSQL mode: heartbeats are gathered this long, then asked about in one statement.
+    heartbeat_window_ms: float = 5.0
+    # PostgreSQL mode: the database unreachable this long turns health NOT_SERVING (a blip does
+    # not: hooks that need it answer UNAVAILABLE within ingest_timeout_s meanwhile).
+    store_down_grace_s: float = 10.0
     # Relative to the working directory, so `make run` works from a checkout.
     data_dir: str = "./var/lmdb"
     # Initial LMDB map: 1 GiB of address space (sparse on disk); grows by doubling.
@@ -358,6 +370,8 @@ def _validate(cfg: Config) -> None:
         "early_sweep_interval_s",
         "response_timeout_s",
         "expiry_sweep_interval_s",
+        "store_pool_size",
+        "store_down_grace_s",
     )
     for name in positive:
         if getattr(cfg, name) <= 0:
@@ -377,6 +391,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError("response_topic_prefix must differ from request_topic_prefix")
     elif cfg.await_response:
         raise ConfigError("await_response needs a response_topic_prefix (vehicles answer there)")
+    if cfg.heartbeat_window_ms < 0 or cfg.grpc_max_connection_age_s < 0:
+        raise ConfigError("heartbeat_window_ms and grpc_max_connection_age_s must not be negative")
     if cfg.store_url and not cfg.store_url.startswith(("postgresql://", "postgres://")):
         raise ConfigError("store_url must be empty (LMDB in data_dir) or a postgresql:// URL")
     if cfg.max_pending_per_vehicle < 0 or cfg.max_attempts < 0:

@@ -22,7 +22,7 @@ from exhook_server._proto import exhook_v2_pb2, exhook_v3_pb2
 from exhook_server.admission import IngestBudget
 from exhook_server.config import Config
 from exhook_server.dispatch.commands import EndReason, Session
-from exhook_server.dispatch.pool import Dispatcher
+from exhook_server.dispatch.port import Dispatch
 from exhook_server.errors import StorageError
 from exhook_server.ingest import Ingestor
 from exhook_server.topics import RequestTopics, TopicTemplate
@@ -136,7 +136,7 @@ def _rpc_names() -> Iterator[tuple[str, Any, Any]]:
 class HookServicer:
     """Answers every ExHook RPC; hands batch messages to the Ingestor."""
 
-    def __init__(self, cfg: Config, ingestor: Ingestor, dispatcher: Dispatcher) -> None:
+    def __init__(self, cfg: Config, ingestor: Ingestor, dispatcher: Dispatch) -> None:
         self._cfg = cfg
         self._ingestor = ingestor
         self._dispatch = dispatcher
@@ -218,6 +218,7 @@ class HookServicer:
         for template in self._heartbeats:
             vin = template.vin(msg.topic)
             if vin is not None:
+                metrics.HEARTBEATS.inc()
                 self._dispatch.heartbeat(_publisher(msg), vin)
                 return
         if self._responses is not None and (parsed := self._responses.parse_delivery(msg.topic)) is not None:

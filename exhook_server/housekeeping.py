@@ -14,7 +14,7 @@ import structlog
 
 from exhook_server import metrics
 from exhook_server.config import Config
-from exhook_server.dispatch.pool import Dispatcher
+from exhook_server.dispatch.port import Dispatch
 from exhook_server.ingest import report_expired_early
 from exhook_server.status import StatusPublisher
 from storage import gc
@@ -66,7 +66,7 @@ async def gc_loop(cfg: Config, reads: Reads, status: StatusPublisher | None = No
         await asyncio.sleep(cfg.gc_interval_s)
 
 
-async def tick_loop(dispatcher: Dispatcher, reads: Reads, interval_s: float = 5.0) -> None:
+async def tick_loop(dispatcher: Dispatch, reads: Reads, interval_s: float = 5.0) -> None:
     """Every few seconds: re-send timed-out deliveries, refresh the level gauges for scrapes."""
     while True:
         dispatcher.sweep()

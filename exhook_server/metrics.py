@@ -94,6 +94,17 @@ DISPATCH_EVENT_FAILURES = Counter(
     "sdv_fanout_dispatch_event_failures_total",
     "Vehicle events whose database transaction failed or timed out (PostgreSQL mode)",
 )
+DB_ROUND_TRIPS = Counter(
+    "sdv_fanout_db_round_trips_total",
+    "Database round trips of dispatch (PostgreSQL mode), by purpose: heartbeat_filter (one per"
+    " gathered group of heartbeats), batch_filter, event (vehicle events, all their statements)",
+    ["purpose"],
+)
+HEARTBEATS = Counter("sdv_fanout_heartbeats_total", "Heartbeat messages seen by the message.publish hook")
+HEARTBEAT_EVENTS = Counter(
+    "sdv_fanout_heartbeat_events_total",
+    "Heartbeats that needed a vehicle event (PostgreSQL mode: new connection, or work and a free slot)",
+)
 DB_UP = Gauge(
     "sdv_fanout_db_up",
     "1 while the instance reaches its PostgreSQL store (PostgreSQL mode)",

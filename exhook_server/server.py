@@ -22,20 +22,26 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from exhook_server import acks, admin, hooks, housekeeping, memory
+from exhook_server import acks, admin, hooks, housekeeping, memory, pgmode
 from exhook_server.aio import cancel_all
 from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
 from exhook_server.dispatch.peers import Group, Peers
 from exhook_server.dispatch.pool import Dispatcher
+from exhook_server.dispatch.port import Dispatch
 from exhook_server.dispatch.rows import StoreRows
+from exhook_server.dispatch.shared import SharedDispatcher
 from exhook_server.errors import ConfigError
 from exhook_server.ingest import Ingestor
 from exhook_server.procs import write_ready_file
 from exhook_server.progress import ProgressReporter
 from exhook_server.status import StatusPublisher, answer_fields
+from storage.lmdb_reads import LmdbReads
 from storage.lmdb_writes import LmdbWrites
 from storage.outcomes import Outcome
+from storage.pg.reads import PgReads
+from storage.pg.writes import PgWrites
+from storage.port import Reads, Writes
 from storage.store import Store
 from storage.writer import GroupCommitter
 
@@ -111,41 +117,72 @@ class FanoutServer:
     """
 
     def __init__(self, cfg: Config, group: Group | None = None) -> None:
-        if cfg.store_url:
-            raise ConfigError(
-                "store_url: serving from PostgreSQL is not available yet (issue 14); "
-                "leave it empty to serve from LMDB in data_dir (`sdv-fanout db migrate` already prepares the schema)"
-            )
         self.cfg = cfg
         self.group = group
-        self.store = Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes)
-        self.committer = GroupCommitter(
-            self.store,
-            max_ops=cfg.group_commit_max_ops,
-            max_rows=cfg.max_rows_per_commit,
-            lazy_delay_s=cfg.ack_commit_delay_ms / 1000,
-        )
+        #: PostgreSQL mode: the instance's connection pool (connected in start); None with LMDB.
+        self.pool: Any = None
+        self.store: Store | None = None
+        self.committer: GroupCommitter | None = None
+        writes: Writes
+        if cfg.store_url:
+            self.pool = pgmode.create_pool(cfg)
+            writes = PgWrites(self.pool, cfg.ingest_timeout_s)
+            self.reads: Reads = PgReads(self.pool, cfg.ingest_timeout_s)
+        else:
+            self.store = Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes)
+            self.committer = GroupCommitter(
+                self.store,
+                max_ops=cfg.group_commit_max_ops,
+                max_rows=cfg.max_rows_per_commit,
+                lazy_delay_s=cfg.ack_commit_delay_ms / 1000,
+            )
+            writes = LmdbWrites(self.store, self.committer, cfg.ingest_timeout_s)
+            self.reads = LmdbReads(self.store, self.committer)
         #: Receipts, progress and outcomes for the platform, published by the delivery client.
         self.status = StatusPublisher(cfg, lambda: self.delivery)
-        self.ingestor = Ingestor(cfg, LmdbWrites(self.store, self.committer, cfg.ingest_timeout_s), status=self.status)
+        self.ingestor = Ingestor(cfg, writes, status=self.status)
         self.delivery: MqttDelivery | None = None
         vin_re = re.compile(cfg.vin_pattern)
-        self.dispatcher = Dispatcher(
-            StoreRows(self.store, self.committer),
-            self,  # publishes through self.delivery once it exists (see publish)
-            workers=cfg.worker_count,
-            inflight_timeout_s=cfg.inflight_timeout_s,
-            vin_from_clientid=(lambda c: vin_re.fullmatch(c) is not None) if cfg.vin_from_clientid else None,
-            process=group.index if group else 0,
-            processes=group.size if group else 1,
-            forward=(lambda process, item: self._peers().send(process, item)) if group else None,
-            ask=(lambda process, query: self._peers().ask(process, query)) if group else None,
-            on_outcome=self._vehicle_outcome if cfg.status_per_vehicle else None,
-            max_attempts=cfg.max_attempts,
-            response_timeout_s=cfg.response_timeout_s,
-            on_response=self._response,
-        )
-        self.peers = Peers(group, self.dispatcher.receive, self.dispatcher.answer) if group else None
+        vin_from_clientid = (lambda c: vin_re.fullmatch(c) is not None) if cfg.vin_from_clientid else None
+        on_outcome = self._vehicle_outcome if cfg.status_per_vehicle else None
+        self.dispatcher: Dispatch
+        self.peers: Peers | None = None
+        if self.pool is not None:
+            # Every process is an instance of its own: the database, not forwarding, decides.
+            self.dispatcher = SharedDispatcher(
+                self.pool,
+                self,  # publishes through self.delivery once it exists (see publish)
+                lanes=min(cfg.worker_count, max(1, cfg.store_pool_size - 2)),
+                inflight_timeout_s=cfg.inflight_timeout_s,
+                sender=self._sender,
+                connected=lambda: self.delivery is not None and self.delivery.connected,
+                vin_from_clientid=vin_from_clientid,
+                on_outcome=on_outcome,
+                max_attempts=cfg.max_attempts,
+                response_timeout_s=cfg.response_timeout_s,
+                on_response=self._response,
+                heartbeat_window_s=cfg.heartbeat_window_ms / 1000,
+                event_timeout_s=cfg.ingest_timeout_s,
+            )
+        else:
+            assert self.store is not None and self.committer is not None
+            dispatcher = Dispatcher(
+                StoreRows(self.store, self.committer),
+                self,  # publishes through self.delivery once it exists (see publish)
+                workers=cfg.worker_count,
+                inflight_timeout_s=cfg.inflight_timeout_s,
+                vin_from_clientid=vin_from_clientid,
+                process=group.index if group else 0,
+                processes=group.size if group else 1,
+                forward=(lambda process, item: self._peers().send(process, item)) if group else None,
+                ask=(lambda process, query: self._peers().ask(process, query)) if group else None,
+                on_outcome=on_outcome,
+                max_attempts=cfg.max_attempts,
+                response_timeout_s=cfg.response_timeout_s,
+                on_response=self._response,
+            )
+            self.dispatcher = dispatcher
+            self.peers = Peers(group, dispatcher.receive, dispatcher.answer) if group else None
         self.ingestor.listeners.append(self.dispatcher.new_batch)
         self.ingestor.cancel_listener = self.dispatcher.cancelled
         if cfg.status_per_vehicle:
@@ -169,14 +206,21 @@ class FanoutServer:
                 # unless this process is one of a group that shares the port on purpose.
                 ("grpc.so_reuseport", 1 if group else 0),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                *(
+                    [
+                        ("grpc.max_connection_age_ms", round(cfg.grpc_max_connection_age_s * 1000)),
+                        ("grpc.max_connection_age_grace_ms", round(cfg.ingest_timeout_s * 2000)),
+                    ]
+                    if cfg.grpc_max_connection_age_s
+                    else []
+                ),
             ]
         )
         for service, methods in hooks.method_handlers(self.servicer).items():
             self._server.add_registered_method_handlers(service, methods)
         self.admin = admin.AdminServicer(
             cfg,
-            self.store,
-            self.committer,
+            self.reads,
             self.dispatcher,
             lambda: self.delivery is not None and self.delivery.connected,
             self.ingestor,
@@ -220,12 +264,48 @@ class FanoutServer:
         """The dispatcher's Publisher: the MQTT delivery client, once started."""
         return self.delivery is not None and self.delivery.publish(vin, request_id, payload, expires_ms)
 
+    def _sender(self) -> str:
+        """Who sends this instance's deliveries (its MQTT clientid): recorded with each delivery
+        out, so that when this client loses the broker its deliveries are known (PostgreSQL)."""
+        return self.delivery.clientid if self.delivery is not None else f"sdv-fanout-{os.getpid()}"
+
+    async def _resume_store_work(self) -> None:
+        await self.ingestor.resume_waiting()
+        await self.ingestor.resume_cancels()
+        self._tasks += [
+            asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
+            asyncio.create_task(self.ingestor.run_expiry_sweeper(), name="expiry-sweeper"),
+        ]
+
+    def _leader_jobs(self, named: bool = False) -> Any:
+        """The work one instance (one process of a host, or the PostgreSQL leader) does for all:
+        GC, the vehicles-at-bound gauge, progress reports."""
+        jobs = [
+            ("backlog-gauge", housekeeping.backlog_gauge_loop(self.cfg, self.reads)),
+            ("gc", housekeeping.gc_loop(self.cfg, self.reads, self.status)),
+        ]
+        if self.status.enabled:
+            jobs.append(("progress", ProgressReporter(self.reads, self.status).run(self.cfg.progress_interval_s)))
+        return jobs if named else [job for _, job in jobs]
+
+    async def _store_up(self, up: bool) -> None:
+        """The PostgreSQL store became unreachable for longer than store_down_grace_s, or reachable
+        again: Kubernetes' readiness (the hook service's health) sees it."""
+        state = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        # The hook services only: "" stays SERVING while the process lives (liveness must not
+        # restart every instance for the database's outage; readiness asks for a hook service).
+        for service in hooks.SERVICE_NAMES:
+            await self.health.set(service, state)
+
     async def start(self) -> int:
         """Bind, start serving, report SERVING; returns the bound port."""
         host, port = self.cfg.host_port
         if self.group is not None:
             port = self.group.port
-            await self.peers.start()  # type: ignore[union-attr]
+        if self.peers is not None:
+            await self.peers.start()
+        if self.pool is not None:
+            await pgmode.prepare(self.pool)
         self.dispatcher.start()
         if self.cfg.mqtt_url:
             self.delivery = MqttDelivery(
@@ -257,25 +337,24 @@ class FanoutServer:
             asyncio.create_task(
                 housekeeping.tick_loop(
                     self.dispatcher,
-                    self.store,
+                    self.reads,
                     min(5.0, self.cfg.inflight_timeout_s / 4, self.cfg.response_timeout_s / 4),
                 ),
                 name="tick",
             )
         )
         self._tasks.append(asyncio.create_task(memory.trim_after_bursts(self.servicer.budget), name="malloc-trim"))
-        if self.group is None or self.group.index == 0:  # store-wide work: once per data dir
-            await self.ingestor.resume_waiting()
-            await self.ingestor.resume_cancels()
+        if self.pool is not None:
+            # Every instance sweeps (their statements skip what another holds) and resumes what a
+            # crash left; one instance at a time (the leader) reports progress and collects.
+            await self._resume_store_work()
             self._tasks += [
-                asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
-                asyncio.create_task(self.ingestor.run_expiry_sweeper(), name="expiry-sweeper"),
-                asyncio.create_task(housekeeping.backlog_gauge_loop(self.cfg, self.store), name="backlog-gauge"),
-                asyncio.create_task(housekeeping.gc_loop(self.cfg, self.store, self.committer, self.status), name="gc"),
+                asyncio.create_task(pgmode.lead(self.cfg, self._leader_jobs), name="leader"),
+                asyncio.create_task(pgmode.watch(self.pool, self.cfg.store_down_grace_s, self._store_up), name="store"),
             ]
-            if self.status.enabled:
-                progress = ProgressReporter(self.store, self.status)
-                self._tasks.append(asyncio.create_task(progress.run(self.cfg.progress_interval_s), name="progress"))
+        elif self.group is None or self.group.index == 0:  # store-wide work: once per data dir
+            await self._resume_store_work()
+            self._tasks += [asyncio.create_task(job, name=name) for name, job in self._leader_jobs(named=True)]
         for service in ("", *hooks.SERVICE_NAMES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         for service in ("", admin.SERVICE_NAME):
@@ -286,8 +365,8 @@ class FanoutServer:
             tls="mutual" if self.cfg.tls_client_ca_file else ("on" if self.cfg.tls_cert_file else "off"),
             metrics_port=self.metrics_port,
             admin=self.admin_address or "off",
-            data_dir=str(self.store.path),
-            stale_readers_cleared=self.store.stale_readers_cleared,
+            store="postgresql" if self.store is None else str(self.store.path),
+            stale_readers_cleared=0 if self.store is None else self.store.stale_readers_cleared,
             pid=os.getpid(),
             process=f"{self.group.index + 1}/{self.group.size}" if self.group else "1/1",
         )
@@ -307,8 +386,12 @@ class FanoutServer:
             await self.peers.stop()
         await cancel_all(self._tasks)
         await self.ingestor.stop()
-        await asyncio.to_thread(self.committer.close)
-        self.store.close()
+        if self.committer is not None:
+            await asyncio.to_thread(self.committer.close)
+        if self.store is not None:
+            self.store.close()
+        if self.pool is not None:
+            await self.pool.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

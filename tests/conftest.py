@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,16 +18,36 @@ from tests.pg_cluster import PgCluster, find_bindir
 log.configure("console", "warning", cache=False)
 
 
+_databases = itertools.count()
+
+
 @pytest.fixture
-def make_server(tmp_path: Path) -> Iterator[Any]:
-    """Start in-process servers with config overrides; all are stopped after the test."""
+def store_kind() -> str:
+    """The store `make_server`'s servers use. A module whose behaviour must hold on both stores
+    overrides this fixture with params ("lmdb", "postgresql"): the same test bodies then run on
+    each (see tests/integration/test_delivery_e2e.py)."""
+    return "lmdb"
+
+
+@pytest.fixture
+def make_server(tmp_path: Path, store_kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Start in-process servers with config overrides; all are stopped after the test. On
+    PostgreSQL each data_dir stands for a database of its own (a server started again on the same
+    data_dir finds the same database, as it finds the same LMDB)."""
     servers: list[InProcessServer] = []
+    databases: dict[str, str] = {}
 
     def make(**overrides: Any) -> InProcessServer:
         overrides.setdefault("mqtt_url", "")  # no broker unless the test brings one
         overrides.setdefault("metrics_listen", "")  # the registry is process-wide; one endpoint is enough
         overrides.setdefault("admin_listen", "127.0.0.1:0")  # tests run side by side: never the fixed 9001
-        cfg = Config(listen="127.0.0.1:0", data_dir=str(tmp_path / f"lmdb{len(servers)}"), **overrides)
+        data_dir = overrides.pop("data_dir", str(tmp_path / f"lmdb{len(servers)}"))
+        if store_kind == "postgresql" and "store_url" not in overrides:
+            if data_dir not in databases:
+                cluster: PgCluster = request.getfixturevalue("pg_cluster")
+                databases[data_dir] = cluster.new_database(f"srv_{os.getpid()}_{next(_databases)}")
+            overrides["store_url"] = databases[data_dir]
+        cfg = Config(listen="127.0.0.1:0", data_dir=data_dir, **overrides)
         srv = InProcessServer(cfg).start()
         servers.append(srv)
         return srv

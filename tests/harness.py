@@ -153,8 +153,20 @@ class InProcessServer:
 
     @property
     def store(self):  # type: ignore[no-untyped-def]
-        assert self.server is not None
+        """The LMDB store (LMDB mode only; store-neutral tests use `pending`, `stats`)."""
+        assert self.server is not None and self.server.store is not None, "this server runs on PostgreSQL"
         return self.server.store
+
+    def pending(self, vin: str) -> list[Any]:
+        """The vehicle's pending rows in delivery order, from whichever store the server uses."""
+        assert self.server is not None
+        rows, _ = self.run(self.server.reads.vehicle(vin, 1))
+        return rows  # type: ignore[no-any-return]
+
+    def stats(self) -> Any:
+        """The store's counts (`Reads.stats`), whichever store the server uses."""
+        assert self.server is not None
+        return self.run(self.server.reads.stats())
 
     def stop(self) -> None:
         if self.server is not None:

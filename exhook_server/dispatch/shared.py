@@ -245,9 +245,6 @@ class SharedDispatcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._sweeping = False
-        #: Database round trips by purpose, for the heartbeat cost benchmark.
-        self.round_trips: collections.Counter[str] = collections.Counter()
-        self.heartbeats = 0
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -291,8 +288,7 @@ class SharedDispatcher:
                 lane.wake.clear()
                 await lane.wake.wait()
                 continue
-            vin, act, future = lane.queue.popleft()
-            self._queued -= 1
+            vin, act, future = lane.queue[0]
             try:
                 result = await asyncio.wait_for(self._event(vin, act), self._event_timeout_s)
             except asyncio.CancelledError:
@@ -301,6 +297,9 @@ class SharedDispatcher:
                 metrics.DISPATCH_EVENT_FAILURES.inc()
                 log.error("dispatch_event_failed", vin=vin, error=repr(exc))
                 result = None
+            finally:
+                lane.queue.popleft()  # counted until done: backlog() == 0 means every event ran
+                self._queued -= 1
             if future is not None and not future.done():
                 future.set_result(result)
 
@@ -342,7 +341,7 @@ class SharedDispatcher:
                 if await ingest.delete_row_if(conn, vin, rid, sha1, now_ms, outcome, attempts, response):
                     ended.add((rid, sha1))
                 trips += 4
-        self.round_trips["event"] += trips
+        metrics.DB_ROUND_TRIPS.labels("event").inc(trips)
         for item in sends.queued:
             self._publisher.publish(*item)
         for vin_, rid, sha1, outcome, attempts in reports.outcomes:
@@ -382,7 +381,7 @@ class SharedDispatcher:
         for start in range(0, len(vins), _PAGE):
             async with self._pool.acquire() as conn:
                 found = await pgd.present_wanting(conn, vins[start : start + _PAGE], self._now_ms(), self._timeouts)
-            self.round_trips["batch_filter"] += 1
+            metrics.DB_ROUND_TRIPS.labels("batch_filter").inc()
             for vin in found:
                 self._submit(vin, functools.partial(_handle, NewBatch((vin,))), why="NewBatch")
 
@@ -395,7 +394,6 @@ class SharedDispatcher:
             self.submit(MaybeSend(Trigger.SESSION_RESUMED, vin, session))
 
     def heartbeat(self, session: Session, vin: str) -> None:
-        self.heartbeats += 1
         self._remember(session.clientid, vin)
         if vin not in self._beats and len(self._beats) >= self._max_queued:
             metrics.DISPATCH_DROPPED.labels("heartbeat").inc()
@@ -425,12 +423,12 @@ class SharedDispatcher:
             found = await asyncio.wait_for(
                 pgd.heartbeats(conn, list(beats), self._now_ms(), self._timeouts), self._event_timeout_s
             )
-        self.round_trips["heartbeat_filter"] += 1
+        metrics.DB_ROUND_TRIPS.labels("heartbeat_filter").inc()
         for vin, recorded, wanting in found:
             session = beats[vin]
             known = recorded is not None and decode_session(recorded).same_connection(session)
             if wanting or not known:
-                self.round_trips["heartbeat_events"] += 1
+                metrics.HEARTBEAT_EVENTS.inc()
                 self.submit(MaybeSend(Trigger.HEARTBEAT, vin, session))
 
     def acked(self, session: Session, vin: str, request_id: str, sha1: bytes) -> None:

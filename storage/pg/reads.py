@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import asyncpg
 
 from storage import keys
 from storage.errors import StorageError
@@ -22,6 +20,7 @@ from storage.gc import GcReport
 from storage.outcomes import Generation, OutcomeRecord, PageKey
 from storage.pg import counts, queue
 from storage.pg import gc as pg_gc
+from storage.pg.errors import as_storage_error
 from storage.port import GcSettings, Reads
 from storage.store import Stats
 
@@ -98,7 +97,6 @@ async def vehicles_at(conn: Any, bound: int) -> int:
 
 
 #: What a failure of PostgreSQL or of the way to it looks like from asyncpg.
-_FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
 
 
 class PgReads:
@@ -117,7 +115,7 @@ class PgReads:
                 return await fn(conn, *args)
 
         try:
-            return await asyncio.wait_for(_failing_as_storage(in_a_snapshot()), self._timeout_s)
+            return await asyncio.wait_for(as_storage_error(in_a_snapshot()), self._timeout_s)
         except TimeoutError:
             raise StorageError(f"read took longer than {self._timeout_s} s") from None
 
@@ -145,7 +143,7 @@ class PgReads:
             async with self._pool.acquire() as conn:
                 return await pg_gc.collect(conn, **dataclasses.asdict(settings), dry_run=dry_run)
 
-        return await _failing_as_storage(on_a_connection())
+        return await as_storage_error(on_a_connection())
 
     async def row_count(self) -> int:
         return await self._read(row_count)
@@ -155,13 +153,6 @@ class PgReads:
 
     async def vehicles_at(self, bound: int) -> int:
         return await self._read(vehicles_at, bound)
-
-
-async def _failing_as_storage(work: Awaitable[T]) -> T:
-    try:
-        return await work
-    except _FAILURES as exc:
-        raise StorageError(f"PostgreSQL: {type(exc).__name__}: {exc}") from exc
 
 
 if TYPE_CHECKING:  # mypy checks that PgReads is a storage.port.Reads

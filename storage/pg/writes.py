@@ -1,5 +1,6 @@
 """`Writes` over PostgreSQL: the functions of storage/pg/ on a bounded asyncpg pool, each within
-the same deadline LMDB's commits get (a write that outlives it may still land, as with LMDB)."""
+the same deadline LMDB's commits get (a write that outlives it may still land, as with LMDB);
+database failures come out as StorageError, as LMDB's do (the hook answers UNAVAILABLE)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from storage.ops import (
     TriggerWritten,
 )
 from storage.pg import early, expiry, ingest
+from storage.pg.errors import as_storage_error
 from storage.port import Writes, durable_within
 
 T = TypeVar("T")
@@ -36,7 +38,7 @@ class PgWrites:
             async with self._pool.acquire() as conn:
                 return await fn(conn, *args, **kw)
 
-        return await durable_within(asyncio.ensure_future(on_a_connection()), self._timeout_s)
+        return await durable_within(asyncio.ensure_future(as_storage_error(on_a_connection())), self._timeout_s)
 
     async def store_batch(
         self,

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from exhook_server import metrics
+from exhook_server import hooks, metrics
 from exhook_server.config import Config, load
 from tests.harness import BIN, ROOT
 
@@ -254,10 +254,15 @@ def test_postgresql_disruption_budget_lets_one_pod_go() -> None:
 
 
 def test_postgresql_pod_matches_the_lmdb_pod_where_the_modes_agree() -> None:
-    """Image, probes, ports, resources, security and the shared env are the same in both modes' pods."""
+    """Image, probes, ports, resources, security and the shared env are the same in both modes' pods;
+    readiness differs only in asking for the hook service (it turns NOT_SERVING when the database
+    is away for long, while "", what liveness asks, stays SERVING)."""
     lmdb, pg = container(K8S), container(PG)
-    for key in ("image", "ports", "startupProbe", "readinessProbe", "livenessProbe", "resources", "securityContext"):
+    for key in ("image", "ports", "startupProbe", "livenessProbe", "resources", "securityContext"):
         assert pg[key] == lmdb[key], key
+    ready = dict(pg["readinessProbe"], grpc={"port": pg["readinessProbe"]["grpc"]["port"]})
+    assert ready == lmdb["readinessProbe"]
+    assert pg["readinessProbe"]["grpc"]["service"] in hooks.SERVICE_NAMES
     lmdb_pod, pg_pod = (workload(r)["spec"]["template"]["spec"] for r in (K8S, PG))
     for key in ("securityContext", "terminationGracePeriodSeconds", "automountServiceAccountToken"):
         assert pg_pod[key] == lmdb_pod[key], key

@@ -1,0 +1,74 @@
+"""What hooks, acks, the Admin API and housekeeping ask of dispatch, whichever store is behind it.
+
+Two implementations: `pool.Dispatcher` (LMDB: each vehicle's state in the memory of the worker
+that owns it, events forwarded between the processes of one host) and `shared.SharedDispatcher`
+(PostgreSQL: the state in the database, any instance handles any vehicle). Both run the same
+rules (`worker.Worker`); callers never know which one answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from exhook_server.dispatch.commands import EndReason, Session
+from exhook_server.dispatch.ring import HashRing
+
+
+class Dispatch(Protocol):
+    """Vehicle events in, deliveries out (see the module docstring)."""
+
+    ring: HashRing
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def backlog(self) -> int:
+        """Events queued here and not handled yet."""
+        ...
+
+    # -- events from hooks -------------------------------------------------------
+    def new_batch(self, vins: Iterable[str], request_id: str = "") -> None: ...
+
+    def subscribed(self, session: Session, vin: str) -> None: ...
+
+    def resumed(self, session: Session) -> None: ...
+
+    def heartbeat(self, session: Session, vin: str) -> None: ...
+
+    def acked(self, session: Session, vin: str, request_id: str, sha1: bytes) -> None: ...
+
+    def responded(self, session: Session, vin: str, request_id: str, payload: bytes, size: int) -> None: ...
+
+    async def cancelled(self, request_id: str, rows: tuple[tuple[str, bytes], ...]) -> int:
+        """A cancel ended these (VIN, sha1) rows: how many were out for delivery."""
+        ...
+
+    def connected(self, session: Session) -> None: ...
+
+    def ended(self, session: Session, reason: EndReason) -> None: ...
+
+    def requeue(self, vin: str) -> None: ...
+
+    # -- events from the delivery client and housekeeping ----------------------------
+    def broker_connected(self, up: bool) -> None: ...
+
+    def refused(self, vin: str, request_id: str, reason: str, final: bool) -> None: ...
+
+    def sweep(self) -> None: ...
+
+    def refresh_gauges(self) -> None: ...
+
+    # -- the whole deployment's view (Admin API) ------------------------------------
+    async def group_totals(self) -> tuple[int, int, int]:
+        """(online vehicles, deliveries in flight, queued events)."""
+        ...
+
+    async def vehicle_state(self, vin: str) -> tuple[Session | None, Any]:
+        """(presence session, in-flight entry) of `vin`."""
+        ...
+
+    async def group_online(self) -> list[str]:
+        """Every online VIN, sorted."""
+        ...

@@ -1,0 +1,134 @@
+"""What a server instance needs around the PostgreSQL store: its connection pool, the schema at
+start, a watch on the database's reachability, and the one-instance jobs.
+
+Connections are asyncpg's pool: a connection the database dropped (restart, failover) is
+replaced on the next acquire, so an instance reconnects by itself; a multi-host `store_url` with
+`target_session_attrs=read-write` lands on whichever host is the primary now. Every connection
+runs with `synchronous_commit = on`: a commit returns once the synchronous standby has the WAL,
+so a batch whose hook answered survives the loss of the primary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import structlog
+
+from exhook_server import metrics
+from exhook_server.config import Config
+from storage.errors import StorageError
+from storage.pg import migrate
+
+log = structlog.get_logger("sdv_fanout.store")
+
+#: Session-level advisory lock of the instance that runs the jobs one instance should run
+#: (progress reports, GC): whoever holds it leads; its connection's end frees it.
+LEADER_KEY = 0x5344_5646_4C45_4144
+#: How long a connect or a probe may take before it counts as a failure.
+_PROBE_TIMEOUT_S = 2.0
+
+
+def create_pool(cfg: Config) -> Any:
+    """The instance's pool (not connected yet: `await` it, see `prepare`)."""
+    return asyncpg.create_pool(
+        cfg.store_url,
+        min_size=1,
+        max_size=cfg.store_pool_size,
+        timeout=_PROBE_TIMEOUT_S * 5,
+        command_timeout=max(cfg.ingest_timeout_s * 2, 10.0),
+        server_settings={"synchronous_commit": "on", "application_name": "sdv-fanout"},
+    )
+
+
+async def prepare(pool: Any, timeout_s: float = 60.0) -> None:
+    """Connect the pool and bring the schema to this release (under the migration's advisory
+    lock: instances starting together migrate once). Retries while the database is not reachable
+    (it may be starting beside us), up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.2
+    while True:
+        try:
+            await pool
+            async with pool.acquire() as conn:
+                applied = await migrate.migrate(conn)
+            if applied:
+                log.info("schema_migrated", versions=applied)
+            return
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise StorageError(f"cannot reach the PostgreSQL store: {exc}") from None
+            log.warning("store_unreachable", error=repr(exc), retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def probe(pool: Any) -> bool:
+    """One `SELECT 1` through the pool within a short deadline."""
+    try:
+        async with asyncio.timeout(_PROBE_TIMEOUT_S):
+            async with pool.acquire() as conn:
+                await conn.fetchval("SELECT 1")
+        return True
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+        return False
+
+
+async def watch(
+    pool: Any, grace_s: float, on_change: Callable[[bool], Awaitable[None]], interval_s: float = 1.0
+) -> None:
+    """Forever: probe the database every `interval_s`; once it has been unreachable for
+    `grace_s`, report it down (health NOT_SERVING), and up again at the first good probe."""
+    down_since: float | None = None
+    reported_up = True
+    while True:
+        ok = await probe(pool)
+        now = time.monotonic()
+        metrics.DB_UP.set(1 if ok else 0)
+        if ok:
+            down_since = None
+            if not reported_up:
+                reported_up = True
+                log.info("store_reachable_again")
+                await on_change(True)
+        else:
+            if down_since is None:
+                down_since = now
+                log.warning("store_unreachable")
+            if reported_up and now - down_since >= grace_s:
+                reported_up = False
+                log.error("store_down", for_s=round(now - down_since, 1))
+                await on_change(False)
+        await asyncio.sleep(interval_s)
+
+
+async def lead(cfg: Config, jobs: Callable[[], list[Awaitable[None]]], retry_s: float = 5.0) -> None:
+    """Forever: try to become the leader (a session advisory lock on a connection of its own);
+    while leading, run `jobs()`; if that connection is lost, stop them and try again. Another
+    instance takes over within `retry_s` of the leader's end."""
+    while True:
+        conn: Any = None
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            conn = await asyncpg.connect(cfg.store_url, timeout=_PROBE_TIMEOUT_S * 5)
+            if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_KEY):
+                log.info("leading", jobs="progress, gc")
+                tasks = [asyncio.ensure_future(job) for job in jobs()]
+                while not conn.is_closed():
+                    await conn.fetchval("SELECT 1", timeout=_PROBE_TIMEOUT_S)
+                    await asyncio.sleep(retry_s)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            log.warning("leader_connection_lost", error=repr(exc))
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+        await asyncio.sleep(retry_s)

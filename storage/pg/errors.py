@@ -1,0 +1,24 @@
+"""PostgreSQL failures as the store's own errors, so callers handle one StorageError for both
+stores (the hook answers UNAVAILABLE, background loops log and try again)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import asyncpg
+
+from storage.errors import StorageError
+
+T = TypeVar("T")
+
+#: What a database that refuses, fails or is out of reach raises through asyncpg.
+FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+
+
+async def as_storage_error(work: Awaitable[T]) -> T:
+    """The result of `work`; a database failure comes out as StorageError."""
+    try:
+        return await work
+    except FAILURES as exc:
+        raise StorageError(f"PostgreSQL: {type(exc).__name__}: {exc}") from exc
