@@ -51,7 +51,9 @@ _LOCK_NAME = "server.lock"
 def serve_main(cfg: Config, ready_file: str | None) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code."""
     memory.limit_arenas()  # before any thread or child process exists
-    lock = _lock_data_dir(cfg)
+    # On PostgreSQL any number of instances share the store (the database arbitrates): no
+    # data dir to lock, none to create (a pod's root filesystem may be read-only).
+    lock = _lock_data_dir(cfg) if not cfg.store_url else None
     try:
         if cfg.process_count == 1:
             from exhook_server.server import serve  # grpc is imported only when serving
@@ -60,7 +62,8 @@ def serve_main(cfg: Config, ready_file: str | None) -> int:
             return 0
         return _Supervisor(cfg, ready_file).run()
     finally:
-        lock.close()
+        if lock is not None:
+            lock.close()
 
 
 def write_ready_file(path: str, info: dict[str, Any]) -> None:
