@@ -168,6 +168,51 @@ class InProcessServer:
         assert self.server is not None
         return self.run(self.server.reads.stats())
 
+    def generations(self, request_id: str) -> list[Any]:
+        """The request's generations (`Reads.generations`), whichever store."""
+        assert self.server is not None
+        return self.run(self.server.reads.generations(request_id))  # type: ignore[no-any-return]
+
+    def vehicle_outcomes(self, vin: str, limit: int = 1000) -> list[Any]:
+        """The vehicle's outcome records, whichever store."""
+        assert self.server is not None
+        _, found = self.run(self.server.reads.vehicle(vin, limit))
+        return found  # type: ignore[no-any-return]
+
+    def cancels_in_progress(self) -> list[str]:
+        """Cancels of every vehicle with chunks to go, whichever store."""
+        assert self.server is not None
+        return self.run(self.server.ingestor._writes.cancels_in_progress())  # type: ignore[no-any-return]
+
+    def in_flight(self, vin: str) -> Any:
+        """The vehicle's delivery in flight (a worker.InFlight, or None), whichever store."""
+        assert self.server is not None
+        _, entry = self.run(self.server.dispatcher.vehicle_state(vin))
+        return entry
+
+    def vehicles_at(self, bound: int) -> int:
+        assert self.server is not None
+        return self.run(self.server.reads.vehicles_at(bound))  # type: ignore[no-any-return]
+
+    def counts_and_recount(self) -> tuple[dict[tuple[str, bytes], dict[str, int]], dict[Any, Any]]:
+        """(every generation's stored counts, the counts rebuilt from rows and outcomes alone):
+        equal whenever the store's bookkeeping is right."""
+        assert self.server is not None
+        stored = {(g.request_id, g.sha1): g.counts for g in self.run(self.server.reads.all_generations())}
+        if self.server.store is not None:
+            from storage import outcomes
+
+            with self.server.store.read() as txn:
+                return stored, outcomes.recount(txn, self.server.store.tables)
+
+        async def pg_recount() -> Any:
+            from storage.pg import counts
+
+            async with self.server.pool.acquire() as conn:  # type: ignore[union-attr]
+                return await counts.recount(conn)
+
+        return stored, self.run(pg_recount())
+
     def stop(self) -> None:
         if self.server is not None:
             self.run(self.server.stop(grace_s=1.0))

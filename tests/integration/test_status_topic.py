@@ -56,6 +56,12 @@ class Platform:
         self.client.loop_stop()
 
 
+@pytest.fixture(params=["lmdb", "postgresql"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Every test here runs on both stores."""
+    return request.param  # type: ignore[no-any-return]
+
+
 @pytest.fixture
 def rig(tmp_path: Path, make_server: Any) -> Iterator[Rig]:
     yield from make_rig(tmp_path, make_server, progress_interval_s=0.2)
