@@ -22,7 +22,8 @@ import structlog
 from exhook_server import metrics
 from exhook_server.config import Config
 from storage.errors import StorageError
-from storage.pg import migrate
+from storage.pg import counts, migrate
+from storage.pg.errors import FAILURES
 
 log = structlog.get_logger("sdv_fanout.store")
 
@@ -132,3 +133,17 @@ async def lead(cfg: Config, jobs: Callable[[], list[Awaitable[None]]], retry_s: 
                 with contextlib.suppress(Exception):
                     await conn.close()
         await asyncio.sleep(retry_s)
+
+
+async def fold_loop(pool: Any, interval_s: float = 1.0, limit: int = 10_000) -> None:
+    """Forever (in the leader): move the count changes acks appended into their generations
+    (storage/pg/deltas.sql), a chunk per transaction, so readers' sums stay short."""
+    while True:
+        try:
+            async with pool.acquire() as conn:
+                for _ in range(100):  # bounded; the next round goes on
+                    if await counts.fold(conn, limit) < limit:
+                        break
+        except (*FAILURES, TimeoutError) as exc:
+            log.warning("fold_failed", error=repr(exc))
+        await asyncio.sleep(interval_s)

@@ -279,13 +279,16 @@ class FanoutServer:
 
     def _leader_jobs(self, named: bool = False) -> Any:
         """The work one instance (one process of a host, or the PostgreSQL leader) does for all:
-        GC, the vehicles-at-bound gauge, progress reports."""
+        GC, the vehicles-at-bound gauge, progress reports, and on PostgreSQL folding the count
+        changes acks append."""
         jobs = [
             ("backlog-gauge", housekeeping.backlog_gauge_loop(self.cfg, self.reads)),
             ("gc", housekeeping.gc_loop(self.cfg, self.reads, self.status)),
         ]
         if self.status.enabled:
             jobs.append(("progress", ProgressReporter(self.reads, self.status).run(self.cfg.progress_interval_s)))
+        if self.pool is not None:
+            jobs.append(("fold", pgmode.fold_loop(self.pool)))
         return jobs if named else [job for _, job in jobs]
 
     async def _store_up(self, up: bool) -> None:

@@ -19,11 +19,14 @@ from storage.outcomes import Generation, Outcome, OutcomeRecord
 TOTAL = 0
 PENDING = 1
 _COLUMNS = ", ".join(keys.COUNT_NAMES)
+# No floor at 0 here: a change appended to gen_deltas and not folded yet may be what keeps the sum
+# from going below it (a revived pair: delivered -1 here, its +1 still appended); readers and the
+# fold floor the sums.
 _BUMP = f"""
 INSERT INTO generations AS g (request_id, sha1, first_ms, last_ms, {_COLUMNS})
 VALUES ($1, $2, $3, $3, {", ".join(f"greatest(0, ${i + 4}::bigint)" for i in range(len(keys.COUNT_NAMES)))})
 ON CONFLICT (request_id, sha1) DO UPDATE SET last_ms = $3,
-    {", ".join(f"{n} = greatest(0, g.{n} + ${i + 4}::bigint)" for i, n in enumerate(keys.COUNT_NAMES))}
+    {", ".join(f"{n} = g.{n} + ${i + 4}::bigint" for i, n in enumerate(keys.COUNT_NAMES))}
 """
 # Ended pairs of one transaction, VIN order. DO UPDATE, not an error: like LMDB's `outcomes.end`,
 # a stale record of the pair (none is expected: it was pending) is replaced.
@@ -32,6 +35,30 @@ INSERT INTO outcomes (vin, request_id, sha1, ended_ms, stored_ms, attempts, code
 SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[], $6::int4[], $7::int2[], $8::bytea[])
 ON CONFLICT (vin, request_id, sha1) DO UPDATE SET ended_ms = EXCLUDED.ended_ms, stored_ms = EXCLUDED.stored_ms,
     attempts = EXCLUDED.attempts, code = EXCLUDED.code, response = EXCLUDED.response
+"""
+_APPEND = f"""
+INSERT INTO gen_deltas (request_id, sha1, last_ms, {_COLUMNS})
+SELECT r, s, $3, {", ".join(f"c{i}" for i in range(len(keys.COUNT_NAMES)))}
+FROM unnest($1::text[], $2::bytea[], {", ".join(f"${i + 4}::int8[]" for i in range(len(keys.COUNT_NAMES)))})
+    AS u(r, s, {", ".join(f"c{i}" for i in range(len(keys.COUNT_NAMES)))})
+"""
+# Up to $1 appended changes, oldest first, moved into their generations in one statement. Rows a
+# concurrent fold holds are skipped; changes of a generation GC removed meanwhile go with it.
+_FOLD = f"""
+WITH picked AS (
+    DELETE FROM gen_deltas WHERE id IN (SELECT id FROM gen_deltas ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
+    RETURNING *
+), summed AS (
+    SELECT request_id, sha1, max(last_ms) AS last_ms, {", ".join(f"sum({n}) AS {n}" for n in keys.COUNT_NAMES)}
+    FROM picked GROUP BY request_id, sha1
+), applied AS (
+    UPDATE generations g SET last_ms = greatest(g.last_ms, s.last_ms),
+        {", ".join(f"{n} = greatest(0, g.{n} + s.{n})" for n in keys.COUNT_NAMES)}
+    FROM (SELECT * FROM summed ORDER BY request_id, sha1) s
+    WHERE g.request_id = s.request_id AND g.sha1 = s.sha1
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM picked) AS folded
 """
 #: The largest attempts count an outcome keeps (LMDB stores it in 16 bits).
 MAX_ATTEMPTS = 0xFFFF
@@ -48,9 +75,22 @@ class Bumps:
         counts[slot] += delta
 
     async def write(self, conn: Any, now_ms: int) -> None:
+        """Apply the changes to their generation rows (locked until the commit)."""
         if self._deltas:
             args = [(rid, sha1, now_ms, *counts) for (rid, sha1), counts in sorted(self._deltas.items())]
             await conn.executemany(_BUMP, args)
+            self._deltas.clear()
+
+    async def append(self, conn: Any, now_ms: int) -> None:
+        """Append the changes to `gen_deltas` instead (deltas.sql): no lock on a generation row, so
+        the acks of one campaign commit side by side. For generations that exist already (an
+        ended pair's generation always does); `fold` applies them later."""
+        if self._deltas:
+            rows = sorted(self._deltas.items())
+            columns = [[counts[i] for _, counts in rows] for i in range(len(keys.COUNT_NAMES))]
+            await conn.execute(
+                _APPEND, [rid for (rid, _), _ in rows], [sha1 for (_, sha1), _ in rows], now_ms, *columns
+            )
             self._deltas.clear()
 
 
@@ -148,20 +188,29 @@ async def amend_cancelled(
     return True
 
 
+async def fold(conn: Any, limit: int = 10_000) -> int:
+    """Move up to `limit` appended count changes into their generation rows (one transaction);
+    how many were folded. Safe beside other folds and every other writer."""
+    return int(await conn.fetchval(_FOLD, limit))
+
+
 # -- reads ------------------------------------------------------------------------------------
+# Readers see `generation_counts`: the folded counts plus the changes appended since.
 def _generation(record: Any) -> Generation:
     counts = {name: int(record[name]) for name in keys.COUNT_NAMES}
     return Generation(record["request_id"], bytes(record["sha1"]), record["first_ms"], record["last_ms"], counts)
 
 
 async def generation(conn: Any, request_id: str, sha1: bytes) -> Generation | None:
-    record = await conn.fetchrow("SELECT * FROM generations WHERE request_id = $1 AND sha1 = $2", request_id, sha1)
+    record = await conn.fetchrow(
+        "SELECT * FROM generation_counts WHERE request_id = $1 AND sha1 = $2", request_id, sha1
+    )
     return None if record is None else _generation(record)
 
 
 async def all_generations(conn: Any) -> list[Generation]:
     """Every generation, newest first by last change (as `storage.outcomes.all_generations`)."""
-    records = await conn.fetch("SELECT * FROM generations ORDER BY last_ms DESC, request_id DESC, sha1")
+    records = await conn.fetch("SELECT * FROM generation_counts ORDER BY last_ms DESC, request_id DESC, sha1")
     return [_generation(r) for r in records]
 
 
@@ -193,7 +242,7 @@ async def generations(conn: Any, request_id: str) -> list[Generation]:
     """The generations of `request_id`, newest first by first change (as
     `storage.outcomes.generations`: ties in sha1 order)."""
     records = await conn.fetch(
-        "SELECT * FROM generations WHERE request_id = $1 ORDER BY first_ms DESC, sha1", request_id
+        "SELECT * FROM generation_counts WHERE request_id = $1 ORDER BY first_ms DESC, sha1", request_id
     )
     return [_generation(r) for r in records]
 

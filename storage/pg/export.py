@@ -65,7 +65,7 @@ JOIN outcomes o ON o.vin = k.vin AND o.request_id = k.request_id AND o.sha1 = k.
 """
 _GENERATIONS = f"""
 SELECT request_id, encode(sha1, 'hex'), first_ms, last_ms, {", ".join(keys.COUNT_NAMES)}
-FROM generations ORDER BY request_id, sha1
+FROM generation_counts ORDER BY request_id, sha1
 """
 # Planner estimates (no scan): a progress bar's total. -1 (PostgreSQL 14+) or 0: never analysed.
 _ESTIMATES = """

@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from storage.gc import BLOB_CHUNK, ROW_CHUNK, GcReport
-from storage.pg import early, expiry
+from storage.pg import counts, early, expiry
 
 _EXPIRE_OUTCOMES = """
 WITH doomed AS (
@@ -194,6 +194,9 @@ async def collect(
         # Outcomes of expired rows are stamped with the wall clock, as `gc.expire_rows` does.
         report.rows_expired = await drain(lambda n: expiry.expire_rows(conn, cutoff, n), limit)
         report.outcomes_expired = await drain(lambda n: expire_outcomes(conn, outcome_cutoff, n), limit)
+        # Appended count changes first, so that a generation's last change and pending count are
+        # its own when it is judged (one appended later can only lower pending: still safe).
+        await drain(lambda n: counts.fold(conn, n), limit)
         report.generations_expired = await drain(lambda n: expire_generations(conn, outcome_cutoff, n), limit)
         report.batch_ids_expired = await drain(lambda n: expire_batch_ids(conn, cutoff, n), limit)
         report.aliases_expired = await drain(lambda n: expire_aliases(conn, cutoff, n), limit)

@@ -255,7 +255,8 @@ async def delete_row_if(
             ended = Ended(vin, request_id, sha1, stored_ms, outcome, attempts, response)
             await counts.end_pairs(conn, [ended], when, bumps)
             done = True
-        await bumps.write(conn, when)
+        # Appended, not applied: the acks of one campaign must not queue on its generation row.
+        await bumps.append(conn, when)
         return done
 
     return await retrying(conn, f"end of {request_id} for {vin}", body)

@@ -40,9 +40,9 @@ FROM (SELECT count(*) AS n, coalesce(sum(size), 0)::bigint AS logical FROM rows)
 # With request ids COLLATE "C" (bytes, and text never holds a NUL) that is (last_ms, request_id,
 # sha1). A page token's place is compared as those key bytes, so any place LMDB accepts means
 # the same here; `last_ms <= $1` first lets the scan start at the place.
-_PAGE_FIRST = "SELECT * FROM generations ORDER BY last_ms DESC, request_id DESC, sha1 DESC LIMIT $1"
+_PAGE_FIRST = "SELECT * FROM generation_counts ORDER BY last_ms DESC, request_id DESC, sha1 DESC LIMIT $1"
 _PAGE_AFTER = """
-SELECT * FROM generations
+SELECT * FROM generation_counts
 WHERE last_ms <= $1 AND (last_ms < $1 OR convert_to(request_id, 'UTF8') || '\\x00'::bytea || sha1 < $2)
 ORDER BY last_ms DESC, request_id DESC, sha1 DESC LIMIT $3
 """

@@ -25,6 +25,7 @@ TABLES = {
     "cancels",
     "vin_state",
     "presence",
+    "gen_deltas",
 }
 
 

@@ -29,7 +29,9 @@ from tests.pg_cluster import PgCluster
 T = TypeVar("T")
 #: A stored pair's outcome record: (vin, request_id, sha1, ended ms, stored ms, attempts, code, response).
 Record = tuple[str, str, bytes, int, int, int, int, bytes]
-_TABLES = "blobs, rows, aliases, early_triggers, generations, outcomes, batches, cancels"
+_TABLES = (
+    "blobs, rows, aliases, early_triggers, generations, gen_deltas, outcomes, batches, cancels, vin_state, presence"
+)
 
 
 class Side(Protocol):
