@@ -105,7 +105,7 @@ class Rig:
     def sent_to(self, vin: str) -> list[str]:
         return [rid for _, v, rid, _ in self.sent if v == vin]
 
-    async def until(self, cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    async def until(self, cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not cond():
             if time.monotonic() > deadline:
@@ -302,8 +302,30 @@ def test_three_instances_random_hooks_never_two_in_flight(dsn: str) -> None:
                     elif rnd.random() < 0.2:
                         rnd.choice(rig.instances).heartbeat(S(vin), vin)
                 await asyncio.sleep(0.01)
+            await rig.idle()  # the last acks' events have run
             for vin in vins:
                 assert rig.sent_to(vin) == rids
             assert await rig.conn.fetchval("SELECT count(*) FROM rows") == 0
+
+    run(body)
+
+
+def test_instances_triggering_the_same_vehicles_at_once_send_each_request_once(dsn: str) -> None:
+    """Four instances hear of the same vehicles at the same moment (a heartbeat on one, a
+    subscription on another, a new batch on the others): each vehicle gets its request once."""
+
+    async def body() -> None:
+        async with Rig(dsn, 4) as rig:
+            vins = [f"V{n:02d}" for n in range(30)]
+            await ingest.store_batch(rig.conn, vins, "task_ota_1", b"fw", int(time.time() * 1000))
+            for vin in vins:
+                rig.instances[0].subscribed(S(vin), vin)
+            for vin in vins:
+                rig.instances[1].heartbeat(S(vin), vin)
+                rig.instances[2].subscribed(S(vin), vin)
+            rig.instances[3].new_batch(vins)
+            await rig.until(lambda: len(rig.sent) >= len(vins), "deliveries")
+            await rig.idle()
+            assert sorted(v for _, v, _, _ in rig.sent) == vins
 
     run(body)
