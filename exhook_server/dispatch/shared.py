@@ -338,9 +338,9 @@ class SharedDispatcher:
                 trips += 1
             ended: set[tuple[str, bytes]] = set()
             for rid, sha1, outcome, attempts, response in rows_seen.ends:
-                if await ingest.delete_row_if(conn, vin, rid, sha1, now_ms, outcome, attempts, response):
+                if await ingest.end_row_in(conn, vin, rid, sha1, now_ms, outcome, attempts, response):
                     ended.add((rid, sha1))
-                trips += 4
+                trips += 3  # the delete, the outcome record (or its amendment), the appended counts
         metrics.DB_ROUND_TRIPS.labels("event").inc(trips)
         for item in sends.queued:
             self._publisher.publish(*item)

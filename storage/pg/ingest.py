@@ -241,25 +241,41 @@ async def delete_row_if(
 ) -> bool:
     """End the (vin, request_id) row with `outcome` only if it still holds `sha1`; else amend a
     `cancelled` outcome of that pair to this one (`ops.delete_row_if`). True when either did."""
+    return await retrying(
+        conn,
+        f"end of {request_id} for {vin}",
+        lambda: end_row_in(conn, vin, request_id, sha1, now_ms, outcome, attempts, response),
+    )
 
-    async def body() -> bool:
-        bumps = Bumps()
-        stored_ms = await conn.fetchval(
-            "DELETE FROM rows WHERE vin = $1 AND request_id = $2 AND sha1 = $3 RETURNING ts_ms", vin, request_id, sha1
-        )
-        when = now_ms
-        if stored_ms is None:
-            done = await counts.amend_cancelled(conn, vin, request_id, sha1, outcome, now_ms, bumps, attempts, response)
-        else:
-            when = now_ms or stored_ms
-            ended = Ended(vin, request_id, sha1, stored_ms, outcome, attempts, response)
-            await counts.end_pairs(conn, [ended], when, bumps)
-            done = True
-        # Appended, not applied: the acks of one campaign must not queue on its generation row.
-        await bumps.append(conn, when)
-        return done
 
-    return await retrying(conn, f"end of {request_id} for {vin}", body)
+async def end_row_in(
+    conn: Any,
+    vin: str,
+    request_id: str,
+    sha1: bytes,
+    now_ms: int = 0,
+    outcome: Outcome = Outcome.DELIVERED,
+    attempts: int = 0,
+    response: bytes = b"",
+) -> bool:
+    """`delete_row_if` inside the caller's transaction (a vehicle event of dispatch): no savepoint,
+    no retry. It locks the row, then appends to gen_deltas, which nothing else locks, so it
+    cannot be part of a deadlock."""
+    bumps = Bumps()
+    stored_ms = await conn.fetchval(
+        "DELETE FROM rows WHERE vin = $1 AND request_id = $2 AND sha1 = $3 RETURNING ts_ms", vin, request_id, sha1
+    )
+    when = now_ms
+    if stored_ms is None:
+        done = await counts.amend_cancelled(conn, vin, request_id, sha1, outcome, now_ms, bumps, attempts, response)
+    else:
+        when = now_ms or stored_ms
+        ended = Ended(vin, request_id, sha1, stored_ms, outcome, attempts, response)
+        await counts.end_pairs(conn, [ended], when, bumps)
+        done = True
+    # Appended, not applied: the acks of one campaign must not queue on its generation row.
+    await bumps.append(conn, when)
+    return done
 
 
 async def _cancel_rows(conn: Any, request_id: str, vins: Sequence[str], now_ms: int, cut: int | None) -> list[Ended]:
