@@ -212,6 +212,9 @@ def test_delivery_stats_in_metrics(rig: Rig) -> None:
 
 
 @pytest.mark.slow
+# LMDB only: the fleet at scale on PostgreSQL is tests/integration/test_multi_instance.py's (several
+# instances), and this one alone would add a minute to CI.
+@pytest.mark.parametrize("store_kind", ["lmdb"])
 def test_thousand_vehicles_twenty_batches_all_delivered(rig: Rig) -> None:
     """1,000 vehicles x 20 batches over mosquitto: every request delivered and acked, no row left."""
     vins = [f"WVW{n:014d}" for n in range(1000)]
