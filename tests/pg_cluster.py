@@ -295,6 +295,14 @@ class PgCluster:
         return out
 
 
+def multi_host_dsn(*clusters: PgCluster, database: str = APP_DB, user: str = APP_USER) -> str:
+    """The product's store_url naming every cluster, as for a primary and its standbys: the driver
+    tries them in order and keeps the first that accepts writes (`target_session_attrs=read-write`),
+    so after a promote the same URL finds the new primary."""
+    hosts = ",".join(f"{LOOPBACK}:{c.port}" for c in clusters)
+    return f"postgresql://{user}@{hosts}/{database}?target_session_attrs=read-write"
+
+
 def pid_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
     try:
