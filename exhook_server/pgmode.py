@@ -60,7 +60,7 @@ async def prepare(pool: Any, timeout_s: float = 60.0) -> None:
             if applied:
                 log.info("schema_migrated", versions=applied)
             return
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except (*FAILURES, TimeoutError) as exc:
             if time.monotonic() + delay > deadline:
                 raise StorageError(f"cannot reach the PostgreSQL store: {exc}") from None
             log.warning("store_unreachable", error=repr(exc), retry_in_s=delay)
@@ -75,7 +75,7 @@ async def probe(pool: Any) -> bool:
             async with pool.acquire() as conn:
                 await conn.fetchval("SELECT 1")
         return True
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+    except (*FAILURES, TimeoutError):
         return False
 
 
@@ -122,7 +122,7 @@ async def lead(cfg: Config, jobs: Callable[[], list[Awaitable[None]]], retry_s: 
                 while not conn.is_closed():
                     await conn.fetchval("SELECT 1", timeout=_PROBE_TIMEOUT_S)
                     await asyncio.sleep(retry_s)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except (*FAILURES, TimeoutError) as exc:
             log.warning("leader_connection_lost", error=repr(exc))
         finally:
             for task in tasks:

@@ -12,8 +12,10 @@ from storage.errors import StorageError
 
 T = TypeVar("T")
 
-#: What a database that refuses, fails or is out of reach raises through asyncpg.
-FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+#: What a database that refuses, fails or is out of reach raises through asyncpg. An idle pool
+#: connection that read its backend's FATAL message (each backend sends one when its postmaster is
+#: killed) raises InternalClientError on its next use, the pool's reset on release included.
+FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError)
 
 
 async def as_storage_error(work: Awaitable[T]) -> T:

@@ -4,11 +4,11 @@ is killed -9 mid-ingest and the standby promoted. The scenario runs once (a modu
 test checks one promise of it: nothing acknowledged lost, failed batches stored once when retried,
 instances back by themselves, no hook answered late, health NOT_SERVING only past the grace.
 
-The last two tests reduce a server bug this scenario found to its deterministic core (a backend's
-FATAL message read by an idle pool connection, as each backend sends one when its postmaster is
-killed): asyncpg then raises InternalClientError, which the store's error translation lets
-through, so the hook answers UNKNOWN instead of UNAVAILABLE and the store watcher dies. They are
-strict xfails until that is fixed; the scenario meanwhile tolerates exactly that answer."""
+The last two tests reduce a bug this scenario found to its deterministic core (a backend's FATAL
+message read by an idle pool connection, as each backend sends one when its postmaster is killed):
+asyncpg then raises InternalClientError, which the store's error translation let through, so the
+hook answered UNKNOWN instead of UNAVAILABLE and the store watcher could die. Fixed
+(storage/pg/errors.FAILURES); they keep it fixed."""
 
 from __future__ import annotations
 
@@ -63,9 +63,6 @@ QUICK, QUICK_GRACE_S = 1, 1.0
 RECOVERY_BOUND_S = 15.0
 #: Batches acknowledged by each instance before the kill, and after the promote before the end.
 WARM, SETTLE = 20, 10
-#: The server bug of the xfail tests below: a hook answered UNKNOWN with this in its details.
-#: Tolerated by the scenario only while those tests are xfail; it goes when they pass.
-KNOWN_BUG = "asyncpg.exceptions._base.InternalClientError"
 
 
 @dataclass
@@ -183,14 +180,10 @@ def test_no_hook_outlasts_ingest_timeout(failover: Failover) -> None:
 
 def test_hooks_that_fail_during_the_outage_answer_unavailable(failover: Failover) -> None:
     """Every call that was not acknowledged was answered UNAVAILABLE (EMQX's failed_action, the
-    platform's retry), apart from the known bug's UNKNOWN (see the xfail tests below)."""
+    platform's retry)."""
     errors = [c for c in failover.calls + failover.retries if not c.ok]
     assert any(c.code == grpc.StatusCode.UNAVAILABLE for c in errors), "no call failed: the outage was not seen"
-    others = Counter(
-        (c.code.name, c.detail)
-        for c in errors
-        if c.code != grpc.StatusCode.UNAVAILABLE and not (c.code == grpc.StatusCode.UNKNOWN and KNOWN_BUG in c.detail)
-    )
+    others = Counter((c.code.name, c.detail) for c in errors if c.code != grpc.StatusCode.UNAVAILABLE)
     assert others == Counter(), others
 
 
@@ -258,11 +251,6 @@ def _with_dying_connection(cluster: PgCluster, name: str, work: Callable[[Any], 
     return asyncio.run(go())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=asyncpg.InternalClientError,
-    reason="server bug: storage/pg/errors.FAILURES lacks asyncpg.InternalClientError; the hook answers UNKNOWN",
-)
 def test_a_connection_dying_under_a_write_fails_it_as_a_storage_error(pg_cluster: PgCluster) -> None:
     """A pool connection that read its backend's FATAL message fails the write with StorageError
     (the hook's UNAVAILABLE), not asyncpg's InternalClientError."""
@@ -274,11 +262,6 @@ def test_a_connection_dying_under_a_write_fails_it_as_a_storage_error(pg_cluster
         _with_dying_connection(pg_cluster, "failover_dying_write", store)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=asyncpg.InternalClientError,
-    reason="server bug: exhook_server/pgmode.probe lets asyncpg.InternalClientError out; the store watcher dies",
-)
 def test_a_connection_dying_under_the_probe_is_a_failed_probe(pg_cluster: PgCluster) -> None:
     """The store watcher's probe on such a connection reports the database unreachable (False)
     instead of raising, which would end the watcher and freeze the hook services' health."""
