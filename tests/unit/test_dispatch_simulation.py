@@ -1,4 +1,9 @@
-"""A seeded randomized simulation of a fleet against the real Dispatcher (ring, queues, workers).
+"""A seeded randomized simulation of a fleet against each real dispatcher, on each store.
+
+"memory": LMDB mode's Dispatcher (ring, queues, workers) over `MemoryRows` (the store's rules in
+memory). "postgresql": SharedDispatcher on a throwaway database, batches, cancels and the expiry
+sweep through storage/pg, the store's state read back from its tables (tests/dispatch_stores.py).
+The test body, the fleet and the checks are the same for both.
 
 A small broker model plays MQTT: deliveries reach a vehicle's live connection,
 wait in a persistent session while it is offline, and die with a discarded or
@@ -7,9 +12,10 @@ heartbeat, batches (some with an expires_at, some awaiting the vehicle's answer)
 PUBACKs, answers (some late or guessed, some forged by another vehicle), cancels of
 named VINs and of every vehicle (walked in chunks behind a cut), time passing (the
 response timeouts), the expiry sweep (apart: the queue must skip an expired row before
-it), deferred commits of acked rows, and our broker link dropping.
+it), deferred commits of acked rows (LMDB's group committer: memory only), and our broker link
+dropping. After each step the dispatcher is left to finish (on PostgreSQL: polled until idle).
 
-Invariants, checked at every step against `MemoryRows` (the store's rules in memory):
+Invariants, checked at every step against the store's view (`MemoryRows`, or PostgreSQL's tables):
 - one delivery at most holds a vehicle's slot: the last one sent, until its PUBACK (or,
   awaiting an answer, until the answer or the response timeout), until our link drops or
   its session ends; a cancelled or expired row's delivery still holds it;
@@ -26,6 +32,7 @@ Invariants, checked at every step against `MemoryRows` (the store's rules in mem
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,13 +41,17 @@ import pytest
 import structlog.testing
 
 from exhook_server.dispatch.commands import EndReason, Session
-from exhook_server.dispatch.pool import Dispatcher
 from storage.outcomes import Outcome
 from tests.dispatch_fakes import MemoryRows, Pair, sha1
+from tests.dispatch_stores import OpenStore, SimStore, Wiring, open_memory, open_postgresql
+from tests.pg_cluster import PgCluster
 
 SEEDS = [1, 2, 3, 4, 5, 6]
 VEHICLES = 120
 STEPS = 1500
+#: PostgreSQL runs every event as a transaction (a few ms each): fewer seeds and steps.
+PG_SEEDS = [1, 2]
+PG_STEPS = 800
 #: Rows a cancel of every vehicle ends per transaction (max_rows_per_commit).
 CANCEL_CHUNK = 7
 RESPONSE_TIMEOUT_S = 30.0
@@ -87,16 +98,20 @@ class Vehicle:
 class Fleet:
     """The broker model, the clock and the checks; the Dispatcher under test publishes into it."""
 
+    #: The store under test, with its dispatcher (set once both exist: each needs the other).
+    store: SimStore
+
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
         self.now = 1000.0  # seconds: the workers' clock; epoch ms for the store is now * 1000
-        self.rows = MemoryRows(now_ms=lambda: int(self.now * 1000))
         self.vehicles = {f"VIN{n:05d}": Vehicle(f"VIN{n:05d}") for n in range(VEHICLES)}
         self.link_up = True
         self.port = 10_000
         self.violations: list[str] = []
         self.published = 0
         self.step = 0
+        #: Publishes not checked yet: (vin, request_id, payload, expires_ms).
+        self.unchecked: list[tuple[str, str, bytes, int]] = []
         #: Ack calls the step's events should cause (in any order across vehicles).
         self.expected: list[Expected] = []
         #: pair → step of its latest cancel; pair → steps of the PUBACKs of its deliveries.
@@ -112,15 +127,30 @@ class Fleet:
             return False
         return d.state == "out" or (d.state == "awaiting" and self.now - d.acked_at < RESPONSE_TIMEOUT_S)
 
+    @property
+    def rows(self) -> MemoryRows:
+        """The store's state as the checks read it."""
+        return self.store.view
+
     # -- the Publisher seam -------------------------------------------------------
     def publish(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
         if not self.link_up:
             return False
-        try:
-            self._published(vin, request_id, payload, expires_ms)
-        except Exception as exc:  # the pool logs and drops a failing command: a check must not vanish so
-            self.violations.append(f"step {self.step}: publish check failed: {exc!r}")
+        self.unchecked.append((vin, request_id, payload, expires_ms))
+        if self.store.live:
+            self.check_published()
         return True
+
+    def check_published(self) -> None:
+        """Check the publishes not checked yet against the store's view: at the publish on a store
+        that is current at every moment; once the step has settled on one read back from
+        PostgreSQL (a vehicle's publish is the last of its events in a step that touch its rows)."""
+        published, self.unchecked = self.unchecked, []
+        for vin, request_id, payload, expires_ms in published:
+            try:
+                self._published(vin, request_id, payload, expires_ms)
+            except Exception as exc:  # the pool logs and drops a failing command: a check must not vanish so
+                self.violations.append(f"step {self.step}: publish check failed: {exc!r}")
 
     def _published(self, vin: str, request_id: str, payload: bytes, expires_ms: int) -> None:
         self.published += 1
@@ -201,7 +231,7 @@ class Fleet:
             self.events["answer_ignored"] += 1
 
     def time_passes(self, seconds: float) -> None:
-        self.now += seconds
+        self.now = self.store.quantum(self.now + seconds)
         for v in self.vehicles.values():
             d = v.last
             if d is not None and d.state == "awaiting" and self.now - d.acked_at >= RESPONSE_TIMEOUT_S:
@@ -216,13 +246,13 @@ class Fleet:
             self.cancelled_at[vin, request_id, digest] = self.step
             last = self.vehicles[vin].last
             sent = last is not None and last.state != "done" and (last.request_id, last.sha1) == (request_id, digest)
-            out += sent or self.rows.acking(vin, request_id, digest)
+            out += sent or self.store.acking(vin, request_id, digest)
         return out
 
     def check_acks(self, mark: int) -> None:
         """The worker's `ack` calls since `mark` are exactly the ends the step's events call for
         (in any order across vehicles: each worker drains its own queue)."""
-        got = sorted((a.vin, a.request_id, a.sha1, a.outcome, a.attempts, a.response) for a in self.rows.acks[mark:])
+        got = sorted((a.vin, a.request_id, a.sha1, a.outcome, a.attempts, a.response) for a in self.store.acks[mark:])
         expected, self.expected = sorted(self.expected), []
         if got != expected:
             self.violations.append(f"step {self.step}: the worker ended {brief(got)}, expected {brief(expected)}")
@@ -232,37 +262,40 @@ def brief(calls: list[Expected]) -> str:
     return ", ".join(f"{v}/{rid}/{s.hex()[:6]} {o.label} x{a} {r[:14]!r}" for v, rid, s, o, a, r in calls[:6])
 
 
-async def settle(d: Dispatcher) -> None:
-    """Let the workers run until every queue is empty (single-threaded, deterministic)."""
-    for _ in range(10_000):
-        await asyncio.sleep(0)
-        if d.backlog() == 0:
-            await asyncio.sleep(0)
-            if d.backlog() == 0:
-                return
-    raise AssertionError("dispatch did not settle")
-
-
-async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
-    rng = random.Random(seed)
-    fleet = Fleet(rng)
-    rows = fleet.rows
-    rows.defer_acks = seed % 2 == 0  # acked rows end at once, or with a later commit
-    # With vin_from_clientid the pool keeps no client map for these vehicles (clientid = VIN).
+async def simulate(seed: int, vin_from_clientid: bool, open_store: OpenStore, steps: int = STEPS) -> Fleet:
+    fleet = Fleet(random.Random(seed))
+    # With vin_from_clientid the dispatcher keeps no client map for these vehicles (clientid = VIN).
     named = (lambda clientid: True) if vin_from_clientid else None
-    d = Dispatcher(
-        rows, fleet, workers=4, inflight_timeout_s=1e9, vin_from_clientid=named, response_timeout_s=RESPONSE_TIMEOUT_S
-    )
-    for worker in d.workers.values():
-        worker._clock = fleet.clock  # the pool takes no clock; its workers do
-    d.start()
+    # Acked rows end at once, or with a later commit (LMDB's group committer; memory only).
+    wiring = Wiring(fleet, fleet.clock, lambda: fleet.link_up, named, RESPONSE_TIMEOUT_S, defer_acks=seed % 2 == 0)
+    fleet.store = await open_store(wiring)
+    try:
+        await run(fleet, steps)
+        fleet.store.commit_acks()
+        await fleet.store.finish()
+    finally:
+        await fleet.store.close()
+    return fleet
+
+
+async def run(fleet: Fleet, steps: int) -> None:
+    """The random steps, then everyone online until every row is drained."""
+    rng, store = fleet.rng, fleet.store
+    d = store.dispatcher
     vins = list(fleet.vehicles)
     rids = [f"task_{t}_{n}" for t in ("ota", "cfg") for n in range(4)]
 
+    async def settle() -> None:
+        await store.settle()
+        if fleet.unchecked:
+            await store.refresh({vin for vin, *_ in fleet.unchecked})
+            fleet.check_published()
+
     def durable_write() -> None:
-        """The group committer may take acked rows' ends before a durable write, or after it."""
-        if rows.pending_acks and rng.random() < 0.5:
-            rows.commit_acks()
+        """The group committer may take acked rows' ends before a durable write, or after it
+        (LMDB only: on PostgreSQL an ack ends its row in its event's transaction)."""
+        if store.pending_acks() and rng.random() < 0.5:
+            store.commit_acks()
 
     def connect(v: Vehicle, clean: bool) -> None:
         s = fleet.new_session(v.vin)
@@ -291,9 +324,9 @@ async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
 
     async def cancel_chunks() -> None:
         """The ingestor's walk of every cancel of every vehicle in progress: one chunk each."""
-        for rid in list(rows.cancels):
+        for rid in await store.cancels_in_progress():
             durable_write()
-            chunk, _ = rows.cancel_chunk(rid, CANCEL_CHUNK)
+            chunk = await store.cancel_chunk(rid, CANCEL_CHUNK)
             want = fleet.out_for_cancel(rid, chunk)
             got = await d.cancelled(rid, tuple(chunk))
             if got != want:
@@ -309,11 +342,11 @@ async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
         fleet.puback(v, msg)
         d.acked(v.session, v.vin, msg.request_id, sha1(msg.payload))
 
-    for fleet.step in range(STEPS):
-        mark = len(rows.acks)
+    for fleet.step in range(steps):
+        mark = len(store.acks)
         v = fleet.vehicles[rng.choice(vins)]
         r = rng.random()
-        if rows.cancels and rng.random() < 0.5:
+        if await store.cancels_in_progress() and rng.random() < 0.5:
             await cancel_chunks()
         if r < 0.10:
             if v.session is None:
@@ -331,8 +364,9 @@ async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
             expires_ms = int(fleet.now * 1000) + rng.randint(2_000, 60_000) if rng.random() < 0.25 else 0
             awaited = rng.random() < 0.3
             durable_write()
-            for vin in batch:
-                rows.add(vin, rid, payload, expires_ms=expires_ms, await_response=awaited)
+            taken = await store.batch(batch, rid, payload, expires_ms=expires_ms, await_response=awaited)
+            for vin, digest in taken:  # replaced behind a cancel's cut: that cancel took the old row
+                fleet.cancelled_at[vin, rid, digest] = fleet.step
             d.new_batch(batch)
         elif r < 0.74:
             if v.session is not None and v.unacked:
@@ -351,10 +385,10 @@ async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
             rid = rng.choice(rids)
             durable_write()
             if rng.random() < 0.5:
-                chunk = rows.cancel_vins(rid, rng.sample(vins, rng.randint(1, 10)))
+                chunk = await store.cancel_vins(rid, rng.sample(vins, rng.randint(1, 10)))
                 fleet.events["cancel_some"] += 1
             else:
-                chunk, _ = rows.start_cancel_all(rid, CANCEL_CHUNK)
+                chunk = await store.start_cancel_all(rid, CANCEL_CHUNK)
                 fleet.events["cancel_all"] += 1
             want = fleet.out_for_cancel(rid, chunk)
             got = await d.cancelled(rid, tuple(chunk))
@@ -365,34 +399,34 @@ async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
             d.sweep()
         elif r < 0.93:
             durable_write()
-            fleet.events["expired"] += len(rows.expire_due())
+            fleet.events["expired"] += len(await store.expire_due())
         elif r < 0.97:
-            rows.commit_acks()
+            store.commit_acks()
         else:
             fleet.link_up = not fleet.link_up
             if not fleet.link_up:  # whatever our client had not delivered is void
                 for each in fleet.vehicles.values():
                     fleet.void(each)
             d.broker_connected(fleet.link_up)
-        await settle(d)
+        await settle()
         fleet.check_acks(mark)
 
     # Everyone comes online, the link is up, cancels finish, vehicles ack and answer everything
     # they get, and time runs past every expiry and response timeout.
-    fleet.step = STEPS
+    fleet.step = steps
     if not fleet.link_up:
         fleet.link_up = True
         d.broker_connected(True)
     for v in fleet.vehicles.values():
         if v.session is None:
             connect(v, clean=True)
-    await settle(d)
+    await settle()
     for _ in range(2000):
         fleet.step += 1
-        mark = len(rows.acks)
-        acted = bool(rows.cancels or rows.pending_acks)
+        mark = len(store.acks)
+        acted = bool(await store.cancels_in_progress() or store.pending_acks())
         await cancel_chunks()
-        rows.commit_acks()
+        store.commit_acks()
         # One PUBACK or answer per vehicle, then the workers: the next delivery may be the
         # request an answer names, so what the answer does depends on what came before it.
         for v in fleet.vehicles.values():
@@ -404,20 +438,17 @@ async def simulate(seed: int, vin_from_clientid: bool = False) -> Fleet:
             else:
                 continue
             acted = True
-        await settle(d)
+        await settle()
         fleet.check_acks(mark)
         if not acted:
-            mark = len(rows.acks)
+            mark = len(store.acks)
             fleet.time_passes(RESPONSE_TIMEOUT_S + 60.0)
-            expired = rows.expire_due()
+            expired = await store.expire_due()
             d.sweep()
-            await settle(d)
+            await settle()
             fleet.check_acks(mark)
-            if not expired and not rows.rows:
+            if not expired and not await store.has_rows():
                 break
-    rows.commit_acks()
-    await d.stop()
-    return fleet
 
 
 def check_outcomes(fleet: Fleet) -> list[str]:
@@ -437,14 +468,42 @@ def check_outcomes(fleet: Fleet) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("vin_from_clientid", [False, True], ids=["client-map", "clientid-is-vin"])
-@pytest.mark.parametrize("seed", SEEDS)
-def test_random_fleet_keeps_invariants_and_drains(seed: int, vin_from_clientid: bool) -> None:
+_databases = itertools.count()
+#: What either dispatcher logs when an event or one of its tasks failed, or an event was dropped.
+FAILURES = {
+    "dispatch_command_failed",
+    "dispatch_event_failed",
+    "dispatch_task_failed",
+    "dispatch_event_dropped",
+    "heartbeat_check_failed",
+}
+
+
+def cases() -> list[object]:
+    """(store, seed, vin_from_clientid): every seed on memory, fewer on PostgreSQL (runtime)."""
+    return [
+        pytest.param(store, seed, named, id=f"{store}-{seed}-{'clientid-is-vin' if named else 'client-map'}")
+        for store, seeds in (("memory", SEEDS), ("postgresql", PG_SEEDS))
+        for seed in seeds
+        for named in (False, True)
+    ]
+
+
+@pytest.mark.parametrize(("store_kind", "seed", "vin_from_clientid"), cases())
+def test_random_fleet_keeps_invariants_and_drains(
+    store_kind: str, seed: int, vin_from_clientid: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Random interleavings (cancels, expiries and answers among them) never put two deliveries
     in a vehicle's slot, send only what may be sent, end each pair once as it happened, and drain."""
+    open_store: OpenStore = open_memory
+    steps = STEPS
+    if store_kind == "postgresql":
+        cluster: PgCluster = request.getfixturevalue("pg_cluster")
+        dsn = cluster.new_database(f"simulation_{next(_databases)}")
+        open_store, steps = open_postgresql(dsn, monkeypatch), PG_STEPS
     with structlog.testing.capture_logs() as logs:
-        fleet = asyncio.run(simulate(seed, vin_from_clientid))
-    assert [e for e in logs if e["event"] == "dispatch_command_failed"] == []
+        fleet = asyncio.run(simulate(seed, vin_from_clientid, open_store, steps))
+    assert [e for e in logs if e["event"] in FAILURES] == []
     assert fleet.violations == [], f"seed {seed}: {fleet.violations[:5]}"
     assert fleet.rows.rows == {}, f"seed {seed}: {len(fleet.rows.rows)} rows never delivered"
     assert fleet.rows.cancels == {} and fleet.rows.pending_acks == []
