@@ -309,38 +309,49 @@ class SharedDispatcher:
         rows_seen: _EventRows
         sends = _Sends(self._connected)
         reports = _Reports()
-        async with self._pool.acquire() as conn, conn.transaction():
-            loaded = await pgd.load(conn, vin, now_ms, _PREFETCH)
-            trips = 3  # BEGIN, the load, COMMIT
-            rows_seen = _EventRows(loaded.rows)
-            worker = Worker(
-                "event",
-                rows_seen,
-                sends,
-                inflight_timeout_s=self._inflight_timeout_s,
-                clock=lambda: now,
-                on_outcome=reports.outcome,
-                max_attempts=self._max_attempts,
-                response_timeout_s=self._response_timeout_s,
-                on_response=reports.response,
-            )
-            before = _state(loaded)
-            worker.restore(vin, before)
-            result = act(worker)
-            after = worker.state_of(vin)
-            if after[0] != before[0]:
-                await pgd.save_presence(conn, vin, encode_session(after[0]) if after[0] else None, now_ms)
+        async with self._pool.acquire() as conn:
+            async with conn.transaction():
+                loaded = await pgd.load(conn, vin, now_ms, _PREFETCH)
+                trips = 3  # BEGIN, the load, COMMIT
+                rows_seen = _EventRows(loaded.rows)
+                worker = Worker(
+                    "event",
+                    rows_seen,
+                    sends,
+                    inflight_timeout_s=self._inflight_timeout_s,
+                    clock=lambda: now,
+                    on_outcome=reports.outcome,
+                    max_attempts=self._max_attempts,
+                    response_timeout_s=self._response_timeout_s,
+                    on_response=reports.response,
+                )
+                before = _state(loaded)
+                worker.restore(vin, before)
+                result = act(worker)
+                after = worker.state_of(vin)
+                if after[0] != before[0]:
+                    await pgd.save_presence(conn, vin, encode_session(after[0]) if after[0] else None, now_ms)
+                    trips += 1
+                marker = _marker(after)
+                if marker != loaded.marker:
+                    sent = bool(sends.queued)
+                    await pgd.save_marker(conn, vin, marker, self._sender() if sent else None)
+                    trips += 1
+                ended: set[tuple[str, bytes]] = set()
+                for rid, sha1, outcome, attempts, response in rows_seen.ends:
+                    if await ingest.end_row_in(conn, vin, rid, sha1, now_ms, outcome, attempts, response):
+                        ended.add((rid, sha1))
+                    trips += 3  # the delete, the outcome record (or its amendment), the appended counts
+            # A batch's filter reads presence and the slot outside the vehicle's lock: it may have
+            # found the vehicle offline or its slot taken just before this event, which read the
+            # queue before the batch committed, brought it online or freed the slot with nothing
+            # more to send. Such an event looks once more after its commit, so no new row waits
+            # for the next heartbeat.
+            changed = before[1] is not None or before[0] != after[0]
+            if changed and after[0] is not None and after[1] is None and not sends.queued:
                 trips += 1
-            marker = _marker(after)
-            if marker != loaded.marker:
-                sent = bool(sends.queued)
-                await pgd.save_marker(conn, vin, marker, self._sender() if sent else None)
-                trips += 1
-            ended: set[tuple[str, bytes]] = set()
-            for rid, sha1, outcome, attempts, response in rows_seen.ends:
-                if await ingest.end_row_in(conn, vin, rid, sha1, now_ms, outcome, attempts, response):
-                    ended.add((rid, sha1))
-                trips += 3  # the delete, the outcome record (or its amendment), the appended counts
+                if await pgd.has_work(conn, vin, round(self._clock() * 1000)):
+                    self._submit(vin, functools.partial(_handle, MaybeSend(Trigger.NEW_BATCH, vin)), why="recheck")
         metrics.DB_ROUND_TRIPS.labels("event").inc(trips)
         for item in sends.queued:
             self._publisher.publish(*item)

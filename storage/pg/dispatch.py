@@ -164,6 +164,11 @@ async def heartbeats(
     return [(r["vin"], r["session"], r["wanting"]) for r in found]
 
 
+async def has_work(conn: Any, vin: str, now_ms: int) -> bool:
+    """Whether the vehicle has a deliverable row (the queue's rule)."""
+    return bool(await conn.fetchval(f"SELECT {_HAS_WORK} FROM (SELECT $1::text AS vin) v", vin, now_ms))
+
+
 async def present_wanting(conn: Any, vins: Sequence[str], now_ms: int, timeouts: Timeouts) -> list[str]:
     """Of `vins` (a new batch's), those online with work and a free slot: the only ones a new
     batch can cause a send to."""

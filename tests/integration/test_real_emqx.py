@@ -1,13 +1,17 @@
 """The product against real EMQX brokers: a v2 broker (5.8.9) and a v3 broker (5.9.1).
 
-One broker and one `sdv-fanout serve` subprocess per version for the whole module (two processes on
-5.8.9, one on 5.9.1), registered through EMQX's REST API; vehicles are real paho MQTT 5 clients and
-the platform publishes real batches. Each test uses its own VINs, so tests share the server without
-seeing each other's rows. Everything is on loopback and every process is stopped at the end.
+One broker and one `sdv-fanout serve` subprocess per version for the whole module, registered
+through EMQX's REST API: on 5.8.9 a group of two processes on LMDB (events forwarded between
+them), on 5.9.1 two instances on PostgreSQL (`--processes 2 --store-url`: the kernel spreads
+EMQX's pool connections over both, each handles whatever hook it gets, the database decides).
+Vehicles are real paho MQTT 5 clients and the platform publishes real batches. Each test uses its
+own VINs, so tests share the server without seeing each other's rows. Everything is on loopback
+and every process is stopped at the end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import subprocess
@@ -17,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 
 from storage.ops import sha1_of
@@ -39,19 +44,27 @@ if not available_versions():  # one line in the summary, saying where releases w
     pytest.skip(f"no real EMQX release: {where_looked()}", allow_module_level=True)
 
 EXHOOK = "sdv-fanout"
-#: (EMQX version, server processes): the v2 broker talks to a group of two, the v3 broker to one.
-SETUPS = [("5.8.9", 2), ("5.9.1", 1)]
+#: (EMQX version, server processes, store): the v2 broker talks to a group of two on LMDB, the v3
+#: broker to two instances on PostgreSQL.
+SETUPS = [("5.8.9", 2, "lmdb"), ("5.9.1", 2, "postgresql")]
 DEADLINE_S = 30.0
 
 
 class Fanout:
     """`sdv-fanout serve` on a fixed loopback port (so it can restart in place), registered with EMQX."""
 
-    def __init__(self, broker: EmqxBroker, workdir: Path, processes: int) -> None:
+    def __init__(self, broker: EmqxBroker, workdir: Path, processes: int, store_url: str = "") -> None:
         self.broker = broker
         self.port = free_port()
         self.data_dir = workdir / "lmdb"
+        self.store_url = store_url
         self.env = {"SDV_FANOUT_MQTT_URL": broker.url, "SDV_FANOUT_PROCESSES": str(processes)}
+        if store_url:
+            self.env["SDV_FANOUT_STORE_URL"] = store_url
+            # The database remembers what was out when every instance stopped (LMDB's memory does
+            # not): a delivery whose PUBACK was lost meanwhile goes again after the in-flight
+            # timeout, not at the vehicle's first heartbeat (test_server_restart_mid_fanout_...).
+            self.env["SDV_FANOUT_INFLIGHT_TIMEOUT_S"] = "5"
         self.srv = self._start()
         broker.register_exhook(EXHOOK, f"http://127.0.0.1:{self.port}", pool_size=4, request_timeout="3s")
 
@@ -77,15 +90,37 @@ class Fanout:
         """A new server on the same port and data dir."""
         self.srv = self._start()
 
+    def _sql(self, query: str, *args: Any) -> Any:
+        async def ask() -> Any:
+            conn = await asyncpg.connect(self.store_url)
+            try:
+                return await conn.fetchval(query, *args)
+            finally:
+                await conn.close()
+
+        return asyncio.run(ask())
+
     def rows(self, vins: list[str]) -> int:
-        """Pending rows of these VINs, read from LMDB read-only while the server runs."""
+        """Pending rows of these VINs, read while the server runs (LMDB read-only, or SQL)."""
+        if self.store_url:
+            return int(self._sql("SELECT count(*) FROM rows WHERE vin = ANY($1::text[])", vins))
         with Store(self.data_dir, readonly=True) as store:
             return sum(len(store.pending(v)) for v in vins)
 
+    def outcome(self, vin: str, request_id: str, sha1: bytes) -> Outcome | None:
+        if self.store_url:
+            code = self._sql(
+                "SELECT code FROM outcomes WHERE vin = $1 AND request_id = $2 AND sha1 = $3", vin, request_id, sha1
+            )
+            return None if code is None else Outcome(code)
+        with Store(self.data_dir, readonly=True) as store:
+            return store.outcome(vin, request_id, sha1)
+
     def inspect(self, vin: str) -> list[str]:
         """`sdv-fanout inspect VIN --json`: the request ids still pending, in delivery order."""
+        where = ["--store-url", self.store_url] if self.store_url else ["--data-dir", str(self.data_dir)]
         out = subprocess.run(
-            [str(BIN / "sdv-fanout"), "inspect", vin, "--data-dir", str(self.data_dir), "--json"],
+            [str(BIN / "sdv-fanout"), "inspect", vin, *where, "--json"],
             capture_output=True,
             text=True,
             check=True,
@@ -103,14 +138,17 @@ class Fanout:
             self.srv.kill()
 
 
-@pytest.fixture(scope="module", params=SETUPS, ids=[f"emqx{v}-p{n}" for v, n in SETUPS])
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"emqx{v}-p{n}-{s}" for v, n, s in SETUPS])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fanout]:
-    version, processes = request.param
+    version, processes, store = request.param
     if version not in available_versions():
         pytest.skip(f"no EMQX {version}: {where_looked()}")
+    store_url = ""
+    if store == "postgresql":
+        store_url = request.getfixturevalue("pg_cluster").new_database(f"emqx_{version.replace('.', '_')}")
     workdir = tmp_path_factory.mktemp(f"emqx{version}")
     with running_emqx(version, workdir) as broker:
-        fanout = Fanout(broker, workdir, processes)
+        fanout = Fanout(broker, workdir, processes, store_url)
         try:
             yield fanout
         finally:
@@ -351,9 +389,8 @@ def test_answers_cancel_and_expiry_through_the_broker(rig: Any) -> None:
     poll(lambda: all_have(vehicles[:2], [diag, cfg]), DEADLINE_S)
     vehicles[2].respond(diag, b"ok-2")
     poll(lambda: len(spy.received) == 3, DEADLINE_S)  # routed on to the platform, too
-    with Store(fanout.data_dir, readonly=True) as store:
-        poll(lambda: store.outcome(vins[2], diag, sha1_of(b"diag")) is Outcome.RESPONDED, DEADLINE_S)
-        assert store.outcome(vins[2], cfg, sha1_of(b"cfg")) is Outcome.CANCELLED
+    poll(lambda: fanout.outcome(vins[2], diag, sha1_of(b"diag")) is Outcome.RESPONDED, DEADLINE_S)
+    assert fanout.outcome(vins[2], cfg, sha1_of(b"cfg")) is Outcome.CANCELLED
     poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
     assert vehicles[2].request_ids() == [diag]
     assert [v.request_ids() for v in vehicles[:2]] == [[diag, cfg]] * 2
