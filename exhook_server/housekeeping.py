@@ -66,16 +66,36 @@ async def gc_loop(cfg: Config, reads: Reads, status: StatusPublisher | None = No
         await asyncio.sleep(cfg.gc_interval_s)
 
 
-async def tick_loop(dispatcher: Dispatch, reads: Reads, interval_s: float = 5.0) -> None:
-    """Every few seconds: re-send timed-out deliveries, refresh the level gauges for scrapes."""
+async def tick_loop(dispatcher: Dispatch, reads: Reads, interval_s: float = 5.0, gauges: bool = True) -> None:
+    """Every few seconds: re-send timed-out deliveries and, with `gauges`, refresh the level
+    gauges for scrapes (PostgreSQL mode leaves them to one instance, see `gauge_loop`)."""
     while True:
         dispatcher.sweep()
-        dispatcher.refresh_gauges()
-        with contextlib.suppress(StorageError):
-            metrics.PENDING_ROWS.set(await reads.row_count())
-            usage = await reads.map_usage()
-            if usage is not None:  # a store without a map (PostgreSQL) leaves the gauge unset
-                metrics.MAP_USAGE.set(usage)
+        if gauges:
+            await refresh_gauges(dispatcher, reads)
+        await asyncio.sleep(interval_s)
+
+
+async def refresh_gauges(dispatcher: Dispatch, reads: Reads) -> None:
+    """Online vehicles, deliveries in flight, pending rows, LMDB map usage."""
+    dispatcher.refresh_gauges()
+    with contextlib.suppress(StorageError):
+        metrics.PENDING_ROWS.set(await reads.row_count())
+        usage = await reads.map_usage()
+        if usage is not None:  # a store without a map (PostgreSQL) leaves the gauge unset
+            metrics.MAP_USAGE.set(usage)
+
+
+#: How often the PostgreSQL leader refreshes the deployment-wide level gauges (counts over tables).
+SHARED_GAUGE_INTERVAL_S = 30.0
+
+
+async def gauge_loop(dispatcher: Dispatch, reads: Reads, interval_s: float = SHARED_GAUGE_INTERVAL_S) -> None:
+    """PostgreSQL mode, in the leader only: the level gauges are counts over shared tables, the same
+    from every instance, so one instance reports them (summed over pods they stay right) and not
+    every few seconds."""
+    while True:
+        await refresh_gauges(dispatcher, reads)
         await asyncio.sleep(interval_s)
 
 

@@ -289,6 +289,7 @@ class FanoutServer:
             jobs.append(("progress", ProgressReporter(self.reads, self.status).run(self.cfg.progress_interval_s)))
         if self.pool is not None:
             jobs.append(("fold", pgmode.fold_loop(self.pool)))
+            jobs.append(("gauges", housekeeping.gauge_loop(self.dispatcher, self.reads)))
         return jobs if named else [job for _, job in jobs]
 
     async def _store_up(self, up: bool) -> None:
@@ -342,6 +343,7 @@ class FanoutServer:
                     self.dispatcher,
                     self.reads,
                     min(5.0, self.cfg.inflight_timeout_s / 4, self.cfg.response_timeout_s / 4),
+                    gauges=self.pool is None,
                 ),
                 name="tick",
             )
