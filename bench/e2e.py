@@ -33,12 +33,15 @@ Measured, in R rounds (order alternating round by round):
    clientid = VIN, one peer address each), RSS delta / S. `--presence-only` runs just this.
 
 The server may run several processes (SDV_FANOUT_PROCESSES, `--server-processes`):
-its RSS and CPU are summed over the parent and its children. CPU use of every
+its RSS and CPU are summed over the parent and its children. `--store-url` runs every
+server on that PostgreSQL database instead of LMDB (pending rows are then counted there;
+bench/pg_serve.py uses this rig on a throwaway cluster). CPU use of every
 process is sampled per phase (/proc), to tell what limited the throughput.
 Markdown tables to stdout, progress to stderr, --json for the numbers.
 
     .venv/bin/python bench/e2e.py [--vehicles 1000] [--batches 20] [--rounds 3] [--json F]
     .venv/bin/python bench/e2e.py --presence-only [--presence-sessions 1000000]
+    .venv/bin/python bench/e2e.py --store-url postgresql://sdv@127.0.0.1:5432/sdv   # on PostgreSQL
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import grpc
 import paho.mqtt
 
@@ -100,10 +104,44 @@ SERVER_ENV = {"SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0"}
 
 
 def server_env(args: argparse.Namespace) -> dict[str, str]:
-    """The servers' environment: SERVER_ENV, and --server-processes when given (else the default)."""
+    """The servers' environment: SERVER_ENV, and --server-processes and --store-url when given (else
+    the defaults: one process per CPU, LMDB)."""
+    env = dict(SERVER_ENV)
     if args.server_processes:
-        return {**SERVER_ENV, "SDV_FANOUT_PROCESSES": str(args.server_processes)}
-    return dict(SERVER_ENV)
+        env["SDV_FANOUT_PROCESSES"] = str(args.server_processes)
+    if getattr(args, "store_url", ""):  # other scripts build their own args for this rig
+        env["SDV_FANOUT_STORE_URL"] = args.store_url
+    return env
+
+
+class PgRows:
+    """The rig's view of a PostgreSQL store: one connection on a private event loop, asked
+    synchronously as the LMDB Store is."""
+
+    def __init__(self, url: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._conn = self._loop.run_until_complete(asyncpg.connect(url))
+
+    def fetchval(self, sql: str, *args: Any) -> Any:
+        return self._loop.run_until_complete(self._conn.fetchval(sql, *args))
+
+    def rows(self) -> int:
+        return int(self.fetchval("SELECT count(*) FROM rows"))
+
+    def write_txns(self) -> int:
+        """Transaction ids assigned so far (cluster-wide): one per transaction that wrote."""
+        return int(self.fetchval("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint"))
+
+    def pending(self, vin: str) -> list[str]:
+        return list(
+            self.fetchval(
+                "SELECT coalesce(array_agg(request_id ORDER BY request_id), '{}') FROM rows WHERE vin = $1", vin
+            )
+        )
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._conn.close())
+        self._loop.close()
 
 
 class Rig:
@@ -120,6 +158,15 @@ class Rig:
         self.server: SubprocessServer | None = None
         self.emqx: FakeEmqx | None = None
         self.store: Store | None = None
+        #: The PostgreSQL store when args.store_url is set (then `store` stays None).
+        self.pg: PgRows | None = None
+        #: The database's processes, when they run on this machine: their CPU is a group of its own.
+        self.db_pids: Callable[[], list[int]] | None = None
+        #: With `stall_s` > 0: called when the pending rows have not gone down for that long while
+        #: waiting for 0 (a caller's rescue, say the heartbeats vehicles would send); `stalls` counts them.
+        self.stall_s = 0.0
+        self.on_stall: Callable[[], None] | None = None
+        self.stalls = 0
         self.sims: list[Child] = []
         self.raws: list[Child] = []
         self.pub: Child | None = None
@@ -141,7 +188,10 @@ class Rig:
         self.delivery_clientid = clientid
         self.emqx = FakeEmqx(server.port, self.broker.port, delivery_clientid=clientid)
         self.emqx.load()
-        self.store = Store(self.tmp / "lmdb", readonly=True)
+        if getattr(self.args, "store_url", ""):
+            self.pg = PgRows(self.args.store_url)
+        else:
+            self.store = Store(self.tmp / "lmdb", readonly=True)
 
     def _spawn(self, role: str, k: int, vins: list[str], *extra: str) -> Child:
         argv = [sys.executable, str(FLEET), "--role", role, "--mqtt-port", str(self.broker.port)]
@@ -167,31 +217,54 @@ class Rig:
             c.recv(self.args.deadline_s)
 
     def rows(self) -> int:
+        if self.pg is not None:
+            return self.pg.rows()
         assert self.store is not None
         return pending_rows(self.store)
 
+    def pending(self, vin: str) -> list[str]:
+        if self.pg is not None:
+            return self.pg.pending(vin)
+        assert self.store is not None
+        return [r.request_id for r in self.store.pending(vin)]
+
     def last_txnid(self) -> int:
-        """LMDB's last committed write transaction: one per group commit (one fsync each)."""
+        """LMDB's last committed write transaction: one per group commit (one fsync each); on
+        PostgreSQL the transaction ids assigned (one per transaction that wrote)."""
+        if self.pg is not None:
+            return self.pg.write_txns()
         assert self.store is not None
         return int(self.store.env.info()["last_txnid"])
 
     def wait_rows_zero(self) -> float:
         deadline = time.monotonic() + self.args.deadline_s
-        while self.rows():
-            if time.monotonic() > deadline:
-                assert self.store is not None
-                stuck = [(v, [r.request_id for r in self.store.pending(v)]) for v in self.vins]
+        # A progress poll with a deadline: one LMDB stat is cheap; a count on PostgreSQL costs the
+        # database CPU the measurement shares, so it is asked less often (25 ms: under 1 % of a run).
+        poll_s = 0.025 if self.pg is not None else 0.005
+        least, since = self.rows(), time.monotonic()
+        while rows := self.rows():
+            now = time.monotonic()
+            if rows < least:
+                least, since = rows, now
+            elif self.stall_s and self.on_stall is not None and now - since >= self.stall_s:
+                self.stalls += 1
+                self.on_stall()
+                since = now
+            if now > deadline:
+                stuck = [(v, self.pending(v)) for v in self.vins]
                 stuck = [s for s in stuck if s[1]]
                 raise RuntimeError(
                     f"{self.rows()} rows still pending after {self.args.deadline_s} s on {len(stuck)} VINs, "
                     f"e.g. {stuck[:3]}"
                 )
-            time.sleep(0.005)  # a progress poll (cheap: one LMDB stat) with a deadline
+            time.sleep(poll_s)
         return time.time()
 
     def cpu(self, sides: Sequence[str]) -> CpuMeter:
         assert self.server is not None and self.broker.proc is not None
         groups = {"server": self.server_pids, "mosquitto": [self.broker.proc.pid]}
+        if self.db_pids is not None:
+            groups["postgresql"] = self.db_pids()
         if "sim" in sides:
             groups["sim fleet"] = [c.proc.pid for c in self.sims]
         if "raw" in sides:
@@ -213,6 +286,8 @@ class Rig:
             self.emqx.close(check=False)
         if self.store is not None:
             self.store.close()
+        if self.pg is not None:
+            self.pg.close()
         if self.server is not None:
             stop_server(self.server)
         self.broker.stop()
@@ -478,6 +553,10 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def markdown(rounds: list[dict[str, Any]], lat: dict[str, Any], rss: dict[str, Any], meta: dict[str, Any]) -> str:
     n, b = meta["vehicles"], meta["batches"]
+    if meta.get("store_url"):
+        commits = "PostgreSQL write transactions/s (xids assigned)"
+    else:
+        commits = "LMDB commits/s (group commits, 1 fsync each)"
 
     def col(side: str, key: str) -> list[float]:
         return [r[side][key] for r in rounds]
@@ -512,7 +591,7 @@ def markdown(rounds: list[dict[str, Any]], lat: dict[str, Any], rss: dict[str, A
         f"| ours: server part (acked RPC answered → next receive) p50 ms | {_mmm(col('ours', 'turn_p50_ms'), dec)} |",
         f"| raw (b): per-vehicle cycle p50 ms | {_mmm(col('raw_b', 'cycle_p50_ms'), dec)} |",
         f"| ours hook RPCs/s handled (acked + batches) | {_mmm(col('ours', 'hook_rpcs_per_s'), num)} |",
-        f"| ours LMDB commits/s (group commits, 1 fsync each) | {_mmm(col('ours', 'commits_per_s'), num)} |",
+        f"| ours {commits} | {_mmm(col('ours', 'commits_per_s'), num)} |",
         f"| ours write ops per commit (row deletes + batches) | {_mmm(col('ours', 'ops_per_commit'), dec)} |",
         "",
         "| round | order | ours msgs/s | raw (a) msgs/s | raw (b) msgs/s | ours/(a) | ours/(b) | ours s |",
@@ -639,6 +718,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--level-batches", type=int, default=1, help="batches at level 1x (default 1)")
     p.add_argument("--server-processes", type=int, default=0,
                    help="SDV_FANOUT_PROCESSES for the servers (default: theirs, one per CPU)")  # fmt: skip
+    p.add_argument("--store-url", default="",
+                   help="run the servers on this PostgreSQL database (default: LMDB in a tmp dir)")  # fmt: skip
     args = p.parse_args(argv)
     if min(args.vehicles, args.batches, args.rounds, args.procs, args.presence_sessions) < 1:
         p.error("--vehicles, --batches, --rounds, --procs and --presence-sessions must be positive")
@@ -689,6 +770,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_inflight": args.max_inflight,
         "seed": args.seed,
         "log_level": args.log_level,
+        "store_url": args.store_url,
         **machine_meta(load_before, wall0),
         "grpc": grpc.__version__,
         "paho": paho.mqtt.__version__,

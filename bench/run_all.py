@@ -66,6 +66,18 @@ SCRIPTS: list[tuple[str, str, list[str], str]] = [
         [],  # ~4 min: 6 rounds of 1,200 ingest batches per side and of 500 vehicles x 8 requests per mode
         "Issue 13 lifecycle: the expiry index on ingest, response mode end to end (bench/lifecycle.py)",
     ),
+    (
+        "pg_serve",
+        "bench/pg_serve.py",
+        [],  # ~5 min: ingest vs raw asyncpg and LMDB, 1-3 instances, heartbeat round trips, e2e on both stores
+        "sdv-fanout on PostgreSQL: ingest, instances, heartbeat round trips, end to end (bench/pg_serve.py)",
+    ),
+    (
+        "failover",
+        "bench/pg_failover.py",
+        ["--rounds", "3"],  # ~25 s: fresh primary + synchronous standby and 2 instances per round
+        "PostgreSQL failover under ingest: kill -9 of the primary, promote (bench/pg_failover.py)",
+    ),
 ]
 
 #: bench/status_cost.py: issue 12's target, the status topic costs at most 10 % of ingest and e2e.
@@ -504,6 +516,157 @@ def lifecycle_rows(lc: dict[str, Any] | None) -> list[Row]:
     return rows
 
 
+def failover_rows(fo: dict[str, Any] | None) -> list[Row]:
+    """bench/pg_failover.py (issue 14): acknowledged batches lost over the failovers, and how long they took."""
+    if not fo:
+        return [
+            (
+                "PostgreSQL failover mid-ingest: acknowledged batches lost",
+                "n/a",
+                "0",
+                "n/a",
+                "not measured (run failed)",
+            )
+        ]
+    s = fo["summary"]
+    lost = (
+        f"{s['acked_lost']} of {s['acked']:,} acknowledged batches over {len(fo['rounds'])} rounds; failed during "
+        f"the outage and retried with their batch_id: {s['stored_once']} of {s['failed']} stored exactly once; "
+        f"calls timed out: {s['timed_out']}"
+    )
+    took = (
+        f"promote → first acknowledged batch {fmt_mmm(s['promote_to_ack_s'])} s, → every instance "
+        f"{fmt_mmm(s['promote_to_all_s'])} s; kill → first acknowledged batch {fmt_mmm(s['kill_to_ack_s'])} s"
+    )
+    return [
+        (
+            "PostgreSQL failover mid-ingest: acknowledged batches lost",
+            "the promoted standby's receipts, rows and counts",
+            "0",
+            lost,
+            "**PASS**" if s["acked_lost"] == 0 else "**FAIL**",
+        ),
+        (
+            "PostgreSQL failover time, instances not restarted",
+            "the start of the promote; the kill",
+            "report",
+            took,
+            "reported",
+        ),
+    ]
+
+
+#: bench/pg_serve.py (issue 14): PostgreSQL-mode ingest over a raw asyncpg loop writing the same rows.
+PG_INGEST_RATIO_MIN = 0.8
+#: bench/pg_serve.py: database round trips per heartbeat at the default heartbeat_window_ms.
+PG_TRIPS_PER_HEARTBEAT_MAX = 0.05
+
+
+def pg_serve_rows(pg: dict[str, Any] | None) -> list[Row]:
+    """bench/pg_serve.py: ingest vs raw asyncpg and LMDB, CPU per call over instances, round trips per
+    heartbeat, end to end vs LMDB."""
+    s = pg["summary"] if pg else {}
+    rows: list[Row] = []
+    ing = s.get("ingest")
+    meas = "n/a"
+    if ing:
+        cpu = {k: ing[f"{k}_server_us_per_row"]["median"] + ing[f"{k}_pg_us_per_row"]["median"] for k in ("pg", "raw")}
+        meas = (
+            f"{fmt_mmm(ing['ratio_pg_over_raw'])}x (PostgreSQL mode {ing['pg_rows_per_s']['median']:,.0f} vs raw "
+            f"{ing['raw_rows_per_s']['median']:,.0f} VIN-rows/s, medians; server + PostgreSQL CPU {cpu['pg']:.0f} vs "
+            f"{cpu['raw']:.0f} µs/row); vs the same server on LMDB ({ing['lmdb_rows_per_s']['median']:,.0f}): "
+            f"{fmt_mmm(ing['ratio_pg_over_lmdb'])}x"
+        )
+    rows.append(
+        (
+            "PostgreSQL mode, durable ingest VIN-rows/s",
+            "raw asyncpg loop, same rows and schema (blob + one unnest upsert, 1 txn per batch), same 8 connections",
+            f"≥ {PG_INGEST_RATIO_MIN:.1f}x",
+            meas,
+            verdict(ing["ratio_pg_over_raw"] if ing else None, PG_INGEST_RATIO_MIN),
+        )
+    )
+    inst = s.get("instances")
+    if inst:
+        levels = sorted(inst, key=int)
+        first = levels[0]
+        parts = [
+            f"{n} instances: {fmt_mmm(inst[n]['cost_vs_first'])}x ({inst[n]['us_per_call']['median']:,.0f} µs/call, "
+            f"{inst[n]['calls_per_s']['median']:,.0f} calls/s)"
+            for n in levels[1:]
+        ]
+        meas = "; ".join(parts) + (
+            f" (1 instance: {inst[first]['us_per_call']['median']:,.0f} µs/call of server + PostgreSQL CPU, "
+            f"{inst[first]['calls_per_s']['median']:,.0f} calls/s)"
+        )
+        m = pg["meta"] if pg else {}
+        mix = (
+            f"{1 - m['subscribe_share'] - m['ack_share']:.0%} heartbeats, {m['subscribe_share']:.0%} subscribes, "
+            f"{m['ack_share']:.0%} acks"
+        )
+        worst = max(inst[n]["cost_vs_first"]["median"] for n in levels[1:])
+        status = "**PASS**" if worst <= COST_RATIO_MAX else "**FAIL**"
+    else:
+        meas, status = "n/a", "not measured (run failed)"
+    rows.append(
+        (
+            "PostgreSQL mode, server + PostgreSQL CPU per hook call as instances grow",
+            "1 instance, same run and hook mix" + (f" ({mix})" if inst else ""),
+            f"flat: ratio ≤ {COST_RATIO_MAX:.1f}x",
+            meas,
+            status,
+        )
+    )
+    hb = s.get("heartbeat")
+    status, meas = "not measured (run failed)", "n/a"
+    if hb:
+        cells = {tuple(k.split("/")): v for k, v in hb.items()}
+        window = min(cells, key=lambda c: float(c[0]))[0]  # the smallest window measured: the default 5 ms
+        rate = max((c[2] for c in cells if c[0] == window), key=float)
+        at = {phase: cells[(window, phase, rate)] for phase in ("idle", "work") if (window, phase, rate) in cells}
+        meas = "; ".join(
+            f"{phase}: {fmt_mmm(v['trips_per_heartbeat'], '{:.3f}')} ({v['heartbeats_per_statement']['median']:.1f} "
+            "heartbeats per statement)"
+            for phase, v in at.items()
+        )
+        meas = f"window {window} ms at {float(rate):,.0f} heartbeats/s, {meas}; others: " + ", ".join(
+            f"{w} ms {float(r):,.0f}/s {ph} {v['trips_per_heartbeat']['median']:.3f}"
+            for (w, ph, r), v in cells.items()
+            if (w, r) != (window, rate)
+        )
+        worst = max(v["trips_per_heartbeat"]["median"] for v in at.values())
+        status = "**PASS**" if worst <= PG_TRIPS_PER_HEARTBEAT_MAX else "**FAIL**"
+    rows.append(
+        (
+            "PostgreSQL mode, database round trips per heartbeat",
+            "the server's own counters (every purpose) over its heartbeats",
+            f"≤ {PG_TRIPS_PER_HEARTBEAT_MAX}",
+            meas,
+            status,
+        )
+    )
+    ee = s.get("e2e")
+    meas = "n/a"
+    if ee:
+        meas = (
+            f"{fmt_mmm(ee['ratio_pg_over_lmdb'])}x (PostgreSQL {ee['pg_msgs_per_s']['median']:,.0f} vs LMDB "
+            f"{ee['lmdb_msgs_per_s']['median']:,.0f} deliveries/s, medians; server + PostgreSQL CPU "
+            f"{ee['pg_server_us_per_msg']['median'] + ee['pg_postgresql_us_per_msg']['median']:,.0f} vs "
+            f"{ee['lmdb_server_us_per_msg']['median']:,.0f} µs/delivery; stalls rescued by a heartbeat: "
+            f"{ee['pg_stalls']} vs {ee['lmdb_stalls']})"
+        )
+    rows.append(
+        (
+            "PostgreSQL mode, end-to-end deliveries/s",
+            "the same rig on LMDB, same run",
+            "report",
+            meas,
+            "reported" if ee else "not measured (run failed)",
+        )
+    )
+    return rows
+
+
 #: Each scenario's summary rows, in the order of the summary table.
 SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "ingest": ingest_rows,
@@ -513,6 +676,8 @@ SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "gc": gc_rows,
     "status_cost": status_rows,
     "lifecycle": lifecycle_rows,
+    "pg_serve": pg_serve_rows,
+    "failover": failover_rows,
 }
 
 

@@ -1,0 +1,1260 @@
+"""`sdv-fanout serve` on PostgreSQL (issue 14's closing numbers), side by side in one run.
+
+Four parts on one throwaway cluster (tests/pg_cluster.py: 127.0.0.1, fsync and synchronous_commit
+on, run as an unprivileged user), each in paired rounds whose order changes round by round:
+
+1. ingest: VIN-rows/s of bench/ingest.py's 200-VIN OnMessagePublish batches from 8 channels into a
+   real `serve --store-url` (a fresh database per run), against a raw asyncpg loop writing the same
+   rows into the same schema (the blob once + one row per VIN, one transaction per batch, 8
+   connections) and against the same server on LMDB; server and PostgreSQL CPU per row.
+2. instances: hook calls/s and CPU per call with 1, 2 and 3 `serve` instances (one process each,
+   own port) on one database, a closed-loop mix of heartbeats, subscribes and acks that the
+   driver spreads call by call over them.
+3. heartbeats: database round trips per heartbeat (the server's own counters) at steady rates,
+   for vehicles with nothing pending and for vehicles with a delivery out and more queued, per
+   `heartbeat_window_ms`.
+4. e2e: deliveries/s through bench/e2e.py's rig (mosquitto, sim fleet calling our hooks as EMQX
+   would), one rig on PostgreSQL and one on LMDB.
+
+    .venv/bin/python bench/pg_serve.py [--rounds 3 --only ingest,instances,heartbeat,e2e --json F]
+    .venv/bin/python bench/pg_serve.py --quick          # about a minute
+    .venv/bin/python bench/pg_serve.py --statements     # + each part's busiest statements
+
+Markdown to stdout, progress to stderr. About 5 minutes with the defaults on the 2-core VM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.* and storage.*
+
+# bench/ is sys.path[0] when run as a script: the other scenarios' workloads and drivers.
+import e2e
+from hooks import _open as open_loop
+from ingest import Batch, _drive, group_cpu_s, make_workload, own_cpu_s
+from plumbing import (
+    dec,
+    descendants,
+    machine_busy_s,
+    machine_meta,
+    make_vins,
+    min_med_max,
+    num,
+    pct,
+    quiesce,
+    share,
+    stop_server,
+)
+
+from exhook_server._proto import exhook_v3_pb2 as pb
+from storage.pg import migrate
+from storage.store import Store
+from tests.emqx_sim import Mosquitto
+from tests.harness import ExHookClient, SubprocessServer
+from tests.pg_cluster import PgCluster
+
+BATCH_VINS = 200
+NODE = "emqx@127.0.0.1"
+META = pb.RequestMeta(node=NODE, version="5.8.9", cluster_name="emqxcl")
+SERVICE = "/emqx.exhook.v3.HookProvider/"
+HEARTBEAT, SUBSCRIBE, ACK = "heartbeat", "subscribe", "ack"
+METHODS = {HEARTBEAT: "OnMessagePublish", SUBSCRIBE: "OnSessionSubscribed", ACK: "OnMessageAcked"}
+DELIVERY_CLIENTID = "sdv-fanout-bench-1"  # starts with mqtt_clientid_prefix: its PUBACKs count as ours
+#: No vehicle of these rigs PUBACKs a delivery the server sends (nobody subscribes on the broker):
+#: an hour of in-flight timeout keeps re-sends out of the measurements.
+QUIET_INFLIGHT_S = "3600"
+LOCAL_POOL = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per channel, as EMQX's pool
+RAW_BLOB = (
+    "INSERT INTO blobs (sha1, data, created_ms, touched_ms) VALUES ($1, $2, $3, $3) ON CONFLICT (sha1) DO NOTHING"
+)
+RAW_ROWS = """
+INSERT INTO rows (vin, request_id, ts_ms, sha1, size)
+SELECT v, $2::text, $3::int8, $4::bytea, $5::int4 FROM unnest($1::text[]) AS v
+ON CONFLICT (vin, request_id) DO UPDATE SET ts_ms = EXCLUDED.ts_ms, sha1 = EXCLUDED.sha1, size = EXCLUDED.size
+"""
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def rotated(sides: Sequence[Any], r: int) -> list[Any]:
+    """Round r's order: the sides rotated by r, reversed every other round."""
+    k = r % len(sides)
+    order = list(sides[k:]) + list(sides[:k])
+    return order[::-1] if r % 2 else order
+
+
+def mmm(values: Sequence[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+# -- the cluster and CPU ------------------------------------------------------------------------
+
+
+class Db:
+    """The run's throwaway PostgreSQL: a database per measurement, CPU of its processes, statement
+    statistics when asked for (pg_stat_statements, loaded at start)."""
+
+    def __init__(self, statements: bool) -> None:
+        settings = {"max_connections": "300"}
+        if statements:
+            settings["shared_preload_libraries"] = "'pg_stat_statements'"
+        self.statements = statements
+        self.cluster = PgCluster.create(name="pgserve", settings=settings)
+        found = self.cluster.psql("SHOW fsync", "SHOW synchronous_commit", "SHOW server_version").split()
+        if found[:2] != ["on", "on"]:
+            raise SystemExit(f"the cluster must be durable (fsync, synchronous_commit): {found}")
+        self.version = found[2]
+        if statements:
+            self.cluster.psql("CREATE EXTENSION pg_stat_statements")
+
+    def database(self, name: str) -> str:
+        """A fresh empty database owned by the product's role; its DSN."""
+        return str(self.cluster.new_database(name))
+
+    def pids(self) -> list[int]:
+        return descendants(self.cluster.pid)
+
+    def checkpoint(self) -> None:
+        """No checkpoint's writes inside the next measurement."""
+        self.cluster.psql("CHECKPOINT")
+
+    def reset_statements(self) -> None:
+        if self.statements:
+            self.cluster.psql("SELECT pg_stat_statements_reset()")
+
+    def top_statements(self, n: int = 12) -> list[dict[str, Any]]:
+        """The statements that took the most execution time since the last reset (every database)."""
+        if not self.statements:
+            return []
+        out = self.cluster.psql(
+            "SELECT d.datname, s.calls, round(s.total_exec_time::numeric, 1), round(s.mean_exec_time::numeric, 3),"
+            " s.rows, regexp_replace(left(s.query, 160), '\\s+', ' ', 'g')"
+            " FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid"
+            f" ORDER BY s.total_exec_time DESC LIMIT {n}"
+        )
+        rows = []
+        for line in out.splitlines():
+            db, calls, total, mean, nrows, query = line.split("|", 5)
+            rows.append(
+                {
+                    "db": db,
+                    "calls": int(calls),
+                    "total_ms": float(total),
+                    "mean_ms": float(mean),
+                    "rows": int(nrows),
+                    "query": query,
+                }
+            )
+        return rows
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+def cpu_by_pid(pids: Sequence[int]) -> dict[int, float]:
+    """CPU seconds of each process (all its threads, schedstat: ns resolution)."""
+    return {pid: group_cpu_s([pid]) for pid in pids}
+
+
+class Meter:
+    """CPU over one measurement: the sdv-fanout server processes, PostgreSQL's processes (those that
+    start meanwhile count from zero, as new backends do), this process (the load generator or the
+    raw loop) and the rest of the machine."""
+
+    def __init__(self, server_pids: Sequence[int], db: Db) -> None:
+        self.server_pids, self.db = list(server_pids), db
+        self.t0 = time.monotonic()
+        self.server0 = cpu_by_pid(self.server_pids)
+        self.pg0 = cpu_by_pid(db.pids())
+        self.own0 = own_cpu_s()
+        self.machine0 = machine_busy_s()
+
+    def read(self) -> dict[str, float]:
+        wall = time.monotonic() - self.t0
+        server = sum(c - self.server0.get(p, 0.0) for p, c in cpu_by_pid(self.server_pids).items())
+        pg = sum(c - self.pg0.get(p, 0.0) for p, c in cpu_by_pid(self.db.pids()).items())
+        own = own_cpu_s() - self.own0
+        machine = machine_busy_s() - self.machine0
+        return {
+            "wall_s": wall,
+            "server_s": server,
+            "pg_s": pg,
+            "client_s": own,
+            "other_share": max(0.0, machine - server - pg - own) / wall,
+        }
+
+
+def start_server(tmp: Path, args: argparse.Namespace, env: dict[str, str]) -> SubprocessServer:
+    """`sdv-fanout serve` on 127.0.0.1 with the run's log level; `env` adds settings (the store,
+    the broker, the process count)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    return SubprocessServer(tmp / "lmdb", "--log-level", args.log_level, env=env)
+
+
+def scrape(server: SubprocessServer) -> dict[str, float]:
+    """The server's counters that say what hooks cost the database (its /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("sdv_fanout_db_round_trips_total", "sdv_fanout_heartbeat")):
+            name, value = line.rsplit(" ", 1)
+            out[name.replace('sdv_fanout_db_round_trips_total{purpose="', "trips:").rstrip('"}')] = float(value)
+    return out
+
+
+PURPOSES = ("heartbeat_filter", "batch_filter", "event")
+
+
+def trips(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Between two scrapes: database round trips by purpose and in all (`trips`), heartbeats and
+    the events they caused."""
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    out = {
+        "heartbeats": d.get("sdv_fanout_heartbeats_total", 0.0),
+        "heartbeat_events": d.get("sdv_fanout_heartbeat_events_total", 0.0),
+    }
+    for p in PURPOSES:
+        out[p] = d.get(f"trips:{p}", 0.0)
+    out["trips"] = sum(out[p] for p in PURPOSES)
+    return out
+
+
+def drain(server_pids: Sequence[int], db: Db, idle_cores: float = 0.1, timeout_s: float = 60.0) -> None:
+    """Until the servers and PostgreSQL together use under `idle_cores` over two 0.1 s windows running:
+    the work hooks left behind their answers is done."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        pids = [*server_pids, *db.pids()]
+        c0, t0 = group_cpu_s(pids), time.monotonic()
+        time.sleep(0.1)
+        quiet = quiet + 1 if (group_cpu_s(pids) - c0) / (time.monotonic() - t0) < idle_cores else 0
+
+
+# -- 1. ingest ----------------------------------------------------------------------------------
+
+INGEST_SIDES = ("pg", "raw", "lmdb")
+
+
+def ingest_server(db: Db, side: str, batches: list[Batch], args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The batches through `serve` on PostgreSQL (a fresh database) or LMDB (a fresh data dir)."""
+    env = {"SDV_FANOUT_PROCESSES": str(args.server_processes)} if args.server_processes else {}
+    dsn = ""
+    if side == "pg":
+        dsn = db.database(tmp.name)
+        env["SDV_FANOUT_STORE_URL"] = dsn
+    server = start_server(tmp, args, env)
+    try:
+        pids = descendants(server.proc.pid)
+        db.checkpoint()
+        meter = Meter(pids, db)
+        seconds, latencies, answers = asyncio.run(_drive(server.port, batches, args.clients))
+        drain(pids, db)  # a batch's dispatch check runs behind its answer
+        cpu = meter.read()
+    finally:
+        stop_server(server)
+    refused = [a for a in answers if pb.ValuedResponse.FromString(a).type != pb.ValuedResponse.STOP_AND_RETURN]
+    if refused:
+        raise SystemExit(f"ingest {side}: {len(refused)} batches not stored:\n{server.log()[-2000:]}")
+    stored = asyncio.run(count_rows(dsn)) if dsn else lmdb_rows(tmp / "lmdb")
+    return ingest_result(batches, seconds, latencies, cpu, stored, len(pids))
+
+
+def lmdb_rows(data_dir: Path) -> int:
+    store = Store(data_dir, readonly=True)
+    try:
+        with store.read() as txn:
+            return int(txn.stat(store.tables.ids)["entries"])
+    finally:
+        store.close()
+
+
+async def count_rows(dsn: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval("SELECT count(*) FROM rows"))
+    finally:
+        await conn.close()
+
+
+def ingest_raw(db: Db, batches: list[Batch], args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The same rows by bare asyncpg into the product's schema: per batch one transaction with the
+    blob (if absent) and one unnest upsert of its rows, `--clients` connections at once."""
+    dsn = db.database(tmp.name)
+    work = [(sorted(b.vins), b.request_id, hashlib.sha1(b.blob).digest(), b.blob) for b in batches]
+
+    async def run() -> tuple[float, list[float], dict[str, float]]:
+        settings = {"synchronous_commit": "on", "application_name": "pg_serve-raw"}
+        conns = [await asyncpg.connect(dsn, server_settings=settings) for _ in range(args.clients)]
+        try:
+            await migrate.migrate(conns[0])
+            for c in conns:  # prepared outside the measurement, as the server's pool has them
+                await c.prepare(RAW_BLOB)
+                await c.prepare(RAW_ROWS)
+            db.checkpoint()
+            meter = Meter([], db)
+            latencies: list[float] = []
+            todo = iter(work)
+
+            async def loop(conn: asyncpg.Connection) -> None:
+                for vins, rid, sha1, blob in todo:
+                    t = time.perf_counter()
+                    now_ms = int(time.time() * 1000)
+                    async with conn.transaction():
+                        await conn.execute(RAW_BLOB, sha1, blob, now_ms)
+                        await conn.execute(RAW_ROWS, vins, rid, now_ms, sha1, len(blob))
+                    latencies.append(time.perf_counter() - t)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(loop(c) for c in conns))
+            seconds = time.perf_counter() - t0
+            drain([], db)
+            return seconds, latencies, meter.read()
+        finally:
+            for c in conns:
+                await c.close()
+
+    seconds, latencies, cpu = asyncio.run(run())
+    return ingest_result(batches, seconds, latencies, cpu, asyncio.run(count_rows(dsn)), 0)
+
+
+def ingest_result(
+    batches: list[Batch], seconds: float, latencies: list[float], cpu: dict[str, float], stored: int, procs: int
+) -> dict[str, Any]:
+    rows = sum(len(b.vins) for b in batches)
+    if stored != rows:
+        raise SystemExit(f"ingest: {stored} rows stored of {rows}")
+    return {
+        "seconds": seconds,
+        "rows": rows,
+        "rows_per_s": rows / seconds,
+        "batches_per_s": len(batches) / seconds,
+        "p50_ms": pct(latencies, 0.5) * 1000,
+        "p99_ms": pct(latencies, 0.99) * 1000,
+        "server_us_per_row": cpu["server_s"] / rows * 1e6,
+        "pg_us_per_row": cpu["pg_s"] / rows * 1e6,
+        "client_us_per_row": cpu["client_s"] / rows * 1e6,
+        "other_share": cpu["other_share"],
+        "server_processes": max(1, procs - 1) if procs else 0,  # a group's parent only supervises
+    }
+
+
+def part_ingest(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    batches = make_workload(args.seed, args.batches, BATCH_VINS, args.fleet, 1024, 4)
+    rounds = []
+    for r in range(args.rounds):
+        res: dict[str, Any] = {}
+        order = rotated(INGEST_SIDES, r)
+        for side in order:
+            where = tmp / f"ingest_{r}_{side}"
+            res[side] = (
+                ingest_raw(db, batches, args, where) if side == "raw" else ingest_server(db, side, batches, args, where)
+            )
+        res.update(
+            order="->".join(order),
+            pg_over_raw=res["pg"]["rows_per_s"] / res["raw"]["rows_per_s"],
+            pg_over_lmdb=res["pg"]["rows_per_s"] / res["lmdb"]["rows_per_s"],
+        )
+        rounds.append(res)
+        say(
+            f"ingest round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{s} {res[s]['rows_per_s']:,.0f}" for s in order)
+            + f" rows/s; pg/raw {res['pg_over_raw']:.2f}, pg/lmdb {res['pg_over_lmdb']:.2f}"
+        )
+    return {"rounds": rounds, "batches": len(batches)}
+
+
+# -- workload of the hook parts -------------------------------------------------------------------
+
+
+def _message(topic: str, sender: str, payload: bytes, peerhost: str) -> pb.Message:
+    msg = pb.Message(
+        node=NODE,
+        id="0006329D4B1C8F1E2B3C000000000001",
+        qos=1,
+        topic=topic,
+        payload=payload,
+        timestamp=1_700_000_000_000,
+        headers={"protocol": "mqtt", "peerhost": peerhost},
+    )
+    setattr(msg, "from", sender)
+    return msg
+
+
+def _client(vin: str, i: int) -> pb.ClientInfo:
+    """The vehicle's connection: one address each, as in a fleet."""
+    return pb.ClientInfo(
+        node=NODE,
+        clientid=vin,
+        username=vin,
+        peerhost=f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}",
+        sockport=1883,
+        protocol="mqtt",
+        peerport=1024 + i % 60000,
+    )
+
+
+def heartbeat_wire(vin: str, i: int) -> bytes:
+    """message.publish of `ecp/<VIN>/online` by the vehicle (config heartbeat_topics)."""
+    peer = _client(vin, i).peerhost
+    msg = _message(f"ecp/{vin}/online", vin, b'{"status":"online"}', peer)
+    return bytes(pb.MessagePublishRequest(message=msg, meta=META).SerializeToString())
+
+
+def subscribe_wire(vin: str, i: int) -> bytes:
+    """session.subscribed of the vehicle's request topic (what a (re)connecting vehicle does)."""
+    req = pb.SessionSubscribedRequest(
+        clientinfo=_client(vin, i), topic=f"agent/{vin}/proxy/request/+", subopts=pb.SubOpts(qos=1), meta=META
+    )
+    return bytes(req.SerializeToString())
+
+
+def ack_wire(vin: str, i: int, request_id: str, payload: bytes) -> bytes:
+    """message.acked: the vehicle's PUBACK of our delivery of (VIN, request_id)."""
+    msg = _message(f"agent/{vin}/proxy/request/{request_id}", DELIVERY_CLIENTID, payload, "127.0.0.1")
+    return bytes(pb.MessageAckedRequest(clientinfo=_client(vin, i), message=msg, meta=META).SerializeToString())
+
+
+def batch_wire(vins: Sequence[str], request_id: str, payload: bytes) -> bytes:
+    doc = {"ids": list(vins), "request_id": request_id, "data": payload.decode()}
+    msg = _message("$SDV-FANOUT", "sdv-platform", json.dumps(doc).encode(), "127.0.0.1")
+    return bytes(pb.MessagePublishRequest(message=msg, meta=META).SerializeToString())
+
+
+class Mix:
+    """Pre-serialised hook calls of a fleet drawn in a fixed pseudo-random order: heartbeats and
+    subscribes of random vehicles, acks of the stored rows in turn (each names a row once until
+    they run out). `shares` = (subscribe, ack); the rest are heartbeats."""
+
+    def __init__(self, vins: list[str], request_id: str, payload: bytes, shares: tuple[float, float], seed: int):
+        self.heartbeats = [heartbeat_wire(v, i) for i, v in enumerate(vins)]
+        self.subscribes = [subscribe_wire(v, i) for i, v in enumerate(vins)]
+        order = random.Random(seed).sample(range(len(vins)), len(vins))
+        self.acks = [ack_wire(vins[i], i, request_id, payload) for i in order]
+        self.sub_share, self.ack_share = shares
+        self._rng = random.Random(seed + 1)
+        self.acks_issued = 0
+
+    def draw(self) -> tuple[str, bytes]:
+        x = self._rng.random()
+        if x < self.ack_share:
+            self.acks_issued += 1
+            return ACK, self.acks[(self.acks_issued - 1) % len(self.acks)]
+        if x < self.ack_share + self.sub_share:
+            return SUBSCRIBE, self.subscribes[self._rng.randrange(len(self.subscribes))]
+        return HEARTBEAT, self.heartbeats[self._rng.randrange(len(self.heartbeats))]
+
+
+async def send_all(ports: Sequence[int], method: str, wires: Sequence[bytes], clients: int) -> None:
+    """Every request once, `clients` at a time, spread over the ports (set-up, not measured)."""
+    chans = [
+        grpc.aio.insecure_channel(f"127.0.0.1:{ports[k % len(ports)]}", options=LOCAL_POOL) for k in range(clients)
+    ]
+    try:
+        todo = iter(wires)
+
+        async def loop(ch: grpc.aio.Channel) -> None:
+            stub = ch.unary_unary(SERVICE + method)
+            for wire in todo:
+                await stub(wire, timeout=30)
+
+        await asyncio.gather(*(loop(ch) for ch in chans))
+    finally:
+        for ch in chans:
+            await ch.close()
+
+
+async def drive_mix(ports: Sequence[int], mix: Mix, clients: int, warmup_s: float, duration_s: float) -> dict[str, Any]:
+    """Closed loop: `clients` calls in flight, each client sending its calls to the instances in
+    turn (call i of client k to instance (k + i) mod n); calls/s over `duration_s` after `warmup_s`."""
+    chans = [[grpc.aio.insecure_channel(f"127.0.0.1:{p}", options=LOCAL_POOL) for p in ports] for _ in range(clients)]
+    try:
+        stubs = [[{k: ch.unary_unary(SERVICE + m) for k, m in METHODS.items()} for ch in row] for row in chans]
+        for per_client in stubs:
+            for stub in per_client:
+                await stub[HEARTBEAT](mix.heartbeats[0], timeout=10)
+        clock = time.perf_counter
+        t_start = clock() + warmup_s
+        t_end = t_start + duration_s
+        counts: Counter[str] = Counter()
+        latencies: list[float] = []
+        issued = 0
+
+        async def client(k: int) -> None:
+            nonlocal issued
+            for i in itertools.count(k):
+                if (t := clock()) >= t_end:
+                    return
+                kind, wire = mix.draw()
+                await stubs[k][i % len(ports)][kind](wire, timeout=10)
+                issued += 1
+                if t >= t_start:
+                    counts[kind] += 1
+                    latencies.append(clock() - t)
+
+        await asyncio.gather(*(client(k) for k in range(clients)))
+    finally:
+        for row in chans:
+            for ch in row:
+                await ch.close()
+    return {
+        "calls_per_s": sum(counts.values()) / duration_s,
+        "issued": issued,
+        "by_kind": dict(counts),
+        "p50_ms": pct(latencies, 0.5) * 1000,
+        "p99_ms": pct(latencies, 0.99) * 1000,
+    }
+
+
+def instance_env(dsn: str, broker: Mosquitto, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """One `serve` instance: one process on the shared database, delivering to the run's broker."""
+    return {
+        "SDV_FANOUT_STORE_URL": dsn,
+        "SDV_FANOUT_MQTT_URL": broker.url,
+        "SDV_FANOUT_PROCESSES": "1",
+        "SDV_FANOUT_INFLIGHT_TIMEOUT_S": QUIET_INFLIGHT_S,
+        **(extra or {}),
+    }
+
+
+async def pg_count(dsn: str, sql: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval(sql))
+    finally:
+        await conn.close()
+
+
+def prefill(
+    servers: list[SubprocessServer],
+    db: Db,
+    dsn: str,
+    vins: list[str],
+    pending: list[str],
+    request_ids: list[str],
+    payload: bytes,
+    clients: int,
+) -> None:
+    """Every vehicle connects (a subscribe each, spread over the instances: its presence is
+    recorded), then the batches store one row per request id for each of `pending`; whatever the
+    instances send in return goes out to the broker and stays in flight."""
+    ports = [s.port for s in servers]
+    pids = [p for s in servers for p in descendants(s.proc.pid)]
+    asyncio.run(send_all(ports, METHODS[SUBSCRIBE], [subscribe_wire(v, i) for i, v in enumerate(vins)], clients))
+    drain(pids, db)
+    batches = [
+        batch_wire(pending[k : k + 2000], rid, payload) for rid in request_ids for k in range(0, len(pending), 2000)
+    ]
+    asyncio.run(send_all(ports[:1], METHODS[HEARTBEAT], batches, 1))
+    drain(pids, db)
+    online = asyncio.run(pg_count(dsn, "SELECT count(*) FROM presence"))
+    rows = asyncio.run(pg_count(dsn, "SELECT count(*) FROM rows"))
+    if online < len(vins) or rows < len(pending) * len(request_ids):
+        raise SystemExit(f"prefill: {online} of {len(vins)} vehicles online, {rows} rows stored")
+
+
+# -- 2. instances -------------------------------------------------------------------------------
+
+
+def part_instances(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    levels = [int(x) for x in args.instances.split(",")]
+    dsn = db.database("instances")
+    broker = Mosquitto(tmp, verbose=False).start()
+    servers: list[SubprocessServer] = []
+    try:
+        for i in range(max(levels)):
+            servers.append(start_server(tmp / f"instance{i}", args, instance_env(dsn, broker)))
+        vins = make_vins(args.seed + 2, args.inst_vins)
+        payload = random.Random(args.seed).randbytes(512).hex().encode()
+        request_id = "task_ota_000001"
+        t0 = time.monotonic()
+        prefill(servers, db, dsn, vins, vins, [request_id], payload, args.clients)
+        say(f"instances: {len(vins):,} vehicles online with a delivery out each, in {time.monotonic() - t0:.1f} s")
+        mix = Mix(vins, request_id, payload, (args.subscribe_share, args.ack_share), args.seed)
+        warm = instances_cell(servers, [], db, mix, args)  # every instance's pool and prepared statements
+        say(f"instances: warm-up over all {len(servers)}: {warm['calls_per_s']:,.0f} calls/s")
+        rounds = []
+        for r in range(args.rounds):
+            res: dict[str, Any] = {"order": "->".join(map(str, rotated(levels, r)))}
+            for n in rotated(levels, r):
+                res[str(n)] = instances_cell(servers[:n], servers[n:], db, mix, args)
+            base = res[str(levels[0])]
+            for n in levels:
+                res[str(n)]["cost_vs_first"] = res[str(n)]["us_per_call"] / base["us_per_call"]
+                res[str(n)]["rate_vs_first"] = res[str(n)]["calls_per_s"] / base["calls_per_s"]
+            rounds.append(res)
+            say(
+                f"instances round {r + 1}/{args.rounds}: "
+                + ", ".join(
+                    f"{n}: {res[str(n)]['calls_per_s']:,.0f} calls/s {res[str(n)]['us_per_call']:,.0f} µs/call "
+                    f"{res[str(n)]['trips_per_call']:.2f} trips/call"
+                    for n in levels
+                )
+            )
+        left = asyncio.run(pg_count(dsn, "SELECT count(*) FROM rows"))
+    finally:
+        for s in servers:
+            stop_server(s)
+        broker.stop()
+    return {
+        "levels": levels,
+        "vins": len(vins),
+        "rounds": rounds,
+        "acks_issued": mix.acks_issued,
+        "rows_stored": len(vins),
+        "rows_left": left,
+    }
+
+
+def instances_cell(
+    driven: list[SubprocessServer], idle: list[SubprocessServer], db: Db, mix: Mix, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The mix closed-loop over `driven` instances; CPU and round trips counted until the work the
+    calls left behind is done. The `idle` instances keep running (their CPU is reported apart)."""
+    pids = [p for s in driven for p in descendants(s.proc.pid)]
+    idle_pids = [p for s in idle for p in descendants(s.proc.pid)]
+    before = [scrape(s) for s in driven]
+    idle0 = sum(cpu_by_pid(idle_pids).values())
+    meter = Meter(pids, db)
+    out = asyncio.run(drive_mix([s.port for s in driven], mix, args.clients, args.warmup, args.duration))
+    drain(pids, db)
+    cpu = meter.read()
+    t: Counter[str] = Counter()
+    for b, s in zip(before, driven, strict=True):
+        t.update(trips(b, scrape(s)))
+    calls = out["issued"]
+    return {
+        **out,
+        "server_us_per_call": cpu["server_s"] / calls * 1e6,
+        "pg_us_per_call": cpu["pg_s"] / calls * 1e6,
+        "us_per_call": (cpu["server_s"] + cpu["pg_s"]) / calls * 1e6,
+        "client_us_per_call": cpu["client_s"] / calls * 1e6,
+        "server_share": cpu["server_s"] / cpu["wall_s"],
+        "pg_share": cpu["pg_s"] / cpu["wall_s"],
+        "idle_instances_share": (sum(cpu_by_pid(idle_pids).values()) - idle0) / cpu["wall_s"],
+        "other_share": max(0.0, cpu["other_share"] - (sum(cpu_by_pid(idle_pids).values()) - idle0) / cpu["wall_s"]),
+        "trips_per_call": t["trips"] / calls,
+        **{f"{p}_per_call": t[p] / calls for p in PURPOSES},
+        "wall_s": cpu["wall_s"],
+    }
+
+
+# -- 3. heartbeat round trips -------------------------------------------------------------------
+
+HB_PHASES = ("idle", "work")
+
+
+def part_heartbeat(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    windows = [float(x) for x in args.hb_windows.split(",")]
+    rates = [float(x) for x in args.hb_rates.split(",")]
+    dsn = db.database("heartbeat")
+    broker = Mosquitto(tmp, verbose=False).start()
+    servers: dict[float, SubprocessServer] = {}
+    try:
+        for w in windows:
+            env = instance_env(dsn, broker, {"SDV_FANOUT_HEARTBEAT_WINDOW_MS": f"{w:g}"})
+            servers[w] = start_server(tmp / f"window{w:g}", args, env)
+        both = make_vins(args.seed + 3, 2 * args.hb_vins)
+        fleets = {"idle": both[: args.hb_vins], "work": both[args.hb_vins :]}
+        busy = fleets["work"][: round(args.work_share * args.hb_vins)]
+        payload = b"work for the vehicle"
+        t0 = time.monotonic()
+        prefill(list(servers.values()), db, dsn, both, busy, ["task_hb_1", "task_hb_2"], payload, args.clients)
+        out_now = asyncio.run(pg_count(dsn, "SELECT count(*) FROM vin_state WHERE request_id IS NOT NULL"))
+        say(
+            f"heartbeat: {len(both):,} vehicles online, {len(busy):,} with 2 rows and {out_now:,} deliveries out, "
+            f"in {time.monotonic() - t0:.1f} s"
+        )
+        offset = len(fleets["idle"])
+        wires = {
+            "idle": [heartbeat_wire(v, i) for i, v in enumerate(fleets["idle"])],
+            "work": [heartbeat_wire(v, offset + i) for i, v in enumerate(fleets["work"])],
+        }
+        cells = [(w, phase, rate) for w in windows for phase in HB_PHASES for rate in rates]
+        rounds = []
+        for r in range(args.rounds):
+            res: dict[str, Any] = {}
+            for k, (w, phase, rate) in enumerate(rotated(cells, r)):
+                calls = [(0, wire) for wire in random.Random(r * 100 + k).sample(wires[phase], len(wires[phase]))]
+                res[f"{w:g}/{phase}/{rate:g}"] = heartbeat_cell(servers[w], db, calls, rate, args, seed=r * 100 + k)
+            rounds.append(res)
+            say(
+                f"heartbeat round {r + 1}/{args.rounds}: "
+                + ", ".join(f"{key} {v['trips_per_heartbeat']:.3f}" for key, v in res.items())
+                + " round trips per heartbeat"
+            )
+        still_out = asyncio.run(pg_count(dsn, "SELECT count(*) FROM vin_state WHERE request_id IS NOT NULL"))
+    finally:
+        for s in servers.values():
+            stop_server(s)
+        broker.stop()
+    return {
+        "windows": windows,
+        "rates": rates,
+        "vins_per_fleet": args.hb_vins,
+        "busy": len(busy),
+        "out_before": out_now,
+        "out_after": still_out,
+        "rounds": rounds,
+    }
+
+
+def heartbeat_cell(
+    server: SubprocessServer, db: Db, calls: list[tuple[int, bytes]], rate: float, args: argparse.Namespace, seed: int
+) -> dict[str, Any]:
+    """Heartbeats at `rate`/s (Poisson arrivals, open loop, bench/hooks.py's sender) for
+    `--hb-duration` s; the server's counters before and after the work behind them is done."""
+    pids = descendants(server.proc.pid)
+    before = scrape(server)
+    meter = Meter(pids, db)
+    sent = asyncio.run(open_loop(server.port, calls, args.clients, rate, args.warmup, args.hb_duration, seed, pids))
+    drain(pids, db)
+    cpu = meter.read()
+    t = trips(before, scrape(server))
+    hb = t["heartbeats"]
+    return {
+        "offered_per_s": rate,
+        "achieved_per_s": sent["achieved_rpc_per_s"],
+        "errors": sum(sent["errors"].values()) + sent["skipped"],
+        "p50_ms": sent["p50_ms"],
+        "p99_ms": sent["p99_ms"],
+        **t,
+        "filter_per_heartbeat": t["heartbeat_filter"] / hb,
+        "trips_per_heartbeat": t["trips"] / hb,
+        "events_per_heartbeat": t["heartbeat_events"] / hb,
+        "heartbeats_per_statement": hb / max(1.0, t["heartbeat_filter"]),
+        "server_us_per_heartbeat": cpu["server_s"] / hb * 1e6,
+        "pg_us_per_heartbeat": cpu["pg_s"] / hb * 1e6,
+        "other_share": cpu["other_share"],
+    }
+
+
+# -- 4. end to end ------------------------------------------------------------------------------
+
+E2E_SIDES = ("pg", "lmdb")
+
+
+#: Vehicles holding rows with nothing out for them: after a stall, a wake-up was lost (PostgreSQL).
+IDLE_WITH_WORK = """
+SELECT count(DISTINCT r.vin) FROM rows r LEFT JOIN vin_state s ON s.vin = r.vin WHERE s.request_id IS NULL
+"""
+
+
+class Nudge:
+    """A rig's rescue when its deliveries stall (rows left, none ended for `--stall-s`): a heartbeat
+    from each vehicle still holding rows, as its next periodic one would come (EMQX-shaped, from the
+    vehicle's clientid and address). Counts those vehicles and, on PostgreSQL, those of them with no
+    delivery out at all (a lost wake-up, not a slow one)."""
+
+    def __init__(self, rig: e2e.Rig) -> None:
+        assert rig.server is not None
+        self.rig = rig
+        self.client = ExHookClient(rig.server.port)
+        self.vins = 0
+        self.idle = 0
+
+    def __call__(self) -> None:
+        idle = int(self.rig.pg.fetchval(IDLE_WITH_WORK)) if self.rig.pg is not None else 0
+        stuck = [v for v in self.rig.vins if self.rig.pending(v)]
+        for vin in stuck:
+            self.client.publish(f"ecp/{vin}/online", b"{}", sender=vin, username=vin)
+        self.vins += len(stuck)
+        self.idle += idle
+        say(f"stall: {len(stuck)} vehicles still hold rows ({idle} with nothing out); one heartbeat each")
+
+
+def part_e2e(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    vins = make_vins(args.seed + 4, args.vehicles)
+    procs = max(args.procs, -(-args.vehicles // e2e.MAX_PER_PROC))
+    rigs: dict[str, e2e.Rig] = {}
+    nudges: dict[str, Nudge] = {}
+    try:
+        for side in E2E_SIDES:
+            ns = argparse.Namespace(
+                procs=procs,
+                deadline_s=180.0,
+                log_level=args.log_level,
+                server_processes=args.server_processes,
+                batches=args.e2e_batches,
+                max_inflight=50,
+                store_url=db.database("e2e") if side == "pg" else "",
+            )
+            (tmp / side).mkdir(parents=True)
+            rig = rigs[side] = e2e.Rig(ns, tmp / side, vins)
+            if side == "pg":
+                rig.db_pids = db.pids
+            rig.start_server()
+            rig.start_sims()
+            rig.stall_s, rig.on_stall = args.stall_s, nudges.setdefault(side, Nudge(rig))
+            rig.args = argparse.Namespace(**{**vars(ns), "batches": 2})  # e2e.run_ours reads the count here
+            e2e.run_ours(rig, "warm", args.payload_bytes, args.seed)  # pools, channels, first allocations
+            rig.args = ns
+            quiesce(rig.server_pids)
+            say(f"e2e {side}: {args.vehicles} vehicles connected, warm-up done")
+        rounds = []
+        for r in range(args.rounds):
+            res: dict[str, Any] = {"order": "->".join(rotated(E2E_SIDES, r))}
+            for side in rotated(E2E_SIDES, r):
+                rig, nudge = rigs[side], nudges[side]
+                stalls, nudged, idle = rig.stalls, nudge.vins, nudge.idle
+                res[side] = e2e.run_ours(rig, f"r{r}", args.payload_bytes, args.seed + 10 * r)
+                res[side].update(
+                    stalls=rig.stalls - stalls, nudged_vins=nudge.vins - nudged, idle_vins=nudge.idle - idle
+                )
+                quiesce(rig.server_pids, timeout_s=10)
+            res["pg_over_lmdb"] = res["pg"]["msgs_per_s"] / res["lmdb"]["msgs_per_s"]
+            rounds.append(res)
+            say(
+                f"e2e round {r + 1}/{args.rounds}: pg {res['pg']['msgs_per_s']:,.0f}, lmdb "
+                f"{res['lmdb']['msgs_per_s']:,.0f} deliveries/s ({res['pg_over_lmdb']:.2f}x)"
+            )
+    finally:
+        for nudge in nudges.values():
+            nudge.client.close()
+        for rig in rigs.values():
+            rig.close()
+    return {
+        "vehicles": args.vehicles,
+        "batches": args.e2e_batches,
+        "procs": procs,
+        "rounds": rounds,
+        "stall_s": args.stall_s,
+        "stalls_total": {side: rig.stalls for side, rig in rigs.items()},
+        "idle_total": {side: nudge.idle for side, nudge in nudges.items()},
+    }
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def summarise(out: dict[str, Any]) -> dict[str, Any]:
+    """The medians and ratios bench/run_all.py reads (min / median / max over the rounds)."""
+    s: dict[str, Any] = {}
+    if ing := out.get("ingest"):
+        rs = ing["rounds"]
+        s["ingest"] = {
+            "ratio_pg_over_raw": mmm([r["pg_over_raw"] for r in rs]),
+            "ratio_pg_over_lmdb": mmm([r["pg_over_lmdb"] for r in rs]),
+            **{
+                f"{side}_{k}": mmm([r[side][k] for r in rs])
+                for side in INGEST_SIDES
+                for k in ("rows_per_s", "server_us_per_row", "pg_us_per_row", "client_us_per_row")
+            },
+        }
+    if inst := out.get("instances"):
+        rs = inst["rounds"]
+        s["instances"] = {
+            str(n): {
+                k: mmm([r[str(n)][k] for r in rs])
+                for k in (
+                    "calls_per_s",
+                    "us_per_call",
+                    "server_us_per_call",
+                    "pg_us_per_call",
+                    "cost_vs_first",
+                    "rate_vs_first",
+                    "trips_per_call",
+                )
+            }
+            for n in inst["levels"]
+        }
+    if hb := out.get("heartbeat"):
+        s["heartbeat"] = {
+            key: {
+                k: mmm([r[key][k] for r in hb["rounds"]])
+                for k in (
+                    "trips_per_heartbeat",
+                    "filter_per_heartbeat",
+                    "events_per_heartbeat",
+                    "achieved_per_s",
+                    "heartbeats_per_statement",
+                    "server_us_per_heartbeat",
+                    "pg_us_per_heartbeat",
+                )
+            }
+            for key in hb["rounds"][0]
+        }
+    if ee := out.get("e2e"):
+        rs = ee["rounds"]
+        s["e2e"] = {
+            "ratio_pg_over_lmdb": mmm([r["pg_over_lmdb"] for r in rs]),
+            **{f"{side}_stalls": sum(r[side]["stalls"] for r in rs) for side in E2E_SIDES},
+            **{f"{side}_msgs_per_s": mmm([r[side]["msgs_per_s"] for r in rs]) for side in E2E_SIDES},
+            **{
+                f"{side}_{g.replace(' ', '_')}_us_per_msg": mmm([r[side]["cpu_us_per_msg"].get(g, 0.0) for r in rs])
+                for side in E2E_SIDES
+                for g in ("server", "postgresql", "total")
+            },
+        }
+    return s
+
+
+def _row(label: str, values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    return f"| {label} | {min_med_max(values, fmt)} |"
+
+
+def med(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def spread(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    """One table cell: the median, then min-max."""
+    return f"{fmt(med(values))} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def markdown(out: dict[str, Any]) -> str:
+    m = out["meta"]
+    lines = [
+        f"PostgreSQL {m['pg_version']} (throwaway cluster, fsync and synchronous_commit on, 127.0.0.1), asyncpg "
+        f"{m['asyncpg']}, {m['cpus']} CPUs shared by the servers, PostgreSQL, brokers, fleets and this load "
+        f"generator; load average (1 min) {m['loadavg_1m_before']:.2f} before, {m['loadavg_1m_after']:.2f} after; "
+        f"{m['rounds']} paired rounds, order rotating; rates min | median | max, the rest medians. "
+        f"{m['wall_s']:.0f} s.",
+    ]
+    if ing := out.get("ingest"):
+        lines += ["", *ingest_markdown(ing, m)]
+    if inst := out.get("instances"):
+        lines += ["", *instances_markdown(inst, m)]
+    if hb := out.get("heartbeat"):
+        lines += ["", *heartbeat_markdown(hb, m)]
+    if ee := out.get("e2e"):
+        lines += ["", *e2e_markdown(ee, m)]
+    for part, stmts in out.get("statements", {}).items():
+        lines += [
+            "",
+            f"#### Busiest statements of part {part} (pg_stat_statements, every database)",
+            "",
+            "| database | calls | total ms | mean ms | rows | statement |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for st in stmts:
+            q = st["query"].replace("|", "\\|")
+            lines.append(
+                f"| {st['db']} | {st['calls']:,} | {st['total_ms']:,.0f} | {st['mean_ms']:.3f} | "
+                f"{st['rows']:,} | `{q}` |"
+            )
+    return "\n".join(lines)
+
+
+def ingest_markdown(ing: dict[str, Any], m: dict[str, Any]) -> list[str]:
+    rs = ing["rounds"]
+    names = {"pg": "serve on PostgreSQL", "raw": "raw asyncpg loop", "lmdb": "serve on LMDB"}
+    lines = [
+        f"### Ingest: {ing['batches']} batches x {BATCH_VINS} VINs per run, {m['clients']} channels / connections",
+        "",
+        "| metric | min | median | max |",
+        "|---|---:|---:|---:|",
+    ]
+    for side in INGEST_SIDES:
+        lines.append(_row(f"{names[side]} VIN-rows/s", [r[side]["rows_per_s"] for r in rs], num))
+    lines += [
+        _row(
+            "**ratio PostgreSQL / raw asyncpg** (paired per round; target ≥ 0.8)", [r["pg_over_raw"] for r in rs], dec
+        ),
+        _row("ratio PostgreSQL / LMDB (paired per round)", [r["pg_over_lmdb"] for r in rs], dec),
+    ]
+    for side in INGEST_SIDES:
+        lines.append(_row(f"{names[side]} batch latency p50 ms", [r[side]["p50_ms"] for r in rs], dec))
+    lines += [
+        "",
+        "| CPU µs per VIN-row (median) | sdv-fanout server | PostgreSQL (all its processes) | this process "
+        "| server + PostgreSQL | other processes (share of a core) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for side in INGEST_SIDES:
+        srv, pgc = med([r[side]["server_us_per_row"] for r in rs]), med([r[side]["pg_us_per_row"] for r in rs])
+        lines.append(
+            f"| {names[side]} | {srv:.1f} | {pgc:.1f} | {med([r[side]['client_us_per_row'] for r in rs]):.1f} "
+            f"| {srv + pgc:.1f} | {share(med([r[side]['other_share'] for r in rs]))} |"
+        )
+    procs = rs[0]["pg"]["server_processes"]
+    lines += [
+        "",
+        f"Each run a fresh database (or data dir) and a fresh server ({procs} process(es)); the raw loop writes into "
+        "the product's schema (same tables and indexes): per batch one transaction with `INSERT INTO blobs ... ON "
+        "CONFLICT DO NOTHING` and one `INSERT INTO rows ... SELECT FROM unnest($1) ... ON CONFLICT DO UPDATE`, "
+        "nothing else (no receipts, counts, outcomes, backlog bound, old-row read or dispatch check). A checkpoint "
+        "before every run; CPU counted until the servers and PostgreSQL are idle again.",
+        "",
+        "| round | order | PostgreSQL rows/s | raw rows/s | LMDB rows/s | pg/raw | pg/LMDB |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for i, r in enumerate(rs, 1):
+        lines.append(
+            f"| {i} | {r['order']} | {r['pg']['rows_per_s']:,.0f} | {r['raw']['rows_per_s']:,.0f} | "
+            f"{r['lmdb']['rows_per_s']:,.0f} | {r['pg_over_raw']:.2f} | {r['pg_over_lmdb']:.2f} |"
+        )
+    return lines
+
+
+def instances_markdown(inst: dict[str, Any], m: dict[str, Any]) -> list[str]:
+    rs, levels = inst["rounds"], inst["levels"]
+    first = levels[0]
+    mix = (
+        f"{1 - m['subscribe_share'] - m['ack_share']:.0%} heartbeats, {m['subscribe_share']:.0%} subscribes, "
+        f"{m['ack_share']:.0%} acks"
+    )
+    lines = [
+        f"### Instances: {mix}, {inst['vins']:,} vehicles, closed loop with {m['clients']} calls in flight spread "
+        f"over the instances, {m['duration']:g} s per cell",
+        "",
+        "| instances | calls/s, median (min-max) | **server + PostgreSQL CPU µs/call** | **cost vs "
+        f"{first}** (paired, median (min-max)) | server µs/call | PostgreSQL µs/call | load generator µs/call "
+        "| db round trips/call | p99 ms | server CPU (cores) | PostgreSQL CPU (cores) | idle instances (cores) "
+        "| other processes |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in levels:
+        c = [r[str(n)] for r in rs]
+        lines.append(
+            f"| {n} | {spread([x['calls_per_s'] for x in c], num)} | {med([x['us_per_call'] for x in c]):,.0f} | "
+            f"{spread([x['cost_vs_first'] for x in c], dec)} | {med([x['server_us_per_call'] for x in c]):,.0f} | "
+            f"{med([x['pg_us_per_call'] for x in c]):,.0f} | {med([x['client_us_per_call'] for x in c]):,.0f} | "
+            f"{med([x['trips_per_call'] for x in c]):.2f} | {med([x['p99_ms'] for x in c]):.1f} | "
+            f"{med([x['server_share'] for x in c]):.2f} | {med([x['pg_share'] for x in c]):.2f} | "
+            f"{med([x['idle_instances_share'] for x in c]):.2f} | {share(med([x['other_share'] for x in c]))} |"
+        )
+    lines += [
+        "",
+        f"Each instance is one `serve` process (`processes = 1`) with its own port and pool, all on one database, "
+        f"delivering to one mosquitto; {max(levels)} run throughout, the driver uses the first n. Set-up: every "
+        f"vehicle subscribed, then one row each, so each has a delivery out; the acks walk those rows "
+        f"({inst['acks_issued']:,} acks issued, {inst['rows_stored'] - inst['rows_left']:,} rows deleted). CPU per "
+        "call counts every call issued (warm-up included) and lasts until the servers and PostgreSQL are idle, so the "
+        "work behind the answers (heartbeat filter, events) is in it. calls/s is bounded by the 2 shared cores: "
+        "read the cost column.",
+    ]
+    return lines
+
+
+def heartbeat_markdown(hb: dict[str, Any], m: dict[str, Any]) -> list[str]:
+    rs = hb["rounds"]
+    lines = [
+        f"### Heartbeat round trips: {hb['vins_per_fleet']:,} vehicles per fleet, open loop (Poisson) for "
+        f"{m['hb_duration']:g} s per cell",
+        "",
+        "| window ms | fleet | offered/s | achieved/s | **db round trips / heartbeat**, median (min-max) "
+        "(target ≤ 0.05) | heartbeat filter / heartbeat | events / heartbeat | heartbeats per filter statement "
+        "| server µs/heartbeat | PostgreSQL µs/heartbeat |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key in rs[0]:
+        w, phase, rate = key.split("/")
+        c = [r[key] for r in rs]
+        lines.append(
+            f"| {w} | {phase} | {float(rate):,.0f} | {med([x['achieved_per_s'] for x in c]):,.0f} | "
+            f"{spread([x['trips_per_heartbeat'] for x in c], lambda v: f'{v:.3f}')} | "
+            f"{med([x['filter_per_heartbeat'] for x in c]):.3f} | {med([x['events_per_heartbeat'] for x in c]):.4f} | "
+            f"{med([x['heartbeats_per_statement'] for x in c]):.1f} | "
+            f"{med([x['server_us_per_heartbeat'] for x in c]):.0f} | {med([x['pg_us_per_heartbeat'] for x in c]):.0f} |"
+        )
+    lines += [
+        "",
+        f"One instance per `heartbeat_window_ms` (each one process) on one database; two fleets, every vehicle "
+        f"connected (subscribed) before: **idle** has nothing pending; in **work**, {hb['busy']:,} of its vehicles "
+        f"({m['work_share']:.0%}) have 2 rows, the first sent at set-up and still out (no vehicle PUBACKs; "
+        f"{hb['out_before']:,} deliveries out before, {hb['out_after']:,} after). Round trips are the server's "
+        "`sdv_fanout_db_round_trips_total` (every purpose) over `sdv_fanout_heartbeats_total`, from before the "
+        "cell until the work behind the answers is done. A statement gathers what arrives in one window plus what "
+        "arrives while the previous statement runs, so round trips per heartbeat ≈ 1 / (rate x (window + statement "
+        "time)) per instance.",
+    ]
+    return lines
+
+
+def e2e_markdown(ee: dict[str, Any], m: dict[str, Any]) -> list[str]:
+    rs = ee["rounds"]
+    lines = [
+        f"### End to end: {ee['vehicles']:,} vehicles x {ee['batches']} batches per measurement, bench/e2e.py's rig "
+        "once per store",
+        "",
+        "| metric | min | median | max |",
+        "|---|---:|---:|---:|",
+        _row(
+            "PostgreSQL deliveries/s (batch → MQTT → PUBACK → acked hook → row deleted)",
+            [r["pg"]["msgs_per_s"] for r in rs],
+            num,
+        ),
+        _row("LMDB deliveries/s", [r["lmdb"]["msgs_per_s"] for r in rs], num),
+        _row("**ratio PostgreSQL / LMDB** (paired per round)", [r["pg_over_lmdb"] for r in rs], dec),
+        _row("PostgreSQL: per-vehicle cycle p50 ms", [r["pg"]["cycle_p50_ms"] for r in rs], dec),
+        _row("LMDB: per-vehicle cycle p50 ms", [r["lmdb"]["cycle_p50_ms"] for r in rs], dec),
+        _row("PostgreSQL: store write transactions/s", [r["pg"]["commits_per_s"] for r in rs], num),
+        _row("LMDB: store commits/s", [r["lmdb"]["commits_per_s"] for r in rs], num),
+        "",
+        "| CPU µs per delivery (median) | server | PostgreSQL | mosquitto | sim fleet (vehicles + hook driver) "
+        "| this process | all | other processes (share of a core) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for side, name in (("pg", "PostgreSQL"), ("lmdb", "LMDB")):
+
+        def us(g: str, side: str = side) -> float:
+            return med([r[side]["cpu_us_per_msg"].get(g, 0.0) for r in rs])
+
+        lines.append(
+            f"| {name} | {us('server'):,.0f} | {us('postgresql'):,.0f} | {us('mosquitto'):,.0f} | "
+            f"{us('sim fleet'):,.0f} | {us('bench'):,.0f} | {us('total'):,.0f} | "
+            f"{share(med([r[side]['cpu']['other processes'] for r in rs]))} |"
+        )
+    stalls = {side: sum(r[side]["stalls"] for r in rs) for side in E2E_SIDES}
+    nudged = {side: sum(r[side]["nudged_vins"] for r in rs) for side in E2E_SIDES}
+    idle = sum(r["pg"]["idle_vins"] for r in rs)
+    lines += [
+        "",
+        f"**Stalls** (rows left and no delivery ended for {ee['stall_s']:g} s; each vehicle still holding rows then "
+        f"sent one heartbeat, as its next periodic one would): PostgreSQL {stalls['pg']} in the measured runs "
+        f"({nudged['pg']} vehicle heartbeats; {idle} of those vehicles had no delivery out, i.e. a lost wake-up, "
+        f"not a slow one), LMDB {stalls['lmdb']} ({nudged['lmdb']}); warm-ups included: {ee['stalls_total']['pg']} "
+        f"(lost wake-ups: {ee['idle_total']['pg']}) and {ee['stalls_total']['lmdb']}. A stall's wait is in that "
+        "run's time; under load a slow tail can stall too.",
+        "",
+        f"Two rigs up for the whole part (each its own mosquitto, server with its default process count and "
+        f"{ee['procs']} sim fleet processes); per round each runs bench/e2e.py's `run_ours` (first publish → the "
+        "store holding 0 rows), order alternating, after one unrecorded warm-up. The idle rig counts as other "
+        "processes. Write transactions on PostgreSQL are xids assigned (each event that changed a vehicle's state, "
+        "each batch); on LMDB group commits.",
+    ]
+    return lines
+
+
+# -- main -------------------------------------------------------------------------------------
+
+PARTS: dict[str, Callable[[Db, argparse.Namespace, Path], dict[str, Any]]] = {
+    "ingest": part_ingest,
+    "instances": part_instances,
+    "heartbeat": part_heartbeat,
+    "e2e": part_e2e,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3, help="paired rounds of every part (default 3)")
+    p.add_argument("--only", default=",".join(PARTS), help=f"parts to run (default {','.join(PARTS)})")
+    p.add_argument("--quick", action="store_true", help="small cells, 2 rounds (about a minute)")
+    p.add_argument("--clients", type=int, default=8, help="gRPC channels / connections, EMQX's pool_size (default 8)")
+    p.add_argument("--batches", type=int, default=300, help="ingest: 200-VIN batches per run (default 300)")
+    p.add_argument("--fleet", type=int, default=20_000, help="ingest: VINs the batches draw from (default 20000)")
+    p.add_argument(
+        "--server-processes",
+        type=int,
+        default=0,
+        help="ingest and e2e: SDV_FANOUT_PROCESSES of the servers (default: theirs, one per CPU)",
+    )
+    p.add_argument("--instances", default="1,2,3", help="instances: counts compared (default 1,2,3)")
+    p.add_argument("--inst-vins", type=int, default=5_000, help="instances: vehicles (default 5000)")
+    p.add_argument("--subscribe-share", type=float, default=0.05, help="instances: share of subscribes (0.05)")
+    p.add_argument("--ack-share", type=float, default=0.05, help="instances: share of acks (0.05)")
+    p.add_argument("--duration", type=float, default=3.0, help="instances: seconds measured per cell (default 3)")
+    p.add_argument("--warmup", type=float, default=0.5, help="unrecorded load before each hook cell (default 0.5)")
+    p.add_argument("--hb-windows", default="5,20", help="heartbeat: heartbeat_window_ms values (default 5,20)")
+    p.add_argument("--hb-rates", default="500,2000", help="heartbeat: heartbeats/s offered (default 500,2000)")
+    p.add_argument("--hb-vins", type=int, default=3_000, help="heartbeat: vehicles per fleet (default 3000)")
+    p.add_argument("--work-share", type=float, default=0.1, help="heartbeat: vehicles with work in fleet 'work'")
+    p.add_argument("--hb-duration", type=float, default=2.0, help="heartbeat: seconds per cell (default 2)")
+    p.add_argument("--vehicles", type=int, default=500, help="e2e: online sim vehicles (default 500)")
+    p.add_argument("--e2e-batches", type=int, default=6, help="e2e: batches per measurement (default 6)")
+    p.add_argument("--procs", type=int, default=2, help="e2e: sim fleet processes (default 2)")
+    p.add_argument("--payload-bytes", type=int, default=256, help="e2e: delivered payload (default 256)")
+    p.add_argument(
+        "--stall-s",
+        type=float,
+        default=0.5,
+        help="e2e: no delivery ended this long with rows left = a stall: each vehicle holding rows "
+        "heartbeats once (default 0.5; 0 = wait, up to 180 s)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="servers' log level (default info, as in production)",
+    )
+    p.add_argument(
+        "--statements", action="store_true", help="load pg_stat_statements; print each part's top statements"
+    )
+    p.add_argument("--seed", type=int, default=20261122)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds = min(args.rounds, 2)
+        args.batches, args.inst_vins, args.duration, args.warmup = 60, 1000, 1.0, 0.2
+        args.hb_vins, args.hb_duration, args.hb_rates, args.hb_windows = 1000, 1.0, "1000", "5"
+        args.vehicles, args.e2e_batches = 100, 3
+    only = [x for x in args.only.split(",") if x]
+    if set(only) - set(PARTS) or args.rounds < 1:
+        p.error(f"--only takes {','.join(PARTS)}; --rounds must be positive")
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally blocks
+    wall0, load_before = time.monotonic(), os.getloadavg()[0]
+    out: dict[str, Any] = {}
+    statements: dict[str, Any] = {}
+    db = Db(args.statements)
+    try:
+        with tempfile.TemporaryDirectory(prefix="sdv-bench-pgserve-") as tmp:
+            for name in only:
+                say(f"== {name}")
+                db.reset_statements()
+                out[name] = PARTS[name](db, args, Path(tmp) / name)
+                if args.statements:
+                    statements[name] = db.top_statements()
+        version = db.version
+    finally:
+        db.stop()
+    out["meta"] = {
+        "command": shlex.join([".venv/bin/python", "bench/pg_serve.py", *(argv if argv is not None else sys.argv[1:])]),
+        "pg_version": version,
+        "asyncpg": asyncpg.__version__,
+        "grpc": grpc.__version__,
+        **{
+            k: getattr(args, k)
+            for k in (
+                "rounds",
+                "clients",
+                "duration",
+                "hb_duration",
+                "subscribe_share",
+                "ack_share",
+                "work_share",
+                "log_level",
+                "seed",
+            )
+        },
+        **machine_meta(load_before, wall0),
+    }
+    if statements:
+        out["statements"] = statements
+    print(markdown(out))
+    out["summary"] = summarise(out)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
