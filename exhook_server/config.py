@@ -85,11 +85,14 @@ class Config:
     # comma-separated, with ?target_session_attrs=read-write) = a shared PostgreSQL, any number of
     # instances on it (docs/operations.md, "PostgreSQL mode").
     store_url: str = ""
-    # PostgreSQL mode: connections each server process keeps to the database (dispatch lanes,
-    # ingest, housekeeping share them); size max_connections for instances x processes x this.
+    # PostgreSQL mode: connections each server process keeps to the database; all but two are
+    # dispatch lanes (vehicle events wait on the database, not the CPU, so lanes follow this, not
+    # `workers`); ingest and housekeeping share them. max_connections: instances x processes x this.
     store_pool_size: int = 16
-    # PostgreSQL mode: heartbeats are gathered this long, then asked about in one statement.
-    heartbeat_window_ms: float = 5.0
+    # PostgreSQL mode: heartbeats are gathered this long, then asked about in one statement: at
+    # 1,000 heartbeats/s per server process 20 ms is 0.05 database round trips per heartbeat; a
+    # vehicle's delivery waits at most this much longer (only heartbeats are gathered).
+    heartbeat_window_ms: float = 20.0
     # PostgreSQL mode: the database unreachable this long turns health NOT_SERVING (a blip does
     # not: hooks that need it answer UNAVAILABLE within ingest_timeout_s meanwhile).
     store_down_grace_s: float = 10.0

@@ -43,7 +43,15 @@ def create_pool(cfg: Config) -> Any:
         timeout=_PROBE_TIMEOUT_S * 5,
         command_timeout=max(cfg.ingest_timeout_s * 2, 10.0),
         server_settings={"synchronous_commit": "on", "application_name": "sdv-fanout"},
+        reset=_keep_session,
     )
+
+
+async def _keep_session(conn: Any) -> None:
+    """The pool's reset on release, left empty: asyncpg's default (unlock advisory locks, close
+    cursors, UNLISTEN, RESET ALL) is a round trip per release, and the store leaves nothing to
+    reset: locks are transaction-level, cursors live inside transactions, nothing LISTENs or
+    SETs outside one (the leader's session lock has a connection of its own)."""
 
 
 async def prepare(pool: Any, timeout_s: float = 60.0) -> None:

@@ -152,7 +152,9 @@ class FanoutServer:
             self.dispatcher = SharedDispatcher(
                 self.pool,
                 self,  # publishes through self.delivery once it exists (see publish)
-                lanes=min(cfg.worker_count, max(1, cfg.store_pool_size - 2)),
+                # Events wait on the database, not the CPU: as many lanes as connections allow
+                # (bench/pg_serve.py: 2 lanes on 2 CPUs left the server half idle).
+                lanes=max(1, cfg.store_pool_size - 2),
                 inflight_timeout_s=cfg.inflight_timeout_s,
                 sender=self._sender,
                 connected=lambda: self.delivery is not None and self.delivery.connected,

@@ -214,7 +214,7 @@ class SharedDispatcher:
         max_attempts: int = 0,
         response_timeout_s: float = 300.0,
         on_response: ResponseListener | None = None,
-        heartbeat_window_s: float = 0.005,
+        heartbeat_window_s: float = 0.02,
         max_queued: int = 100_000,
         event_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
@@ -413,10 +413,14 @@ class SharedDispatcher:
         self._beat.set()
 
     async def _gather_heartbeats(self) -> None:
+        """One statement per gathering window at most: heartbeats that arrive while one is asked
+        about wait for the next window, unless a full page is already waiting. (Going on at once
+        whenever any waited made the batch size rate x query time, whatever the window: 0.17
+        round trips per heartbeat at 2,000/s instead of 0.02-0.06, bench/pg_serve.py.)"""
         while True:
             await self._beat.wait()
-            await asyncio.sleep(self._window_s)  # the gathering window
             self._beat.clear()
+            await asyncio.sleep(self._window_s)  # the gathering window
             while self._beats:
                 beats = dict(itertools.islice(self._beats.items(), _PAGE))
                 for vin in beats:
@@ -428,6 +432,8 @@ class SharedDispatcher:
                 except Exception as exc:  # the next heartbeat of each vehicle asks again
                     metrics.DISPATCH_EVENT_FAILURES.inc()
                     log.error("heartbeat_check_failed", vehicles=len(beats), error=repr(exc))
+                if len(self._beats) < _PAGE:
+                    break  # the rest (if any) set _beat: the next window takes them
 
     async def _heartbeats(self, beats: dict[str, Session]) -> None:
         async with self._pool.acquire() as conn:
