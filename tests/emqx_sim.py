@@ -22,6 +22,9 @@ What is EMQX-like on purpose:
   exact.
 * RPCs go over a pool of `pool_size` (8, EMQX's default) channels, each its own TCP connection,
   picked by clientid as EMQX's `key_dispatch` does: one client's calls share one connection.
+  Given several exhook ports (instances behind one Service), each connection is on one instance,
+  or (routing="random") each call goes to a random one; an instance found down or hung fails
+  that call and is left for the others (tests/exhook_pool.py).
 * A failed RPC does not stop the MQTT side (EMQX logs it and goes on): it is stored in
   `FakeEmqx.rpc_errors`, and `close()` fails the test for it unless `strict_rpc=False`.
 * Everything the harness itself gets wrong (an exception in a paho callback or in a hook job, or a
@@ -37,6 +40,9 @@ Known gaps (mosquitto cannot tell us, or EMQX behaviour we do not model):
   receives it (EMQX calls it when the message is published, which is earlier if the vehicle was
   offline). If the server denies or rewrites such a message, mosquitto has already routed it: this
   is reported in `errors`.
+* With several instances, every delivery's `Message.from` is `delivery_clientid`: mosquitto does
+  not say which instance's delivery client published it (the server matches acks by the clientid
+  prefix, so any instance's deliveries are recognised).
 * `client.authenticate` / `client.authorize` are never called (the product must not register them,
   see §7); registering them is reported in `errors`.
 """
@@ -47,6 +53,7 @@ import base64
 import contextlib
 import copy
 import hashlib
+import heapq
 import itertools
 import json
 import os
@@ -56,9 +63,8 @@ import socket
 import subprocess
 import threading
 import time
-import zlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -75,6 +81,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from exhook_server._proto import exhook_v3_pb2 as pb
+from tests.exhook_pool import ExHookPool, Routing, accepts_tcp
 from tests.harness import ExHookClient, poll
 
 MOSQUITTO_BIN = "/usr/sbin/mosquitto"
@@ -102,20 +109,9 @@ HOOK_RPC: dict[str, tuple[str, type[Any]]] = {
     "message.acked": ("OnMessageAcked", pb.MessageAckedRequest),
     "message.dropped": ("OnMessageDropped", pb.MessageDroppedRequest),
 }
-#: RPCs that answer something else than EmptySuccess.
-HOOK_RESPONSE: dict[str, type[Any]] = {
-    "OnProviderLoaded": pb.LoadedResponse,
-    "OnClientAuthenticate": pb.ValuedResponse,
-    "OnClientAuthorize": pb.ValuedResponse,
-    "OnMessagePublish": pb.ValuedResponse,
-}
 MESSAGE_HOOKS = frozenset({"message.publish", "message.delivered", "message.acked", "message.dropped"})
 NOT_SIMULATED_HOOKS = frozenset({"client.authenticate", "client.authorize"})
 BROKER_VERSION = {"v2": "5.8.9", "v3": "5.9.1"}
-
-
-def _serialize(message: Any) -> bytes:
-    return message.SerializeToString()  # type: ignore[no-any-return]
 
 
 class SimulationError(AssertionError):
@@ -140,14 +136,6 @@ def topic_matches(topic_filter: str, topic: str) -> bool:
         if i >= len(twords) or (word != "+" and word != twords[i]):
             return False
     return len(fwords) == len(twords)
-
-
-def _can_connect(port: int) -> bool:
-    try:
-        with socket.create_connection((LOOPBACK, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +219,7 @@ class Mosquitto:
         def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"mosquitto exited with {self.proc.returncode}:\n{self.log()}")
-            return marker in self.log(offset) and _can_connect(self.port)
+            return marker in self.log(offset) and accepts_tcp(self.port)
 
         try:
             poll(ready, timeout_s=timeout_s, interval_s=0.02)
@@ -293,7 +281,18 @@ def running_mosquitto(tmp_dir: Path, **kwargs: Any) -> Iterator[Mosquitto]:
 
 
 class Received(NamedTuple):
-    """One PUBLISH a vehicle received (recorded once its delivered/acked hooks ran)."""
+    """One PUBLISH a vehicle received (recorded once its delivered/acked hooks ran); `time` is
+    when paho read it (time.time())."""
+
+    topic: str
+    payload: bytes
+    mid: int
+    time: float
+
+
+class Acked(NamedTuple):
+    """One PUBACK a vehicle sent; `time` (time.time()) is taken just before it is sent, so a
+    PUBLISH received before it was received while this one was still unacknowledged."""
 
     topic: str
     payload: bytes
@@ -341,6 +340,46 @@ def _props(properties: Properties | None) -> list[pb.Property]:
 
 def _result_code(rc: ReasonCode) -> str:
     return "success" if not rc.is_failure else re.sub(r"\W+", "_", rc.getName().strip().lower())
+
+
+class Acker:
+    """One thread that runs the PUBACKs vehicles hold back (no thread per vehicle): each `fn`
+    runs `delay_s` after `later()`, in due order; after `stop()` nothing more runs."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._stopped = False
+        self._thread: threading.Thread | None = None  # started by the first later()
+
+    def later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            heapq.heappush(self._due, (time.monotonic() + delay_s, next(self._seq), fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="vehicle-acker", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (not self._due or self._due[0][0] > time.monotonic()):
+                    self._cond.wait(self._due[0][0] - time.monotonic() if self._due else None)
+                if self._stopped:
+                    return
+                _, _, fn = heapq.heappop(self._due)
+            fn()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._due.clear()
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(5)
 
 
 class _Lane:
@@ -406,7 +445,7 @@ class FakeEmqx:
 
     def __init__(
         self,
-        exhook_port: int,
+        exhook_port: int | Sequence[int],
         mqtt_port: int,
         package: str = "v3",
         node: str = "emqx@127.0.0.1",
@@ -420,10 +459,14 @@ class FakeEmqx:
         strict_rpc: bool = True,
         job_timeout_s: float = 30.0,
         pool_size: int = 8,
+        routing: Routing = "per_client",
+        seed: int | None = None,
     ) -> None:
         if package not in BROKER_VERSION:
             raise ValueError(f"package must be one of {sorted(BROKER_VERSION)}")
-        self.exhook_port = exhook_port
+        #: The server instances behind EMQX's one ExHook URL (one port: a single server).
+        self.exhook_ports = [exhook_port] if isinstance(exhook_port, int) else list(exhook_port)
+        self.exhook_port = self.exhook_ports[0]
         self.mqtt_port = mqtt_port
         self.package = package
         self.node = node
@@ -440,12 +483,11 @@ class FakeEmqx:
         self.request_timeout_s = request_timeout_s
         self.strict_rpc = strict_rpc
         self.job_timeout_s = job_timeout_s
-        #: EMQX's pool: one channel (TCP connection) per worker, chosen by clientid.
-        self.pool = [ExHookClient(exhook_port, package) for _ in range(pool_size)]
-        self.client = self.pool[0]
+        #: EMQX's pool: `pool_size` connections, a client's calls over the one its clientid picks,
+        #: each connection on one instance (or, routing="random", a random instance per call).
+        self.exhook = ExHookPool(self.exhook_ports, package, pool_size, routing, seed)
         #: Called with (rpc, seconds) after each hook RPC, answered or failed (e.g. by a benchmark).
         self.on_rpc: Callable[[str, float], None] | None = None
-        self._stubs: dict[tuple[int, str], Any] = {}
         self.meta = pb.RequestMeta(node=node, version=self.version, sysdescr="EMQX", cluster_name=cluster_name)
         self.hooks: dict[str, list[str]] | None = None  # registered hook -> topic filters
         self.calls: deque[HookCall] = deque(maxlen=100_000)
@@ -458,7 +500,13 @@ class FakeEmqx:
         self._channels: dict[str, _Conn] = {}  # clientid -> live or idle (persistent) channel
         self._lanes: dict[str, _Lane] = {}
         self._inflight: dict[tuple[str, str, bytes], pb.Message] = {}  # unacked deliveries
+        self._acker = Acker()
         self._closed = False
+
+    @property
+    def client(self) -> ExHookClient:
+        """The pool connection (and instance) that provider calls go over."""
+        return self.exhook.client(*self.exhook.route(""))
 
     # -- provider lifecycle ------------------------------------------------------------------
 
@@ -472,7 +520,7 @@ class FakeEmqx:
             datetime=now.strftime("%Y-%m-%dT%H:%M:%S") + f".{now.microsecond:06d}000+00:00",
         )
         req = pb.ProviderLoadedRequest(broker=broker, meta=self.meta)
-        resp: pb.LoadedResponse = self.client.call("OnProviderLoaded", req, timeout_s=self.request_timeout_s)
+        resp: pb.LoadedResponse = self.exhook.call("OnProviderLoaded", req, self.request_timeout_s)
         self.calls.append(HookCall("provider.loaded", "OnProviderLoaded", req, resp))
         hooks: dict[str, list[str]] = {}
         for spec in resp.hooks:
@@ -490,7 +538,7 @@ class FakeEmqx:
         self.hooks = None
         req = pb.ProviderUnloadedRequest(meta=self.meta)
         try:
-            resp: pb.EmptySuccess | None = self.client.call("OnProviderUnloaded", req, timeout_s=self.request_timeout_s)
+            resp: pb.EmptySuccess | None = self.exhook.call("OnProviderUnloaded", req, self.request_timeout_s)
         except grpc.RpcError:
             resp = None
         self.calls.append(HookCall("provider.unloaded", "OnProviderUnloaded", req, resp))
@@ -510,36 +558,15 @@ class FakeEmqx:
             return not filters or any(topic_matches(f, topic) for f in filters)
         return True
 
-    def _stub(self, request: Any, method: str) -> Any:
-        """The callable for `method` on the pool channel of the request's client (EMQX's
-        `key_dispatch`: clientinfo.clientid, else conninfo.clientid, else message.from)."""
-        key = ""
-        for field, attr in (("clientinfo", "clientid"), ("conninfo", "clientid"), ("message", "from")):
-            if field in request.DESCRIPTOR.fields_by_name and request.HasField(field):
-                key = getattr(getattr(request, field), attr)
-                break
-        k = zlib.crc32(key.encode()) % len(self.pool)
-        stub = self._stubs.get((k, method))
-        if stub is None:
-            response_cls = HOOK_RESPONSE.get(method, pb.EmptySuccess)
-            stub = self.pool[k].channel.unary_unary(
-                f"/emqx.exhook.{self.package}.HookProvider/{method}",
-                request_serializer=_serialize,
-                response_deserializer=response_cls.FromString,
-            )
-            self._stubs[k, method] = stub
-        return stub
-
     def _call(self, hook: str, request: Any, topic: str | None = None) -> Any:
         """Call `hook` if registered; RPC failures are recorded, never raised (EMQX carries on)."""
         if not self.registered(hook, topic):
             return None
         method, _ = HOOK_RPC[hook]
         request.meta.CopyFrom(self.meta)
-        stub = self._stub(request, method)
         t = time.perf_counter()
         try:
-            resp = stub(request, timeout=self.request_timeout_s)
+            resp = self.exhook.call(method, request, self.request_timeout_s)
         except grpc.RpcError as exc:
             with self._lock:
                 self.rpc_errors.append((hook, exc))
@@ -714,6 +741,15 @@ class FakeEmqx:
     def _wait(self, fut: Future[Any]) -> Any:
         return fut.result(self.job_timeout_s)
 
+    def _later(self, delay_s: float, clientid: str, fn: Callable[..., Any], *args: Any) -> None:
+        """`_post` the job after delay_s (dropped if the FakeEmqx closed meanwhile)."""
+
+        def post() -> None:
+            with contextlib.suppress(RuntimeError):  # closed: no more jobs
+                self._post(clientid, fn, *args)
+
+        self._acker.later(delay_s, post)
+
     # channel registry (what EMQX's emqx_cm knows)
     def _channel(self, clientid: str) -> _Conn | None:
         with self._lock:
@@ -801,6 +837,7 @@ class FakeEmqx:
 
     def close(self, check: bool = True) -> None:
         """Stop every vehicle (no hooks), the workers and the gRPC channel; then `check()`."""
+        self._acker.stop()
         with self._lock:
             vehicles = list(self.vehicles)
         for v in vehicles:
@@ -821,8 +858,7 @@ class FakeEmqx:
                     fut.cancel()
         # A job still running (say on a session-expiry timer) finishes before its channel closes.
         poll(lambda: not any(lane.busy for lane in lanes), timeout_s=self.job_timeout_s)
-        for client in self.pool:
-            client.close()
+        self.exhook.close()
         if check:
             self.check()
 
@@ -860,7 +896,11 @@ class Vehicle:
         self.session_expiry_s = session_expiry_s
         self.keepalive = keepalive
         self.auto_ack = True
+        #: With auto_ack, hold each PUBACK back this long (a slow vehicle: a second delivery sent
+        #: before the PUBACK would then show in `received` before its `acks` entry).
+        self.ack_delay_s = 0.0
         self.received: list[Received] = []
+        self.acks: list[Acked] = []
         self._pending: list[tuple[_Conn, int, int, pb.Message]] = []
         self._conns: list[_Conn] = []
         self._conn: _Conn | None = None
@@ -1021,7 +1061,9 @@ class Vehicle:
         if msg is not None:
             emqx._call("message.delivered", pb.MessageDeliveredRequest(clientinfo=conn.clientinfo, message=msg), topic)
             if qos > 0:
-                if self.auto_ack:
+                if self.auto_ack and self.ack_delay_s > 0:
+                    emqx._later(self.ack_delay_s, self.clientid, self._ack, conn, mid, qos, msg)
+                elif self.auto_ack:
                     self._ack(conn, mid, qos, msg)
                 else:
                     self._pending.append((conn, mid, qos, msg))
@@ -1031,8 +1073,10 @@ class Vehicle:
         """PUBACK, then message.acked, as EMQX calls it when the PUBACK arrives."""
         if conn.dropping or conn.closed.is_set() or conn.state != "open":
             return False
+        t = time.time()
         if conn.client.ack(mid, qos) != MQTTErrorCode.MQTT_ERR_SUCCESS:
             return False
+        self.acks.append(Acked(msg.topic, msg.payload, mid, t))
         self.emqx._call("message.acked", pb.MessageAckedRequest(clientinfo=conn.clientinfo, message=msg), msg.topic)
         self.emqx._acked(self.clientid, msg.topic, msg.payload)
         return True
@@ -1273,6 +1317,8 @@ class Vehicle:
 __all__ = [
     "HOOK_RPC",
     "MESSAGE_HOOKS",
+    "Acked",
+    "Acker",
     "FakeEmqx",
     "HookCall",
     "Mosquitto",
