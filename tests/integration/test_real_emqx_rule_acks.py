@@ -76,14 +76,17 @@ class RuleFanout(Fanout):
         return out
 
 
-@pytest.fixture(scope="module", params=SETUPS, ids=[f"emqx{v}-p{n}" for v, n in SETUPS])
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"emqx{v}-p{n}-{s}" for v, n, s in SETUPS])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuleFanout]:
-    version, processes = request.param
+    version, processes, store = request.param
     if find_release(version) is None:
         pytest.skip(f"no EMQX {version}: {where_looked()}")
+    store_url = ""
+    if store == "postgresql":
+        store_url = request.getfixturevalue("pg_cluster").new_database(f"rule_acks_{version.replace('.', '_')}")
     workdir = tmp_path_factory.mktemp(f"emqx{version}-rule-acks")
     with running_emqx(version, workdir) as broker:
-        fanout = RuleFanout(broker, workdir, processes)
+        fanout = RuleFanout(broker, workdir, processes, store_url)
         try:
             fanout.rule_id = fanout.create_rule()
             poll(lambda: len(fanout.delivery_clients()) == processes, DEADLINE_S)
