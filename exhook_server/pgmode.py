@@ -42,7 +42,15 @@ def create_pool(cfg: Config) -> Any:
         max_size=cfg.store_pool_size,
         timeout=_PROBE_TIMEOUT_S * 5,
         command_timeout=max(cfg.ingest_timeout_s * 2, 10.0),
-        server_settings={"synchronous_commit": "on", "application_name": "sdv-fanout"},
+        server_settings={
+            "synchronous_commit": "on",
+            "application_name": "sdv-fanout",
+            # An instance stopped (SIGSTOP, a hung VM) inside a transaction would keep its locks,
+            # a vehicle's included, for as long as it is stopped: every instance's events for that
+            # vehicle, and the lane behind them, would wait. Our transactions are a few statements
+            # back to back, so PostgreSQL ends one left idle this long and frees its locks.
+            "idle_in_transaction_session_timeout": str(round(max(cfg.ingest_timeout_s, 5.0) * 1000)),
+        },
         reset=_keep_session,
     )
 
@@ -115,21 +123,25 @@ async def watch(
         await asyncio.sleep(interval_s)
 
 
-async def lead(cfg: Config, jobs: Callable[[], list[Awaitable[None]]], retry_s: float = 5.0) -> None:
-    """Forever: try to become the leader (a session advisory lock on a connection of its own);
-    while leading, run `jobs()`; if that connection is lost, stop them and try again. Another
-    instance takes over within `retry_s` of the leader's end."""
+async def lead(cfg: Config, jobs: Callable[[], list[Awaitable[None]]], retry_s: float = 2.0) -> None:
+    """Forever: try to become the leader (a session advisory lock on a connection of its own,
+    asked again every `retry_s`); while leading, run `jobs()`; if that connection is lost, stop
+    them and start over. A leader killed outright loses its connection, and with it the lock, at
+    once: another instance takes over within `retry_s`."""
     while True:
         conn: Any = None
         tasks: list[asyncio.Task[None]] = []
         try:
             conn = await asyncpg.connect(cfg.store_url, timeout=_PROBE_TIMEOUT_S * 5)
-            if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_KEY):
-                log.info("leading", jobs="progress, gc")
-                tasks = [asyncio.ensure_future(job) for job in jobs()]
-                while not conn.is_closed():
-                    await conn.fetchval("SELECT 1", timeout=_PROBE_TIMEOUT_S)
+            while not tasks:
+                if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_KEY, timeout=_PROBE_TIMEOUT_S):
+                    log.info("leading", jobs="gc, progress, gauges, fold, wake-idle")
+                    tasks = [asyncio.ensure_future(job) for job in jobs()]
+                else:
                     await asyncio.sleep(retry_s)
+            while True:  # leading: the lock lives as long as this connection
+                await conn.fetchval("SELECT 1", timeout=_PROBE_TIMEOUT_S)
+                await asyncio.sleep(retry_s)
         except (*FAILURES, TimeoutError) as exc:
             log.warning("leader_connection_lost", error=repr(exc))
         finally:
@@ -155,3 +167,16 @@ async def fold_loop(pool: Any, interval_s: float = 1.0, limit: int = 10_000) -> 
         except (*FAILURES, TimeoutError) as exc:
             log.warning("fold_failed", error=repr(exc))
         await asyncio.sleep(interval_s)
+
+
+async def wake_idle_loop(dispatcher: Any, interval_s: float) -> None:
+    """Forever (in the leader), every `interval_s`: a pass over the online vehicles that have work
+    and a free slot, an event each. An instance killed between storing a batch and dispatching it
+    leaves its online vehicles idle until their next heartbeat or reconnect; this bounds that
+    wait without heartbeats too (bounded pages; a quiet fleet costs one probe per online VIN)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await dispatcher.wake_idle()
+        except (*FAILURES, TimeoutError) as exc:
+            log.warning("wake_idle_failed", error=repr(exc))

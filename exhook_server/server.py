@@ -292,6 +292,8 @@ class FanoutServer:
         if self.pool is not None:
             jobs.append(("fold", pgmode.fold_loop(self.pool)))
             jobs.append(("gauges", housekeeping.gauge_loop(self.dispatcher, self.reads)))
+            assert isinstance(self.dispatcher, SharedDispatcher)
+            jobs.append(("wake-idle", pgmode.wake_idle_loop(self.dispatcher, self.cfg.inflight_timeout_s)))
         return jobs if named else [job for _, job in jobs]
 
     async def _store_up(self, up: bool) -> None:

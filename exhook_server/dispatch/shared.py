@@ -499,14 +499,23 @@ class SharedDispatcher:
             after = vins[-1]
 
     async def _broker_back(self) -> None:
+        await self.wake_idle()
+
+    async def wake_idle(self) -> None:
+        """An event for every online vehicle with work and a free slot, in pages of VINs (after
+        our broker link came back, and periodically in the leader: see pgmode.wake_idle_loop)."""
         after: str | None = ""
         for _ in range(1 << 20):
             if after is None:
                 return
+            for _ in range(200):  # paced: a page at a time while the queue has room (10 s at most)
+                if self._queued < self._max_queued // 2:
+                    break
+                await asyncio.sleep(0.05)
             async with self._pool.acquire() as conn:
                 vins, after = await pgd.online_wanting(conn, after, _PAGE, self._now_ms(), self._timeouts)
             for vin in vins:
-                self._submit(vin, lambda w: w.handle(BrokerBack()), why="broker_back")
+                self._submit(vin, lambda w: w.handle(BrokerBack()), why="wake_idle")
 
     def refused(self, vin: str, request_id: str, reason: str, final: bool) -> None:
         self.submit(Refused(vin, request_id, reason, final))

@@ -8,9 +8,12 @@ delivery must be started by the hooks themselves; in the crash tests vehicles he
 second, as real ones do. One instance killed (-9) or stopped (SIGSTOP) mid-fan-out leaves the others
 to finish; every row must end delivered, oldest first, in the database.
 
-Two tests are strict xfails, each a server bug found here and reproduced deterministically (see
-their reasons): SIGSTOP inside a vehicle event, and a batch whose instance dies right after storing
-it waiting for the vehicles' next heartbeat.
+Two tests reproduce server bugs found here. A batch whose instance died right after storing it
+waited for the vehicles' next heartbeat: fixed (the leader wakes online idle vehicles with work
+every inflight_timeout_s). An instance stopped (SIGSTOP) inside a vehicle event kept that
+vehicle's lock for as long as it was stopped: PostgreSQL now ends a transaction left idle
+(idle_in_transaction_session_timeout), but that test still fails in ways not yet understood and
+stays an xfail (not strict: it fails in more than one way).
 """
 
 from __future__ import annotations
@@ -521,49 +524,6 @@ def stop_holding_a_vehicle_lock(victim: SubprocessServer, db: Database) -> list[
     return poll(stalled_in_an_event, timeout_s=30, interval_s=0.01)  # type: ignore[no-any-return]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "server bug: an instance stopped inside a vehicle event keeps that vehicle's advisory lock "
-        "(its session idle in transaction, no idle_in_transaction_session_timeout or lock_timeout); "
-        "the other instances' events for that vehicle wait until event_timeout_s (10 s), again and "
-        "again (the sweep queues one every tick), and every vehicle sharing those lanes waits behind "
-        "them: the others do not finish while it is stopped"
-    ),
-)
-def test_sigstop_of_one_instance_mid_fanout_the_others_deliver_everything(
-    tmp_path: Path, db: Database, broker: Mosquitto
-) -> None:
-    """SIGSTOP of one of 3 instances mid-fan-out, inside a vehicle event (its calls hang until
-    EMQX's request timeout): the other two deliver every row, oldest first, one at a time; then it
-    continues and stops."""
-    with crash_rig(tmp_path, db, broker, request_timeout_s=2.0) as (servers, emqx, work, fleet):
-        victim = servers[0]
-        clientid = fanout_under_way(victim, db, fleet, work)
-        struck_at = time.time()
-        stop_holding_a_vehicle_lock(victim, db)
-        out = db.out_by(clientid)
-        try:
-            # Healthy, this takes a few seconds; the margin covers a server that frees a stalled
-            # session's locks after a timeout of its own.
-            wait_delivered(fleet, work, db, emqx, timeout_s=15)
-            check_delivered(fleet, work, db, duplicates=True)
-            check_resent_after_timeout(emqx, fleet, out, struck_at)
-            assert victim.port in emqx.exhook.down
-            assert {f.code for f in emqx.exhook.failovers} == {grpc.StatusCode.DEADLINE_EXCEEDED}
-        finally:
-            signal_all(victim, signal.SIGCONT)
-        assert victim.terminate() == 0
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "server gap: a batch an instance committed and answered, then died (kill -9) before its "
-        "dispatch ran, waits for each vehicle's next heartbeat (or reconnect): no surviving "
-        "instance looks for vehicles that are present, have nothing out and have rows pending"
-    ),
-)
 def test_a_batch_whose_instance_dies_right_after_storing_it_reaches_online_vehicles_without_a_heartbeat(
     tmp_path: Path, db: Database, broker: Mosquitto
 ) -> None:
@@ -587,9 +547,9 @@ def test_a_batch_whose_instance_dies_right_after_storing_it_reaches_online_vehic
             assert stored(answer)
             work = Workload(vins, requests=0, seed=0)
             work.expected = {vin: ["task_orphan_1"] for vin in vins}
-            # What the victim had claimed goes again after the in-flight timeout; the rest needs
-            # no timeout at all.
-            wait_delivered(fleet, work, db, emqx, timeout_s=3 * INFLIGHT_TIMEOUT_S)
+            # What the victim had claimed goes again after the in-flight timeout; the rest when the
+            # leader (another instance within seconds, if the victim led) wakes idle vehicles.
+            wait_delivered(fleet, work, db, emqx, timeout_s=8 * INFLIGHT_TIMEOUT_S)
             check_delivered(fleet, work, db, duplicates=True)
 
 
@@ -673,3 +633,37 @@ def test_two_processes_on_postgresql_both_serve_and_deliver_everything(
         # Both processes handled vehicles' hooks and sent their deliveries.
         sent_by = {e.get("process") for e in group.events() if e.get("event") == "delivery_sent"}
         assert sent_by == {0, 1}
+
+
+# Last in the file: it leaves the most behind (a stopped instance, ended sessions).
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "open: with the stopped instance's transaction now ended by idle_in_transaction_session_timeout "
+        "(5 s), some runs still leave vehicles short after 15 s and others see a second request before "
+        "the recorded PUBACK of the first; not yet understood (issue 14 closing note)"
+    ),
+)
+def test_sigstop_of_one_instance_mid_fanout_the_others_deliver_everything(
+    tmp_path: Path, db: Database, broker: Mosquitto
+) -> None:
+    """SIGSTOP of one of 3 instances mid-fan-out, inside a vehicle event (its calls hang until
+    EMQX's request timeout): the other two deliver every row, oldest first, one at a time; then it
+    continues and stops."""
+    with crash_rig(tmp_path, db, broker, request_timeout_s=2.0) as (servers, emqx, work, fleet):
+        victim = servers[0]
+        clientid = fanout_under_way(victim, db, fleet, work)
+        struck_at = time.time()
+        stop_holding_a_vehicle_lock(victim, db)
+        out = db.out_by(clientid)
+        try:
+            # Healthy, this takes a few seconds; the margin covers a server that frees a stalled
+            # session's locks after a timeout of its own.
+            wait_delivered(fleet, work, db, emqx, timeout_s=15)
+            check_delivered(fleet, work, db, duplicates=True)
+            check_resent_after_timeout(emqx, fleet, out, struck_at)
+            assert victim.port in emqx.exhook.down
+            assert {f.code for f in emqx.exhook.failovers} == {grpc.StatusCode.DEADLINE_EXCEEDED}
+        finally:
+            signal_all(victim, signal.SIGCONT)
+        assert victim.terminate() == 0
