@@ -1,4 +1,4 @@
-"""`sdv-fanout db migrate` against a real PostgreSQL, and `serve` refusing a store_url it cannot serve yet."""
+"""`sdv-fanout db migrate` against a real PostgreSQL, and `serve` migrating at start."""
 
 from __future__ import annotations
 
@@ -6,12 +6,9 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from exhook_server.config import Config
-from exhook_server.errors import ConfigError
-from exhook_server.server import FanoutServer
-from tests.harness import BIN
+from storage.pg import migrate
+from tests.harness import BIN, InProcessServer
 from tests.pg_cluster import PgCluster
 
 
@@ -25,7 +22,9 @@ def test_db_migrate_creates_the_schema_once_and_then_has_nothing_to_do(pg_cluste
     """From the flag or the environment variable; the second run applies nothing."""
     dsn = pg_cluster.new_database("migrate_cli")
     first = sdv("db", "migrate", "--store-url", dsn)
-    assert first.returncode == 0 and "schema version 2 (applied 1, 2)" in first.stdout, first.stderr
+    every = ", ".join(str(v) for v, _ in migrate.MIGRATIONS)
+    want = f"schema version {migrate.SCHEMA_VERSION} (applied {every})"
+    assert first.returncode == 0 and want in first.stdout, first.stderr
     again = sdv("db", "migrate", env={"SDV_FANOUT_STORE_URL": dsn})
     assert again.returncode == 0 and "(nothing to apply)" in again.stdout, again.stderr
 
@@ -40,8 +39,24 @@ def test_db_migrate_says_what_is_wrong(tmp_path: Path) -> None:
     assert nobody.returncode == 2 and "cannot connect" in nobody.stderr
 
 
-def test_serve_refuses_a_postgresql_store_url_until_it_can_serve_it(tmp_path: Path) -> None:
-    """A clear start-up error instead of silently serving from LMDB."""
-    cfg = Config(store_url="postgresql://sdv@127.0.0.1:5432/sdv", data_dir=str(tmp_path / "lmdb"))
-    with pytest.raises(ConfigError, match="not available yet"):
-        FanoutServer(cfg)
+def test_serve_migrates_at_start_and_leaves_data_dir_alone(tmp_path: Path, pg_cluster: PgCluster) -> None:
+    """A server on store_url brings an empty database to this release's schema when it starts, and
+    neither creates nor locks data_dir (a pod's root filesystem may be read-only)."""
+    dsn = pg_cluster.new_database("migrate_serve")
+    data_dir = tmp_path / "lmdb"
+    srv = InProcessServer(
+        Config(
+            listen="127.0.0.1:0", store_url=dsn, data_dir=str(data_dir), mqtt_url="", admin_listen="", metrics_listen=""
+        )
+    ).start()
+    try:
+        assert srv.server is not None and srv.server.store is None
+
+        async def version() -> int:
+            async with srv.server.pool.acquire() as conn:  # type: ignore[union-attr]
+                return await migrate.schema_version(conn)
+
+        assert srv.run(version()) == migrate.SCHEMA_VERSION
+    finally:
+        srv.stop()
+    assert not data_dir.exists()
