@@ -897,10 +897,10 @@ class Vehicle:
         self.keepalive = keepalive
         self.auto_ack = True
         #: With auto_ack, hold each PUBACK back this long (a slow vehicle: a second delivery sent
-        #: before the PUBACK would then show in `received` before its `acks` entry).
+        #: before the PUBACK would then show in `received` before its `pubacks` entry).
         self.ack_delay_s = 0.0
         self.received: list[Received] = []
-        self.acks: list[Acked] = []
+        self.pubacks: list[Acked] = []
         self._pending: list[tuple[_Conn, int, int, pb.Message]] = []
         self._conns: list[_Conn] = []
         self._conn: _Conn | None = None
@@ -1076,7 +1076,7 @@ class Vehicle:
         t = time.time()
         if conn.client.ack(mid, qos) != MQTTErrorCode.MQTT_ERR_SUCCESS:
             return False
-        self.acks.append(Acked(msg.topic, msg.payload, mid, t))
+        self.pubacks.append(Acked(msg.topic, msg.payload, mid, t))
         self.emqx._call("message.acked", pb.MessageAckedRequest(clientinfo=conn.clientinfo, message=msg), msg.topic)
         self.emqx._acked(self.clientid, msg.topic, msg.payload)
         return True

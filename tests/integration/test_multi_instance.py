@@ -330,7 +330,7 @@ def stuck_report(fleet: Sequence[Vehicle], work: Workload, db: Database, emqx: F
         lines.append(
             f"{v.vin} connected={v.is_connected} got={firsts(v)} want={work.expected[v.vin]} "
             f"received={[(rid_of(r.topic), round(r.time % 1000, 3)) for r in v.received]} "
-            f"acks={[(rid_of(a.topic), round(a.time % 1000, 3)) for a in v.acks]}\n"
+            f"acks={[(rid_of(a.topic), round(a.time % 1000, 3)) for a in v.pubacks]}\n"
             f"  rows={db.rows(f'SELECT request_id, ts_ms FROM rows WHERE vin = {q} ORDER BY ts_ms')}\n"
             f"  vin_state={db.rows(f'SELECT * FROM vin_state WHERE vin = {q}')}\n"
             f"  presence={db.rows(f'SELECT * FROM presence WHERE vin = {q}')}"
@@ -348,7 +348,7 @@ def check_delivered(fleet: Sequence[Vehicle], work: Workload, db: Database, *, d
             problems.append(f"{v.vin}: got {firsts(v)}, stored {want}")
         if not duplicates and len(v.received) != len(want):
             problems.append(f"{v.vin}: {len(v.received)} PUBLISHes for {len(want)} requests")
-        problems += overlaps(v.vin, list(v.received), list(v.acks))
+        problems += overlaps(v.vin, list(v.received), list(v.pubacks))
     assert problems == [], "\n".join(problems[:20])
     assert db.pending_rows() == 0 and db.out() == []
     ended = db.outcomes()
