@@ -279,7 +279,9 @@ def online_fleet(emqx: FakeEmqx, vins: Sequence[str], ack_delay_s: float = ACK_D
     def up(vin: str) -> Vehicle:
         v = emqx.vehicle(vin)
         v.ack_delay_s = ack_delay_s
-        v.connect()
+        # A CONNACK has taken over 10 s in full-suite runs (two of ~10 runs of this file, right after
+        # the instances started); the cause is not known yet, so allow it more time than usual.
+        v.connect(timeout_s=30.0)
         v.subscribe()
         return v
 
@@ -636,6 +638,9 @@ def test_two_processes_on_postgresql_both_serve_and_deliver_everything(
 
 
 # Last in the file: it leaves the most behind (a stopped instance, ended sessions).
+@pytest.mark.skip(
+    reason="issue 14 open point: see the xfail reason below; skipped in CI (19 s that can neither pass nor fail)"
+)
 @pytest.mark.xfail(
     strict=False,
     reason=(
