@@ -107,6 +107,13 @@ class ExHookPool:
         self._stubs: dict[tuple[int, int, str], Callable[..., Any]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Every connection opened up front, as EMQX's pool does when the server is loaded (and as
+        # this driver did before it knew several instances): opening channels lazily, from the
+        # threads running vehicles' hooks, coincided with CONNACKs waiting over 10 s in full-suite
+        # runs. A connection that fails over opens its new channel then.
+        for k in range(pool_size):
+            for port in self.ports if self.routing == "random" else [self._bound[k]]:
+                self._clients[k, port] = ExHookClient(port, self.package)
 
     def route(self, key: str) -> tuple[int, int]:
         """(connection, instance port) for a call keyed `key`."""
