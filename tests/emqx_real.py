@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import heapq
 import itertools
 import json
 import os
@@ -28,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, NamedTuple
@@ -40,7 +39,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from tests.emqx_sim import LOOPBACK, free_port
+from tests.emqx_sim import LOOPBACK, Acker, free_port
 from tests.harness import ROOT, poll
 
 log = structlog.get_logger("sdv_fanout.tests.emqx_real")
@@ -638,39 +637,6 @@ class Delivery(NamedTuple):
     dup: bool
     #: Its MQTT 5 Message-Expiry-Interval as received (None: it had none).
     expiry_s: int | None = None
-
-
-class Acker:
-    """One thread that sends the PUBACKs vehicles hold back for `hold_s` (no thread per vehicle)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._due: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = itertools.count()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="vehicle-acker", daemon=True)
-        self._thread.start()
-
-    def later(self, delay_s: float, fn: Callable[[], None]) -> None:
-        with self._cond:
-            heapq.heappush(self._due, (time.monotonic() + delay_s, next(self._seq), fn))
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopped and (not self._due or self._due[0][0] > time.monotonic()):
-                    self._cond.wait(self._due[0][0] - time.monotonic() if self._due else None)
-                if self._stopped:
-                    return
-                _, _, fn = heapq.heappop(self._due)
-            fn()
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        self._thread.join(5)
 
 
 class Vehicle:

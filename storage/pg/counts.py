@@ -196,7 +196,8 @@ async def fold(conn: Any, limit: int = 10_000) -> int:
 
 # -- reads ------------------------------------------------------------------------------------
 # Readers see `generation_counts`: the folded counts plus the changes appended since.
-def _generation(record: Any) -> Generation:
+def generation_of(record: Any) -> Generation:
+    """A generation from a row of `generation_counts`."""
     counts = {name: int(record[name]) for name in keys.COUNT_NAMES}
     return Generation(record["request_id"], bytes(record["sha1"]), record["first_ms"], record["last_ms"], counts)
 
@@ -205,13 +206,13 @@ async def generation(conn: Any, request_id: str, sha1: bytes) -> Generation | No
     record = await conn.fetchrow(
         "SELECT * FROM generation_counts WHERE request_id = $1 AND sha1 = $2", request_id, sha1
     )
-    return None if record is None else _generation(record)
+    return None if record is None else generation_of(record)
 
 
 async def all_generations(conn: Any) -> list[Generation]:
     """Every generation, newest first by last change (as `storage.outcomes.all_generations`)."""
     records = await conn.fetch("SELECT * FROM generation_counts ORDER BY last_ms DESC, request_id DESC, sha1")
-    return [_generation(r) for r in records]
+    return [generation_of(r) for r in records]
 
 
 async def outcome_of(conn: Any, vin: str, request_id: str, sha1: bytes) -> Outcome | None:
@@ -244,7 +245,7 @@ async def generations(conn: Any, request_id: str) -> list[Generation]:
     records = await conn.fetch(
         "SELECT * FROM generation_counts WHERE request_id = $1 ORDER BY first_ms DESC, sha1", request_id
     )
-    return [_generation(r) for r in records]
+    return [generation_of(r) for r in records]
 
 
 async def vehicle_outcomes(conn: Any, vin: str, limit: int = 20) -> list[OutcomeRecord]:

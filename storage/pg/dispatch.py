@@ -183,16 +183,11 @@ async def online_wanting(
 ) -> tuple[list[str], str | None]:
     """One page (`limit` online vehicles after `after`, in VIN order) of the online vehicles
     with work and a free slot, and where the next page starts (None: done)."""
-    page = await conn.fetch(
-        "SELECT vin FROM presence WHERE vin > $1 ORDER BY vin LIMIT $2",
-        after,
-        limit,
-    )
+    page = await online_page(conn, after, limit)
     if not page:
         return [], None
     found = await conn.fetch(_ONLINE_WANTING, after, now_ms, timeouts.inflight_ms, timeouts.response_ms, limit)
-    last = page[-1]["vin"]
-    return [r["vin"] for r in found], (last if len(page) == limit else None)
+    return [r["vin"] for r in found], (page[-1] if len(page) == limit else None)
 
 
 async def overdue(conn: Any, now_ms: int, timeouts: Timeouts, limit: int) -> list[str]:

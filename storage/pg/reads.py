@@ -76,7 +76,7 @@ async def generations_page(
         found = await conn.fetch(_PAGE_FIRST, want)
     else:
         found = await conn.fetch(_PAGE_AFTER, after[0], after[1], want)
-    page = [counts._generation(r) for r in found[:limit]]  # the row decoder of counts' own reads
+    page = [counts.generation_of(r) for r in found[:limit]]
     total = int(await conn.fetchval("SELECT count(*) FROM generations"))
     more = bool(page) and len(found) > len(page)
     return page, (page[-1].last_ms, keys.gen_key(page[-1].request_id, page[-1].sha1)) if more else None, total
