@@ -394,7 +394,8 @@ class MqttDelivery:
         if self._sock is not None:
             self._client.disconnect()  # queued; paho closes the socket once it is written
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._gone.wait(), _STOP_TIMEOUT_S)
+                async with asyncio.timeout(_STOP_TIMEOUT_S):
+                    await self._gone.wait()
         self._unwatch()
 
     # -- paho's socket on the event loop ------------------------------------------------------

@@ -11,19 +11,19 @@ so a batch whose hook answered survives the loss of the primary.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import asyncpg
 import structlog
 
 from exhook_server import metrics
+from exhook_server.aio import cancel_all
 from exhook_server.config import Config
 from storage.errors import StorageError
 from storage.pg import counts, migrate
-from storage.pg.errors import FAILURES
+from storage.pg.errors import FAILURES, raise_if_cancelling
 
 log = structlog.get_logger("sdv_fanout.store")
 
@@ -77,6 +77,7 @@ async def prepare(pool: Any, timeout_s: float = 60.0) -> None:
                 log.info("schema_migrated", versions=applied)
             return
         except (*FAILURES, TimeoutError) as exc:
+            raise_if_cancelling()
             if time.monotonic() + delay > deadline:
                 raise StorageError(f"cannot reach the PostgreSQL store: {exc}") from None
             log.warning("store_unreachable", error=repr(exc), retry_in_s=delay)
@@ -92,6 +93,7 @@ async def probe(pool: Any) -> bool:
                 await conn.fetchval("SELECT 1")
         return True
     except (*FAILURES, TimeoutError):
+        raise_if_cancelling()
         return False
 
 
@@ -123,7 +125,7 @@ async def watch(
         await asyncio.sleep(interval_s)
 
 
-async def lead(cfg: Config, jobs: Callable[[], list[Awaitable[None]]], retry_s: float = 2.0) -> None:
+async def lead(cfg: Config, jobs: Callable[[], list[Coroutine[Any, Any, None]]], retry_s: float = 2.0) -> None:
     """Forever: try to become the leader (a session advisory lock on a connection of its own,
     asked again every `retry_s`); while leading, run `jobs()`; if that connection is lost, stop
     them and start over. A leader killed outright loses its connection, and with it the lock, at
@@ -132,27 +134,41 @@ async def lead(cfg: Config, jobs: Callable[[], list[Awaitable[None]]], retry_s: 
         conn: Any = None
         tasks: list[asyncio.Task[None]] = []
         try:
-            conn = await asyncpg.connect(cfg.store_url, timeout=_PROBE_TIMEOUT_S * 5)
+            conn = await _connect(cfg.store_url)
             while not tasks:
                 if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_KEY, timeout=_PROBE_TIMEOUT_S):
                     log.info("leading", jobs="gc, progress, gauges, fold, wake-idle")
-                    tasks = [asyncio.ensure_future(job) for job in jobs()]
+                    tasks = [asyncio.create_task(job, name=getattr(job, "__qualname__", None)) for job in jobs()]
                 else:
                     await asyncio.sleep(retry_s)
             while True:  # leading: the lock lives as long as this connection
                 await conn.fetchval("SELECT 1", timeout=_PROBE_TIMEOUT_S)
                 await asyncio.sleep(retry_s)
         except (*FAILURES, TimeoutError) as exc:
+            raise_if_cancelling()
             log.warning("leader_connection_lost", error=repr(exc))
         finally:
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
             if conn is not None:
-                with contextlib.suppress(Exception):
-                    await conn.close()
+                conn.terminate()  # at once, and it cannot be interrupted: the lock goes with it
         await asyncio.sleep(retry_s)
+
+
+async def _connect(url: str) -> Any:
+    """A connection of its own, opened so that a cancel neither gets lost nor leaks it: asyncpg's
+    connect, cancelled as it completes, may hand back the connection or drop it unclosed. The
+    connect runs shielded; if we are cancelled meanwhile, whatever it opens is closed at once."""
+    opening = asyncio.ensure_future(asyncpg.connect(url, timeout=_PROBE_TIMEOUT_S * 5))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_terminate_opened)
+        raise
+
+
+def _terminate_opened(opening: asyncio.Future[Any]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().terminate()
 
 
 async def fold_loop(pool: Any, interval_s: float = 1.0, limit: int = 10_000) -> None:
@@ -165,6 +181,7 @@ async def fold_loop(pool: Any, interval_s: float = 1.0, limit: int = 10_000) -> 
                     if await counts.fold(conn, limit) < limit:
                         break
         except (*FAILURES, TimeoutError) as exc:
+            raise_if_cancelling()
             log.warning("fold_failed", error=repr(exc))
         await asyncio.sleep(interval_s)
 
@@ -179,4 +196,5 @@ async def wake_idle_loop(dispatcher: Any, interval_s: float) -> None:
         try:
             await dispatcher.wake_idle()
         except (*FAILURES, TimeoutError) as exc:
+            raise_if_cancelling()
             log.warning("wake_idle_failed", error=repr(exc))

@@ -42,7 +42,8 @@ async def durable_within(write: asyncio.Future[T], timeout_s: float) -> T:
     The wait is shielded: a timeout ends our wait, not the write, which may still land (the
     platform's retry with its batch_id tells)."""
     try:
-        return await asyncio.wait_for(asyncio.shield(write), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(write)
     except TimeoutError:
         raise CommitTimeout(f"commit took longer than {timeout_s} s") from None
 

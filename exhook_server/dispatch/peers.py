@@ -142,7 +142,8 @@ class Peers:
             await asyncio.wait(list(self._incoming), timeout=1.0)
         if self._server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._server.wait_closed()
 
     def send(self, index: int, item: Any) -> None:
         """Queue `item` for process `index` (event-loop thread only); never blocks."""
@@ -157,7 +158,8 @@ class Peers:
         self._asked[ident] = future
         self.send(index, _Ask(ident, self.group.index, query))
         try:
-            return await asyncio.wait_for(future, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await future
         finally:
             self._asked.pop(ident, None)
 

@@ -290,7 +290,8 @@ class SharedDispatcher:
                 continue
             vin, act, future = lane.queue[0]
             try:
-                result = await asyncio.wait_for(self._event(vin, act), self._event_timeout_s)
+                async with asyncio.timeout(self._event_timeout_s):
+                    result = await self._event(vin, act)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # one failed event must not stop the lane
@@ -437,9 +438,8 @@ class SharedDispatcher:
 
     async def _heartbeats(self, beats: dict[str, Session]) -> None:
         async with self._pool.acquire() as conn:
-            found = await asyncio.wait_for(
-                pgd.heartbeats(conn, list(beats), self._now_ms(), self._timeouts), self._event_timeout_s
-            )
+            async with asyncio.timeout(self._event_timeout_s):
+                found = await pgd.heartbeats(conn, list(beats), self._now_ms(), self._timeouts)
         metrics.DB_ROUND_TRIPS.labels("heartbeat_filter").inc()
         for vin, recorded, wanting in found:
             session = beats[vin]

@@ -3,6 +3,7 @@ stores (the hook answers UNAVAILABLE, background loops log and try again)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -23,4 +24,14 @@ async def as_storage_error(work: Awaitable[T]) -> T:
     try:
         return await work
     except FAILURES as exc:
+        raise_if_cancelling()
         raise StorageError(f"PostgreSQL: {type(exc).__name__}: {exc}") from exc
+
+
+def raise_if_cancelling() -> None:
+    """Raise CancelledError if the running task is being cancelled. asyncpg may answer the
+    interruption of a query with an error of its own (the connection's release, for one): seen as
+    a database failure, it would be logged and retried by a background loop that should stop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

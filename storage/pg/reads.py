@@ -115,7 +115,8 @@ class PgReads:
                 return await fn(conn, *args)
 
         try:
-            return await asyncio.wait_for(as_storage_error(in_a_snapshot()), self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):
+                return await as_storage_error(in_a_snapshot())
         except TimeoutError:
             raise StorageError(f"read took longer than {self._timeout_s} s") from None
 
