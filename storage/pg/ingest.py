@@ -35,23 +35,6 @@ RACE_RETRIES = 5
 #: The cut of a cancel that names its VINs: every row (the largest bigint).
 _NO_CUT = 2**63 - 1
 
-_OLD_ROWS = """
-SELECT vin, sha1, ts_ms FROM rows WHERE request_id = $1 AND vin = ANY($2::text[]) ORDER BY vin FOR UPDATE
-"""
-# Rows of each VIN, counted up to $2 (the bound) through the vehicle's queue index: a VIN with a
-# huge backlog costs no more than one at the bound.
-_BACKLOGS = """
-SELECT v, (SELECT count(*) FROM (SELECT 1 FROM rows r WHERE r.vin = v LIMIT $2) s)
-FROM unnest($1::text[]) AS v
-"""
-_UPSERT = """
-INSERT INTO rows (vin, request_id, ts_ms, sha1, size, expires_ms, flags)
-SELECT v, $2::text, $3::int8, $4::bytea, $5::int4, $6::int8, $7::int2 FROM unnest($1::text[]) AS v
-ON CONFLICT (vin, request_id) DO UPDATE SET ts_ms = EXCLUDED.ts_ms, sha1 = EXCLUDED.sha1, size = EXCLUDED.size,
-    expires_ms = EXCLUDED.expires_ms, flags = EXCLUDED.flags
-RETURNING vin, xmax = 0 AS inserted
-"""
-
 
 class Raced(Exception):
     """A concurrent transaction created a row this one had read as absent: retry from the start."""
@@ -70,6 +53,18 @@ async def retrying(conn: Any, what: str, body: Callable[[], Awaitable[T]]) -> T:
     raise StorageError(f"{what} kept racing concurrent writes ({RACE_RETRIES} tries)")
 
 
+async def retrying_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`, one statement that is its own transaction (a function of batch.sql), again when
+    it raised serialization_failure (a concurrent write changed what it had read) or PostgreSQL
+    aborted it to break a deadlock; at most RACE_RETRIES times. Nothing of a failed try committed."""
+    for _ in range(RACE_RETRIES):
+        try:
+            return await call()
+        except (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError):
+            continue
+    raise StorageError(f"{what} kept racing concurrent writes ({RACE_RETRIES} tries)")
+
+
 async def store_batch(
     conn: Any,
     vins: Sequence[str],
@@ -80,86 +75,50 @@ async def store_batch(
     spec: RowSpec = PLAIN,
 ) -> BatchWritten | Duplicate:
     """The blob once, then one row per VIN; nothing if `batch_id` was stored (`ops.store_batch`).
-    `vins` are distinct (the hook layer folds duplicates)."""
-    return await retrying(
-        conn, f"batch of {request_id}", lambda: _store_batch(conn, vins, request_id, blob, now_ms, batch_id, spec)
-    )
-
-
-async def _store_batch(
-    conn: Any,
-    vins: Sequence[str],
-    request_id: str,
-    blob: bytes,
-    now_ms: int,
-    batch_id: str | None,
-    spec: RowSpec,
-) -> BatchWritten | Duplicate:
-    if batch_id is not None and (dup := await claim_batch_id(conn, batch_id, request_id, now_ms)) is not None:
-        return dup
+    `vins` are distinct (the hook layer folds duplicates). One round trip: `sdv_store_batch`
+    (batch.sql) is the whole transaction."""
     sha1 = sha1_of(blob)
-    new_blob = await put_blob(conn, sha1, blob, now_ms)
-    put = await put_rows(conn, vins, request_id, sha1, len(blob), now_ms, spec)
-    if batch_id is not None:
-        await conn.execute(
-            "UPDATE batches SET sha1 = $2, rows = $3, refused = $4::text[] WHERE batch_id = $1",
-            batch_id,
-            sha1,
-            len(vins) - len(put.refused),
-            list(put.refused),
-        )
-    gone = set(put.refused)
+    args = (list(vins), request_id, blob, sha1, now_ms, batch_id, spec.expires_ms, spec.flags, spec.max_pending)
+    out = await retrying_call(f"batch of {request_id}", lambda: conn.fetchrow(_STORE_BATCH, *args, TOUCH_EVERY_MS))
+    if not out["taken"]:
+        return _duplicate(batch_id, out)
+    refused = tuple(out["refused"])
+    gone = set(refused)
     stored = tuple(v for v in vins if v not in gone)
-    return BatchWritten(request_id, sha1, stored, put.replaced, new_blob, put.superseded, refused=put.refused)
+    superseded = frozenset(bytes(s) for s in out["superseded"])
+    return BatchWritten(request_id, sha1, stored, out["replaced"], out["new_blob"], superseded, refused=refused)
+
+
+_STORE_BATCH = """
+SELECT * FROM sdv_store_batch($1::text[], $2::text, $3::bytea, $4::bytea, $5::int8, $6::text, $7::int8, $8::int2,
+                              $9::int4, $10::int8)
+"""
+
+
+def _duplicate(batch_id: Any, first: Any) -> Duplicate:
+    sha1 = None if first["first_sha1"] is None else bytes(first["first_sha1"])
+    return Duplicate(
+        batch_id, first["first_request_id"], sha1, first["first_rows"], first["first_ts"], tuple(first["first_refused"])
+    )
 
 
 async def claim_batch_id(conn: Any, batch_id: str, request_id: str, now_ms: int) -> Duplicate | None:
-    """Take `batch_id` for this transaction, or the receipt of whoever took it first. The insert
-    comes first: a concurrent retry of the same batch waits on it, then finds it a duplicate."""
-    taken = await conn.fetchval(
-        "INSERT INTO batches (batch_id, request_id, sha1, rows, ts_ms) VALUES ($1, $2, NULL, 0, $3)"
-        " ON CONFLICT (batch_id) DO NOTHING RETURNING true",
-        batch_id,
-        request_id,
-        now_ms,
-    )
-    if taken:
-        return None
-    first = await conn.fetchrow(
-        "SELECT request_id, sha1, rows, ts_ms, refused FROM batches WHERE batch_id = $1", batch_id
-    )
-    if first is None:  # gone between the two statements (GC): the next try stores the batch
-        raise Raced
-    sha1 = None if first["sha1"] is None else bytes(first["sha1"])
-    return Duplicate(batch_id, first["request_id"], sha1, first["rows"], first["ts_ms"], tuple(first["refused"]))
+    """Take `batch_id` for this transaction, or the receipt of whoever took it first
+    (`sdv_claim_batch_id`)."""
+    out = await conn.fetchrow("SELECT * FROM sdv_claim_batch_id($1, $2, $3)", batch_id, request_id, now_ms)
+    return None if out["taken"] else _duplicate(batch_id, out)
 
 
 async def put_blob(conn: Any, sha1: bytes, blob: bytes, now_ms: int) -> bool:
-    """Store `blob` under its sha1 unless it is there; True when written. A present blob is
-    touched (for GC) without taking its row lock unless its touch is older than TOUCH_EVERY_MS."""
-    if await conn.fetchval(
-        "INSERT INTO blobs (sha1, data, created_ms, touched_ms) VALUES ($1, $2, $3, $3)"
-        " ON CONFLICT (sha1) DO NOTHING RETURNING true",
-        sha1,
-        blob,
-        now_ms,
-    ):
-        return True
-    if not await touch_blob(conn, sha1, now_ms):
-        raise Raced  # collected between the two statements: the next try writes it again
-    return False
+    """Store `blob` under its sha1 unless it is there; True when written (`sdv_put_blob`: a
+    present blob is touched, for GC)."""
+    return bool(await conn.fetchval("SELECT sdv_put_blob($1, $2, $3, $4)", sha1, blob, now_ms, TOUCH_EVERY_MS))
 
 
 async def touch_blob(conn: Any, sha1: bytes, now_ms: int) -> bool:
-    """Record that a write refers to the blob `sha1` now (for GC's grace period), taking its row
-    lock only when its touch is older than TOUCH_EVERY_MS; False when the blob is gone."""
-    touched = await conn.fetchval("SELECT touched_ms FROM blobs WHERE sha1 = $1", sha1)
-    if touched is None:
-        return False
-    if touched < now_ms - TOUCH_EVERY_MS:
-        status = await conn.execute("UPDATE blobs SET touched_ms = $2 WHERE sha1 = $1", sha1, now_ms)
-        return bool(status != "UPDATE 0")
-    return True
+    """Record that a write refers to the blob `sha1` now, for GC's grace period (`sdv_touch_blob`);
+    False when the blob is gone."""
+    return bool(await conn.fetchval("SELECT sdv_touch_blob($1, $2, $3)", sha1, now_ms, TOUCH_EVERY_MS))
 
 
 async def put_rows(
@@ -171,62 +130,22 @@ async def put_rows(
     now_ms: int,
     spec: RowSpec,
 ) -> RowsPut:
-    """`ops.put_rows`: a row per VIN; one of another generation ends superseded (or cancelled,
-    when a cancel of every vehicle in progress had taken it); a VIN at the bound is refused."""
-    ordered = sorted(vins)
-    if not ordered:
-        return RowsPut(0, frozenset())
-    # Shared: batches of one request never wait for each other, only for the start of a cancel.
-    await conn.execute("SELECT pg_advisory_xact_lock_shared($1, hashtext($2))", REQUEST_LOCK, request_id)
-    # FOR UPDATE: a row this batch replaces may end cancelled, counted in the job (`done`), and
-    # the job's row is locked before any row, in the order a cancel chunk locks them.
-    cut = await conn.fetchval("SELECT cut_ms FROM cancels WHERE request_id = $1 FOR UPDATE", request_id)
-    if cut is not None and cut >= now_ms:
-        now_ms = cut + 1  # a cancel in progress takes the rows stored up to its cut, not these
-    known = bool(
-        await conn.fetchval("SELECT true FROM generations WHERE request_id = $1 AND sha1 = $2", request_id, sha1)
+    """`ops.put_rows` in the caller's transaction (`sdv_put_rows`): a row per VIN; one of another
+    generation ends superseded (or cancelled, when a cancel of every vehicle in progress had taken
+    it); a VIN at the bound is refused."""
+    out = await conn.fetchrow(
+        "SELECT * FROM sdv_put_rows($1::text[], $2, $3, $4, $5, $6, $7::int2, $8)",
+        list(vins),
+        request_id,
+        sha1,
+        size,
+        now_ms,
+        spec.expires_ms,
+        spec.flags,
+        spec.max_pending,
     )
-    old = {r["vin"]: r for r in await conn.fetch(_OLD_ROWS, request_id, ordered)}
-    refused: list[str] = []
-    if spec.max_pending:
-        fresh = [v for v in ordered if v not in old]
-        full = {v for v, n in await conn.fetch(_BACKLOGS, fresh, spec.max_pending) if n >= spec.max_pending}
-        refused = [v for v in fresh if v in full]
-    gone = set(refused)
-    stored = [v for v in ordered if v not in gone]
-    if not stored:
-        return RowsPut(0, frozenset(), tuple(refused))
-    replaced = 0
-    taken = 0
-    superseded: set[bytes] = set()
-    ended: list[Ended] = []
-    newly: list[str] = []
-    for vin in stored:
-        row = old.get(vin)
-        if row is None:
-            newly.append(vin)
-            continue
-        replaced += 1
-        old_sha1 = bytes(row["sha1"])
-        if old_sha1 == sha1:
-            continue
-        if cut is not None and row["ts_ms"] <= cut:
-            ended.append(Ended(vin, request_id, old_sha1, row["ts_ms"], Outcome.CANCELLED))
-            taken += 1
-        else:
-            ended.append(Ended(vin, request_id, old_sha1, row["ts_ms"], Outcome.SUPERSEDED))
-            superseded.add(old_sha1)
-        newly.append(vin)
-    written = await conn.fetch(_UPSERT, stored, request_id, now_ms, sha1, size, spec.expires_ms, spec.flags)
-    if any(r["inserted"] == (r["vin"] in old) for r in written):
-        raise Raced  # a row appeared after our read (or one we locked was not found): not our view
-    bumps = Bumps()
-    await counts.end_pairs(conn, ended, now_ms, bumps)
-    if taken:
-        await conn.execute("UPDATE cancels SET done = done + $2 WHERE request_id = $1", request_id, taken)
-    await counts.rows_pending(conn, newly, request_id, sha1, bumps, known=known)
-    await bumps.write(conn, now_ms)
-    return RowsPut(replaced, frozenset(superseded), tuple(refused))
+    superseded = frozenset(bytes(s) for s in out["superseded"])
+    return RowsPut(out["replaced"], superseded, tuple(out["refused"]))
 
 
 async def delete_row_if(

@@ -19,7 +19,13 @@ from storage.errors import StorageError
 LOCK_KEY = 0x5344_5646_414E_4F55
 #: Numbered migrations, applied in order: (version, SQL file in this package). A later version is
 #: a new file, never an edit of an applied one.
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, "schema.sql"), (2, "claims.sql"), (3, "dispatch.sql"), (4, "deltas.sql"))
+MIGRATIONS: tuple[tuple[int, str], ...] = (
+    (1, "schema.sql"),
+    (2, "claims.sql"),
+    (3, "dispatch.sql"),
+    (4, "deltas.sql"),
+    (5, "batch.sql"),
+)
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 _VERSION_TABLE = """
