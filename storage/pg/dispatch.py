@@ -138,8 +138,13 @@ SELECT v.vin, p.session, ({_HAS_WORK} AND {_FREE}) AS wanting
 FROM unnest($1::text[]) AS v(vin) LEFT JOIN presence p ON p.vin = v.vin
 """
 
+# Presence first, one index probe per VIN (a scalar subquery: as a join, the planner hashed all of
+# `presence` per batch once it held 15,000 vehicles, 4 ms), and the work probes only for the VINs
+# online (OFFSET 0 keeps the fence: pushed below it they ran for every VIN of the batch, 0.7 ms
+# per 200-VIN batch with nobody online). EXPLAIN ANALYZE, 200 VINs: 0.03 ms with nobody online.
 _PRESENT_WANTING = f"""
-SELECT v.vin FROM unnest($1::text[]) AS v(vin) JOIN presence p ON p.vin = v.vin
+SELECT v.vin FROM (SELECT u.vin FROM unnest($1::text[]) AS u(vin)
+                   WHERE (SELECT true FROM presence p WHERE p.vin = u.vin) OFFSET 0) AS v
 WHERE {_HAS_WORK} AND {_FREE}
 """
 
