@@ -133,9 +133,12 @@ _FREE = """((SELECT true FROM vin_state s WHERE s.vin = v.vin AND s.request_id I
         AND ((s.acked_ms IS NULL AND s.sent_ms > $2::bigint - $3::bigint) OR s.acked_ms > $2::bigint - $4::bigint)
         LIMIT 1) IS NULL)"""
 
+# The session as a scalar subquery too: as a LEFT JOIN the planner hashed all of `presence` for
+# each window of heartbeats (3 ms for 50 VINs with 15,000 vehicles online, growing with the fleet).
 _HEARTBEATS = f"""
-SELECT v.vin, p.session, ({_HAS_WORK} AND {_FREE}) AS wanting
-FROM unnest($1::text[]) AS v(vin) LEFT JOIN presence p ON p.vin = v.vin
+SELECT v.vin, (SELECT p.session FROM presence p WHERE p.vin = v.vin) AS session,
+       ({_HAS_WORK} AND {_FREE}) AS wanting
+FROM unnest($1::text[]) AS v(vin)
 """
 
 # Presence first, one index probe per VIN (a scalar subquery: as a join, the planner hashed all of
