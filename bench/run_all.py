@@ -27,6 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for its defaults
+
+from exhook_server.config import Config
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 HEADING = re.compile(r"^(#{2,6}) ")  # a script has no "# " title of its own
@@ -560,6 +564,8 @@ def failover_rows(fo: dict[str, Any] | None) -> list[Row]:
 PG_INGEST_RATIO_MIN = 0.8
 #: bench/pg_serve.py: database round trips per heartbeat at the default heartbeat_window_ms.
 PG_TRIPS_PER_HEARTBEAT_MAX = 0.05
+#: The server's default heartbeat_window_ms, the window the target is for.
+PG_DEFAULT_WINDOW_MS = Config.heartbeat_window_ms
 
 
 def pg_serve_rows(pg: dict[str, Any] | None) -> list[Row]:
@@ -621,7 +627,10 @@ def pg_serve_rows(pg: dict[str, Any] | None) -> list[Row]:
     status, meas = "not measured (run failed)", "n/a"
     if hb:
         cells = {tuple(k.split("/")): v for k, v in hb.items()}
-        window = min(cells, key=lambda c: float(c[0]))[0]  # the smallest window measured: the default 5 ms
+        # The server's default window when it was measured, else the smallest one.
+        windows = {c[0] for c in cells}
+        default = next((w for w in windows if float(w) == PG_DEFAULT_WINDOW_MS), None)
+        window = default or min(windows, key=float)
         rate = max((c[2] for c in cells if c[0] == window), key=float)
         at = {phase: cells[(window, phase, rate)] for phase in ("idle", "work") if (window, phase, rate) in cells}
         meas = "; ".join(
