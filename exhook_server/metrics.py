@@ -100,6 +100,11 @@ DB_ROUND_TRIPS = Counter(
     " gathered group of heartbeats), batch_filter, event (vehicle events, all their statements)",
     ["purpose"],
 )
+STALLED_SESSIONS_ENDED = Counter(
+    "sdv_fanout_stalled_sessions_ended_total",
+    "Database sessions of a stalled instance ended because they held a vehicle's lock for too long"
+    " (PostgreSQL mode; see pgmode.end_stalled)",
+)
 HEARTBEATS = Counter("sdv_fanout_heartbeats_total", "Heartbeat messages seen by the message.publish hook")
 HEARTBEAT_EVENTS = Counter(
     "sdv_fanout_heartbeat_events_total",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -32,6 +33,15 @@ log = structlog.get_logger("sdv_fanout.store")
 LEADER_KEY = 0x5344_5646_4C45_4144
 #: How long a connect or a probe may take before it counts as a failure.
 _PROBE_TIMEOUT_S = 2.0
+#: The first key of a vehicle's transaction-level advisory lock (storage/pg/dispatch.sql,
+#: sdv_vin_load: pg_advisory_xact_lock(21318, hashtext(vin))).
+VEHICLE_LOCK_CLASS = 21318
+
+
+def stall_bound_s(cfg: Config) -> float:
+    """How long a transaction of ours may stall before the database or `end_stalled` ends it:
+    longer than any event or ingest lets its own statements run (ingest_timeout_s), at least 5 s."""
+    return max(cfg.ingest_timeout_s, 5.0)
 
 
 def create_pool(cfg: Config) -> Any:
@@ -49,7 +59,8 @@ def create_pool(cfg: Config) -> Any:
             # a vehicle's included, for as long as it is stopped: every instance's events for that
             # vehicle, and the lane behind them, would wait. Our transactions are a few statements
             # back to back, so PostgreSQL ends one left idle this long and frees its locks.
-            "idle_in_transaction_session_timeout": str(round(max(cfg.ingest_timeout_s, 5.0) * 1000)),
+            # A stall inside a statement is not covered: see `end_stalled`.
+            "idle_in_transaction_session_timeout": str(round(stall_bound_s(cfg) * 1000)),
         },
         reset=_keep_session,
     )
@@ -198,3 +209,77 @@ async def wake_idle_loop(dispatcher: Any, interval_s: float) -> None:
         except (*FAILURES, TimeoutError) as exc:
             raise_if_cancelling()
             log.warning("wake_idle_failed", error=repr(exc))
+
+
+@dataclass(frozen=True, slots=True)
+class Stalled:
+    """A session `end_stalled` ended: its backend pid, state, wait, transaction age and statement."""
+
+    pid: int
+    state: str
+    wait: str
+    age_s: float
+    query: str
+
+
+# Sessions of this application and role (never a psql or a benchmark's) in a transaction older than
+# $1 ms: the cheap first look, so that pg_locks (which takes the lock manager's partition locks)
+# is read only when some transaction is that old.
+_OLD_TRANSACTIONS = """
+SELECT pid FROM pg_stat_activity
+WHERE datname = current_database() AND usename = current_user
+    AND application_name = current_setting('application_name') AND pid <> pg_backend_pid()
+    AND xact_start < clock_timestamp() - $1::bigint * interval '1 millisecond'
+"""
+
+# Of those, the ones still in that transaction and holding a vehicle's lock: ended.
+_END_STALLED = f"""
+SELECT a.pid, coalesce(a.state, '') AS state,
+    coalesce(a.wait_event_type || ':' || a.wait_event, '') AS wait,
+    extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS age_s,
+    left(a.query, 80) AS query, pg_terminate_backend(a.pid) AS ended
+FROM pg_stat_activity a
+WHERE a.pid = ANY($2::int[]) AND a.xact_start < clock_timestamp() - $1::bigint * interval '1 millisecond'
+    AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
+                AND l.classid = {VEHICLE_LOCK_CLASS} AND l.objsubid = 2)
+"""
+
+
+async def end_stalled(pool: Any, older_than_s: float) -> list[Stalled]:
+    """End the sessions of our instances that have held a vehicle's lock for longer than
+    `older_than_s` in one transaction, and so free the lock.
+
+    idle_in_transaction_session_timeout ends a transaction whose client stalled between
+    statements, not one whose client stalled inside a statement: asyncpg prepares a statement
+    with Parse, Describe and Flush (no Sync) and only then sends Bind, Execute and Sync, so an
+    instance stopped (SIGSTOP, a frozen VM) between the two leaves its backend "active", waiting
+    for the client, with the vehicle's lock held for as long as the instance is stopped, and no
+    PostgreSQL 15 timeout applies (statement_timeout is ignored while the backend reads from its
+    client; transaction_timeout exists from 17 on). Every instance's events for that vehicle wait
+    on the lock, and so does the lane behind each. A vehicle event is a few short statements, and
+    its own instance gives it up after its event timeout (ingest_timeout_s, below `older_than_s`):
+    a transaction that has held a vehicle's lock longer belongs to a stalled instance."""
+    ms = round(older_than_s * 1000)
+    async with asyncio.timeout(_PROBE_TIMEOUT_S * 2), pool.acquire() as conn:
+        old = [r["pid"] for r in await conn.fetch(_OLD_TRANSACTIONS, ms)]
+        if not old:
+            return []
+        found = await conn.fetch(_END_STALLED, ms, old)
+    return [Stalled(r["pid"], r["state"], r["wait"], round(r["age_s"], 1), r["query"]) for r in found if r["ended"]]
+
+
+async def end_stalled_loop(pool: Any, older_than_s: float, interval_s: float = 1.0) -> None:
+    """Forever (in every instance: the stalled one may be the leader), every `interval_s`:
+    `end_stalled`, so a vehicle's lock held by a stopped instance is free again within
+    `older_than_s` + `interval_s`."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            for s in await end_stalled(pool, older_than_s):
+                metrics.STALLED_SESSIONS_ENDED.inc()
+                log.warning(
+                    "stalled_session_ended", pid=s.pid, state=s.state, wait=s.wait, age_s=s.age_s, query=s.query
+                )
+        except (*FAILURES, TimeoutError) as exc:
+            raise_if_cancelling()
+            log.warning("end_stalled_failed", error=repr(exc))

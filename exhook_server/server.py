@@ -360,6 +360,9 @@ class FanoutServer:
             self._tasks += [
                 asyncio.create_task(pgmode.lead(self.cfg, self._leader_jobs), name="leader"),
                 asyncio.create_task(pgmode.watch(self.pool, self.cfg.store_down_grace_s, self._store_up), name="store"),
+                asyncio.create_task(
+                    pgmode.end_stalled_loop(self.pool, pgmode.stall_bound_s(self.cfg)), name="end-stalled"
+                ),
             ]
         elif self.group is None or self.group.index == 0:  # store-wide work: once per data dir
             await self._resume_store_work()

@@ -65,7 +65,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -501,6 +501,12 @@ class FakeEmqx:
         self._lanes: dict[str, _Lane] = {}
         self._inflight: dict[tuple[str, str, bytes], pb.Message] = {}  # unacked deliveries
         self._acker = Acker()
+        #: Threads that run the held-back PUBACKs' hook jobs (each vehicle's in its lane's order).
+        #: In EMQX each client's hooks run in its own channel process: a hook call hung on a stopped
+        #: instance delays that client's PUBACK, never everyone's. Run on the Acker's one thread,
+        #: such a call held every vehicle's PUBACK for the request timeout (seen as deliveries
+        #: re-sent after the in-flight timeout fleet-wide in the SIGSTOP test).
+        self._channel_threads = ThreadPoolExecutor(64, thread_name_prefix="emqx-channel")
         self._closed = False
 
     @property
@@ -704,14 +710,29 @@ class FakeEmqx:
         """`_submit` for a job nobody waits for (one per delivered message): a failure goes to errors."""
         self._enqueue(clientid, None, fn, args)
 
-    def _enqueue(self, clientid: str, fut: Future[Any] | None, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def _enqueue(
+        self,
+        clientid: str,
+        fut: Future[Any] | None,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        elsewhere: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """Queue the job in the clientid's lane; if no thread runs the lane, run it here (or, with
+        `elsewhere`, on one of its threads)."""
         lane = self._lane(clientid)
         with lane.lock:
             lane.jobs.append((fut, fn, args))
             if lane.busy:
                 return
             lane.busy = True
-        self._run_lane(lane)
+        if elsewhere is None:
+            self._run_lane(lane)
+            return
+        try:
+            elsewhere.submit(self._run_lane, lane)
+        except RuntimeError:  # shut down (closing): run it here
+            self._run_lane(lane)
 
     def _run_lane(self, lane: _Lane) -> None:
         while True:
@@ -746,7 +767,8 @@ class FakeEmqx:
 
         def post() -> None:
             with contextlib.suppress(RuntimeError):  # closed: no more jobs
-                self._post(clientid, fn, *args)
+                # Queued here, in due order; run on a channel thread, not the Acker's.
+                self._enqueue(clientid, None, fn, args, elsewhere=self._channel_threads)
 
         self._acker.later(delay_s, post)
 
@@ -858,6 +880,7 @@ class FakeEmqx:
                     fut.cancel()
         # A job still running (say on a session-expiry timer) finishes before its channel closes.
         poll(lambda: not any(lane.busy for lane in lanes), timeout_s=self.job_timeout_s)
+        self._channel_threads.shutdown(wait=False)
         self.exhook.close()
         if check:
             self.check()

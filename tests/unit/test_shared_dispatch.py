@@ -13,11 +13,14 @@ from typing import Any
 import asyncpg
 import pytest
 
+from exhook_server import pgmode
+from exhook_server.config import Config
 from exhook_server.dispatch.commands import EndReason, Session
 from exhook_server.dispatch.shared import SharedDispatcher
 from storage.ops import RowSpec, sha1_of
 from storage.outcomes import Outcome
 from storage.pg import counts, ingest, migrate
+from storage.pg import dispatch as pgd
 from tests.pg_cluster import PgCluster
 
 _names = itertools.count()
@@ -327,5 +330,42 @@ def test_instances_triggering_the_same_vehicles_at_once_send_each_request_once(d
             await rig.until(lambda: len(rig.sent) >= len(vins), "deliveries")
             await rig.idle()
             assert sorted(v for _, v, _, _ in rig.sent) == vins
+
+    run(body)
+
+
+def test_a_vehicle_lock_held_by_an_instance_stalled_inside_a_statement_is_freed(dsn: str) -> None:
+    """An instance stopped between a statement's Parse and its Bind (asyncpg prepares with Parse,
+    Describe and Flush, then binds) leaves its backend "active", waiting for the client, with the
+    vehicle's lock held: idle_in_transaction_session_timeout never ends that transaction, so every
+    instance's events for the vehicle would wait for as long as it is stopped. end_stalled ends
+    such a session (and only one that old), and the next event gets the lock."""
+
+    async def body() -> None:
+        pool = await pgmode.create_pool(Config(store_url=dsn, store_pool_size=3))
+        # The stalled instance's session: the product's settings, PostgreSQL's idle bound short.
+        settings = {"application_name": "sdv-fanout", "idle_in_transaction_session_timeout": "200"}
+        stalled = await asyncpg.connect(dsn, server_settings=settings)
+        try:
+            await stalled.execute("BEGIN")
+            await pgd.load(stalled, "V1", int(time.time() * 1000), 0)  # the vehicle's lock
+            await stalled.prepare("SELECT 1")  # Parse, Describe, Flush: the Bind never comes
+            pid = stalled.get_server_pid()
+
+            async def lock_within(timeout_s: float) -> None:
+                async with asyncio.timeout(timeout_s), pool.acquire() as conn, conn.transaction():
+                    await pgd.load(conn, "V1", int(time.time() * 1000), 0)
+
+            # Five times PostgreSQL's idle bound later, the lock is still held.
+            with pytest.raises(TimeoutError):
+                await lock_within(1.0)
+            assert await pgmode.end_stalled(pool, older_than_s=60) == []  # younger: left alone
+            [ended] = await pgmode.end_stalled(pool, older_than_s=0.5)
+            assert (ended.pid, ended.state, ended.wait) == (pid, "active", "Client:ClientRead")
+            await lock_within(2.0)
+            assert await pgmode.end_stalled(pool, older_than_s=0.5) == []
+        finally:
+            stalled.terminate()
+            await pool.close()
 
     run(body)
