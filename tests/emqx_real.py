@@ -39,7 +39,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from tests.emqx_sim import LOOPBACK, Acker, free_port
+from tests.emqx_sim import LOOPBACK, Acker, free_port, free_ports, release_paho
 from tests.harness import ROOT, poll
 
 log = structlog.get_logger("sdv_fanout.tests.emqx_real")
@@ -282,11 +282,11 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-def _free_dist_offset() -> int:
-    """A node-name number N whose distribution port 4370 + N is free on loopback."""
+def _free_dist_offset(taken: set[int]) -> int:
+    """A node-name number N whose distribution port 4370 + N is free on loopback and not `taken`."""
     for _ in range(100):
         port = free_port()
-        if _DIST_BASE_PORT < port < _DIST_BASE_PORT + _DIST_MAX_OFFSET:
+        if _DIST_BASE_PORT < port < _DIST_BASE_PORT + _DIST_MAX_OFFSET and port not in taken:
             return port - _DIST_BASE_PORT
     raise EmqxError("no free port for the Erlang distribution")
 
@@ -309,10 +309,8 @@ class EmqxBroker:
         self.release = release
         self.version = version
         self.protocol = exhook_protocol(version)
-        self.mqtt_port = free_port()
-        self.api_port = free_port()
-        self.rpc_port = free_port()
-        offset = _free_dist_offset()
+        self.mqtt_port, self.api_port, self.rpc_port = free_ports(3)
+        offset = _free_dist_offset({self.mqtt_port, self.api_port, self.rpc_port})
         # ekka takes the distribution port from the name's trailing number; the rest makes it unique.
         self.node_name = f"emqx-{os.getpid()}-{next(_counter)}-{offset}@{LOOPBACK}"
         self.dir = Path(workdir) / self.node_name.split("@")[0]
@@ -799,6 +797,7 @@ class Vehicle:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
         client.loop_stop()
+        release_paho(client)
         with self._lock:
             self._held.clear()
             self._unacked = 0
@@ -891,6 +890,7 @@ class Platform:
     def close(self) -> None:
         self._client.disconnect()
         self._client.loop_stop()
+        release_paho(self._client)
 
 
 @contextlib.contextmanager

@@ -125,6 +125,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports on 127.0.0.1 that were free a moment ago. All are held at once while
+    they are picked: one at a time, the kernel may hand out a port it has just given back (an EMQX
+    once got the same port for its dashboard and its RPC server, and did not boot)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(n):
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((LOOPBACK, 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
+
+
 def topic_matches(topic_filter: str, topic: str) -> bool:
     """MQTT filter matching as `emqx_topic:match/2`: `+`/`#` first level never match `$...` topics."""
     fwords, twords = topic_filter.split("/"), topic.split("/")
