@@ -138,6 +138,24 @@ def free_ports(n: int) -> list[int]:
         return ports
 
 
+#: select()'s limit: paho's network loop watches its sockets with select.select, which refuses a file
+#: descriptor at or above it (ValueError, taken by paho as a lost connection, with no on_disconnect).
+FD_SETSIZE = 1024
+
+
+def release_paho(client: mqtt.Client) -> None:
+    """Close what a stopped paho client still holds: its socket and its wake-up socket pair.
+
+    paho closes the pair only in `__del__`, and a client sits in reference cycles (its callbacks
+    close over the connection that holds it), so the pair stayed open until a cyclic garbage
+    collection: 2 descriptors per connection ever made, thousands over a full test run. New
+    sockets then got numbers of FD_SETSIZE and above, which paho's select() cannot watch: the
+    CONNACK was never read and the vehicle waited its whole connect timeout (in the multi-instance
+    file, whichever test's fleet crossed 1024: the orphaned-batch test in full-suite runs, the
+    SIGSTOP test at the file's end every time)."""
+    client._reset_sockets()  # paho's own closing (socket and pair); it has no public one
+
+
 def topic_matches(topic_filter: str, topic: str) -> bool:
     """MQTT filter matching as `emqx_topic:match/2`: `+`/`#` first level never match `$...` topics."""
     fwords, twords = topic_filter.split("/"), topic.split("/")
@@ -443,9 +461,7 @@ class _Conn:
                     sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
             self.closed.wait(timeout_s)
         self.client.loop_stop()
-        sock = self.client.socket()
-        if sock is not None:
-            sock.close()
+        release_paho(self.client)
 
 
 class FakeEmqx:
@@ -1198,6 +1214,12 @@ class Vehicle:
         )
         sock = client.socket()
         assert sock is not None
+        if sock.fileno() >= FD_SETSIZE:  # fail now, not after the connect timeout
+            release_paho(client)
+            raise RuntimeError(
+                f"{self.clientid}: socket fd {sock.fileno()} >= FD_SETSIZE: paho's select() cannot watch it "
+                f"({len(os.listdir('/proc/self/fd'))} descriptors open in this process)"
+            )
         conn.peerport = int(sock.getsockname()[1])  # type: ignore[attr-defined]
         node, port = self.emqx.node, self.emqx.mqtt_port
         conn.conninfo = pb.ConnInfo(
@@ -1351,6 +1373,7 @@ class Vehicle:
 
 
 __all__ = [
+    "FD_SETSIZE",
     "HOOK_RPC",
     "MESSAGE_HOOKS",
     "Acked",
@@ -1362,6 +1385,7 @@ __all__ = [
     "SimulationError",
     "Vehicle",
     "free_port",
+    "release_paho",
     "running_mosquitto",
     "topic_matches",
 ]

@@ -3,7 +3,9 @@ HookProvider: the hook orders and fields must be those EMQX sends (docs/exhook-i
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -485,3 +487,31 @@ def test_failed_rpcs_are_recorded_and_mqtt_goes_on(broker: Mosquitto) -> None:
             emqx.check()
     finally:
         emqx.close(check=False)
+
+
+def test_closed_vehicles_leave_no_descriptor_open(recorder: Recorder, broker: Mosquitto) -> None:
+    """Closing a vehicle closes every descriptor its paho client held, its wake-up socket pair
+    included, without waiting for a garbage collection: held until one, they piled up over a
+    full test run until new sockets got numbers paho's select() cannot watch (FD_SETSIZE), and
+    the vehicles connecting then never read their CONNACK."""
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    gc.disable()  # only closing may free them here, as between collections in a long run
+    try:
+        with FakeEmqx(recorder.port, broker.port, pool_size=1) as emqx:
+            emqx.load()
+            first = emqx.vehicle("V0")
+            first.connect()  # the gRPC connection opens on the first call
+            first.close()
+            before = open_fds()
+            vehicles = [emqx.vehicle(f"V{n}") for n in range(1, 21)]
+            for v in vehicles:
+                v.connect()
+            assert open_fds() >= before + 3 * len(vehicles)  # a socket and a pair each
+            for v in vehicles:
+                v.close()
+            assert open_fds() <= before
+    finally:
+        gc.enable()

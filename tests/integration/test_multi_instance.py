@@ -297,9 +297,7 @@ def online_fleet(emqx: FakeEmqx, vins: Sequence[str], ack_delay_s: float = ACK_D
     def up(vin: str) -> Vehicle:
         v = emqx.vehicle(vin)
         v.ack_delay_s = ack_delay_s
-        # A CONNACK has taken over 10 s in full-suite runs (two of ~10 runs of this file, right after
-        # the instances started); the cause is not known yet, so allow it more time than usual.
-        v.connect(timeout_s=30.0)
+        v.connect()
         v.subscribe()
         return v
 
@@ -556,10 +554,6 @@ def stop_holding_a_vehicle_lock(victim: SubprocessServer, db: Database) -> tuple
     return poll(stalled_in_an_event, timeout_s=30, interval_s=0.01)  # type: ignore[no-any-return]
 
 
-@pytest.mark.skip(
-    reason="issue 14 open point: in CI the driver's vehicles here wait over 30 s for their CONNACK right after "
-    "the instances start (3 of 4 full-suite runs, cause not found); passes alone (the leader's idle wake-up)"
-)
 def test_a_batch_whose_instance_dies_right_after_storing_it_reaches_online_vehicles_without_a_heartbeat(
     tmp_path: Path, db: Database, broker: Mosquitto
 ) -> None:
