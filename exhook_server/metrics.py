@@ -102,8 +102,8 @@ DB_ROUND_TRIPS = Counter(
 )
 STALLED_SESSIONS_ENDED = Counter(
     "sdv_fanout_stalled_sessions_ended_total",
-    "Database sessions of a stalled instance ended because they held a vehicle's lock for too long"
-    " (PostgreSQL mode; see pgmode.end_stalled)",
+    "Database sessions of a stalled instance ended because they held a vehicle's lock or the lead"
+    " for too long (PostgreSQL mode; see pgmode.end_stalled)",
 )
 HEARTBEATS = Counter("sdv_fanout_heartbeats_total", "Heartbeat messages seen by the message.publish hook")
 HEARTBEAT_EVENTS = Counter(

@@ -31,6 +31,9 @@ log = structlog.get_logger("sdv_fanout.store")
 #: Session-level advisory lock of the instance that runs the jobs one instance should run
 #: (progress reports, GC): whoever holds it leads; its connection's end frees it.
 LEADER_KEY = 0x5344_5646_4C45_4144
+#: The application_name of the leader's own connection (the pool's is "sdv-fanout"): how
+#: `end_stalled` finds it without reading pg_locks.
+LEADER_APPLICATION = "sdv-fanout-leader"
 #: How long a connect or a probe may take before it counts as a failure.
 _PROBE_TIMEOUT_S = 2.0
 #: The first key of a vehicle's transaction-level advisory lock (storage/pg/dispatch.sql,
@@ -140,7 +143,8 @@ async def lead(cfg: Config, jobs: Callable[[], list[Coroutine[Any, Any, None]]],
     """Forever: try to become the leader (a session advisory lock on a connection of its own,
     asked again every `retry_s`); while leading, run `jobs()`; if that connection is lost, stop
     them and start over. A leader killed outright loses its connection, and with it the lock, at
-    once: another instance takes over within `retry_s`."""
+    once: another instance takes over within `retry_s`; a stopped one's connection is ended by
+    the others (`end_stalled`) once it has been silent for `stall_bound_s`."""
     while True:
         conn: Any = None
         tasks: list[asyncio.Task[None]] = []
@@ -169,7 +173,9 @@ async def _connect(url: str) -> Any:
     """A connection of its own, opened so that a cancel neither gets lost nor leaks it: asyncpg's
     connect, cancelled as it completes, may hand back the connection or drop it unclosed. The
     connect runs shielded; if we are cancelled meanwhile, whatever it opens is closed at once."""
-    opening = asyncio.ensure_future(asyncpg.connect(url, timeout=_PROBE_TIMEOUT_S * 5))
+    opening = asyncio.ensure_future(
+        asyncpg.connect(url, timeout=_PROBE_TIMEOUT_S * 5, server_settings={"application_name": LEADER_APPLICATION})
+    )
     try:
         return await asyncio.shield(opening)
     except asyncio.CancelledError:
@@ -213,7 +219,8 @@ async def wake_idle_loop(dispatcher: Any, interval_s: float) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Stalled:
-    """A session `end_stalled` ended: its backend pid, state, wait, transaction age and statement."""
+    """A session `end_stalled` ended: its backend pid, state, wait, how long it had stalled (its
+    transaction's age, or a leader's silence) and its last statement."""
 
     pid: int
     state: str
@@ -222,32 +229,41 @@ class Stalled:
     query: str
 
 
-# Sessions of this application and role (never a psql or a benchmark's) in a transaction older than
-# $1 ms: the cheap first look, so that pg_locks (which takes the lock manager's partition locks)
-# is read only when some transaction is that old.
-_OLD_TRANSACTIONS = """
+# Sessions of our instances (this role; never a psql's or a benchmark's) stalled for longer than
+# $1 ms: a pool session in a transaction that old, or a leader's connection idle that long (a
+# live leader runs a statement every `lead` retry_s). The cheap first look, so that pg_locks (it
+# takes the lock manager's partition locks) is read only when some session is that old.
+_OLD_SESSIONS = """
 SELECT pid FROM pg_stat_activity
-WHERE datname = current_database() AND usename = current_user
-    AND application_name = current_setting('application_name') AND pid <> pg_backend_pid()
-    AND xact_start < clock_timestamp() - $1::bigint * interval '1 millisecond'
+WHERE datname = current_database() AND usename = current_user AND pid <> pg_backend_pid()
+    AND ((application_name = current_setting('application_name')
+            AND xact_start < clock_timestamp() - $1::bigint * interval '1 millisecond')
+        OR (application_name = $2 AND state = 'idle'
+            AND state_change < clock_timestamp() - $1::bigint * interval '1 millisecond'))
 """
 
-# Of those, the ones still in that transaction and holding a vehicle's lock: ended.
+# Of those, the ones still stalled and holding a vehicle's lock, or the leader's: ended.
 _END_STALLED = f"""
 SELECT a.pid, coalesce(a.state, '') AS state,
     coalesce(a.wait_event_type || ':' || a.wait_event, '') AS wait,
-    extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS age_s,
+    extract(epoch FROM clock_timestamp() - coalesce(a.xact_start, a.state_change))::float8 AS age_s,
     left(a.query, 80) AS query, pg_terminate_backend(a.pid) AS ended
 FROM pg_stat_activity a
-WHERE a.pid = ANY($2::int[]) AND a.xact_start < clock_timestamp() - $1::bigint * interval '1 millisecond'
-    AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
-                AND l.classid = {VEHICLE_LOCK_CLASS} AND l.objsubid = 2)
+WHERE a.pid = ANY($2::int[])
+    AND ((a.xact_start < clock_timestamp() - $1::bigint * interval '1 millisecond'
+            AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
+                        AND l.classid = {VEHICLE_LOCK_CLASS} AND l.objsubid = 2))
+        OR (a.state = 'idle' AND a.state_change < clock_timestamp() - $1::bigint * interval '1 millisecond'
+            AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
+                        AND l.classid = {LEADER_KEY >> 32} AND l.objid = {LEADER_KEY & 0xFFFF_FFFF}
+                        AND l.objsubid = 1)))
 """
 
 
 async def end_stalled(pool: Any, older_than_s: float) -> list[Stalled]:
-    """End the sessions of our instances that have held a vehicle's lock for longer than
-    `older_than_s` in one transaction, and so free the lock.
+    """End the sessions of stalled instances that hold a lock others wait for: one that has held
+    a vehicle's lock for longer than `older_than_s` in one transaction, and a leader's connection
+    silent that long; so the vehicle's lock, or the lead, is free again.
 
     idle_in_transaction_session_timeout ends a transaction whose client stalled between
     statements, not one whose client stalled inside a statement: asyncpg prepares a statement
@@ -258,10 +274,14 @@ async def end_stalled(pool: Any, older_than_s: float) -> list[Stalled]:
     client; transaction_timeout exists from 17 on). Every instance's events for that vehicle wait
     on the lock, and so does the lane behind each. A vehicle event is a few short statements, and
     its own instance gives it up after its event timeout (ingest_timeout_s, below `older_than_s`):
-    a transaction that has held a vehicle's lock longer belongs to a stalled instance."""
+    a transaction that has held a vehicle's lock longer belongs to a stalled instance.
+
+    The leader's session lock lives on an idle connection, which no timeout ends: a stopped
+    leader kept the lead, and its jobs (the idle vehicles' wake-up among them) stopped for as
+    long as it was. A live leader runs a statement every `lead` retry_s (2 s)."""
     ms = round(older_than_s * 1000)
     async with asyncio.timeout(_PROBE_TIMEOUT_S * 2), pool.acquire() as conn:
-        old = [r["pid"] for r in await conn.fetch(_OLD_TRANSACTIONS, ms)]
+        old = [r["pid"] for r in await conn.fetch(_OLD_SESSIONS, ms, LEADER_APPLICATION)]
         if not old:
             return []
         found = await conn.fetch(_END_STALLED, ms, old)
@@ -271,7 +291,8 @@ async def end_stalled(pool: Any, older_than_s: float) -> list[Stalled]:
 async def end_stalled_loop(pool: Any, older_than_s: float, interval_s: float = 1.0) -> None:
     """Forever (in every instance: the stalled one may be the leader), every `interval_s`:
     `end_stalled`, so a vehicle's lock held by a stopped instance is free again within
-    `older_than_s` + `interval_s`."""
+    `older_than_s` + `interval_s`, and the lead a stopped leader held passes to another
+    instance within that and `lead`'s retry_s."""
     while True:
         await asyncio.sleep(interval_s)
         try:

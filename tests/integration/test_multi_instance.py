@@ -669,12 +669,14 @@ def test_two_processes_on_postgresql_both_serve_and_deliver_everything(
 def test_sigstop_of_one_instance_mid_fanout_the_others_deliver_everything(
     tmp_path: Path, db: Database, broker: Mosquitto
 ) -> None:
-    """SIGSTOP of one of 3 instances mid-fan-out, inside a vehicle event (its calls hang until
-    EMQX's request timeout; the vehicle's lock stays held until its session is ended): the other
-    two deliver every row, oldest first, one at a time (re-sends after the in-flight timeout
-    allowed); then it continues and stops."""
+    """SIGSTOP of the leader of 3 instances mid-fan-out, inside a vehicle event (its calls hang
+    until EMQX's request timeout; the vehicle's lock stays held until its session is ended): the
+    other two deliver every row, oldest first, one at a time (re-sends after the in-flight timeout
+    allowed), and one of them takes the lead; then it continues and stops."""
     with crash_rig(tmp_path, db, broker, request_timeout_s=2.0) as (servers, emqx, work, fleet):
-        victim = servers[0]
+        # The leader: its jobs (the idle vehicles' wake-up) must not stop with it.
+        [victim] = poll(lambda: [s for s in servers if s.logged("leading")], timeout_s=10)
+        others = [s for s in servers if s is not victim]
         clientid = fanout_under_way(victim, db, fleet, work)
         held, struck_at = stop_holding_a_vehicle_lock(victim, db)
         out = db.out_by(clientid)
@@ -687,6 +689,8 @@ def test_sigstop_of_one_instance_mid_fanout_the_others_deliver_everything(
             # instances if it stalled inside one (pgmode.end_stalled).
             stalled = ",".join(pid for _, pid, _ in held)
             poll(lambda: not db.rows(f"SELECT pid FROM pg_stat_activity WHERE pid IN ({stalled})"), timeout_s=10)
+            # Its silent leader connection was ended too (pgmode.end_stalled), and another leads.
+            poll(lambda: any(s.logged("leading") for s in others), timeout_s=10)
             check_delivered(fleet, work, db, duplicates=True)
             check_resent_after_timeout(emqx, fleet, out, struck_at)
             assert victim.port in emqx.exhook.down

@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 
 from exhook_server import pgmode
+from exhook_server.aio import cancel_all
 from exhook_server.config import Config
 from exhook_server.dispatch.commands import EndReason, Session
 from exhook_server.dispatch.shared import SharedDispatcher
@@ -366,6 +367,49 @@ def test_a_vehicle_lock_held_by_an_instance_stalled_inside_a_statement_is_freed(
             assert await pgmode.end_stalled(pool, older_than_s=0.5) == []
         finally:
             stalled.terminate()
+            await pool.close()
+
+    run(body)
+
+
+def test_a_stalled_leader_loses_the_lead_and_a_live_one_keeps_it(dsn: str) -> None:
+    """The leader's session lock lives on an idle connection of its own, which no PostgreSQL
+    timeout ends: a stopped leader kept the lead (and its jobs, the idle vehicles' wake-up among
+    them, stopped) for as long as it was stopped. end_stalled ends a leader's connection silent
+    for longer than its bound; a live leader's (a statement every retry_s) it leaves alone."""
+
+    async def body() -> None:
+        pool = await pgmode.create_pool(Config(store_url=dsn, store_pool_size=2))
+        leading = asyncio.Event()
+
+        async def job() -> None:
+            leading.set()
+            await asyncio.Event().wait()
+
+        leader = asyncio.create_task(pgmode.lead(Config(store_url=dsn), lambda: [job()], retry_s=0.1))
+        stalled = None
+        try:
+            async with asyncio.timeout(10):
+                await leading.wait()
+            for _ in range(15):  # 1.5 s, three times the bound: never silent that long
+                assert await pgmode.end_stalled(pool, older_than_s=0.5) == []
+                await asyncio.sleep(0.1)
+            await cancel_all([leader])
+            # A leader stopped while leading: the lock on its connection, and silence.
+            settings = {"application_name": pgmode.LEADER_APPLICATION}
+            stalled = await asyncpg.connect(dsn, server_settings=settings)
+            assert await stalled.fetchval("SELECT pg_try_advisory_lock($1)", pgmode.LEADER_KEY)
+            ended: list[pgmode.Stalled] = []
+            async with asyncio.timeout(5):
+                while not ended:
+                    ended = await pgmode.end_stalled(pool, older_than_s=0.5)
+                    await asyncio.sleep(0.1)
+            assert [(e.pid, e.state) for e in ended] == [(stalled.get_server_pid(), "idle")]
+            assert await pool.fetchval("SELECT pg_try_advisory_lock($1)", pgmode.LEADER_KEY)
+        finally:
+            await cancel_all([leader])
+            if stalled is not None:
+                stalled.terminate()
             await pool.close()
 
     run(body)
