@@ -23,7 +23,7 @@ from exhook_server import metrics
 from exhook_server.aio import cancel_all
 from exhook_server.config import Config
 from storage.errors import StorageError
-from storage.pg import counts, migrate
+from storage.pg import counts, ingest, migrate
 from storage.pg.errors import FAILURES, raise_if_cancelling
 
 log = structlog.get_logger("sdv_fanout.store")
@@ -39,6 +39,9 @@ _PROBE_TIMEOUT_S = 2.0
 #: The first key of a vehicle's transaction-level advisory lock (storage/pg/dispatch.sql,
 #: sdv_vin_load: pg_advisory_xact_lock(21318, hashtext(vin))).
 VEHICLE_LOCK_CLASS = 21318
+#: The same for a request's lock (storage/pg/ingest.py REQUEST_LOCK): batches hold it shared, the
+#: start of a cancel of every vehicle exclusive.
+REQUEST_LOCK_CLASS = ingest.REQUEST_LOCK
 
 
 def stall_bound_s(cfg: Config) -> float:
@@ -242,7 +245,7 @@ WHERE datname = current_database() AND usename = current_user AND pid <> pg_back
             AND state_change < clock_timestamp() - $1::bigint * interval '1 millisecond'))
 """
 
-# Of those, the ones still stalled and holding a vehicle's lock, or the leader's: ended.
+# Of those, the ones still stalled and holding a vehicle's or a request's lock, or the leader's: ended.
 _END_STALLED = f"""
 SELECT a.pid, coalesce(a.state, '') AS state,
     coalesce(a.wait_event_type || ':' || a.wait_event, '') AS wait,
@@ -252,7 +255,7 @@ FROM pg_stat_activity a
 WHERE a.pid = ANY($2::int[])
     AND ((a.xact_start < clock_timestamp() - $1::bigint * interval '1 millisecond'
             AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
-                        AND l.classid = {VEHICLE_LOCK_CLASS} AND l.objsubid = 2))
+                        AND l.classid IN ({VEHICLE_LOCK_CLASS}, {REQUEST_LOCK_CLASS}) AND l.objsubid = 2))
         OR (a.state = 'idle' AND a.state_change < clock_timestamp() - $1::bigint * interval '1 millisecond'
             AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
                         AND l.classid = {LEADER_KEY >> 32} AND l.objid = {LEADER_KEY & 0xFFFF_FFFF}
@@ -262,8 +265,10 @@ WHERE a.pid = ANY($2::int[])
 
 async def end_stalled(pool: Any, older_than_s: float) -> list[Stalled]:
     """End the sessions of stalled instances that hold a lock others wait for: one that has held
-    a vehicle's lock for longer than `older_than_s` in one transaction, and a leader's connection
-    silent that long; so the vehicle's lock, or the lead, is free again.
+    a vehicle's lock, or a request's (a plugin-format batch's transaction: a cancel of every
+    vehicle and that request's other batches wait on its locks), for longer than `older_than_s` in
+    one transaction, and a leader's connection silent that long; so the lock, or the lead, is free
+    again.
 
     idle_in_transaction_session_timeout ends a transaction whose client stalled between
     statements, not one whose client stalled inside a statement: asyncpg prepares a statement

@@ -413,3 +413,35 @@ def test_a_stalled_leader_loses_the_lead_and_a_live_one_keeps_it(dsn: str) -> No
             await pool.close()
 
     run(body)
+
+
+def test_a_request_lock_held_by_an_instance_stalled_inside_a_statement_is_freed(dsn: str) -> None:
+    """The same stall inside a plugin-format batch's transaction, which holds its request's lock
+    (shared) and its rows: a cancel of every vehicle of that request (the exclusive lock) would wait
+    for as long as the instance is stopped. end_stalled ends it."""
+
+    async def body() -> None:
+        pool = await pgmode.create_pool(Config(store_url=dsn, store_pool_size=3))
+        settings = {"application_name": "sdv-fanout", "idle_in_transaction_session_timeout": "200"}
+        stalled = await asyncpg.connect(dsn, server_settings=settings)
+        lock = "SELECT pg_advisory_xact_lock($1, hashtext($2))"
+        try:
+            await stalled.execute("BEGIN")
+            await stalled.execute(lock.replace("lock(", "lock_shared("), ingest.REQUEST_LOCK, "task_ota_1")
+            await stalled.prepare("SELECT 2")  # Parse, Describe, Flush: the Bind never comes
+            pid = stalled.get_server_pid()
+
+            async def cancel_lock_within(timeout_s: float) -> None:
+                async with asyncio.timeout(timeout_s), pool.acquire() as conn, conn.transaction():
+                    await conn.execute(lock, ingest.REQUEST_LOCK, "task_ota_1")
+
+            with pytest.raises(TimeoutError):
+                await cancel_lock_within(1.0)
+            [ended] = await pgmode.end_stalled(pool, older_than_s=0.5)
+            assert (ended.pid, ended.state) == (pid, "active")
+            await cancel_lock_within(2.0)
+        finally:
+            stalled.terminate()
+            await pool.close()
+
+    run(body)
