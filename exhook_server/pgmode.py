@@ -24,6 +24,7 @@ from exhook_server.aio import cancel_all
 from exhook_server.config import Config
 from storage.errors import StorageError
 from storage.pg import counts, ingest, migrate
+from storage.pg import dispatch as pgd
 from storage.pg.errors import FAILURES, raise_if_cancelling
 
 log = structlog.get_logger("sdv_fanout.store")
@@ -36,12 +37,6 @@ LEADER_KEY = 0x5344_5646_4C45_4144
 LEADER_APPLICATION = "sdv-fanout-leader"
 #: How long a connect or a probe may take before it counts as a failure.
 _PROBE_TIMEOUT_S = 2.0
-#: The first key of a vehicle's transaction-level advisory lock (storage/pg/dispatch.sql,
-#: sdv_vin_load: pg_advisory_xact_lock(21318, hashtext(vin))).
-VEHICLE_LOCK_CLASS = 21318
-#: The same for a request's lock (storage/pg/ingest.py REQUEST_LOCK): batches hold it shared, the
-#: start of a cancel of every vehicle exclusive.
-REQUEST_LOCK_CLASS = ingest.REQUEST_LOCK
 
 
 def stall_bound_s(cfg: Config) -> float:
@@ -255,7 +250,7 @@ FROM pg_stat_activity a
 WHERE a.pid = ANY($2::int[])
     AND ((a.xact_start < clock_timestamp() - $1::bigint * interval '1 millisecond'
             AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
-                        AND l.classid IN ({VEHICLE_LOCK_CLASS}, {REQUEST_LOCK_CLASS}) AND l.objsubid = 2))
+                        AND l.classid IN ({pgd.VEHICLE_LOCK}, {ingest.REQUEST_LOCK}) AND l.objsubid = 2))
         OR (a.state = 'idle' AND a.state_change < clock_timestamp() - $1::bigint * interval '1 millisecond'
             AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
                         AND l.classid = {LEADER_KEY >> 32} AND l.objid = {LEADER_KEY & 0xFFFF_FFFF}

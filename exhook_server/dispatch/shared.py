@@ -485,7 +485,7 @@ class SharedDispatcher:
         """Our MQTT connection changed state: when lost, what it had out is voided (sent again on
         the next trigger); when back, every online vehicle with work and a free slot gets a go."""
         metrics.MQTT_CONNECTED.set(1 if up else 0)
-        self._spawn(self._broker_back() if up else self._broker_lost(), "broker-state")
+        self._spawn(self.wake_idle() if up else self._broker_lost(), "broker-state")
 
     async def _broker_lost(self) -> None:
         after = ""
@@ -497,9 +497,6 @@ class SharedDispatcher:
             if len(vins) < _PAGE:
                 return
             after = vins[-1]
-
-    async def _broker_back(self) -> None:
-        await self.wake_idle()
 
     async def wake_idle(self) -> None:
         """An event for every online vehicle with work and a free slot, in pages of VINs (after

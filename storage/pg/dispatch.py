@@ -21,6 +21,10 @@ from typing import Any
 
 from storage import keys
 
+#: Advisory lock class of a vehicle (with hashtext(vin)): `sdv_vin_load` (dispatch.sql) takes it for
+#: each event, so one vehicle's events run one at a time across instances.
+VEHICLE_LOCK = 21318
+
 
 @dataclass(frozen=True, slots=True)
 class Marker:

@@ -41,26 +41,24 @@ class Raced(Exception):
 
 
 async def retrying(conn: Any, what: str, body: Callable[[], Awaitable[T]]) -> T:
-    """Run `body` in a transaction of `conn`, again from the start (at most RACE_RETRIES times)
-    when it raises `Raced`, or when PostgreSQL aborted it to break a deadlock or a serialization
-    conflict (its documented remedy: run the transaction again; nothing of it was committed)."""
-    for _ in range(RACE_RETRIES):
-        try:
-            async with conn.transaction():
-                return await body()
-        except (Raced, asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError):
-            continue
-    raise StorageError(f"{what} kept racing concurrent writes ({RACE_RETRIES} tries)")
+    """Run `body` in a transaction of `conn`, again from the start as `retrying_call` says."""
+
+    async def in_a_transaction() -> T:
+        async with conn.transaction():
+            return await body()
+
+    return await retrying_call(what, in_a_transaction)
 
 
 async def retrying_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
-    """`call()`, one statement that is its own transaction (a function of batch.sql), again when
-    it raised serialization_failure (a concurrent write changed what it had read) or PostgreSQL
-    aborted it to break a deadlock; at most RACE_RETRIES times. Nothing of a failed try committed."""
+    """`call()`, a transaction (a function of batch.sql is one by itself), again from the start (at
+    most RACE_RETRIES times) when it raises `Raced` or serialization_failure (a concurrent write
+    changed what it had read), or when PostgreSQL aborted it to break a deadlock (its documented
+    remedy: run the transaction again; nothing of a failed try committed)."""
     for _ in range(RACE_RETRIES):
         try:
             return await call()
-        except (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError):
+        except (Raced, asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError):
             continue
     raise StorageError(f"{what} kept racing concurrent writes ({RACE_RETRIES} tries)")
 
@@ -80,7 +78,7 @@ async def store_batch(
     sha1 = sha1_of(blob)
     args = (list(vins), request_id, blob, sha1, now_ms, batch_id, spec.expires_ms, spec.flags, spec.max_pending)
     out = await retrying_call(f"batch of {request_id}", lambda: conn.fetchrow(_STORE_BATCH, *args, TOUCH_EVERY_MS))
-    if not out["taken"]:
+    if batch_id is not None and not out["taken"]:
         return _duplicate(batch_id, out)
     refused = tuple(out["refused"])
     gone = set(refused)
@@ -95,7 +93,7 @@ SELECT * FROM sdv_store_batch($1::text[], $2::text, $3::bytea, $4::bytea, $5::in
 """
 
 
-def _duplicate(batch_id: Any, first: Any) -> Duplicate:
+def _duplicate(batch_id: str, first: Any) -> Duplicate:
     sha1 = None if first["first_sha1"] is None else bytes(first["first_sha1"])
     return Duplicate(
         batch_id, first["first_request_id"], sha1, first["first_rows"], first["first_ts"], tuple(first["first_refused"])

@@ -45,6 +45,7 @@ import pytest
 
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage.outcomes import Outcome
+from storage.pg import dispatch as pgd
 from tests.emqx_sim import Acked, FakeEmqx, Mosquitto, Received, Vehicle
 from tests.exhook_pool import Routing
 from tests.harness import SubprocessServer, poll
@@ -519,10 +520,6 @@ def tcp_ports(pids: Iterable[int]) -> set[int]:
     return ports
 
 
-#: The first key of a vehicle's advisory lock (storage/pg/dispatch.sql, sdv_vin_load).
-VEHICLE_LOCK_CLASS = "21318"
-
-
 def stop_holding_a_vehicle_lock(victim: SubprocessServer, db: Database) -> tuple[list[list[str]], float]:
     """SIGSTOP the victim at a moment it is inside a vehicle event (a transaction holding the
     vehicle's advisory lock), the worst moment a stall can hit: SIGCONT and try again while it
@@ -532,7 +529,7 @@ def stop_holding_a_vehicle_lock(victim: SubprocessServer, db: Database) -> tuple
     ports = ",".join(map(str, tcp_ports({victim.proc.pid, *victim.pids})))
     held = (
         "SELECT a.state, l.pid, l.objid FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
-        f"WHERE l.locktype = 'advisory' AND l.granted AND l.classid = {VEHICLE_LOCK_CLASS} "
+        f"WHERE l.locktype = 'advisory' AND l.granted AND l.classid = {pgd.VEHICLE_LOCK} "
         f"AND a.state <> 'idle' AND a.client_port IN ({ports})"
     )
     busy = (  # a statement already sent still completes, unless it waits for a lock
