@@ -25,6 +25,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (3, "dispatch.sql"),
     (4, "deltas.sql"),
     (5, "batch.sql"),
+    (6, "batch6.sql"),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -1,6 +1,7 @@
-"""A batch on PostgreSQL is one statement (storage/pg/batch.sql, schema 5), whatever it carries, and
-concurrent batches racing for the same rows still leave counts that equal a recount (the function
-raises serialization_failure and the statement runs again)."""
+"""A batch on PostgreSQL is one statement (storage/pg/batch.sql, schema 5; batch6.sql writes the new
+rows first), whatever it carries; concurrent batches racing for the same rows still leave counts
+that equal a recount; a row ended between the batch's insert and its lock makes the function raise
+serialization_failure, and the statement runs again."""
 
 from __future__ import annotations
 
@@ -58,9 +59,8 @@ def test_a_batch_is_one_statement_with_its_id_bound_replacements_and_duplicate(d
 
 def test_batches_racing_for_the_same_rows_keep_counts_exact(dsn: str) -> None:
     """Four connections store payloads of one request to the same VINs at once, six requests in a
-    row: each batch reads the rows it replaces, so rows another one creates meanwhile make it start
-    over (a few times per run, measured with pg_stat_database.xact_rollback). Every batch lands
-    and the counts equal a recount."""
+    row: a batch inserting a pair another one is inserting waits for it, then replaces that row.
+    Every batch lands and the counts equal a recount."""
 
     async def go() -> tuple[dict[Any, Any], dict[Any, Any], int]:
         conns = [await asyncpg.connect(dsn) for _ in range(4)]
@@ -85,3 +85,43 @@ def test_batches_racing_for_the_same_rows_keep_counts_exact(dsn: str) -> None:
     assert stored == recount and rows == 6 * 120
     assert sum(c["pending"] for c in stored.values()) == 6 * 120
     assert sum(c["superseded"] for c in stored.values()) == 6 * 3 * 120  # each round: the first inserts
+
+
+def test_a_row_ended_between_insert_and_lock_makes_the_batch_start_over(dsn: str) -> None:
+    """A batch finds (V1, task_a_1) present, so it must lock and replace it; another transaction
+    holds that row and deletes it meanwhile. The batch's lock then finds no row: it raises
+    serialization_failure (seen by asyncpg's query logger), runs again, and stores a fresh row."""
+
+    async def go() -> tuple[Any, Any, list[BaseException]]:
+        holder, writer, watcher = [await asyncpg.connect(dsn) for _ in range(3)]
+        try:
+            await migrate.migrate(holder)
+            await ingest.store_batch(holder, ["V1"], "task_a_1", b"old", 1_000)
+            tx = holder.transaction()
+            await tx.start()
+            await holder.execute("SELECT 1 FROM rows WHERE vin = 'V1' AND request_id = 'task_a_1' FOR UPDATE")
+            failed: list[BaseException] = []
+            writer.add_query_logger(lambda q: failed.append(q.exception) if q.exception else None)
+            batch = asyncio.ensure_future(ingest.store_batch(writer, ["V1", "V2"], "task_a_1", b"new", 2_000))
+            waiting = (
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+            for _ in range(500):  # until the batch waits on the held row (bounded: 5 s)
+                if await watcher.fetchval(waiting):
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the batch never waited for the held row")
+            await holder.execute("DELETE FROM rows WHERE vin = 'V1' AND request_id = 'task_a_1'")
+            await tx.commit()
+            written = await asyncio.wait_for(batch, 10)
+            row = await watcher.fetchrow("SELECT sha1, ts_ms FROM rows WHERE vin = 'V1' AND request_id = 'task_a_1'")
+            return written, row, failed
+        finally:
+            for c in (holder, writer, watcher):
+                await c.close()
+
+    written, row, failed = asyncio.run(go())
+    assert written.replaced == 0 and set(written.vins) == {"V1", "V2"}  # the second try found no row
+    assert bytes(row["sha1"]) == sha1_of(b"new") and row["ts_ms"] == 2_000
+    assert [type(e) for e in failed] == [asyncpg.exceptions.SerializationError], failed
