@@ -2,12 +2,12 @@
 --
 -- Most rows a batch names are new: version 5 read every (VIN, request) pair first (to learn which
 -- existed, locked), then upserted all of them, then counted each VIN's backlog through a bitmap
--- scan; about 1.6 times the database CPU of a bare upsert of the same rows. Here one
--- `INSERT ... ON CONFLICT DO NOTHING` writes the new pairs and says which they were; only the
--- pairs that existed are read (locked) and updated, and only the new pairs count their VIN's
--- backlog, through the queue index, after the insert: a VIN now past the bound has its new row
--- removed again, refused, in the same transaction. The answers and the rules are those of
--- version 5, which this replaces.
+-- scan; about 1.6 times the database CPU of a bare upsert of the same rows. Here a plain INSERT
+-- writes the new pairs (or, when some existed, `INSERT ... ON CONFLICT DO NOTHING`, which says
+-- which were new); only the pairs that existed are read (locked) and updated, and only the new
+-- pairs count their VIN's backlog, through the queue index, after the insert: a VIN now past the
+-- bound has its new row removed again, refused, in the same transaction. The answers and the
+-- rules are those of version 5, which this replaces.
 CREATE OR REPLACE FUNCTION sdv_put_rows(
     p_vins text[], p_request_id text, p_sha1 bytea, p_size integer, p_now bigint,
     p_expires bigint, p_flags smallint, p_max_pending integer,
@@ -22,6 +22,7 @@ DECLARE
     v_cut bigint;
     v_known boolean;
     v_vins text[];
+    v_fresh boolean;
     v_new text[];
     v_rest text[];
     v_newly text[];
@@ -52,13 +53,31 @@ BEGIN
     v_known := EXISTS (SELECT 1 FROM generations WHERE request_id = p_request_id AND sha1 = p_sha1);
 
     -- The new pairs, in VIN order (a concurrent batch inserting the same pair waits for this one).
-    WITH written AS (
-        INSERT INTO rows (vin, request_id, ts_ms, sha1, size, expires_ms, flags)
-        SELECT v, p_request_id, v_ts, p_sha1, p_size, p_expires, p_flags FROM unnest(v_vins) AS v
-        ON CONFLICT (vin, request_id) DO NOTHING
-        RETURNING vin
-    )
-    SELECT coalesce(array_agg(w.vin ORDER BY w.vin COLLATE "C"), '{}') INTO v_new FROM written w;
+    -- Usually every pair is new (a campaign's next VINs): a plain INSERT, whose unique check is
+    -- part of its index insert, costs about a third less than ON CONFLICT's speculative insertion
+    -- (a probe before each row, a lock and a confirming WAL record after). It runs in a
+    -- subtransaction (the EXCEPTION block): when a pair exists after all, its rows are undone and
+    -- the ON CONFLICT form runs. A batch whose first pair exists (the same VINs again) goes
+    -- there directly.
+    v_fresh := NOT EXISTS (SELECT 1 FROM rows WHERE vin = v_vins[1] AND request_id = p_request_id);
+    IF v_fresh THEN
+        BEGIN
+            INSERT INTO rows (vin, request_id, ts_ms, sha1, size, expires_ms, flags)
+            SELECT v, p_request_id, v_ts, p_sha1, p_size, p_expires, p_flags FROM unnest(v_vins) AS v;
+            v_new := v_vins;
+        EXCEPTION WHEN unique_violation THEN
+            v_fresh := false;
+        END;
+    END IF;
+    IF NOT v_fresh THEN
+        WITH written AS (
+            INSERT INTO rows (vin, request_id, ts_ms, sha1, size, expires_ms, flags)
+            SELECT v, p_request_id, v_ts, p_sha1, p_size, p_expires, p_flags FROM unnest(v_vins) AS v
+            ON CONFLICT (vin, request_id) DO NOTHING
+            RETURNING vin
+        )
+        SELECT coalesce(array_agg(w.vin ORDER BY w.vin COLLATE "C"), '{}') INTO v_new FROM written w;
+    END IF;
     IF p_max_pending > 0 THEN
         -- The new row makes p_max_pending + 1: the VIN had its bound's worth already. Counted
         -- through the vehicle's queue index up to that many: a huge backlog costs no more.

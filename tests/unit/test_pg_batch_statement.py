@@ -125,3 +125,26 @@ def test_a_row_ended_between_insert_and_lock_makes_the_batch_start_over(dsn: str
     assert written.replaced == 0 and set(written.vins) == {"V1", "V2"}  # the second try found no row
     assert bytes(row["sha1"]) == sha1_of(b"new") and row["ts_ms"] == 2_000
     assert [type(e) for e in failed] == [asyncpg.exceptions.SerializationError], failed
+
+
+def test_a_later_pair_that_exists_undoes_the_plain_insert_and_replaces_it(dsn: str) -> None:
+    """The batch's first VIN (V1) has no row, so the plain INSERT runs; V3 has one, so it fails
+    (unique_violation) and is undone, and the ON CONFLICT form stores the batch: V1 and V2 new, V3
+    replaced and its old payload superseded; counts equal a recount."""
+
+    async def go() -> tuple[Any, dict[Any, Any], dict[Any, Any], int]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await migrate.migrate(conn)
+            await ingest.store_batch(conn, ["V3"], "task_a_1", b"old", 1_000)
+            written = await ingest.store_batch(conn, ["V3", "V1", "V2"], "task_a_1", b"new", 2_000)
+            stored = {(g.request_id, g.sha1): g.counts for g in await counts.all_generations(conn)}
+            rows = int(await conn.fetchval("SELECT count(*) FROM rows WHERE sha1 = $1", sha1_of(b"new")))
+            return written, stored, await counts.recount(conn), rows
+        finally:
+            await conn.close()
+
+    written, stored, recount, rows = asyncio.run(go())
+    assert written.replaced == 1 and written.superseded == frozenset({sha1_of(b"old")})
+    assert rows == 3 and stored == recount
+    assert stored[("task_a_1", sha1_of(b"new"))]["pending"] == 3
