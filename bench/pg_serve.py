@@ -28,6 +28,10 @@ on, run as an unprivileged user), each in paired rounds whose order changes roun
      not sent, and counted late; nothing queues). CPU per call measured there is a cost, free of
      the saturated machine's scheduling; what still grows with n is each instance's: it gets
      1/n of the calls, so fewer of them share each wake-up and each batched statement.
+   - equal load per instance (`--inst-rate-per-instance` R, the same open loop at n x R calls/s in
+     all): scaling out, each instance added carrying its share of a growing fleet, on cores of its
+     own in production. Flat CPU per call here is what "throughput scales with cores" means; the
+     total (3 x 400 = 1,200 calls/s by default) stays under the 2-core VM's saturation.
 3. heartbeats: database round trips per heartbeat (the server's own counters) at steady rates,
    for vehicles with nothing pending and for vehicles with a delivery out and more queued, per
    `heartbeat_window_ms`.
@@ -35,7 +39,7 @@ on, run as an unprivileged user), each in paired rounds whose order changes roun
    would), one rig on PostgreSQL and one on LMDB.
 
     .venv/bin/python bench/pg_serve.py [--rounds 3 --only ingest,instances,heartbeat,e2e --json F]
-    .venv/bin/python bench/pg_serve.py --layouts shared --inst-rate 0  # without the fairer layouts
+    .venv/bin/python bench/pg_serve.py --layouts shared --inst-rate 0 --inst-rate-per-instance 0  # closed loops only
     .venv/bin/python bench/pg_serve.py --quick          # about a minute
     .venv/bin/python bench/pg_serve.py --statements     # + each part's busiest statements
 
@@ -873,23 +877,28 @@ def part_instances(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any
         mix = Mix(vins, request_id, payload, (args.subscribe_share, args.ack_share), args.seed)
         warm = instances_cell(servers, [], db, mix, args)  # every instance's pool and prepared statements
         say(f"instances: warm-up over all {len(servers)}: {warm['calls_per_s']:,.0f} calls/s")
-        # Closed-loop cells and (with --inst-rate) fixed-rate cells, one order rotating over both.
-        cells = [(n, 0.0) for n in levels] + ([(n, args.inst_rate) for n in levels] if args.inst_rate > 0 else [])
+        # Closed-loop cells, then the open-loop tables' cells (each n at its table's total rate; a cell
+        # two tables share, such as 1 instance at 400 calls/s in both, is measured once and shown in
+        # both), one order rotating over them all.
+        tables = open_tables(args)
+        cells = [(n, 0.0) for n in levels]
+        cells += list(dict.fromkeys((n, rate_of(n)) for rate_of in tables.values() for n in levels))
         rounds = []
         for r in range(args.rounds):
             order = rotated(cells, r)
             res: dict[str, Any] = {"order": "->".join(f"{n}@{rate:g}/s" if rate else str(n) for n, rate in order)}
-            fixed: dict[str, Any] = {}
-            for k, (n, rate) in enumerate(order):
-                cell = instances_cell(servers[:n], servers[n:], db, mix, args, rate, seed=args.seed + 100 * r + k)
-                (fixed if rate else res)[str(n)] = cell
-            for at in (res, fixed) if fixed else (res,):
+            got = {
+                (n, rate): instances_cell(servers[:n], servers[n:], db, mix, args, rate, seed=args.seed + 100 * r + k)
+                for k, (n, rate) in enumerate(order)
+            }
+            res.update({str(n): got[n, 0.0] for n in levels})
+            for t, offered in tables.items():
+                res[t] = {str(n): dict(got[n, offered(n)]) for n in levels}  # copies: the ratios are the table's
+            for at in (res, *(res[t] for t in tables)):
                 base = at[str(levels[0])]
                 for n in levels:
                     at[str(n)]["cost_vs_first"] = at[str(n)]["us_per_call"] / base["us_per_call"]
                     at[str(n)]["rate_vs_first"] = at[str(n)]["calls_per_s"] / base["calls_per_s"]
-            if fixed:
-                res["fixed_rate"] = fixed
             rounds.append(res)
             say(
                 f"instances round {r + 1}/{args.rounds}: closed loop "
@@ -898,15 +907,15 @@ def part_instances(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any
                     f"{res[str(n)]['trips_per_call']:.2f} trips/call"
                     for n in levels
                 )
-                + (
-                    f"; at {args.inst_rate:g} calls/s "
+                + "".join(
+                    f"; {OPEN_TABLES[t]} "
                     + ", ".join(
-                        f"{n}: {fixed[str(n)]['calls_per_s']:,.0f} calls/s {fixed[str(n)]['us_per_call']:,.0f} µs/call "
-                        f"{fixed[str(n)]['trips_per_call']:.2f} trips/call, {fixed[str(n)]['late']} late"
+                        f"{n}: {res[t][str(n)]['calls_per_s']:,.0f} of {offered(n):,.0f} calls/s "
+                        f"{res[t][str(n)]['us_per_call']:,.0f} µs/call {res[t][str(n)]['trips_per_call']:.2f} "
+                        f"trips/call, {res[t][str(n)]['late']} late"
                         for n in levels
                     )
-                    if fixed
-                    else ""
+                    for t, offered in tables.items()
                 )
             )
         left = asyncio.run(pg_count(dsn, "SELECT count(*) FROM rows"))
@@ -919,11 +928,29 @@ def part_instances(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any
         "vins": len(vins),
         "rounds": rounds,
         "fixed_rate": args.inst_rate if args.inst_rate > 0 else 0.0,
+        "per_instance_rate": args.inst_rate_per_instance if args.inst_rate_per_instance > 0 else 0.0,
         "max_in_flight": args.clients * 4,
         "acks_issued": mix.acks_issued,
         "rows_stored": len(vins),
         "rows_left": left,
     }
+
+
+#: The instances part's open-loop tables: key in each round (and in its summary, after
+#: "instances_"), and what the progress line calls it.
+OPEN_TABLES = {"fixed_rate": "fixed total rate", "per_instance_rate": "equal load per instance"}
+
+
+def open_tables(args: argparse.Namespace) -> dict[str, Callable[[int], float]]:
+    """The open-loop tables this run measures, each as its total offered calls/s for n instances:
+    `--inst-rate` whatever n (the instances share a fixed load), or n x `--inst-rate-per-instance`
+    (each instance added brings its own)."""
+    rates: dict[str, Callable[[int], float]] = {
+        "fixed_rate": lambda n: args.inst_rate,
+        "per_instance_rate": lambda n: n * args.inst_rate_per_instance,
+    }
+    on = {"fixed_rate": args.inst_rate > 0, "per_instance_rate": args.inst_rate_per_instance > 0}
+    return {t: rates[t] for t in OPEN_TABLES if on[t]}
 
 
 def instances_cell(
@@ -1209,17 +1236,23 @@ def summarise(out: dict[str, Any]) -> dict[str, Any]:
             "trips_per_call",
         )
         s["instances"] = {str(n): {k: mmm([r[str(n)][k] for r in rs]) for k in keys} for n in inst["levels"]}
-        if "fixed_rate" in rs[0]:  # apart: bench/run_all.py reads every key of "instances" as a level
-            s["instances_fixed_rate"] = {
-                "offered_per_s": inst["fixed_rate"],
-                "levels": {
-                    str(n): {
-                        **{k: mmm([r["fixed_rate"][str(n)][k] for r in rs]) for k in (*keys, "p50_ms", "p99_ms")},
-                        "late": sum(r["fixed_rate"][str(n)]["late"] for r in rs),
-                    }
-                    for n in inst["levels"]
-                },
+        # The open-loop tables apart: bench/run_all.py reads every key of "instances" as a level.
+        # "instances_fixed_rate": offered_per_s in all whatever n; "instances_per_instance_rate":
+        # per_instance_per_s each, so n times that in all (each level's offered_per_s).
+        for t in OPEN_TABLES:
+            if t not in rs[0]:
+                continue
+            by_level = {
+                str(n): {
+                    **{k: mmm([r[t][str(n)][k] for r in rs]) for k in (*keys, "p50_ms", "p99_ms")},
+                    "offered_per_s": rs[0][t][str(n)]["offered_per_s"],
+                    "late": sum(r[t][str(n)]["late"] for r in rs),
+                    "arrivals": sum(r[t][str(n)]["offered"] for r in rs),
+                }
+                for n in inst["levels"]
             }
+            rate_key = "offered_per_s" if t == "fixed_rate" else "per_instance_per_s"
+            s[f"instances_{t}"] = {rate_key: inst[t], "levels": by_level}
     if hb := out.get("heartbeat"):
         s["heartbeat"] = {
             key: {
@@ -1438,6 +1471,7 @@ def pinned_markdown(ing: dict[str, Any], m: dict[str, Any]) -> list[str]:
 def instances_markdown(inst: dict[str, Any], m: dict[str, Any]) -> list[str]:
     rs, levels = inst["rounds"], inst["levels"]
     first = levels[0]
+    open_ = [t for t in OPEN_TABLES if t in rs[0]]
     mix = (
         f"{1 - m['subscribe_share'] - m['ack_share']:.0%} heartbeats, {m['subscribe_share']:.0%} subscribes, "
         f"{m['ack_share']:.0%} acks"
@@ -1471,45 +1505,92 @@ def instances_markdown(inst: dict[str, Any], m: dict[str, Any]) -> list[str]:
         "call counts every call issued (warm-up included) and lasts until the servers and PostgreSQL are idle, so the "
         "work behind the answers (heartbeat filter, events) is in it. calls/s is bounded by the 2 shared cores: "
         "read the cost column. At saturation the cost column also holds the machine's: more processes busy on "
-        "the same cores add scheduling and waiting to every call; the fixed-rate table below measures the cost "
-        "below saturation.",
+        "the same cores add scheduling and waiting to every call"
+        + (
+            f"; the open-loop {'tables below measure' if len(open_) > 1 else 'table below measures'} the cost below "
+            "saturation."
+            if open_
+            else "."
+        ),
     ]
-    if "fixed_rate" in rs[0]:
-        lines += ["", *fixed_rate_markdown(inst, m)]
+    for t in open_:
+        lines += ["", *open_loop_markdown(inst, m, t)]
     return lines
 
 
-def fixed_rate_markdown(inst: dict[str, Any], m: dict[str, Any]) -> list[str]:
-    """The instances part's open-loop cells: the same mix at one fixed offered rate."""
-    rs, levels = [r["fixed_rate"] for r in inst["rounds"]], inst["levels"]
-    first, rate = levels[0], inst["fixed_rate"]
+#: An open-loop cell's arrivals not sent (late) above this share: the table says so.
+LATE_NOTE_SHARE = 0.01
+
+
+def open_loop_markdown(inst: dict[str, Any], m: dict[str, Any], t: str) -> list[str]:
+    """One of the instances part's open-loop tables (`t` in OPEN_TABLES): the same mix at each n's
+    total offered rate, its title and prose by table, then which cells (if any) could not send more
+    than LATE_NOTE_SHARE of their arrivals."""
+    rs, levels = [r[t] for r in inst["rounds"]], inst["levels"]
+    title, prose = (fixed_rate_text if t == "fixed_rate" else per_instance_text)(inst, m)
     lines = [
-        f"### Instances at a fixed rate of {rate:,.0f} calls/s: the same mix, open loop (Poisson arrivals) spread "
-        f"call by call over the instances, at most {inst['max_in_flight']} calls in flight, {m['duration']:g} s per "
-        "cell",
+        title,
         "",
-        f"| instances | offered calls/s | achieved calls/s, median (min-max) | **server + PostgreSQL CPU µs/call** "
-        f"| **cost vs {first}** (paired, median (min-max)) | server µs/call | PostgreSQL µs/call "
-        "| load generator µs/call | db round trips/call | p50 ms | p99 ms "
-        "| late: not sent (all rounds) / send lag p99 ms "
+        "| instances | offered calls/s | achieved calls/s, median (min-max) | achieved / offered "
+        f"| **server + PostgreSQL CPU µs/call** | **cost vs {levels[0]}** (paired, median (min-max)) "
+        "| server µs/call | PostgreSQL µs/call | load generator µs/call | db round trips/call | p50 ms | p99 ms "
+        "| late: not sent (all rounds, share of arrivals) / send lag p99 ms "
         "| server CPU (cores) | PostgreSQL CPU (cores) | idle instances (cores) | other processes |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    late: list[str] = []
     for n in levels:
         c = [r[str(n)] for r in rs]
+        offered = c[0]["offered_per_s"]
+        missed = sum(x["late"] for x in c) / max(1, sum(x["offered"] for x in c))
         lines.append(
-            f"| {n} | {rate:,.0f} | {spread([x['calls_per_s'] for x in c], num)} | "
+            f"| {n} | {offered:,.0f} | {spread([x['calls_per_s'] for x in c], num)} | "
+            f"{share(med([x['calls_per_s'] / offered for x in c]))} | "
             f"{med([x['us_per_call'] for x in c]):,.0f} | {spread([x['cost_vs_first'] for x in c], dec)} | "
             f"{med([x['server_us_per_call'] for x in c]):,.0f} | {med([x['pg_us_per_call'] for x in c]):,.0f} | "
             f"{med([x['client_us_per_call'] for x in c]):,.0f} | {med([x['trips_per_call'] for x in c]):.2f} | "
             f"{med([x['p50_ms'] for x in c]):.1f} | {med([x['p99_ms'] for x in c]):.1f} | "
-            f"{sum(x['late'] for x in c):,} / {med([x['send_lag_p99_ms'] for x in c]):.1f} | "
+            f"{sum(x['late'] for x in c):,} ({missed:.1%}) / {med([x['send_lag_p99_ms'] for x in c]):.1f} | "
             f"{med([x['server_share'] for x in c]):.2f} | "
             f"{med([x['pg_share'] for x in c]):.2f} | {med([x['idle_instances_share'] for x in c]):.2f} | "
             f"{share(med([x['other_share'] for x in c]))} |"
         )
+        worst = max(x["late"] / max(1, x["offered"]) for x in c)
+        if worst > LATE_NOTE_SHARE:
+            late.append(
+                f"{n} instance{'s' * (n > 1)} at {offered:,.0f} calls/s ({missed:.1%} of arrivals late over the "
+                f"rounds, {worst:.1%} in the worst)"
+            )
+    low = min(r[str(n)]["offered_per_s"] for r in rs for n in levels)
     lines += [
         "",
+        prose,
+        "",
+        "achieved / offered: calls answered per second over the nominal offered rate; the Poisson arrivals alone "
+        f"move it by about ±{1 / (low * m['duration']) ** 0.5:.0%} at {low:,.0f} calls/s over {m['duration']:g} s "
+        "(one standard deviation), less at higher rates.",
+    ]
+    if late:
+        lines += [
+            "",
+            f"**Not all of the offered load was sent in this run**: more than {LATE_NOTE_SHARE:.0%} of a cell's "
+            f"arrivals found {inst['max_in_flight']} calls in flight and were not sent, for "
+            + "; ".join(late)
+            + ". Those cells' achieved rate is under the offered one (the answers came too slowly: the machine was "
+            "near saturation, or other load on it), and their CPU per call is over the calls sent.",
+        ]
+    return lines
+
+
+def fixed_rate_text(inst: dict[str, Any], m: dict[str, Any]) -> tuple[str, str]:
+    """The fixed-rate table's title and prose: one total offered rate, whatever the number of instances."""
+    levels, rate = inst["levels"], inst["fixed_rate"]
+    title = (
+        f"### Instances at a fixed rate of {rate:,.0f} calls/s: the same mix, open loop (Poisson arrivals) spread "
+        f"call by call over the instances, at most {inst['max_in_flight']} calls in flight, {m['duration']:g} s per "
+        "cell"
+    )
+    prose = (
         "CPU per call is a cost, so it is measured below saturation: the instances together get the same offered "
         f"rate whatever their number ({rate:,.0f} calls/s, i.e. {rate / max(levels):,.0f} per instance with "
         f"{max(levels)}), the cores keep idle time, and what grows with n is what each instance adds per call, "
@@ -1521,9 +1602,49 @@ def fixed_rate_markdown(inst: dict[str, Any], m: dict[str, Any]) -> list[str]:
         "queues, so the offered rate is never exceeded to catch up). Same servers, set-up and CPU accounting as "
         "the closed-loop table (every call issued, warm-up included, until the servers and PostgreSQL are idle), "
         "except that counting starts once the driver's channels are open and warm: their set-up would weigh on "
-        "a few hundred calls, more with more instances. Its cells rotate with the closed-loop ones.",
-    ]
-    return lines
+        "a few hundred calls, more with more instances. Its cells rotate with the other tables' cells."
+    )
+    return title, prose
+
+
+def per_instance_text(inst: dict[str, Any], m: dict[str, Any]) -> tuple[str, str]:
+    """The equal-load table's title and prose: each instance offered the same rate, so n times it in all."""
+    levels, each = inst["levels"], inst["per_instance_rate"]
+    top = max(levels)
+    saturation = med([r[str(top)]["calls_per_s"] for r in inst["rounds"]])
+    title = (
+        f"### Instances at equal load per instance, {each:,.0f} calls/s each: the same mix, open loop (Poisson "
+        f"arrivals) at n x {each:,.0f} calls/s in all, spread call by call over the n instances, at most "
+        f"{inst['max_in_flight']} calls in flight, {m['duration']:g} s per cell"
+    )
+    below = (
+        f"stays below this {m['cpus']}-core VM's saturation ({top} x {each:,.0f} = {top * each:,.0f} calls/s "
+        f"against the {saturation:,.0f} calls/s of the closed loop above with {top}), so the cores keep idle time"
+        if top * each < saturation
+        else f"is at or above this {m['cpus']}-core VM's saturation ({top} x {each:,.0f} = {top * each:,.0f} "
+        f"calls/s against the {saturation:,.0f} calls/s of the closed loop above with {top}): its top rows hold "
+        "some of the saturated machine's scheduling too; a lower `--inst-rate-per-instance` keeps under it"
+    )
+    shared = [n for n in levels if inst["fixed_rate"] and n * each == inst["fixed_rate"]]
+    prose = (
+        "This is the scale-out measurement: scaling out adds instances, each carrying its share of a growing "
+        f"fleet, so n instances are offered n x {each:,.0f} calls/s, {each:,.0f} each. In production each instance "
+        "would have cores of its own, so throughput scales with cores when CPU per call stays flat here as n "
+        f"grows (cost vs {levels[0]} near 1): n instances then carry n times the calls on n times the cores. Here "
+        f"they share the VM's cores, and the total {below}. Unlike the fixed-rate table, each instance's "
+        "load does not fall as n grows, so neither does the number of calls sharing its wake-ups and batched "
+        "statements. Same driver (Poisson arrivals, at most "
+        f"{inst['max_in_flight']} in flight, late arrivals not sent), set-up and CPU accounting as the fixed-rate "
+        "table; its cells rotate with the other tables' cells"
+        + (
+            f", and its {' and '.join(f'{n}-instance' for n in shared)} "
+            f"{'cells are' if len(shared) > 1 else 'cell is'} the fixed-rate table's (the same offered rate: "
+            "measured once per round, shown in both)."
+            if shared
+            else "."
+        )
+    )
+    return title, prose
 
 
 def heartbeat_markdown(hb: dict[str, Any], m: dict[str, Any]) -> list[str]:
@@ -1653,6 +1774,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=400.0,
         help="instances: calls/s offered in all by the fixed-rate cells, under saturation (default 400; 0 = none)",
     )
+    p.add_argument(
+        "--inst-rate-per-instance",
+        type=float,
+        default=400.0,
+        help="instances: calls/s offered to each instance by the equal-load cells, n times that in all "
+        "(default 400; 0 = none)",
+    )
     p.add_argument("--inst-vins", type=int, default=5_000, help="instances: vehicles (default 5000)")
     p.add_argument("--subscribe-share", type=float, default=0.05, help="instances: share of subscribes (0.05)")
     p.add_argument("--ack-share", type=float, default=0.05, help="instances: share of acks (0.05)")
@@ -1698,8 +1826,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not given or set(given) - set(LAYOUTS):
         p.error(f"--layouts takes one or both of {','.join(LAYOUTS)}")
     args.layouts = [x for x in LAYOUTS if x in given]
-    if args.inst_rate < 0:
-        p.error("--inst-rate must be 0 (none) or positive")
+    if args.inst_rate < 0 or args.inst_rate_per_instance < 0:
+        p.error("--inst-rate and --inst-rate-per-instance must be 0 (none) or positive")
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally blocks
     wall0, load_before = time.monotonic(), os.getloadavg()[0]
@@ -1730,6 +1858,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "duration",
                 "layouts",
                 "inst_rate",
+                "inst_rate_per_instance",
                 "hb_duration",
                 "subscribe_share",
                 "ack_share",

@@ -623,6 +623,7 @@ def pg_serve_rows(pg: dict[str, Any] | None) -> list[Row]:
             status,
         )
     )
+    rows.append(pg_scale_out_row(pg))
     hb = s.get("heartbeat")
     status, meas = "not measured (run failed)", "n/a"
     if hb:
@@ -674,6 +675,52 @@ def pg_serve_rows(pg: dict[str, Any] | None) -> list[Row]:
         )
     )
     return rows
+
+
+def pg_scale_out_row(pg: dict[str, Any] | None) -> Row:
+    """bench/pg_serve.py's equal-load cells: n instances offered n x R calls/s, R each (scaling out,
+    each instance on cores of its own in production), server + PostgreSQL CPU per call vs 1."""
+    s = pg["summary"] if pg else {}
+    eq = s.get("instances_per_instance_rate")
+    scenario = "PostgreSQL mode, server + PostgreSQL CPU per hook call, equal load per instance (scale-out)"
+    if not eq:
+        why = "not measured (--inst-rate-per-instance 0)" if s.get("instances") else "not measured (run failed)"
+        return (
+            scenario,
+            "1 instance at the same rate per instance",
+            f"flat: ratio ≤ {COST_RATIO_MAX:.1f}x",
+            "n/a",
+            why,
+        )
+    at = eq["levels"]
+    levels = sorted(at, key=int)
+    each = eq["per_instance_per_s"]
+    meas = "; ".join(
+        f"{n} instances: {fmt_mmm(at[n]['cost_vs_first'])}x ({at[n]['us_per_call']['median']:,.0f} µs/call, "
+        f"{at[n]['calls_per_s']['median']:,.0f} of {at[n]['offered_per_s']:,.0f} calls/s)"
+        for n in levels[1:]
+    ) + (
+        f" ({levels[0]} instance{'s' * (int(levels[0]) > 1)}: {at[levels[0]]['us_per_call']['median']:,.0f} µs/call "
+        "of server + PostgreSQL CPU, "
+        f"{at[levels[0]]['calls_per_s']['median']:,.0f} of {at[levels[0]]['offered_per_s']:,.0f} calls/s)"
+    )
+    late = {n: at[n]["late"] / max(1, at[n]["arrivals"]) for n in levels}
+    if any(v > 0.01 for v in late.values()):
+        meas += "; late (not sent): " + ", ".join(f"{n} instances {v:.1%}" for n, v in late.items())
+    m = pg["meta"] if pg else {}
+    mix = (
+        f"{1 - m['subscribe_share'] - m['ack_share']:.0%} heartbeats, {m['subscribe_share']:.0%} subscribes, "
+        f"{m['ack_share']:.0%} acks"
+    )
+    worst = max((at[n]["cost_vs_first"]["median"] for n in levels[1:]), default=1.0)
+    return (
+        scenario,
+        f"1 instance at the same {each:,.0f} calls/s, same run and hook mix ({mix}); n instances offered "
+        f"n x {each:,.0f}",
+        f"flat: ratio ≤ {COST_RATIO_MAX:.1f}x",
+        meas,
+        "**PASS**" if worst <= COST_RATIO_MAX else "**FAIL**",
+    )
 
 
 #: Each scenario's summary rows, in the order of the summary table.
