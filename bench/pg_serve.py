@@ -6,8 +6,11 @@ on, run as an unprivileged user), each in paired rounds whose order changes roun
 1. ingest: VIN-rows/s of bench/ingest.py's 200-VIN OnMessagePublish batches from 8 channels into a
    real `serve --store-url` (a fresh database per run), against a raw asyncpg loop writing the same
    rows into the same schema (the blob once + one row per VIN, one transaction per batch, 8
-   connections) and against the same server on LMDB; server and PostgreSQL CPU per row. In two
-   layouts (`--layouts`), their 6 cells rotating together round by round:
+   connections) and against the same server on LMDB; server and PostgreSQL CPU per row. A fourth
+   side (unless `--no-unbounded`), the PostgreSQL server with `max_pending_per_vehicle = 0` (no
+   backlog bound, a setting an operator may choose, not the default), shows what the bound's
+   per-VIN probe costs, which the raw loop does not do; the bounded side stays the product's number.
+   In two layouts (`--layouts`), their 8 cells rotating together round by round:
    - shared: the server, PostgreSQL and the load generator all share every core, as they fall.
      On the 2-core VM that compares (server + PostgreSQL + load generator) with (PostgreSQL + a
      tiny raw client) for the same two cores: the oversubscription, more than our code, sets it.
@@ -93,6 +96,7 @@ from plumbing import (
 )
 
 from exhook_server._proto import exhook_v3_pb2 as pb
+from exhook_server.config import Config
 from storage.pg import migrate
 from storage.store import Store
 from tests.emqx_sim import Mosquitto
@@ -390,19 +394,35 @@ def drain(server_pids: Sequence[int], db: Db, idle_cores: float = 0.1, timeout_s
 
 # -- 1. ingest ----------------------------------------------------------------------------------
 
-INGEST_SIDES = ("pg", "raw", "lmdb")
+INGEST_SIDES = ("pg", "pg_unbounded", "raw", "lmdb")
+#: The server sides on PostgreSQL, each with the settings it adds to the server's environment:
+#: "pg" as deployed (the default backlog bound, max_pending_per_vehicle 1000), "pg_unbounded"
+#: without the bound (0 = none), to show the per-VIN probe's price beside the raw loop.
+PG_SIDES: dict[str, dict[str, str]] = {"pg": {}, "pg_unbounded": {"SDV_FANOUT_MAX_PENDING_PER_VEHICLE": "0"}}
+
+
+def ingest_sides(args: argparse.Namespace) -> list[str]:
+    """The ingest sides this run measures: all, or all but "pg_unbounded" with --no-unbounded."""
+    return [s for s in INGEST_SIDES if not (s == "pg_unbounded" and args.no_unbounded)]
+
+
+def sides_of(res: dict[str, Any]) -> list[str]:
+    """The ingest sides a round's results (one layout's) hold, in INGEST_SIDES order."""
+    return [s for s in INGEST_SIDES if s in res]
 
 
 def ingest_server(
     db: Db, side: str, batches: list[Batch], args: argparse.Namespace, tmp: Path, pin: Pinned | None = None
 ) -> dict[str, Any]:
-    """The batches through `serve` on PostgreSQL (a fresh database) or LMDB (a fresh data dir); with
-    `pin`, in the pinned layout (the server starts inside it, on the client side's CPU)."""
+    """The batches through `serve` on PostgreSQL (a fresh database; PG_SIDES' settings) or LMDB (a
+    fresh data dir); with `pin`, in the pinned layout (the server starts inside it, on the client
+    side's CPU)."""
     env = {"SDV_FANOUT_PROCESSES": str(args.server_processes)} if args.server_processes else {}
     dsn = ""
-    if side == "pg":
+    if side in PG_SIDES:
         dsn = db.database(tmp.name)
         env["SDV_FANOUT_STORE_URL"] = dsn
+        env.update(PG_SIDES[side])
     server = start_server(tmp, args, env)
     try:
         pids = descendants(server.proc.pid)
@@ -550,23 +570,28 @@ def ingest_cell(
 
 
 def ratios(res: dict[str, Any]) -> dict[str, float]:
-    return {
+    out = {
         "pg_over_raw": res["pg"]["rows_per_s"] / res["raw"]["rows_per_s"],
         "pg_over_lmdb": res["pg"]["rows_per_s"] / res["lmdb"]["rows_per_s"],
     }
+    if "pg_unbounded" in res:
+        out["pg_unbounded_over_raw"] = res["pg_unbounded"]["rows_per_s"] / res["raw"]["rows_per_s"]
+    return out
 
 
 def part_ingest(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Per round every side in every layout, the cells' order rotating. A round's shared-layout
-    results keep their old keys (pg, raw, lmdb, pg_over_raw, pg_over_lmdb); the pinned layout's are
-    the same keys under "pinned"."""
+    results keep their old keys (pg, raw, lmdb, pg_over_raw, pg_over_lmdb) plus pg_unbounded and
+    pg_unbounded_over_raw unless --no-unbounded; the pinned layout's are the same keys under
+    "pinned"."""
     batches = make_workload(args.seed, args.batches, BATCH_VINS, args.fleet, 1024, 4)
     layouts = list(args.layouts)
     db_cpu, client_cpu, note = pinned_cpus()
     if "pinned" in layouts and note:
         layouts.remove("pinned")
         say(f"ingest: pinned layout {note}")
-    cells = [(layout, side) for layout in layouts for side in INGEST_SIDES]
+    sides = ingest_sides(args)
+    cells = [(layout, side) for layout in layouts for side in sides]
     rounds = []
     for r in range(args.rounds):
         res: dict[str, Any] = {}
@@ -585,8 +610,10 @@ def part_ingest(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             f"ingest round {r + 1}/{args.rounds}: "
             + "; ".join(
                 f"{layout}: "
-                + ", ".join(f"{s} {at[s]['rows_per_s']:,.0f}" for s in INGEST_SIDES)
-                + f" rows/s, pg/raw {at['pg_over_raw']:.2f}, pg/lmdb {at['pg_over_lmdb']:.2f}"
+                + ", ".join(f"{s} {at[s]['rows_per_s']:,.0f}" for s in sides)
+                + f" rows/s, pg/raw {at['pg_over_raw']:.2f}"
+                + (f", pg_unbounded/raw {at['pg_unbounded_over_raw']:.2f}" if "pg_unbounded" in at else "")
+                + f", pg/lmdb {at['pg_over_lmdb']:.2f}"
                 for layout in layouts
                 for at in [res if layout == "shared" else res["pinned"]]
             )
@@ -1228,12 +1255,19 @@ def summarise(out: dict[str, Any]) -> dict[str, Any]:
         ):
             if not rs:
                 continue
+            sides = sides_of(rs[0])
             s[key] = {
                 "ratio_pg_over_raw": mmm([r["pg_over_raw"] for r in rs]),
                 "ratio_pg_over_lmdb": mmm([r["pg_over_lmdb"] for r in rs]),
+                # Without the backlog bound (max_pending_per_vehicle = 0): the bound's price, not the product.
+                **(
+                    {"ratio_pg_unbounded_over_raw": mmm([r["pg_unbounded_over_raw"] for r in rs])}
+                    if "pg_unbounded" in sides
+                    else {}
+                ),
                 **{
                     f"{side}_{k}": mmm([r[side][k] for r in rs])
-                    for side in INGEST_SIDES
+                    for side in sides
                     for k in ("rows_per_s", "server_us_per_row", "pg_us_per_row", "client_us_per_row")
                 },
             }
@@ -1243,7 +1277,7 @@ def summarise(out: dict[str, Any]) -> dict[str, Any]:
                 s[key].update(
                     {
                         f"{side}_{role}_cpu_busy": mmm([r[side]["cpu_busy"][str(c)] for r in rs])
-                        for side in INGEST_SIDES
+                        for side in sides
                         for role, c in cpus.items()
                     }
                 )
@@ -1355,7 +1389,54 @@ def markdown(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-INGEST_NAMES = {"pg": "serve on PostgreSQL", "raw": "raw asyncpg loop", "lmdb": "serve on LMDB"}
+INGEST_NAMES = {
+    "pg": "serve on PostgreSQL",
+    "pg_unbounded": "serve on PostgreSQL, no backlog bound",
+    "raw": "raw asyncpg loop",
+    "lmdb": "serve on LMDB",
+}
+#: The sides in the per-round tables' headers.
+INGEST_SHORT = {"pg": "PostgreSQL", "pg_unbounded": "PostgreSQL, no bound", "raw": "raw", "lmdb": "LMDB"}
+#: The sides in the pinned per-round table's CPU-busy columns.
+BUSY_SHORT = {"pg": "pg", "pg_unbounded": "pg no bound", "raw": "raw", "lmdb": "LMDB"}
+UNBOUNDED_RATIO = "ratio PostgreSQL without the bound / raw asyncpg (paired per round)"
+UNBOUNDED_NOTE = (
+    f"The side *{INGEST_NAMES['pg_unbounded']}* is there to show the backlog bound's price beside the raw loop "
+    "(every batch probes each VIN's queue index for the bound, which the raw loop does not): the same server, fresh "
+    "database and warm-up as *serve on PostgreSQL*, with `max_pending_per_vehicle = 0` "
+    "(`SDV_FANOUT_MAX_PENDING_PER_VEHICLE=0`), a setting an operator may choose but not the default "
+    f"({Config().max_pending_per_vehicle}), so the bounded side stays the product's number."
+)
+
+
+def ratio_rows(rs: list[dict[str, Any]], lmdb_label: str) -> list[str]:
+    """The paired ratios: the product's (the target's), without the bound beside it, over LMDB."""
+    lines = [
+        _row("**ratio PostgreSQL / raw asyncpg** (paired per round; target ≥ 0.8)", [r["pg_over_raw"] for r in rs], dec)
+    ]
+    if "pg_unbounded" in rs[0]:
+        lines.append(_row(UNBOUNDED_RATIO, [r["pg_unbounded_over_raw"] for r in rs], dec))
+    lines.append(_row(lmdb_label, [r["pg_over_lmdb"] for r in rs], dec))
+    return lines
+
+
+def round_cells(r: dict[str, Any]) -> str:
+    """A per-round table's rates and ratios: each side's rows/s, pg/raw, [no bound/raw,] pg/LMDB."""
+    sides = sides_of(r)
+    ratios_ = [r["pg_over_raw"], *([r["pg_unbounded_over_raw"]] if "pg_unbounded" in sides else []), r["pg_over_lmdb"]]
+    return " | ".join([*(f"{r[s]['rows_per_s']:,.0f}" for s in sides), *(f"{x:.2f}" for x in ratios_)])
+
+
+def round_header(sides: Sequence[str]) -> str:
+    """round_cells' column names."""
+    return " | ".join(
+        [
+            *(f"{INGEST_SHORT[s]} rows/s" for s in sides),
+            "pg/raw",
+            *(["pg no bound/raw"] if "pg_unbounded" in sides else []),
+            "pg/LMDB",
+        ]
+    )
 
 
 def ingest_markdown(ing: dict[str, Any], m: dict[str, Any]) -> list[str]:
@@ -1363,23 +1444,17 @@ def ingest_markdown(ing: dict[str, Any], m: dict[str, Any]) -> list[str]:
     names = INGEST_NAMES
     lines: list[str] = []
     if "pg" in rs[0]:
+        sides = sides_of(rs[0])
         lines += [
             f"### Ingest: {ing['batches']} batches x {BATCH_VINS} VINs per run, {m['clients']} channels / connections",
             "",
             "| metric | min | median | max |",
             "|---|---:|---:|---:|",
         ]
-        for side in INGEST_SIDES:
+        for side in sides:
             lines.append(_row(f"{names[side]} VIN-rows/s", [r[side]["rows_per_s"] for r in rs], num))
-        lines += [
-            _row(
-                "**ratio PostgreSQL / raw asyncpg** (paired per round; target ≥ 0.8)",
-                [r["pg_over_raw"] for r in rs],
-                dec,
-            ),
-            _row("ratio PostgreSQL / LMDB (paired per round)", [r["pg_over_lmdb"] for r in rs], dec),
-        ]
-        for side in INGEST_SIDES:
+        lines += ratio_rows(rs, "ratio PostgreSQL / LMDB (paired per round)")
+        for side in sides:
             lines.append(_row(f"{names[side]} batch latency p50 ms", [r[side]["p50_ms"] for r in rs], dec))
         lines += ["", *ingest_cpu_table(rs)]
         procs = rs[0]["pg"]["server_processes"]
@@ -1397,15 +1472,13 @@ def ingest_markdown(ing: dict[str, Any], m: dict[str, Any]) -> list[str]:
             "on a small machine the serve sides pay for three busy programs on the cores the raw side leaves to "
             "PostgreSQL and a tiny client; the pinned layout below gives PostgreSQL a core of its own, as its own "
             "machine in production.",
+            *(["", UNBOUNDED_NOTE] if "pg_unbounded" in sides else []),
             "",
-            "| round | order | PostgreSQL rows/s | raw rows/s | LMDB rows/s | pg/raw | pg/LMDB |",
-            "|---:|---|---:|---:|---:|---:|---:|",
+            f"| round | order | {round_header(sides)} |",
+            "|---:|---|" + "---:|" * (len(sides) + 2 + ("pg_unbounded" in sides)),
         ]
         for i, r in enumerate(rs, 1):
-            lines.append(
-                f"| {i} | {r['order']} | {r['pg']['rows_per_s']:,.0f} | {r['raw']['rows_per_s']:,.0f} | "
-                f"{r['lmdb']['rows_per_s']:,.0f} | {r['pg_over_raw']:.2f} | {r['pg_over_lmdb']:.2f} |"
-            )
+            lines.append(f"| {i} | {r['order']} | {round_cells(r)} |")
     if "pinned" in rs[0]:
         lines += ["", *pinned_markdown(ing, m)]
     elif ing.get("pinned_note"):
@@ -1427,7 +1500,7 @@ def ingest_cpu_table(rs: list[dict[str, Any]], cpus: dict[str, int] | None = Non
         f"| server + PostgreSQL{busy} | other processes (share of a core) |",
         "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if cpus else ""),
     ]
-    for side in INGEST_SIDES:
+    for side in sides_of(rs[0]):
         srv, pgc = med([r[side]["server_us_per_row"] for r in rs]), med([r[side]["pg_us_per_row"] for r in rs])
         cores = (
             "".join(f" | {share(med([r[side]['cpu_busy'][str(c)] for r in rs]))}" for c in cpus.values())
@@ -1444,6 +1517,7 @@ def ingest_cpu_table(rs: list[dict[str, Any]], cpus: dict[str, int] | None = Non
 def pinned_markdown(ing: dict[str, Any], m: dict[str, Any]) -> list[str]:
     """The pinned layout's tables: PostgreSQL on a CPU of its own, the client side on another."""
     rs = [r["pinned"] for r in ing["rounds"]]
+    sides = sides_of(rs[0])
     cpus = ing["pinned_cpus"]
     db_cpu, client_cpu = cpus["postgresql"], cpus["client"]
     lines = [
@@ -1453,18 +1527,14 @@ def pinned_markdown(ing: dict[str, Any], m: dict[str, Any]) -> list[str]:
         "| metric | min | median | max |",
         "|---|---:|---:|---:|",
     ]
-    for side in INGEST_SIDES:
+    for side in sides:
         lines.append(_row(f"{INGEST_NAMES[side]} VIN-rows/s", [r[side]["rows_per_s"] for r in rs], num))
-    lines += [
-        _row(
-            "**ratio PostgreSQL / raw asyncpg** (paired per round; target ≥ 0.8)", [r["pg_over_raw"] for r in rs], dec
-        ),
-        _row("ratio PostgreSQL / LMDB (one-core server, paired per round)", [r["pg_over_lmdb"] for r in rs], dec),
-    ]
-    for side in INGEST_SIDES:
+    lines += ratio_rows(rs, "ratio PostgreSQL / LMDB (one-core server, paired per round)")
+    for side in sides:
         lines.append(_row(f"{INGEST_NAMES[side]} batch latency p50 ms", [r[side]["p50_ms"] for r in rs], dec))
     lines += ["", *ingest_cpu_table(rs, cpus)]
     procs = rs[0]["pg"]["server_processes"]
+    db_sides = [s for s in sides if s != "lmdb"]  # the LMDB side leaves PostgreSQL's CPU idle
     lines += [
         "",
         f"In production PostgreSQL runs on a machine of its own. Here it gets CPU {db_cpu} alone: the postmaster and "
@@ -1478,18 +1548,20 @@ def pinned_markdown(ing: dict[str, Any], m: dict[str, Any]) -> list[str]:
         f"(/proc/stat, anyone's work) says what limits a side: CPU {db_cpu} near 100 % is PostgreSQL, CPU "
         f"{client_cpu} near 100 % the server and load generator, neither means the side waits (commits' fsyncs, "
         "round trips) more than it computes. Other processes (another benchmark, the system) still use either CPU.",
+        # Said once, under the shared tables, when they ran.
+        *(["", UNBOUNDED_NOTE] if "pg_unbounded" in sides and "pg" not in ing["rounds"][0] else []),
         "",
-        "| round | PostgreSQL rows/s | raw rows/s | LMDB rows/s | pg/raw | pg/LMDB "
-        f"| CPU {db_cpu} busy (pg / raw) | CPU {client_cpu} busy (pg / raw / LMDB) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| round | {round_header(sides)} "
+        f"| CPU {db_cpu} busy ({' / '.join(BUSY_SHORT[s] for s in db_sides)}) "
+        f"| CPU {client_cpu} busy ({' / '.join(BUSY_SHORT[s] for s in sides)}) |",
+        "|---:|" + "---:|" * (len(sides) + 2 + ("pg_unbounded" in sides) + 2),
     ]
     for i, r in enumerate(rs, 1):
-        busy = {s: r[s]["cpu_busy"] for s in INGEST_SIDES}
+        busy = {s: r[s]["cpu_busy"] for s in sides}
         lines.append(
-            f"| {i} | {r['pg']['rows_per_s']:,.0f} | {r['raw']['rows_per_s']:,.0f} | {r['lmdb']['rows_per_s']:,.0f} "
-            f"| {r['pg_over_raw']:.2f} | {r['pg_over_lmdb']:.2f} "
-            f"| {share(busy['pg'][str(db_cpu)])} / {share(busy['raw'][str(db_cpu)])} "
-            f"| {' / '.join(share(busy[s][str(client_cpu)]) for s in INGEST_SIDES)} |"
+            f"| {i} | {round_cells(r)} "
+            f"| {' / '.join(share(busy[s][str(db_cpu)]) for s in db_sides)} "
+            f"| {' / '.join(share(busy[s][str(client_cpu)]) for s in sides)} |"
         )
     return lines
 
@@ -1792,6 +1864,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=",".join(LAYOUTS),
         help="ingest: shared (every process on every CPU) and/or pinned (PostgreSQL on a CPU of its own, the "
         "server and load generator or the raw loop on another) (default shared,pinned)",
+    )
+    p.add_argument(
+        "--no-unbounded",
+        action="store_true",
+        help="ingest: skip the side 'serve on PostgreSQL, no backlog bound' (max_pending_per_vehicle = 0), "
+        "which shows the bound's price beside the raw loop (default: measured)",
     )
     p.add_argument("--instances", default="1,2,3", help="instances: counts compared (default 1,2,3)")
     p.add_argument(
