@@ -564,8 +564,9 @@ def failover_rows(fo: dict[str, Any] | None) -> list[Row]:
 PG_INGEST_RATIO_MIN = 0.8
 #: bench/pg_serve.py: database round trips per heartbeat at the default heartbeat_window_ms.
 PG_TRIPS_PER_HEARTBEAT_MAX = 0.05
-#: The server's default heartbeat_window_ms, the window the target is for.
-PG_DEFAULT_WINDOW_MS = Config.heartbeat_window_ms
+#: The server's default heartbeat_window_ms, the window the target is for (read from an instance:
+#: on a slots dataclass the class attribute is a member descriptor, not the default).
+PG_DEFAULT_WINDOW_MS = Config().heartbeat_window_ms
 
 
 def pg_serve_rows(pg: dict[str, Any] | None) -> list[Row]:
