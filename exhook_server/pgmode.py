@@ -56,6 +56,11 @@ def create_pool(cfg: Config) -> Any:
         server_settings={
             "synchronous_commit": "on",
             "application_name": "sdv-fanout",
+            # Every statement of ours is short. Planner estimates over tables without statistics
+            # yet (a new database, a fast-growing table) can pass jit_above_cost, and compiling
+            # then takes milliseconds per execution: 7 ms per batch for the backlog probe, more
+            # than the batch's whole write (auto_explain, bench/pg_serve.py).
+            "jit": "off",
             # An instance stopped (SIGSTOP, a hung VM) inside a transaction would keep its locks,
             # a vehicle's included, for as long as it is stopped: every instance's events for that
             # vehicle, and the lane behind them, would wait. Our transactions are a few statements

@@ -12,9 +12,11 @@ from typing import Any
 import asyncpg
 import pytest
 
+from exhook_server import pgmode
+from exhook_server.config import Config
 from storage.ops import Duplicate, RowSpec, sha1_of
 from storage.pg import counts, ingest, migrate
-from tests.pg_cluster import PgCluster
+from tests.pg_cluster import SUPERUSER, PgCluster
 
 _names = itertools.count()
 
@@ -148,3 +150,47 @@ def test_a_later_pair_that_exists_undoes_the_plain_insert_and_replaces_it(dsn: s
     assert written.replaced == 1 and written.superseded == frozenset({sha1_of(b"old")})
     assert rows == 3 and stored == recount
     assert stored[("task_a_1", sha1_of(b"new"))]["pending"] == 3
+
+
+def test_no_jit_for_the_instance_nor_for_a_batch_whoever_calls(pg_cluster: PgCluster) -> None:
+    """JIT compiling the backlog probe took 7 ms per batch (its estimate over a table without
+    statistics passes jit_above_cost): the instance's sessions run with jit off, and sdv_put_rows
+    sets it off for itself, so even a caller with JIT forced on (jit_above_cost 0) gets none for
+    the probe (auto_explain's plan of it has no JIT section; a query of the caller's own does)."""
+
+    name = f"batch_stmt_{next(_names)}"
+    dsn = pg_cluster.new_database(name)
+
+    async def go() -> tuple[str, str, str]:
+        pool = await pgmode.create_pool(Config(store_url=dsn, store_pool_size=1))
+        try:
+            async with pool.acquire() as conn:
+                await migrate.migrate(conn)
+                instance = await conn.fetchval("SHOW jit")
+        finally:
+            await pool.close()
+        settings = {"jit": "on", "jit_above_cost": "0"}  # auto_explain needs a superuser to load
+        eager = await asyncpg.connect(pg_cluster.dsn_for(name, SUPERUSER), server_settings=settings)
+        try:
+            await eager.execute("LOAD 'auto_explain'")
+            await eager.execute("SET auto_explain.log_min_duration = 0")
+            await eager.execute("SET auto_explain.log_nested_statements = on")
+            await eager.execute("SET auto_explain.log_level = 'notice'")
+            notes: list[str] = []
+            eager.add_log_listener(lambda _c, msg: notes.append(msg.message))
+            await ingest.store_batch(
+                eager, [f"V{n}" for n in range(20)], "task_jit_1", b"p", 1_000, None, RowSpec(0, 0, 5)
+            )
+            await eager.execute("SELECT 1")  # after the batch's notices have arrived
+            inside = "\n".join(n for n in notes if "OFFSET p_max_pending" in n)  # the backlog probe
+            notes.clear()
+            await eager.fetchval("SELECT count(*) FROM rows")
+            outside = "\n".join(notes)
+            return instance, inside, outside
+        finally:
+            await eager.close()
+
+    instance, inside, outside = asyncio.run(go())
+    assert instance == "off"
+    assert "Index Only Scan" in inside or "Index Scan" in inside, inside  # the probe's plan was logged
+    assert "JIT:" not in inside and "JIT:" in outside
