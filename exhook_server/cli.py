@@ -25,7 +25,7 @@ from exhook_server.errors import ConfigError, StorageError
 from storage.keys import COUNT_NAMES
 
 if TYPE_CHECKING:
-    from storage.gc import GcReport
+    from storage.gc import ApplyReport, GcReport
     from storage.keys import Row
     from storage.outcomes import Generation, OutcomeRecord, PageKey
     from storage.port import Reads
@@ -530,18 +530,48 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
         _print_report(_on_store(cfg, run, writable=True).as_dict(), args.json)
         return 0
-    # A plan from spark/gc_job.py is applied to the LMDB store of data_dir.
-    with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
-        committer = GroupCommitter(store)
-        try:
-            path = Path(args.plan)
-            total = sum(plan.count(path, t) for t in ("expired_rows", "expired_aliases", "garbage_blobs"))
-            with _progress(total, "candidates") as bar:
-                report = plan.apply_plan(store, committer.submit, path, dry_run=args.dry_run, progress=bar.update)
-        finally:
-            committer.close()
+    # A plan from spark/gc_job.py is applied to the store in force: PostgreSQL when store_url is
+    # set, else the LMDB store of data_dir.
+    path = Path(args.plan)
+    plan.read_summary(path)  # not a plan: refused before any store is opened
+    if cfg.store_url:
+        report = _apply_plan_pg(cfg.store_url, path, args.dry_run)
+    else:
+        with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
+            committer = GroupCommitter(store)
+            try:
+                with _progress(plan.plan_size(path), "candidates") as bar:
+                    report = plan.apply_plan(store, committer.submit, path, dry_run=args.dry_run, progress=bar.update)
+            finally:
+                committer.close()
     _print_report(report.as_dict(), args.json)
     return 0
+
+
+def _apply_plan_pg(store_url: str, path: Path, dry_run: bool) -> ApplyReport:
+    """`gc apply` on the PostgreSQL store at `store_url` (storage/pg/plan.py), one connection."""
+    import asyncio
+
+    import asyncpg
+
+    from storage import plan
+    from storage.pg.plan import PgTarget
+
+    loop = asyncio.new_event_loop()
+    try:
+        try:
+            conn = loop.run_until_complete(asyncpg.connect(store_url, timeout=10))
+        except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+            raise StorageError(f"cannot connect to store_url: {exc}") from None
+        try:
+            with _progress(plan.plan_size(path), "candidates") as bar:
+                return plan.apply_plan_to(PgTarget(loop, conn), path, dry_run=dry_run, progress=bar.update)
+        except asyncpg.PostgresError as exc:
+            raise StorageError(f"gc apply on store_url failed: {exc}") from None
+        finally:
+            loop.run_until_complete(conn.close())
+    finally:
+        loop.close()
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

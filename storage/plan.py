@@ -5,15 +5,18 @@ each write transaction a row is deleted only if it still has the planned timesta
 an alias only if not rewritten, and a blob only if it was not created or referenced since
 `snapshot - grace` (a row written after the export that reuses the blob touched it). Re-running is
 harmless: what is gone is skipped, so an interrupted apply simply runs again.
+
+`apply_plan_to` walks a plan over a `PlanTarget`, the three deletes of one store: `LmdbTarget`
+here, `storage.pg.plan.PgTarget` for PostgreSQL (the Spark jobs read either store's export).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow.dataset as ds
 
@@ -49,37 +52,80 @@ def count(plan: Path, table: str) -> int:
     return ds.dataset(path, format="parquet").count_rows() if path.exists() else 0
 
 
+class PlanTarget(Protocol):
+    """The deletes a plan needs, each one transaction of the store that re-checks its candidates."""
+
+    def delete_rows(self, planned: Sequence[tuple[str, str, int]]) -> tuple[int, int]:
+        """Rows (VIN, request id, ts) still at the planned ts end `expired`: (deleted, kept changed)."""
+        ...
+
+    def delete_aliases(self, planned: Sequence[tuple[str, int]]) -> int:
+        """Aliases (data_id, ts) not rewritten since; how many went."""
+        ...
+
+    def delete_blobs(self, sha1s: Sequence[bytes], cutoff_ms: int) -> tuple[int, int, int]:
+        """Blobs unused since `cutoff_ms`: (deleted, bytes freed, kept because used since)."""
+        ...
+
+
+class LmdbTarget:
+    """The LMDB store's deletes, through its group committer's `submit`."""
+
+    def __init__(self, store: Store, submit: gc.Submit) -> None:
+        self._t, self._submit = store.tables, submit
+
+    def delete_rows(self, planned: Sequence[tuple[str, str, int]]) -> tuple[int, int]:
+        deleted, kept = self._submit(functools.partial(gc.delete_planned_rows, t=self._t, planned=planned)).result()
+        return int(deleted), int(kept)
+
+    def delete_aliases(self, planned: Sequence[tuple[str, int]]) -> int:
+        return int(self._submit(functools.partial(gc.delete_planned_aliases, t=self._t, planned=planned)).result())
+
+    def delete_blobs(self, sha1s: Sequence[bytes], cutoff_ms: int) -> tuple[int, int, int]:
+        job = functools.partial(gc.delete_blobs, t=self._t, candidates=sha1s, cutoff_ms=cutoff_ms)
+        d, f, k = self._submit(job).result()
+        return int(d), int(f), int(k)
+
+
 def apply_plan(
     store: Store, submit: gc.Submit, plan: Path, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
+) -> gc.ApplyReport:
+    """`apply_plan_to` the LMDB store."""
+    return apply_plan_to(LmdbTarget(store, submit), plan, dry_run=dry_run, progress=progress)
+
+
+def apply_plan_to(
+    target: PlanTarget, plan: Path, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
 ) -> gc.ApplyReport:
     """Delete the plan's candidates that are still garbage; rows, then aliases, then blobs."""
     summary = read_summary(plan)
     blob_cutoff = int(summary["snapshot_ms"]) - int(summary["grace_ms"])
-    t = store.tables
     tick = progress or (lambda n: None)
     report = gc.ApplyReport(dry_run=dry_run)
     for chunk in _chunks(plan, "expired_rows", ["vin", "request_id", "ts_ms"]):
         if dry_run:
             report.rows_deleted += len(chunk)
         else:
-            d, k = submit(functools.partial(gc.delete_planned_rows, t=t, planned=chunk)).result()
+            d, k = target.delete_rows(chunk)
             report.rows_deleted += d
             report.rows_kept_changed += k
         tick(len(chunk))
     for chunk in _chunks(plan, "expired_aliases", ["data_id", "ts_ms"]):
-        if dry_run:
-            report.aliases_deleted += len(chunk)
-        else:
-            report.aliases_deleted += submit(functools.partial(gc.delete_planned_aliases, t=t, planned=chunk)).result()
+        report.aliases_deleted += len(chunk) if dry_run else target.delete_aliases(chunk)
         tick(len(chunk))
     for chunk in _chunks(plan, "garbage_blobs", ["sha1"]):
         sha1s = [c[0] for c in chunk]
         if dry_run:
             report.blobs_deleted += len(sha1s)
         else:
-            d, f, k = submit(functools.partial(gc.delete_blobs, t=t, candidates=sha1s, cutoff_ms=blob_cutoff)).result()
+            d, f, k = target.delete_blobs(sha1s, blob_cutoff)
             report.blobs_deleted += d
             report.blob_bytes_freed += f
             report.blobs_kept_recent += k
         tick(len(chunk))
     return report
+
+
+def plan_size(plan: Path) -> int:
+    """Candidates of every kind in `plan` (for a progress bar)."""
+    return sum(count(plan, t) for t in ("expired_rows", "expired_aliases", "garbage_blobs"))

@@ -31,7 +31,9 @@ RETURNING r.vin, r.request_id, r.sha1, r.ts_ms
 """
 
 
-async def _end_expired(conn: Any, deleted: list[Any], now_ms: int) -> None:
+async def end_expired(conn: Any, deleted: list[Any], now_ms: int) -> None:
+    """Outcome records and counts for rows just deleted as `expired` (records with vin,
+    request_id, sha1, ts_ms), in the caller's transaction."""
     ended = [Ended(r["vin"], r["request_id"], bytes(r["sha1"]), r["ts_ms"], Outcome.EXPIRED) for r in deleted]
     bumps = Bumps()
     await counts.end_pairs(conn, ended, now_ms, bumps)
@@ -44,7 +46,7 @@ async def expire_due(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str,
 
     async def body() -> list[Any]:
         found: list[Any] = await conn.fetch(_EXPIRE_DUE, now_ms, limit)
-        await _end_expired(conn, found, now_ms)
+        await end_expired(conn, found, now_ms)
         return found
 
     deleted = await ingest.retrying(conn, "expiry sweep", body)
@@ -66,7 +68,7 @@ async def expire_rows(conn: Any, cutoff_ms: int, limit: int, now_ms: int | None 
 
     async def body() -> int:
         found = await conn.fetch(_EXPIRE_OLD, cutoff_ms, limit)
-        await _end_expired(conn, found, when)
+        await end_expired(conn, found, when)
         return len(found)
 
     return await ingest.retrying(conn, "retention", body)

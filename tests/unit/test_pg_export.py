@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ pg_dsn = parity.pg_dsn  # the module-scoped migrated database, one for this modu
 
 TABLES = ("rows", "blobs", "aliases", "outcomes", "generations")
 STEP = 2_000  # > TOUCH_EVERY_MS: PostgreSQL rewrites a blob's touched_ms at most once a second
+HOUR = 3_600_000
+DAY = 24 * HOUR
 LONG_ANSWER = bytes(range(256)) * 20  # 5,120 bytes, not UTF-8: past INLINE_ANSWER_BYTES
 
 
@@ -280,3 +283,38 @@ def test_cli_exports_from_postgresql_when_store_url_is_set(
         check=False,
     )
     assert bad.returncode == 2 and "store_url" in bad.stderr
+
+
+def test_cli_applies_a_gc_plan_to_postgresql_when_store_url_is_set(
+    sides: tuple[more.LmdbSide, more.PgSide], tmp_path: Path, pg_dsn: str
+) -> None:
+    """`sdv-fanout gc apply PLAN --store-url URL` applies the plan to PostgreSQL, not to an LMDB
+    store of data_dir (there is none here): the planned row ends `expired`, a live one stays;
+    a directory that is not a plan and an unreachable database are clear errors (exit 2)."""
+    from tests.plan_reference import reference_plan, write_plan
+
+    _, pg_side = sides
+    now = int(time.time() * 1000)
+    pg_side.batch(["OLD1"], "task_old_1", b"old", now - 8 * DAY)
+    pg_side.batch(["NEW1"], "task_new_1", b"new", now)
+    pg_side._run(pg_export.export(pg_side.conn, tmp_path / "out"))
+    write_plan(tmp_path / "plan", reference_plan(tmp_path / "out", 7 * DAY, HOUR), 7 * DAY, HOUR)
+    sdv = str(BIN / "sdv-fanout")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SDV_FANOUT_")}
+
+    def gc_apply(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sdv, "gc", "apply", *argv, "--data-dir", str(tmp_path / "nowhere"), "--json"],
+            capture_output=True, text=True, timeout=60, env=env, check=False,
+        )  # fmt: skip
+
+    done = gc_apply(str(tmp_path / "plan"), "--store-url", pg_dsn)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["rows_deleted"], report["blobs_deleted"]) == (1, 1)
+    assert [(r.vin, r.request_id) for r in pg_side.rows()] == [("NEW1", "task_new_1")]
+    assert not (tmp_path / "nowhere").exists()
+    not_a_plan = gc_apply(str(tmp_path), "--store-url", pg_dsn)
+    assert not_a_plan.returncode == 2 and "plan" in not_a_plan.stderr
+    unreachable = gc_apply(str(tmp_path / "plan"), "--store-url", "postgresql://sdv@127.0.0.1:1/sdv")
+    assert unreachable.returncode == 2 and "store_url" in unreachable.stderr

@@ -22,12 +22,16 @@ import asyncpg
 import orjson
 import pytest
 
-from storage import gc, keys
-from storage.gc import GcReport
+from storage import gc, keys, plan
+from storage.export import export as export_lmdb
+from storage.gc import ApplyReport, GcReport
 from storage.ops import sha1_of as sha1
 from storage.outcomes import Outcome
 from storage.pg import expiry, ingest
+from storage.pg import export as pg_export
 from storage.pg import gc as pg_gc
+from storage.pg import plan as pg_plan
+from tests.plan_reference import reference_plan, write_plan
 from tests.unit import test_store_parity as parity
 from tests.unit import test_store_parity_more as more
 
@@ -62,6 +66,12 @@ class LmdbSide(more.LmdbSide):
     def delete_blobs(self, candidates: list[bytes], cutoff_ms: int) -> tuple[int, int, int]:
         return self._write(gc.delete_blobs, candidates=candidates, cutoff_ms=cutoff_ms)  # type: ignore[no-any-return]
 
+    def export(self, out: Path) -> None:
+        export_lmdb(self.store, out)
+
+    def apply(self, path: Path) -> ApplyReport:
+        return plan.apply_plan(self.store, self.submit, path)
+
     def view(self) -> View:
         t = self.store.tables
         with self.store.read() as txn:
@@ -82,6 +92,12 @@ class PgSide(more.PgSide):
 
     def delete_blobs(self, candidates: list[bytes], cutoff_ms: int) -> tuple[int, int, int]:
         return self._run(pg_gc.delete_blobs(self.conn, candidates, cutoff_ms))
+
+    def export(self, out: Path) -> None:
+        self._run(pg_export.export(self.conn, out))
+
+    def apply(self, path: Path) -> ApplyReport:
+        return plan.apply_plan_to(pg_plan.PgTarget(self.loop, self.conn), path)
 
     def view(self) -> View:
         fetch = self.conn.fetch
@@ -318,3 +334,39 @@ def test_two_passes_at_once_racing_ingest_delete_each_thing_once_on_postgresql(p
         assert_recount_plus_forgotten(side, before - side.records())
     finally:
         side.close()
+
+
+def test_a_spark_plan_applies_alike_on_both_stores(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gc apply` of a plan (tests/plan_reference.py computes what spark/gc_job.py does) on each
+    store's own export, after the store moved on: OLD2's row was replaced and its blob reused, the
+    alias d-old rewritten. Rows still at their planned ts end `expired` (outcome records and
+    counts, as retention ends them), what changed stays, and both stores end the same: report,
+    rows, outcome records, counts, blobs and aliases. Applying it again deletes nothing."""
+    for module in (gc, expiry, pg_plan):
+        monkeypatch.setattr(module, "clock_ms", lambda: NOW)
+    ends = []
+    for side in (LmdbSide(tmp_path / "lmdb"), _empty_pg(pg_dsn)):
+        try:
+            _populate(side)
+            out = tmp_path / f"export-{type(side).__name__}"
+            side.export(out)
+            manifest = orjson.loads((out / "manifest.json").read_bytes())
+            (out / "manifest.json").write_bytes(orjson.dumps({**manifest, "snapshot_ms": NOW}))  # the test's clock
+            path = tmp_path / f"plan-{type(side).__name__}"
+            write_plan(path, reference_plan(out, SETTINGS["retention_ms"], SETTINGS["grace_ms"]), 7 * DAY, HOUR)
+            side.batch(["OLD2"], "task_old_1", b"old-only", NOW)
+            side.op("store_data", data_id="d-old", blob=b"alias-old", now_ms=NOW)
+            report, again = side.apply(path), side.apply(path)
+            ends.append((report, again, side.rows(), side.records(), side.generations(), side.view()))
+            assert_recount_plus_forgotten(side, set())
+        finally:
+            side.close()
+    (report, again, rows, *_), pg_end = ends[0], ends[1]
+    assert ends[0][:2] == pg_end[:2] and ends[0][2:] == pg_end[2:]
+    assert (report.rows_deleted, report.rows_kept_changed, report.aliases_deleted) == (2, 1, 0)  # OLD1, OLD3
+    freed = len(b"done") + len(b"out-of-grace")  # old-only and alias-old were used again since the export
+    assert (report.blobs_deleted, report.blob_bytes_freed, report.blobs_kept_recent) == (2, freed, 2)
+    assert (again.rows_deleted, again.aliases_deleted, again.blobs_deleted) == (0, 0, 0)
+    assert [(r.vin, r.ts_ms) for r in rows if r.request_id == "task_old_1"] == [("OLD2", NOW)]
