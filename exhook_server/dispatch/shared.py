@@ -342,7 +342,7 @@ class SharedDispatcher:
                 for rid, sha1, outcome, attempts, response in rows_seen.ends:
                     if await ingest.end_row_in(conn, vin, rid, sha1, now_ms, outcome, attempts, response):
                         ended.add((rid, sha1))
-                    trips += 3  # the delete, the outcome record (or its amendment), the appended counts
+                    trips += 1  # sdv_end_row: the delete, the outcome record (or its amendment), the counts
             # A batch's filter reads presence and the slot outside the vehicle's lock: it may have
             # found the vehicle offline or its slot taken just before this event, which read the
             # queue before the batch committed, brought it online or freed the slot with nothing

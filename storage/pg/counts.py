@@ -154,40 +154,6 @@ async def rows_pending(
         bumps.add(request_id, sha1, code, -n)
 
 
-async def amend_cancelled(
-    conn: Any,
-    vin: str,
-    request_id: str,
-    sha1: bytes,
-    outcome: Outcome,
-    now_ms: int,
-    bumps: Bumps,
-    attempts: int = 0,
-    response: bytes = b"",
-) -> bool:
-    """A pair cancelled while its delivery was in flight gets that delivery's outcome (as
-    `storage.outcomes.amend_cancelled`); True when amended."""
-    if outcome is Outcome.CANCELLED:
-        return False
-    amended = await conn.fetchval(
-        """UPDATE outcomes SET ended_ms = $4, attempts = greatest(attempts, $5), code = $6, response = $7
-           WHERE vin = $1 AND request_id = $2 AND sha1 = $3 AND code = $8 RETURNING true""",
-        vin,
-        request_id,
-        sha1,
-        now_ms,
-        min(attempts, MAX_ATTEMPTS),
-        int(outcome),
-        response,
-        int(Outcome.CANCELLED),
-    )
-    if not amended:
-        return False
-    bumps.add(request_id, sha1, Outcome.CANCELLED.value, -1)
-    bumps.add(request_id, sha1, outcome.value, 1)
-    return True
-
-
 async def fold(conn: Any, limit: int = 10_000) -> int:
     """Move up to `limit` appended count changes into their generation rows (one transaction);
     how many were folded. Safe beside other folds and every other writer."""

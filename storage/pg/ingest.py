@@ -176,23 +176,16 @@ async def end_row_in(
     response: bytes = b"",
 ) -> bool:
     """`delete_row_if` inside the caller's transaction (a vehicle event of dispatch): no savepoint,
-    no retry. It locks the row, then appends to gen_deltas, which nothing else locks, so it
-    cannot be part of a deadlock."""
-    bumps = Bumps()
-    stored_ms = await conn.fetchval(
-        "DELETE FROM rows WHERE vin = $1 AND request_id = $2 AND sha1 = $3 RETURNING ts_ms", vin, request_id, sha1
+    no retry, one statement (`sdv_end_row`, events.sql). It locks the row, then appends to
+    gen_deltas, which nothing else locks, so it cannot be part of a deadlock."""
+    return bool(
+        await conn.fetchval(
+            _END_ROW, vin, request_id, sha1, now_ms, int(outcome), min(attempts, counts.MAX_ATTEMPTS), response
+        )
     )
-    when = now_ms
-    if stored_ms is None:
-        done = await counts.amend_cancelled(conn, vin, request_id, sha1, outcome, now_ms, bumps, attempts, response)
-    else:
-        when = now_ms or stored_ms
-        ended = Ended(vin, request_id, sha1, stored_ms, outcome, attempts, response)
-        await counts.end_pairs(conn, [ended], when, bumps)
-        done = True
-    # Appended, not applied: the acks of one campaign must not queue on its generation row.
-    await bumps.append(conn, when)
-    return done
+
+
+_END_ROW = "SELECT sdv_end_row($1::text, $2::text, $3::bytea, $4::int8, $5::int2, $6::int4, $7::bytea)"
 
 
 async def _cancel_rows(conn: Any, request_id: str, vins: Sequence[str], now_ms: int, cut: int | None) -> list[Ended]:

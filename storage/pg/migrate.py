@@ -26,6 +26,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (4, "deltas.sql"),
     (5, "batch.sql"),
     (6, "batch6.sql"),
+    (7, "events.sql"),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
