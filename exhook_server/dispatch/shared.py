@@ -57,7 +57,6 @@ from exhook_server.dispatch.worker import InFlight, OutcomeListener, Publisher, 
 from storage import keys
 from storage.outcomes import Outcome
 from storage.pg import dispatch as pgd
-from storage.pg import ingest
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
@@ -330,19 +329,18 @@ class SharedDispatcher:
                 worker.restore(vin, before)
                 result = act(worker)
                 after = worker.state_of(vin)
-                if after[0] != before[0]:
-                    await pgd.save_presence(conn, vin, encode_session(after[0]) if after[0] else None, now_ms)
-                    trips += 1
+                presence = None if after[0] == before[0] else (encode_session(after[0]) if after[0] else None,)
                 marker = _marker(after)
-                if marker != loaded.marker:
-                    sent = bool(sends.queued)
-                    await pgd.save_marker(conn, vin, marker, self._sender() if sent else None)
-                    trips += 1
+                saved_marker = None if marker == loaded.marker else (marker,)
                 ended: set[tuple[str, bytes]] = set()
-                for rid, sha1, outcome, attempts, response in rows_seen.ends:
-                    if await ingest.end_row_in(conn, vin, rid, sha1, now_ms, outcome, attempts, response):
-                        ended.add((rid, sha1))
-                    trips += 1  # sdv_end_row: the delete, the outcome record (or its amendment), the counts
+                if presence or saved_marker or rows_seen.ends:
+                    # Presence, the marker and the pairs ended: one statement (sdv_vin_save).
+                    sender = self._sender() if saved_marker and sends.queued else None
+                    done = await pgd.save(
+                        conn, vin, now_ms, presence=presence, marker=saved_marker, sender=sender, ends=rows_seen.ends
+                    )
+                    ended = {(e[0], e[1]) for e, ok in zip(rows_seen.ends, done, strict=True) if ok}
+                    trips += 1
             # A batch's filter reads presence and the slot outside the vehicle's lock: it may have
             # found the vehicle offline or its slot taken just before this event, which read the
             # queue before the batch committed, brought it online or freed the slot with nothing

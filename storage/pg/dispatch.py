@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from storage import keys
+from storage.outcomes import Outcome
+from storage.pg.counts import MAX_ATTEMPTS
 
 #: Advisory lock class of a vehicle (with hashtext(vin)): `sdv_vin_load` (dispatch.sql) takes it for
 #: each event, so one vehicle's events run one at a time across instances.
@@ -81,47 +83,54 @@ async def load(conn: Any, vin: str, now_ms: int, rows: int) -> Loaded:
     return Loaded(presence, marker, found)
 
 
-async def save_presence(conn: Any, vin: str, session: str | None, now_ms: int) -> None:
-    """Record the vehicle's live session, encoded (None: offline)."""
-    if session is None:
-        await conn.execute("DELETE FROM presence WHERE vin = $1", vin)
-    else:
-        await conn.execute(
-            """INSERT INTO presence (vin, session, seen_ms) VALUES ($1, $2, $3)
-               ON CONFLICT (vin) DO UPDATE SET session = excluded.session, seen_ms = excluded.seen_ms""",
-            vin,
-            session,
-            now_ms,
-        )
-
-
-async def save_marker(conn: Any, vin: str, marker: Marker | None, sender: str | None) -> None:
-    """Record the vehicle's delivery (None: nothing out); `sender` is the instance that just sent
-    it (None: it was not sent now, the recorded sender stays)."""
-    if marker is None:
-        await conn.execute("DELETE FROM vin_state WHERE vin = $1", vin)
-        return
-    await conn.execute(
-        """INSERT INTO vin_state AS s (vin, request_id, sha1, session, sent_ms, attempts, await_response,
-                                      acked_ms, cancelled, voided, sender)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
-           ON CONFLICT (vin) DO UPDATE SET request_id = excluded.request_id, sha1 = excluded.sha1,
-               session = excluded.session, sent_ms = excluded.sent_ms, attempts = excluded.attempts,
-               await_response = excluded.await_response, acked_ms = excluded.acked_ms,
-               cancelled = excluded.cancelled, voided = excluded.voided,
-               sender = coalesce(excluded.sender, s.sender)""",
+async def save(
+    conn: Any,
+    vin: str,
+    now_ms: int,
+    *,
+    presence: tuple[str | None] | None = None,
+    marker: tuple[Marker | None] | None = None,
+    sender: str | None = None,
+    ends: Sequence[tuple[str, bytes, Outcome, int, bytes]] = (),
+) -> list[bool]:
+    """What a vehicle event decided, in one round trip (`sdv_vin_save`, events.sql): when given
+    (a 1-tuple; None leaves it as it is), its live session, encoded (None: offline), and its
+    delivery marker (None: nothing out; `sender`, the instance that just sent it, or None to keep
+    the recorded one); then the pairs it ended (request id, sha1, outcome, attempts, response),
+    each as `ops.delete_row_if` ends it. Whether each of `ends` ended."""
+    session = presence[0] if presence else None
+    m = marker[0] if marker else None
+    done = await conn.fetchval(
+        _SAVE,
         vin,
-        marker.request_id,
-        marker.sha1,
-        marker.session,
-        marker.sent_ms,
-        marker.attempts,
-        marker.await_response,
-        marker.acked_ms,
-        marker.cancelled,
-        marker.voided,
+        now_ms,
+        0 if presence is None else (1 if session is not None else 2),
+        session,
+        0 if marker is None else (1 if m is not None else 2),
+        m.request_id if m else None,
+        m.sha1 if m else None,
+        m.session if m else None,
+        m.sent_ms if m else None,
+        m.attempts if m else None,
+        m.await_response if m else None,
+        m.acked_ms if m else None,
+        m.cancelled if m else None,
+        m.voided if m else None,
         sender,
+        [e[0] for e in ends],
+        [e[1] for e in ends],
+        [int(e[2]) for e in ends],
+        [min(e[3], MAX_ATTEMPTS) for e in ends],
+        [e[4] for e in ends],
     )
+    return list(done or [])
+
+
+_SAVE = """
+SELECT sdv_vin_save($1::text, $2::int8, $3::int2, $4::text, $5::int2, $6::text, $7::bytea, $8::text, $9::int8,
+                    $10::int4, $11::bool, $12::int8, $13::bool, $14::bool, $15::text,
+                    $16::text[], $17::bytea[], $18::int2[], $19::int4[], $20::bytea[])
+"""
 
 
 # A vehicle has something deliverable (the queue's rule, as in sdv_vin_load) ... Written as scalar
