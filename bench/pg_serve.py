@@ -1439,23 +1439,26 @@ def round_header(sides: Sequence[str]) -> str:
     )
 
 
+def ingest_rate_rows(rs: list[dict[str, Any]], sides: Sequence[str], lmdb_ratio: str) -> list[str]:
+    """A layout's rates table: VIN-rows/s per side, the ratios (`lmdb_ratio` labels PostgreSQL /
+    LMDB), batch latency per side."""
+    lines = ["| metric | min | median | max |", "|---|---:|---:|---:|"]
+    lines += [_row(f"{INGEST_NAMES[s]} VIN-rows/s", [r[s]["rows_per_s"] for r in rs], num) for s in sides]
+    lines += ratio_rows(rs, lmdb_ratio)
+    lines += [_row(f"{INGEST_NAMES[s]} batch latency p50 ms", [r[s]["p50_ms"] for r in rs], dec) for s in sides]
+    return lines
+
+
 def ingest_markdown(ing: dict[str, Any], m: dict[str, Any]) -> list[str]:
     rs = ing["rounds"]
-    names = INGEST_NAMES
     lines: list[str] = []
     if "pg" in rs[0]:
         sides = sides_of(rs[0])
         lines += [
             f"### Ingest: {ing['batches']} batches x {BATCH_VINS} VINs per run, {m['clients']} channels / connections",
             "",
-            "| metric | min | median | max |",
-            "|---|---:|---:|---:|",
+            *ingest_rate_rows(rs, sides, "ratio PostgreSQL / LMDB (paired per round)"),
         ]
-        for side in sides:
-            lines.append(_row(f"{names[side]} VIN-rows/s", [r[side]["rows_per_s"] for r in rs], num))
-        lines += ratio_rows(rs, "ratio PostgreSQL / LMDB (paired per round)")
-        for side in sides:
-            lines.append(_row(f"{names[side]} batch latency p50 ms", [r[side]["p50_ms"] for r in rs], dec))
         lines += ["", *ingest_cpu_table(rs)]
         procs = rs[0]["pg"]["server_processes"]
         lines += [
@@ -1524,14 +1527,8 @@ def pinned_markdown(ing: dict[str, Any], m: dict[str, Any]) -> list[str]:
         f"### Ingest, PostgreSQL on its own core: {ing['batches']} batches x {BATCH_VINS} VINs per run, "
         f"PostgreSQL on CPU {db_cpu}, the client side on CPU {client_cpu}",
         "",
-        "| metric | min | median | max |",
-        "|---|---:|---:|---:|",
+        *ingest_rate_rows(rs, sides, "ratio PostgreSQL / LMDB (one-core server, paired per round)"),
     ]
-    for side in sides:
-        lines.append(_row(f"{INGEST_NAMES[side]} VIN-rows/s", [r[side]["rows_per_s"] for r in rs], num))
-    lines += ratio_rows(rs, "ratio PostgreSQL / LMDB (one-core server, paired per round)")
-    for side in sides:
-        lines.append(_row(f"{INGEST_NAMES[side]} batch latency p50 ms", [r[side]["p50_ms"] for r in rs], dec))
     lines += ["", *ingest_cpu_table(rs, cpus)]
     procs = rs[0]["pg"]["server_processes"]
     db_sides = [s for s in sides if s != "lmdb"]  # the LMDB side leaves PostgreSQL's CPU idle
