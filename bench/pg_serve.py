@@ -263,31 +263,30 @@ class Meter:
 # -- the pinned layout: PostgreSQL on a core of its own -----------------------------------------
 
 
+def _threads(pids: Sequence[int]) -> list[int]:
+    """Every thread id of these processes; processes gone meanwhile are skipped."""
+    tids: list[int] = []
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            tids += [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+    return tids
+
+
 def set_affinity(pids: Sequence[int], cpus: set[int]) -> None:
     """Every thread of these processes onto `cpus`. sched_setaffinity acts on one thread: a
     process's other threads (gRPC's, asyncio's executor) keep their own mask unless each is set;
     threads started later inherit their creator's. Processes or threads gone meanwhile are skipped."""
-    for pid in pids:
-        try:
-            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
-        except FileNotFoundError:
-            continue
-        for tid in tids:
-            with contextlib.suppress(ProcessLookupError):
-                os.sched_setaffinity(tid, cpus)
+    for tid in _threads(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, cpus)
 
 
 def masks(pids: Sequence[int]) -> set[frozenset[int]]:
     """The distinct CPU masks of every thread of these processes."""
     out = set()
-    for pid in pids:
-        try:
-            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
-        except FileNotFoundError:
-            continue
-        for tid in tids:
-            with contextlib.suppress(ProcessLookupError):
-                out.add(frozenset(os.sched_getaffinity(tid)))
+    for tid in _threads(pids):
+        with contextlib.suppress(ProcessLookupError):
+            out.add(frozenset(os.sched_getaffinity(tid)))
     return out
 
 
