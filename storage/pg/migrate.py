@@ -27,6 +27,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (5, "batch.sql"),
     (6, "batch6.sql"),
     (7, "events.sql"),
+    (8, "bound.sql"),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

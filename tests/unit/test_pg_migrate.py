@@ -23,6 +23,7 @@ TABLES = {
     "outcomes",
     "batches",
     "cancels",
+    "crowded",
     "vin_state",
     "presence",
     "gen_deltas",
