@@ -28,9 +28,10 @@ if TYPE_CHECKING:
     from storage.gc import ApplyReport, GcReport
     from storage.keys import Row
     from storage.outcomes import Generation, OutcomeRecord, PageKey
-    from storage.port import Reads
+    from storage.port import Reads, Writes
 
 T = TypeVar("T")
+P = TypeVar("P")  # a store port: Reads or Writes
 #: How long one read of the CLI may take on PostgreSQL: a scan of a large store (stats) takes a
 #: while, and the operator watching can end it sooner with Ctrl-C.
 _CLI_READ_TIMEOUT_S = 3600.0
@@ -267,25 +268,30 @@ def _generation_line(g: Mapping[str, Any]) -> str:
     return f"{counts}  first {_iso(g['first_ms'])}  last {_iso(g['last_ms'])}"
 
 
-def _on_store(cfg: Config, read: Callable[[Reads], Coroutine[Any, Any, T]], *, writable: bool = False) -> T:
-    """`read(reads)` on the store in force: PostgreSQL when store_url is set, else the LMDB data
-    dir, opened read-only unless `writable` (GC deletes through a group committer)."""
+def _with_store(
+    cfg: Config,
+    on_pg: Callable[[Any], P],
+    on_lmdb: Callable[[Any, Any], P],
+    work: Callable[[P], Coroutine[Any, Any, T]],
+    *,
+    writable: bool,
+) -> T:
+    """`work(port)` on the store in force: PostgreSQL when store_url is set (a pool of one
+    connection, `on_pg(pool)`), else the LMDB data dir (`on_lmdb(store, committer)`): read-only
+    with no committer, or through a group committer, as a server writes it, when `writable`."""
     import asyncio
 
-    from storage.lmdb_reads import LmdbReads
     from storage.store import Store
 
     async def on_postgresql() -> T:
         import asyncpg
-
-        from storage.pg.reads import PgReads
 
         try:
             pool = await asyncpg.create_pool(cfg.store_url, min_size=1, max_size=1, timeout=10)
         except (OSError, asyncpg.PostgresError) as exc:
             raise StorageError(f"cannot connect to store_url: {exc}") from None
         try:
-            return await read(PgReads(pool, _CLI_READ_TIMEOUT_S))
+            return await work(on_pg(pool))
         finally:
             await pool.close()
 
@@ -293,15 +299,44 @@ def _on_store(cfg: Config, read: Callable[[Reads], Coroutine[Any, Any, T]], *, w
         return asyncio.run(on_postgresql())
     if not writable:
         with Store(cfg.data_dir, readonly=True) as store:
-            return asyncio.run(read(LmdbReads(store)))
+            return asyncio.run(work(on_lmdb(store, None)))
     from storage.writer import GroupCommitter
 
     with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
         committer = GroupCommitter(store)
         try:
-            return asyncio.run(read(LmdbReads(store, committer)))
+            return asyncio.run(work(on_lmdb(store, committer)))
         finally:
             committer.close()
+
+
+def _on_store(cfg: Config, read: Callable[[Reads], Coroutine[Any, Any, T]], *, writable: bool = False) -> T:
+    """`read(reads)` on the store in force; the LMDB data dir opened read-only unless `writable`
+    (GC deletes through a group committer)."""
+    from storage.lmdb_reads import LmdbReads
+    from storage.pg.reads import PgReads
+
+    def on_pg(pool: Any) -> Reads:
+        return PgReads(pool, _CLI_READ_TIMEOUT_S)
+
+    def on_lmdb(store: Any, committer: Any) -> Reads:
+        return LmdbReads(store, committer)
+
+    return _with_store(cfg, on_pg, on_lmdb, read, writable=writable)
+
+
+def _on_store_writes(cfg: Config, work: Callable[[Writes], Coroutine[Any, Any, T]]) -> T:
+    """`work(writes)` on the store in force, as a server writes it."""
+    from storage.lmdb_writes import LmdbWrites
+    from storage.pg.writes import PgWrites
+
+    def on_pg(pool: Any) -> Writes:
+        return PgWrites(pool, _CLI_READ_TIMEOUT_S)
+
+    def on_lmdb(store: Any, committer: Any) -> Writes:
+        return LmdbWrites(store, committer, _CLI_READ_TIMEOUT_S)
+
+    return _with_store(cfg, on_pg, on_lmdb, work, writable=True)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -415,7 +450,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     from exhook_server.batch import BatchParser, Cancel, Kind
     from exhook_server.errors import BatchRejected
     from storage.cancel import run_cancel
-    from storage.store import Store, now_ms
+    from storage.store import now_ms
 
     cfg = _load(args)
     doc: dict[str, Any] = {"request_id": args.request_id}
@@ -438,8 +473,12 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
             "in_flight": reply.in_flight,
         }
     else:
-        with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
-            total = run_cancel(store, parsed.request_id, parsed.vins, now_ms(), cfg.max_rows_per_commit)
+        vins = parsed.vins
+
+        async def work(writes: Writes) -> int:
+            return await run_cancel(writes, parsed.request_id, vins, now_ms(), cfg.max_rows_per_commit)
+
+        total = _on_store_writes(cfg, work)
         # Without the server nobody knows what is out for delivery; a PUBACK still amends it.
         out = {"request_id": parsed.request_id, "cancelled": total, "in_flight": None}
     if args.json:

@@ -105,8 +105,9 @@ BACKLOG_GAUGE_INTERVAL_S = 60.0
 
 async def backlog_gauge_loop(cfg: Config, reads: Reads, interval_s: float = BACKLOG_GAUGE_INTERVAL_S) -> None:
     """Every minute: count the vehicles at max_pending_per_vehicle (their new rows are refused).
-    A pass over the per-vehicle counts (LMDB, in a thread: O(vehicles with pending rows)) or
-    over the queue index (PostgreSQL: O(rows))."""
+    A pass over the per-vehicle counts (LMDB, in a thread: O(vehicles with pending rows)) or, on
+    PostgreSQL, over the vehicles listed at half the bound (storage/pg/bound.sql; a bound of 64
+    or less: over the rows)."""
     if not cfg.max_pending_per_vehicle:
         return
     while True:

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 import orjson
 
 from storage import keys, pending
 from storage.outcomes import Outcome
-from storage.store import Store, Tables
+from storage.store import Tables
+
+if TYPE_CHECKING:  # storage.port imports this module's CancelChunk
+    from storage.port import Writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +151,13 @@ def cancels_in_progress(txn: lmdb.Transaction, t: Tables) -> list[str]:
     return [bytes(k).decode() for k in txn.cursor(t.cancels).iternext(keys=True, values=False)]
 
 
-def run_cancel(store: Store, request_id: str, vins: Sequence[str] | None, now_ms: int, max_rows: int) -> int:
-    """A whole cancel in this process, one transaction per chunk (`sdv-fanout cancel` without a
-    server; LMDB serialises it with a running server's writer). Returns the rows cancelled."""
-    with store.write() as txn:
-        if vins is not None:
-            return cancel_vins(txn, store.tables, request_id, vins, now_ms).total
-        chunk = start_cancel_all(txn, store.tables, request_id, now_ms, max_rows)
+async def run_cancel(writes: Writes, request_id: str, vins: Sequence[str] | None, now_ms: int, max_rows: int) -> int:
+    """A whole cancel in this process through either store's `Writes`, one transaction per chunk
+    (`sdv-fanout cancel` without a server; LMDB serialises it with a running server's writer,
+    PostgreSQL with every instance's). Returns the rows cancelled."""
+    if vins is not None:
+        return (await writes.cancel_vins(request_id, vins, now_ms)).total
+    chunk = await writes.start_cancel_all(request_id, now_ms, max_rows)
     while chunk.more:
-        with store.write() as txn:
-            chunk = cancel_chunk(txn, store.tables, request_id, now_ms, max_rows)
+        chunk = await writes.cancel_chunk(request_id, now_ms, max_rows)
     return chunk.total

@@ -230,3 +230,17 @@ BEGIN
             failed = g.failed + v_gen.failed, responded = g.responded + v_gen.responded;
     END LOOP;
 END $$;
+
+-- The vehicles holding p_bound pending rows or more, for the vehicles-at-bound gauge. With a bound
+-- above 64 a vehicle gets there only through a count that listed it (at half the bound), so only
+-- listed vehicles are counted: O(listed x bound), not a pass over every row. A bound of 64 or
+-- less lists nobody: every vehicle's rows are counted.
+CREATE OR REPLACE FUNCTION sdv_vehicles_at(p_bound integer) RETURNS bigint
+LANGUAGE sql STABLE SET enable_bitmapscan = off AS $$
+    SELECT CASE WHEN p_bound > 64 THEN
+        (SELECT count(*) FROM crowded c
+         WHERE EXISTS (SELECT 1 FROM rows r WHERE r.vin = c.vin OFFSET p_bound - 1 LIMIT 1))
+    ELSE
+        (SELECT count(*) FROM (SELECT 1 FROM rows GROUP BY vin HAVING count(*) >= p_bound) v)
+    END
+$$;

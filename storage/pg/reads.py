@@ -46,7 +46,7 @@ SELECT * FROM generation_counts
 WHERE last_ms <= $1 AND (last_ms < $1 OR convert_to(request_id, 'UTF8') || '\\x00'::bytea || sha1 < $2)
 ORDER BY last_ms DESC, request_id DESC, sha1 DESC LIMIT $3
 """
-_VEHICLES_AT = "SELECT count(*) FROM (SELECT 1 FROM rows GROUP BY vin HAVING count(*) >= $1) v"
+_VEHICLES_AT = "SELECT sdv_vehicles_at($1)"
 
 
 async def stats(conn: Any) -> Stats:
@@ -92,7 +92,8 @@ async def row_count(conn: Any) -> int:
 
 
 async def vehicles_at(conn: Any, bound: int) -> int:
-    """Vehicles with at least `bound` pending rows: one pass over the queue index."""
+    """Vehicles with at least `bound` pending rows (`sdv_vehicles_at`, bound.sql): above a bound
+    of 64 only the vehicles listed in `crowded` are counted, as only they can be there."""
     return int(await conn.fetchval(_VEHICLES_AT, bound))
 
 

@@ -1,7 +1,8 @@
 """The backlog bound on PostgreSQL (storage/pg/bound.sql, schema 8): a bound above 64 counts the
 vehicles listed in `crowded` on every new row and the others on a random sample of rows, so a
 vehicle is listed on its way up from half the bound and refused exactly once listed; a bound of 64
-or less counts every vehicle and never lists one. random() is seeded per connection (setseed):
+or less counts every vehicle and never lists one. The vehicles-at-bound gauge counts the listed
+vehicles. random() is seeded per connection (setseed):
 each test's draws are the same on every run."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncpg
 import pytest
 
 from storage.ops import BatchWritten, RowSpec
-from storage.pg import ingest, migrate
+from storage.pg import ingest, migrate, reads
 from tests.pg_cluster import PgCluster
 
 T = TypeVar("T")
@@ -66,17 +67,18 @@ def test_a_vehicle_climbing_to_a_large_bound_is_listed_and_refused_at_it(dsn: st
     vehicle that gets one request in all. It is listed on the way up, holds exactly 128 rows when
     the 129th request comes, and that one is refused; the other vehicle is never listed."""
 
-    async def body(conn: asyncpg.Connection) -> tuple[list[tuple[str, ...]], list[str], int]:
+    async def body(conn: asyncpg.Connection) -> tuple[list[tuple[str, ...]], list[str], int, int]:
         refusals = [
             await _put(conn, ["V_FULL"] + (["V_ONE"] if i == 0 else []), f"task_a_{i}", 128) for i in range(129)
         ]
         rows = await conn.fetchval("SELECT count(*) FROM rows WHERE vin = 'V_FULL'")
-        return refusals, await _listed(conn), rows
+        return refusals, await _listed(conn), rows, await reads.vehicles_at(conn, 128)
 
-    refusals, listed, rows = _with_conn(dsn, body)
+    refusals, listed, rows, gauge = _with_conn(dsn, body)
     assert refusals[:128] == [()] * 128
     assert refusals[128] == ("V_FULL",)
     assert listed == ["V_FULL"] and rows == 128
+    assert gauge == 1  # the vehicles-at-bound gauge counts the listed vehicles
 
 
 def test_a_listed_vehicle_is_counted_on_every_row_and_unlisted_once_drained(dsn: str) -> None:
@@ -118,10 +120,10 @@ def test_a_small_bound_counts_every_vehicle_and_lists_none(dsn: str) -> None:
     """Bound 3: the fourth request of a vehicle is refused however random() draws, and nothing is
     written to `crowded`."""
 
-    async def body(conn: asyncpg.Connection) -> tuple[list[tuple[str, ...]], list[str]]:
+    async def body(conn: asyncpg.Connection) -> tuple[list[tuple[str, ...]], list[str], int]:
         refusals = [await _put(conn, ["V1", f"W{i}"], f"task_d_{i}", 3) for i in range(5)]
-        return refusals, await _listed(conn)
+        return refusals, await _listed(conn), await reads.vehicles_at(conn, 3)
 
-    refusals, listed = _with_conn(dsn, body)
+    refusals, listed, gauge = _with_conn(dsn, body)
     assert refusals == [(), (), (), ("V1",), ("V1",)]
-    assert listed == []
+    assert listed == [] and gauge == 1  # the gauge counts every vehicle's rows then

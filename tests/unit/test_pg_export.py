@@ -285,6 +285,14 @@ def test_cli_exports_from_postgresql_when_store_url_is_set(
     assert bad.returncode == 2 and "store_url" in bad.stderr
 
 
+def sdv_fanout(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The CLI with `argv`, none of the caller's SDV_FANOUT_* settings in its environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SDV_FANOUT_")}
+    return subprocess.run(
+        [str(BIN / "sdv-fanout"), *argv], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+
+
 def test_cli_applies_a_gc_plan_to_postgresql_when_store_url_is_set(
     sides: tuple[more.LmdbSide, more.PgSide], tmp_path: Path, pg_dsn: str
 ) -> None:
@@ -299,14 +307,9 @@ def test_cli_applies_a_gc_plan_to_postgresql_when_store_url_is_set(
     pg_side.batch(["NEW1"], "task_new_1", b"new", now)
     pg_side._run(pg_export.export(pg_side.conn, tmp_path / "out"))
     write_plan(tmp_path / "plan", reference_plan(tmp_path / "out", 7 * DAY, HOUR), 7 * DAY, HOUR)
-    sdv = str(BIN / "sdv-fanout")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDV_FANOUT_")}
 
     def gc_apply(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sdv, "gc", "apply", *argv, "--data-dir", str(tmp_path / "nowhere"), "--json"],
-            capture_output=True, text=True, timeout=60, env=env, check=False,
-        )  # fmt: skip
+        return sdv_fanout("gc", "apply", *argv, "--data-dir", str(tmp_path / "nowhere"), "--json")
 
     done = gc_apply(str(tmp_path / "plan"), "--store-url", pg_dsn)
     assert done.returncode == 0, done.stderr
@@ -317,4 +320,32 @@ def test_cli_applies_a_gc_plan_to_postgresql_when_store_url_is_set(
     not_a_plan = gc_apply(str(tmp_path), "--store-url", pg_dsn)
     assert not_a_plan.returncode == 2 and "plan" in not_a_plan.stderr
     unreachable = gc_apply(str(tmp_path / "plan"), "--store-url", "postgresql://sdv@127.0.0.1:1/sdv")
+    assert unreachable.returncode == 2 and "store_url" in unreachable.stderr
+
+
+def test_cli_cancels_on_postgresql_when_store_url_is_set(
+    sides: tuple[more.LmdbSide, more.PgSide], tmp_path: Path, pg_dsn: str
+) -> None:
+    """`sdv-fanout cancel R [--vin V] --store-url URL` without a server ends the rows on PostgreSQL,
+    not in an LMDB store of data_dir (there is none here): the named vehicle's row, then every
+    other one, each counted `cancelled` in its generation; an unreachable database is a clear
+    error (exit 2)."""
+    _, pg_side = sides
+    pg_side.batch(["C1", "C2", "C3"], "task_can_1", b"fw", 1_000)
+
+    def cancel(*argv: str) -> subprocess.CompletedProcess[str]:
+        return sdv_fanout("cancel", "task_can_1", *argv, "--data-dir", str(tmp_path / "nowhere"), "--json")
+
+    one = cancel("--vin", "C2", "--store-url", pg_dsn)
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout) == {"request_id": "task_can_1", "cancelled": 1, "in_flight": None}
+    assert [r.vin for r in pg_side.rows()] == ["C1", "C3"]
+    rest = cancel("--store-url", pg_dsn)
+    assert rest.returncode == 0, rest.stderr
+    assert json.loads(rest.stdout)["cancelled"] == 2
+    assert pg_side.rows() == []
+    gen = pg_side._run(pg_side.conn.fetchrow("SELECT * FROM generation_counts WHERE request_id = 'task_can_1'"))
+    assert (gen["cancelled"], gen["pending"]) == (3, 0)
+    assert not (tmp_path / "nowhere").exists()
+    unreachable = cancel("--store-url", "postgresql://sdv@127.0.0.1:1/sdv")
     assert unreachable.returncode == 2 and "store_url" in unreachable.stderr
