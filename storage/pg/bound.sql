@@ -16,6 +16,11 @@
 CREATE TABLE crowded (
     vin text COLLATE "C" PRIMARY KEY
 );
+-- The backlogs stored before this version were never counted into `crowded`: every vehicle with 32
+-- rows or more (half of the smallest sampled bound, 65) is listed now, so one already at its bound
+-- is refused from its next row on and counted by the gauge. A listed vehicle under a quarter of
+-- the bound in force leaves the list with its next row. One pass over the rows, here only.
+INSERT INTO crowded (vin) SELECT vin FROM rows GROUP BY vin HAVING count(*) >= 32;
 
 -- The VINs of p_vins (each just given a new row) now holding more than p_max_pending rows, in VIN
 -- order; `crowded` updated with what the counts found. Called by sdv_put_rows, whose settings it

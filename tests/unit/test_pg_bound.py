@@ -127,3 +127,30 @@ def test_a_small_bound_counts_every_vehicle_and_lists_none(dsn: str) -> None:
     refusals, listed, gauge = _with_conn(dsn, body)
     assert refusals == [(), (), (), ("V1",), ("V1",)]
     assert listed == [] and gauge == 1  # the gauge counts every vehicle's rows then
+
+
+def test_the_migration_lists_the_backlogs_stored_before_it(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A database at schema 7 holding a vehicle at its bound of 1000 and a vehicle with a few rows:
+    migrated to 8, the full one is listed (refused from its next row on, counted by the gauge),
+    the other not."""
+
+    async def go() -> tuple[list[str], tuple[str, ...], int]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            with monkeypatch.context() as m:
+                m.setattr(migrate, "MIGRATIONS", tuple(v for v in migrate.MIGRATIONS if v[0] < 8))
+                await migrate.migrate(conn)
+            await _fill(conn, "V_FULL", 1_000)
+            await _fill(conn, "V_FEW", 3)
+            assert await migrate.migrate(conn) == [8]
+            await conn.execute("SELECT setseed(0.25)")
+            return (
+                await _listed(conn),
+                await _put(conn, ["V_FEW", "V_FULL"], "task_e_1", 1_000),
+                await reads.vehicles_at(conn, 1_000),
+            )
+        finally:
+            await conn.close()
+
+    listed, refused, gauge = asyncio.run(go())
+    assert listed == ["V_FULL"] and refused == ("V_FULL",) and gauge == 1
