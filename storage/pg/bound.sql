@@ -9,7 +9,9 @@
 -- is, and that the vehicle passes the bound unlisted, is below 1e-13 (and then each further row
 -- is counted with the same probability). A listed vehicle is counted on every new row and
 -- refused exactly as before; its listing ends when a count finds it below a quarter of the bound.
--- A bound of 64 or less counts every vehicle, as version 6 did, and leaves `crowded` alone.
+-- A bound of 64 or less counts every vehicle on every new row, as version 6 did. Near the bound
+-- the decisive count runs under the vehicle's listing locked, so concurrent batches cannot pass it
+-- together (version 6 let each of them add a row).
 -- sdv_put_rows is version 6's with its probe replaced by a call of sdv_over_bound.
 
 -- Vehicles whose backlog was last counted at half of max_pending_per_vehicle or more.
@@ -30,40 +32,43 @@ CREATE OR REPLACE FUNCTION sdv_over_bound(p_vins text[], p_max_pending integer) 
 LANGUAGE plpgsql AS $$
 DECLARE
     c_counted CONSTANT double precision := 64;  -- counts per max_pending new rows of a vehicle
-    v_rate double precision := c_counted / p_max_pending;
-    v_listed text[];
-    v_over text[];
-    v_list text[];
+    v_rate double precision := least(1.0, c_counted / p_max_pending);
+    v_listed text[] := '{}';
+    v_near text[];
     v_unlist text[];
+    v text;
 BEGIN
-    IF v_rate >= 1 THEN
-        -- The new row makes p_max_pending + 1: the VIN had its bound's worth already. Counted
-        -- through the vehicle's queue index up to that many: a huge backlog costs no more.
-        SELECT coalesce(array_agg(v ORDER BY v COLLATE "C"), '{}') INTO v_over
-            FROM unnest(p_vins) AS v
-            WHERE EXISTS (SELECT 1 FROM rows r WHERE r.vin = v OFFSET p_max_pending LIMIT 1);
-        RETURN v_over;
-    END IF;
-    v_listed := '{}';
     IF EXISTS (SELECT 1 FROM crowded) THEN  -- usually empty: no lookup per VIN then
         SELECT coalesce(array_agg(c.vin), '{}') INTO v_listed FROM crowded c WHERE c.vin = ANY(p_vins);
     END IF;
-    SELECT coalesce(array_agg(q.v ORDER BY q.v COLLATE "C") FILTER (WHERE q.n > p_max_pending), '{}'),
-           coalesce(array_agg(q.v ORDER BY q.v COLLATE "C")
-                    FILTER (WHERE NOT q.listed AND q.n >= p_max_pending / 2), '{}'),
-           coalesce(array_agg(q.v ORDER BY q.v COLLATE "C") FILTER (WHERE q.listed AND q.n < p_max_pending / 4), '{}')
-        INTO v_over, v_list, v_unlist
+    -- Counted up to the bound + 1: a huge backlog costs no more than one at the bound. random()
+    -- is below 1: a bound of 64 or less counts every VIN.
+    SELECT coalesce(array_agg(q.v ORDER BY q.v COLLATE "C") FILTER (WHERE q.n * 2 >= p_max_pending), '{}'),
+           coalesce(array_agg(q.v) FILTER (WHERE q.listed AND q.n * 4 < p_max_pending), '{}')
+        INTO v_near, v_unlist
         FROM (SELECT u.v, u.v = ANY(v_listed) AS listed,
                      (SELECT count(*) FROM (SELECT 1 FROM rows r WHERE r.vin = u.v LIMIT p_max_pending + 1) e) AS n
               FROM unnest(p_vins) AS u(v)
               WHERE u.v = ANY(v_listed) OR random() < v_rate) q;
-    IF cardinality(v_list) > 0 THEN
-        INSERT INTO crowded (vin) SELECT v FROM unnest(v_list) AS v ON CONFLICT DO NOTHING;
-    END IF;
     IF cardinality(v_unlist) > 0 THEN
         DELETE FROM crowded WHERE vin = ANY(v_unlist);
     END IF;
-    RETURN v_over;
+    IF cardinality(v_near) = 0 THEN
+        RETURN '{}';
+    END IF;
+    -- Listed, and each listing locked, in VIN order. Two batches adding to one vehicle at the same
+    -- time each see their own new row and the committed ones, not the other's: both could pass a
+    -- bound one row short. Near the bound the second waits here (on the first one's insert or its
+    -- lock) until the first commits, and the count that decides runs after, in a snapshot of its
+    -- own (READ COMMITTED, the store's): it sees the first one's row. A row lock, not an advisory
+    -- lock: a batch may lock 200 vehicles, and advisory locks fill the shared lock table.
+    FOREACH v IN ARRAY v_near LOOP
+        INSERT INTO crowded (vin) VALUES (v) ON CONFLICT DO NOTHING;
+        PERFORM 1 FROM crowded c WHERE c.vin = v FOR UPDATE;
+    END LOOP;
+    RETURN ARRAY(SELECT u.v FROM unnest(v_near) AS u(v)
+                 WHERE EXISTS (SELECT 1 FROM rows r WHERE r.vin = u.v OFFSET p_max_pending LIMIT 1)
+                 ORDER BY u.v COLLATE "C");
 END $$;
 
 CREATE OR REPLACE FUNCTION sdv_put_rows(

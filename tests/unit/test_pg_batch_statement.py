@@ -182,7 +182,7 @@ def test_no_jit_for_the_instance_nor_for_a_batch_whoever_calls(pg_cluster: PgClu
                 eager, [f"V{n}" for n in range(20)], "task_jit_1", b"p", 1_000, None, RowSpec(0, 0, 5)
             )
             await eager.execute("SELECT 1")  # after the batch's notices have arrived
-            inside = "\n".join(n for n in notes if "OFFSET p_max_pending" in n)  # the backlog probe
+            inside = "\n".join(n for n in notes if "LIMIT p_max_pending + 1" in n)  # the backlog count
             notes.clear()
             await eager.fetchval("SELECT count(*) FROM rows")
             outside = "\n".join(notes)

@@ -1,7 +1,7 @@
 """The backlog bound on PostgreSQL (storage/pg/bound.sql, schema 8): a bound above 64 counts the
 vehicles listed in `crowded` on every new row and the others on a random sample of rows, so a
 vehicle is listed on its way up from half the bound and refused exactly once listed; a bound of 64
-or less counts every vehicle and never lists one. The vehicles-at-bound gauge counts the listed
+or less counts every vehicle's queue on every new row. The vehicles-at-bound gauge counts the listed
 vehicles. random() is seeded per connection (setseed):
 each test's draws are the same on every run."""
 
@@ -116,9 +116,9 @@ def test_an_unlisted_vehicle_past_the_bound_is_caught_by_a_counted_row(dsn: str)
     assert all(r == () for r in refusals[:first])
 
 
-def test_a_small_bound_counts_every_vehicle_and_lists_none(dsn: str) -> None:
-    """Bound 3: the fourth request of a vehicle is refused however random() draws, and nothing is
-    written to `crowded`."""
+def test_a_small_bound_counts_every_vehicle_on_every_row(dsn: str) -> None:
+    """Bound 3: the fourth request of a vehicle is refused however random() draws; the vehicle is
+    listed from half the bound on, the vehicles with one row are not."""
 
     async def body(conn: asyncpg.Connection) -> tuple[list[tuple[str, ...]], list[str], int]:
         refusals = [await _put(conn, ["V1", f"W{i}"], f"task_d_{i}", 3) for i in range(5)]
@@ -126,7 +126,7 @@ def test_a_small_bound_counts_every_vehicle_and_lists_none(dsn: str) -> None:
 
     refusals, listed, gauge = _with_conn(dsn, body)
     assert refusals == [(), (), (), ("V1",), ("V1",)]
-    assert listed == [] and gauge == 1  # the gauge counts every vehicle's rows then
+    assert listed == ["V1"] and gauge == 1  # the gauge counts every vehicle's rows then
 
 
 def test_the_migration_lists_the_backlogs_stored_before_it(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,3 +154,48 @@ def test_the_migration_lists_the_backlogs_stored_before_it(dsn: str, monkeypatch
 
     listed, refused, gauge = asyncio.run(go())
     assert listed == ["V_FULL"] and refused == ("V_FULL",) and gauge == 1
+
+
+#: A session waits for another's transaction: the lock a row lock or a unique check waits on.
+_WAITING = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted)"
+
+
+@pytest.mark.parametrize("bound", [3, 1_000])
+def test_two_batches_adding_to_a_vehicle_one_row_short_of_its_bound_store_one_row(dsn: str, bound: int) -> None:
+    """A vehicle one row short of its bound (listed, for the sampled bound), two batches adding to
+    it at once: the second waits for the first to commit (on its listing of the vehicle, or on
+    the listing's row lock), then counts the first one's row and is refused. The vehicle ends at
+    its bound, not past it."""
+
+    async def go() -> tuple[bool, tuple[str, ...], int]:
+        first = await asyncpg.connect(dsn)
+        second = await asyncpg.connect(dsn)
+        try:
+            await migrate.migrate(first)
+            await _fill(first, "V1", bound - 1)
+            if bound > 64:
+                await first.execute("INSERT INTO crowded (vin) VALUES ('V1')")
+            tx = first.transaction()
+            await tx.start()
+            stored = await first.fetchrow(
+                "SELECT * FROM sdv_put_rows($1::text[], 'task_f_1', '\\x01'::bytea, 1, 1000, 0, 0::int2, $2)",
+                ["V1"],
+                bound,
+            )
+            assert list(stored["refused"]) == []
+            racing = asyncio.create_task(_put(second, ["V1"], "task_f_2", bound))
+            waited = False
+            deadline = asyncio.get_running_loop().time() + 10
+            while not waited and asyncio.get_running_loop().time() < deadline:
+                waited = await first.fetchval(_WAITING)
+                await asyncio.sleep(0.01)
+            assert not racing.done()
+            await tx.commit()
+            refused = await racing
+            return waited, refused, await first.fetchval("SELECT count(*) FROM rows WHERE vin = 'V1'")
+        finally:
+            await first.close()
+            await second.close()
+
+    waited, refused, rows = asyncio.run(go())
+    assert waited and refused == ("V1",) and rows == bound
