@@ -89,7 +89,7 @@ def one_round(r: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         stored_events, duplicate_events = ingest_events(rig.servers)
 
     ok = {c.batch for c in calls if c.ok}
-    first = acked(calls, started_after=t.killed)[0]
+    first = acked(calls, started_after=t.dead)[0]  # sent once no process of the primary was left
     back = [acked(calls, started_after=t.promote_started, instance=i)[0].answered for i in instances]
     errors = [c for c in calls + retries if not c.ok]
     codes = Counter(c.code for c in errors)
@@ -147,7 +147,8 @@ def report(meta: dict[str, Any], rounds: list[dict[str, Any]], s: dict[str, Any]
           f"after; {meta['instances']} instances x {meta['threads']} driver threads, {meta['vins']}-VIN batches; "
           f"primary killed -9 after {meta['warm']} acknowledged batches per instance, standby promoted "
           f"{meta['hold_s']:g} s later; server defaults (ingest_timeout_s 4 s, store_down_grace_s 10 s). "
-          "Times in seconds; \"first ack\" is the first acknowledged batch sent after the kill; \"all\" is "
+          "Times in seconds from the first SIGKILL; \"first ack\" is the first acknowledged batch sent once every "
+          "process of the primary was gone (one sent while they were dying can still commit); \"all\" is "
           "every instance having acknowledged one sent after the promote started.")  # fmt: skip
     print()
     print("| round | kill → promoted | kill → first ack | promote → first ack | promote → all | acknowledged "

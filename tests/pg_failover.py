@@ -279,9 +279,12 @@ class FailoverRig:
 
 @dataclass(frozen=True)
 class Timeline:
-    """When the primary was killed, the promote started, and the standby accepted writes (monotonic)."""
+    """When the primary was killed (the first SIGKILL), when every process of it was gone, when the
+    promote started, and when the standby accepted writes (monotonic). A batch sent between the
+    first two can still commit: its backend had not died yet."""
 
     killed: float
+    dead: float
     promote_started: float
     promoted: float
 
@@ -292,11 +295,12 @@ def fail_over(rig: FailoverRig, before_promote: Callable[[float], None] | None =
     assert rig.standby is not None
     killed = time.monotonic()
     rig.primary.kill()
+    dead = time.monotonic()
     if before_promote is not None:
         before_promote(killed)
     promote_started = time.monotonic()
     asyncio.run(promote(rig.standby))
-    return Timeline(killed, promote_started, time.monotonic())
+    return Timeline(killed, dead, promote_started, time.monotonic())
 
 
 async def promote(standby: PgCluster, timeout_s: int = 30) -> None:
