@@ -182,7 +182,8 @@ class Reads(Protocol):
         ...
 
     async def row_count(self) -> int:
-        """Pending rows in the whole store (O(1) on LMDB; a count on PostgreSQL)."""
+        """Pending rows in the whole store (O(1) on LMDB; on PostgreSQL the generations' pending
+        counts summed, O(generations))."""
         ...
 
     async def map_usage(self) -> float | None:

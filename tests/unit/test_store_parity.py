@@ -203,9 +203,12 @@ def counts_of(store: Side, rid: str, blob: bytes) -> dict[str, int]:
 
 
 def assert_recount(store: Side) -> None:
-    """Stored counts equal a recount from rows and outcome records."""
-    stored = {k: c for k, (_, _, c) in store.generations().items() if c["total"]}
+    """Stored counts equal a recount from rows and outcome records, and the generations' pending
+    counts add up to the rows stored (PostgreSQL's pending-rows gauge reads that sum)."""
+    generations = store.generations()
+    stored = {k: c for k, (_, _, c) in generations.items() if c["total"]}
     assert stored == store.recount()
+    assert sum(c["pending"] for _, _, c in generations.values()) == len(store.rows())
 
 
 def outcome_of(store: Side, vin: str, rid: str, blob: bytes) -> Outcome | None:
