@@ -36,12 +36,6 @@ SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[]
 ON CONFLICT (vin, request_id, sha1) DO UPDATE SET ended_ms = EXCLUDED.ended_ms, stored_ms = EXCLUDED.stored_ms,
     attempts = EXCLUDED.attempts, code = EXCLUDED.code, response = EXCLUDED.response
 """
-_APPEND = f"""
-INSERT INTO gen_deltas (request_id, sha1, last_ms, {_COLUMNS})
-SELECT r, s, $3, {", ".join(f"c{i}" for i in range(len(keys.COUNT_NAMES)))}
-FROM unnest($1::text[], $2::bytea[], {", ".join(f"${i + 4}::int8[]" for i in range(len(keys.COUNT_NAMES)))})
-    AS u(r, s, {", ".join(f"c{i}" for i in range(len(keys.COUNT_NAMES)))})
-"""
 # Up to $1 appended changes, oldest first, moved into their generations in one statement. Rows a
 # concurrent fold holds are skipped; changes of a generation GC removed meanwhile go with it.
 _FOLD = f"""
@@ -79,18 +73,6 @@ class Bumps:
         if self._deltas:
             args = [(rid, sha1, now_ms, *counts) for (rid, sha1), counts in sorted(self._deltas.items())]
             await conn.executemany(_BUMP, args)
-            self._deltas.clear()
-
-    async def append(self, conn: Any, now_ms: int) -> None:
-        """Append the changes to `gen_deltas` instead (deltas.sql): no lock on a generation row, so
-        the acks of one campaign commit side by side. For generations that exist already (an
-        ended pair's generation always does); `fold` applies them later."""
-        if self._deltas:
-            rows = sorted(self._deltas.items())
-            columns = [[counts[i] for _, counts in rows] for i in range(len(keys.COUNT_NAMES))]
-            await conn.execute(
-                _APPEND, [rid for (rid, _), _ in rows], [sha1 for (_, sha1), _ in rows], now_ms, *columns
-            )
             self._deltas.clear()
 
 

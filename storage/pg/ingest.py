@@ -157,32 +157,10 @@ async def delete_row_if(
     response: bytes = b"",
 ) -> bool:
     """End the (vin, request_id) row with `outcome` only if it still holds `sha1`; else amend a
-    `cancelled` outcome of that pair to this one (`ops.delete_row_if`). True when either did."""
-    return await retrying(
-        conn,
-        f"end of {request_id} for {vin}",
-        lambda: end_row_in(conn, vin, request_id, sha1, now_ms, outcome, attempts, response),
-    )
-
-
-async def end_row_in(
-    conn: Any,
-    vin: str,
-    request_id: str,
-    sha1: bytes,
-    now_ms: int = 0,
-    outcome: Outcome = Outcome.DELIVERED,
-    attempts: int = 0,
-    response: bytes = b"",
-) -> bool:
-    """`delete_row_if` inside the caller's transaction (a vehicle event of dispatch): no savepoint,
-    no retry, one statement (`sdv_end_row`, events.sql). It locks the row, then appends to
-    gen_deltas, which nothing else locks, so it cannot be part of a deadlock."""
-    return bool(
-        await conn.fetchval(
-            _END_ROW, vin, request_id, sha1, now_ms, int(outcome), min(attempts, counts.MAX_ATTEMPTS), response
-        )
-    )
+    `cancelled` outcome of that pair to this one (`ops.delete_row_if`). True when either did. One
+    statement (`sdv_end_row`, events.sql; a vehicle event's save runs the same function)."""
+    args = (vin, request_id, sha1, now_ms, int(outcome), min(attempts, counts.MAX_ATTEMPTS), response)
+    return bool(await retrying(conn, f"end of {request_id} for {vin}", lambda: conn.fetchval(_END_ROW, *args)))
 
 
 _END_ROW = "SELECT sdv_end_row($1::text, $2::text, $3::bytea, $4::int8, $5::int2, $6::int4, $7::bytea)"
