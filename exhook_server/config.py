@@ -8,6 +8,7 @@ every default carries the reason it was chosen.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from typing import Any
 
 from exhook_server.cpus import usable_cpus
 from exhook_server.errors import ConfigError
+from exhook_server.servicelinks import is_service_link
 from exhook_server.topics import RequestTopics, TopicTemplate, name_problem, template_problem
 
 ENV_PREFIX = "SDV_FANOUT_"
@@ -489,6 +491,12 @@ def _coerce(name: str, raw: Any, *, from_text: bool) -> Any:
         raise ConfigError(f"{name}: cannot use {raw!r} as {kind}") from exc
 
 
+def _did_you_mean(name: str, prefix: str = "") -> str:
+    """A hint naming the closest setting to a misspelt one ("" when none is close)."""
+    close = difflib.get_close_matches(name, _FIELDS, n=1)
+    return f" (did you mean {(prefix + close[0]).upper() if prefix else close[0]}?)" if close else ""
+
+
 def load(
     path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
@@ -505,7 +513,7 @@ def load(
             raise ConfigError(f"config file {path} is not TOML: {exc}") from exc
         for key, raw in table.items():
             if key not in _FIELDS:
-                raise ConfigError(f"unknown setting {key!r} in {path}")
+                raise ConfigError(f"unknown setting {key!r} in {path}{_did_you_mean(key)}")
             values[key] = _coerce(key, raw, from_text=False)
     for key, raw in (os.environ if env is None else env).items():
         if not key.startswith(ENV_PREFIX):
@@ -514,7 +522,9 @@ def load(
         if name == "config":  # the file path itself, handled by the CLI
             continue
         if name not in _FIELDS:
-            raise ConfigError(f"unknown setting in environment variable {key}")
+            if is_service_link(key, raw):  # the kubelet's, for a Service named sdv-fanout[-...]
+                continue
+            raise ConfigError(f"unknown setting in environment variable {key}{_did_you_mean(name, ENV_PREFIX)}")
         values[name] = _coerce(name, raw, from_text=True)
     for key, raw in (overrides or {}).items():
         if raw is None:

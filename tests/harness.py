@@ -225,8 +225,14 @@ class InProcessServer:
 class SubprocessServer:
     """`sdv-fanout serve` as a real child process, for kill -9 and CLI tests."""
 
-    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, *extra: str, env: dict[str, str] | None = None, inherit_env: bool = True
+    ) -> None:
+        """`env` adds to this process's environment and to the test defaults below (no broker,
+        admin and metrics on free loopback ports); with `inherit_env` False it is the whole
+        environment but PATH (give the addresses as flags in `extra`)."""
         self.data_dir = data_dir
+        self.pids: list[int] = []
         self.ready = data_dir.parent / f"ready-{os.getpid()}-{time.monotonic_ns()}.json"
         self.log_path = data_dir.parent / f"server-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
@@ -252,7 +258,9 @@ class SubprocessServer:
                 "SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0",
                 "SDV_FANOUT_ADMIN_LISTEN": "127.0.0.1:0",  # tests run side by side: never the fixed 9001
                 **(env or {}),
-            },
+            }
+            if inherit_env
+            else {"PATH": os.environ.get("PATH", ""), **(env or {})},
         )
         try:
             info = poll(self._read_ready, timeout_s=30)
@@ -264,7 +272,7 @@ class SubprocessServer:
         #: The Admin API's port (0 when admin_listen is empty).
         self.admin_port: int = info["admin_port"]
         #: The server processes under the parent when it runs several (SDV_FANOUT_PROCESSES).
-        self.pids: list[int] = info.get("pids", [])
+        self.pids = info.get("pids", [])
 
     def _read_ready(self) -> dict[str, Any] | None:
         if self.proc.poll() is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -10,13 +11,16 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import grpc
 import kubernetes_validate
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from exhook_server import hooks, metrics
 from exhook_server.config import Config, load
-from tests.harness import BIN, ROOT
+from exhook_server.errors import ConfigError
+from tests.harness import BIN, ROOT, SubprocessServer
 
 K8S = ROOT / "deploy" / "k8s"
 PG = K8S / "postgresql"
@@ -196,6 +200,134 @@ def pod_config(root: Path, tmp_path: Path) -> Config:
     env = pod_env(container(root))
     assert env["SDV_FANOUT_CONFIG"] == "/etc/sdv-fanout/config.toml"
     return load(config, env=env)
+
+
+# -- what the kubelet gives each pod ------------------------------------------------------------
+
+#: The Services CloudNativePG creates for a Cluster (`<cluster>-rw`, `-ro`, `-r`), each with one
+#: port named `postgres`: in the pods' namespace, so they become service links too.
+CNPG_SERVICES = ("-rw", "-ro", "-r")
+
+
+def shipped_pod_specs() -> list[tuple[str, dict[str, Any]]]:
+    """Every pod template of every manifest under deploy/ (Deployments, StatefulSets, Jobs, ...)."""
+    found = []
+    for path in sorted((ROOT / "deploy").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not isinstance(doc, dict):
+                continue
+            spec = doc.get("spec", {})
+            template = spec.get("jobTemplate", {}).get("spec", spec).get("template")
+            pod = doc.get("spec") if doc.get("kind") == "Pod" else (template or {}).get("spec")
+            if pod and "containers" in pod:
+                found.append((f"{path.relative_to(ROOT)}:{doc['kind']}/{doc['metadata']['name']}", pod))
+    return found
+
+
+def namespace_services() -> list[tuple[str, list[tuple[str, int, str]]]]:
+    """(name, [(port name, port, protocol)]) of every Service either mode's kustomizations create
+    in the namespace, and of the Services CloudNativePG creates for the database Cluster."""
+    services: dict[str, list[tuple[str, int, str]]] = {}
+    for root in (K8S, PG):
+        for doc in resources(root / "kustomization.yaml"):
+            if doc["kind"] == "Service":
+                ports = [(p.get("name", ""), p["port"], p.get("protocol", "TCP")) for p in doc["spec"]["ports"]]
+                services[doc["metadata"]["name"]] = ports
+    for suffix in CNPG_SERVICES:
+        services[database()["metadata"]["name"] + suffix] = [("postgres", 5432, "TCP")]
+    return sorted(services.items())
+
+
+def service_links(service: str, cluster_ip: str, ports: list[tuple[str, int, str]]) -> dict[str, str]:
+    """The variables a kubelet injects for one Service (Kubernetes' pkg/kubelet/envvars): the
+    Docker-link style ones for every port, the first port also as `<SVC>_SERVICE_PORT` and
+    `<SVC>_PORT`. (The kubelet skips headless Services; they are given links here anyway.)"""
+    svc = service.upper().replace("-", "_")
+    env = {f"{svc}_SERVICE_HOST": cluster_ip}
+    for i, (port_name, port, protocol) in enumerate(ports):
+        proto = protocol.lower()
+        url = f"{proto}://{f'[{cluster_ip}]' if ':' in cluster_ip else cluster_ip}:{port}"
+        if i == 0:
+            env[f"{svc}_SERVICE_PORT"] = str(port)
+            env[f"{svc}_PORT"] = url
+        if port_name:
+            env[f"{svc}_SERVICE_PORT_{port_name.upper().replace('-', '_')}"] = str(port)
+        link = f"{svc}_PORT_{port}_{protocol.upper()}"
+        env.update({link: url, link + "_PROTO": proto, link + "_PORT": str(port), link + "_ADDR": cluster_ip})
+    return env
+
+
+def kubelet_env(c: dict[str, Any], config_file: Path, secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+    """The whole environment of the container's process: its own env with the references resolved
+    (the ConfigMap mounted at `config_file`), the kubelet's variables, and service links for every
+    Service in the namespace (as a pod without `enableServiceLinks: false` would get them)."""
+    env = {"HOSTNAME": "sdv-fanout-0", "HOME": "/var/lib/sdv-fanout"}
+    env |= service_links("kubernetes", "10.96.0.1", [("https", 443, "TCP")])
+    for i, (name, ports) in enumerate(namespace_services()):
+        env |= service_links(name, f"10.96.7.{10 + i}", ports)
+    own = pod_env(c) | {k: v for (name, key), v in secrets.items() for k in _secret_vars(c, name, key)}
+    own["SDV_FANOUT_CONFIG"] = str(config_file)  # the ConfigMap's mount, here
+    return env | own
+
+
+def _secret_vars(c: dict[str, Any], name: str, key: str) -> list[str]:
+    return [e["name"] for e in c["env"] if e.get("valueFrom", {}).get("secretKeyRef", {}) == {"name": name, "key": key}]
+
+
+def test_every_shipped_pod_turns_service_links_off() -> None:
+    """Every pod spec under deploy/ sets enableServiceLinks: false: the Services' variables are
+    noise in a pod that finds its peers by DNS (the server ignores them anyway)."""
+    pods = shipped_pod_specs()
+    assert len(pods) >= 2
+    assert [where for where, pod in pods if pod.get("enableServiceLinks") is not False] == []
+
+
+def test_service_link_variables_are_not_settings_but_a_misspelt_setting_is_refused(tmp_path: Path) -> None:
+    """Every service link of the namespace is ignored by the loader; a misspelt setting is still
+    an error naming the variable."""
+    links: dict[str, str] = {}
+    for i, (name, ports) in enumerate(namespace_services()):
+        links |= service_links(name, f"fd00::{i + 1}" if i % 2 else f"10.96.0.{i + 1}", ports)
+    ours = {k: v for k, v in links.items() if k.startswith("SDV_FANOUT_")}
+    assert "SDV_FANOUT_DB_RW_PORT_5432_TCP_ADDR" in ours and "SDV_FANOUT_SERVICE_PORT_GRPC" in ours
+    assert load(env=ours) == Config()
+    assert load(env={"SDV_FANOUT_DB_RW_PORT": "tcp://fd00::7:5432"}) == Config()  # older kubelets: no brackets
+    for typo in ({"SDV_FANOUT_MQTT_PASWORD": "x"}, {"SDV_FANOUT_METRICS_PORT": "9100"}):
+        with pytest.raises(ConfigError, match=next(iter(typo))):
+            load(env=ours | typo)
+
+
+@pytest.mark.parametrize("root", MODES)
+def test_pod_starts_with_the_environment_the_kubelet_gives_it(
+    root: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The real server, started with exactly the pod's environment (ConfigMap and Secrets resolved,
+    service links for every Service in the namespace), serves: health answers on its port for what
+    the readiness probe asks. Only the addresses are flags: loopback, free ports, a temp data dir."""
+    config = tmp_path / "config.toml"
+    config.write_text(by_kind("ConfigMap", root)["data"]["config.toml"])
+    secrets = dict(SECRET_SAMPLES)
+    if root == PG:
+        cluster = request.getfixturevalue("pg_cluster")
+        secrets[("sdv-fanout-db-app", "uri")] = cluster.new_database(f"kubelet_{os.getpid()}")
+    c = container(root)
+    env = kubelet_env(c, config, secrets)
+    srv = SubprocessServer(
+        tmp_path / "lmdb",
+        *("--metrics-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--mqtt-url", ""),
+        env=env,
+        inherit_env=False,
+    )
+    try:
+        assert len(srv.pids) == int(c["resources"]["requests"]["cpu"])  # SDV_FANOUT_PROCESSES
+        service = c["readinessProbe"]["grpc"].get("service", "")
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            ask = health_pb2.HealthCheckRequest(service=service)
+            answer = health_pb2_grpc.HealthStub(channel).Check(ask, timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        assert srv.logged("server_group_started")
+    finally:
+        assert srv.terminate() == 0
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
