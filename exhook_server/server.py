@@ -42,7 +42,7 @@ from storage.outcomes import Outcome
 from storage.pg.reads import PgReads
 from storage.pg.writes import PgWrites
 from storage.port import Reads, Writes
-from storage.store import Store
+from storage.store import Store, now_ms
 from storage.writer import GroupCommitter
 
 log = structlog.get_logger("sdv_fanout.server")
@@ -113,10 +113,11 @@ class FanoutServer:
     with SO_REUSEPORT, forwards dispatch events to the process owning their VIN, and only
     process 0 runs the store-wide housekeeping (GC, early-trigger sweep). The Admin API has its
     own gRPC server on `admin_listen` (shared by the group the same way): whoever reaches the
-    ExHook port, EMQX's side of the network, gets UNIMPLEMENTED for it.
+    ExHook port, EMQX's side of the network, gets UNIMPLEMENTED for it. `clock` (wall-clock ms)
+    stamps what ingest stores and judges its TTLs by; tests inject one to step time.
     """
 
-    def __init__(self, cfg: Config, group: Group | None = None) -> None:
+    def __init__(self, cfg: Config, group: Group | None = None, clock: Callable[[], int] = now_ms) -> None:
         self.cfg = cfg
         self.group = group
         #: PostgreSQL mode: the instance's connection pool (connected in start); None with LMDB.
@@ -139,8 +140,8 @@ class FanoutServer:
             writes = LmdbWrites(self.store, self.committer, cfg.ingest_timeout_s)
             self.reads = LmdbReads(self.store, self.committer)
         #: Receipts, progress and outcomes for the platform, published by the delivery client.
-        self.status = StatusPublisher(cfg, lambda: self.delivery)
-        self.ingestor = Ingestor(cfg, writes, status=self.status)
+        self.status = StatusPublisher(cfg, lambda: self.delivery, clock)
+        self.ingestor = Ingestor(cfg, writes, status=self.status, clock=clock)
         self.delivery: MqttDelivery | None = None
         vin_re = re.compile(cfg.vin_pattern)
         vin_from_clientid = (lambda c: vin_re.fullmatch(c) is not None) if cfg.vin_from_clientid else None

@@ -12,6 +12,7 @@ import pytest
 
 from exhook_server import log
 from exhook_server.config import Config
+from storage.store import now_ms
 from tests.harness import ExHookClient, InProcessServer
 from tests.pg_cluster import PgCluster, find_bindir
 
@@ -33,7 +34,8 @@ def store_kind() -> str:
 def make_server(tmp_path: Path, store_kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
     """Start in-process servers with config overrides; all are stopped after the test. On
     PostgreSQL each data_dir stands for a database of its own (a server started again on the same
-    data_dir finds the same database, as it finds the same LMDB)."""
+    data_dir finds the same database, as it finds the same LMDB). `clock=` (not a setting) gives
+    the server a wall clock in ms that the test steps (see `StepClock`)."""
     servers: list[InProcessServer] = []
     databases: dict[str, str] = {}
 
@@ -47,8 +49,9 @@ def make_server(tmp_path: Path, store_kind: str, request: pytest.FixtureRequest)
                 cluster: PgCluster = request.getfixturevalue("pg_cluster")
                 databases[data_dir] = cluster.new_database(f"srv_{os.getpid()}_{next(_databases)}")
             overrides["store_url"] = databases[data_dir]
+        clock = overrides.pop("clock", now_ms)
         cfg = Config(listen="127.0.0.1:0", data_dir=data_dir, **overrides)
-        srv = InProcessServer(cfg).start()
+        srv = InProcessServer(cfg, clock=clock).start()
         servers.append(srv)
         return srv
 

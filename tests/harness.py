@@ -25,6 +25,7 @@ import grpc
 from exhook_server._proto import exhook_v3_pb2 as pb
 from exhook_server.config import Config
 from exhook_server.server import FanoutServer
+from storage.store import now_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -40,6 +41,20 @@ def poll(predicate: Callable[[], Any], timeout_s: float = 10.0, interval_s: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s")
         time.sleep(interval_s)
+
+
+class StepClock:
+    """A wall clock in ms that moves only when the test says so: TTLs and deadlines judged by it
+    cannot race the machine's clock. Starts at the real time, so stamps look like real ones."""
+
+    def __init__(self, start_ms: int | None = None) -> None:
+        self.ms = now_ms() if start_ms is None else start_ms
+
+    def __call__(self) -> int:
+        return self.ms
+
+    def advance(self, seconds: float) -> None:
+        self.ms += round(seconds * 1000)
 
 
 def alive(pid: int) -> bool:
@@ -119,6 +134,8 @@ class InProcessServer:
     """A FanoutServer on its own event loop in a background thread."""
 
     cfg: Config
+    #: The server's wall clock in ms (FanoutServer's `clock`): tests that step time pass their own.
+    clock: Callable[[], int] = now_ms
     server: FanoutServer | None = None
     port: int = 0
     _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
@@ -131,7 +148,7 @@ class InProcessServer:
         def run() -> None:
             asyncio.set_event_loop(self._loop)
             try:
-                self.server = FanoutServer(self.cfg)
+                self.server = FanoutServer(self.cfg, clock=self.clock)
                 self.port = self._loop.run_until_complete(self.server.start())
             except BaseException as exc:  # surfaced to the test below
                 errors.append(exc)

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from tests.harness import ExHookClient, InProcessServer
+from tests.harness import ExHookClient, InProcessServer, StepClock
 
 STOP = pb.ValuedResponse.STOP_AND_RETURN
 
@@ -86,13 +86,19 @@ def test_trigger_before_data_is_parked_then_completed(server: InProcessServer, c
 
 
 def test_orphan_trigger_expires_with_reason(make_server: Any) -> None:
-    """A parked trigger whose data never comes is dropped after early_ttl_s, with a logged reason."""
-    srv = make_server(early_ttl_s=0.001, early_sweep_interval_s=3600)
+    """A parked trigger whose data never comes is dropped once early_ttl_s has passed (not
+    before), with a logged reason. The server's clock is stepped: no race with the wall clock."""
+    clock = StepClock()
+    srv = make_server(early_ttl_s=60, early_sweep_interval_s=3600, clock=clock)
     c = ExHookClient(srv.port)
     c.publish(
         "$SDV-FANOUT/trigger", json.dumps({"ids": ["VIN1"], "request_id": "task_a_1", "data_id": "gone"}).encode()
     )
     assert srv.store.early_count() == 1
+    clock.advance(59.999)
+    assert srv.run(srv.server.ingestor.sweep_early()) == []
+    assert srv.store.early_count() == 1
+    clock.advance(0.001)
     with capture_logs() as logs:
         expired = srv.run(srv.server.ingestor.sweep_early())
     assert [(e.data_id, e.request_id) for e in expired] == [("gone", "task_a_1")]
