@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from exhook_server import __version__, flags, log
-from exhook_server.config import ENV_PREFIX, Config, join_host_port, load, loopback, split_host_port
+from exhook_server.config import ENV_PREFIX, SECRET_SETTINGS, Config, join_host_port, load, loopback, split_host_port
 from exhook_server.errors import ConfigError, StorageError
 from storage.keys import COUNT_NAMES
 
@@ -75,7 +75,13 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-config", help="validate and print the settings in force")
     _config_args(check)
-    sub.add_parser("default-config", help="print every setting with its default, as TOML")
+    default = sub.add_parser("default-config", help="print every setting with its default, as TOML")
+    for p in (check, default):
+        p.add_argument(
+            "--show-secrets",
+            action="store_true",
+            help=f"print passwords, API keys and secrets (masked by default: {', '.join(sorted(SECRET_SETTINGS))})",
+        )
     rule = sub.add_parser(
         "ack-rule", help="the EMQX rule that brings PUBACKs to ack_topic_prefix: POST /api/v5/rules body, as JSON"
     )
@@ -668,10 +674,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return _cmd_serve(args)
         if args.command == "check-config":
-            print(_load(args).to_toml(), end="")
+            print(_load(args).to_toml(show_secrets=args.show_secrets), end="")
             return 0
         if args.command == "default-config":
-            print(Config().to_toml(), end="")
+            print(Config().to_toml(show_secrets=args.show_secrets), end="")
             return 0
         if args.command == "ack-rule":
             from exhook_server.acks import rule_body

@@ -273,12 +273,40 @@ class Config:
         """Plain values, in declaration order, for printing."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
-    def to_toml(self) -> str:
-        """Render as a TOML file that `load` reads back to the same object."""
+    def to_toml(self, *, show_secrets: bool = False) -> str:
+        """Render as a TOML file that `load` reads back to the same object: with `show_secrets`;
+        otherwise the secrets (SECRET_SETTINGS) are masked, each such line saying so."""
         lines = []
         for key, value in self.as_dict().items():
-            lines.append(f"{key} = {json.dumps(value)}")
+            shown = value if show_secrets else masked(key, value)
+            note = "  # masked (--show-secrets prints it)" if shown != value else ""
+            lines.append(f"{key} = {json.dumps(shown)}{note}")
         return "\n".join(lines) + "\n"
+
+
+#: Names that make a setting a secret: never printed or logged unless asked for
+#: (`check-config --show-secrets`). Paths to files holding secrets (`*_file`) are not secrets.
+_SECRET_SUFFIXES = ("_password", "_secret", "_api_key", "_token")
+#: Settings whose values are masked wherever settings are shown: every setting named like a
+#: secret (_SECRET_SUFFIXES, whoever adds it), and store_url, whose password is masked in place.
+SECRET_SETTINGS: frozenset[str] = frozenset(
+    [f.name for f in dataclasses.fields(Config) if f.name.endswith(_SECRET_SUFFIXES)] + ["store_url"]
+)
+_MASK = "********"
+#: `scheme://user:PASSWORD@` in a URL, and `password=` among its query parameters.
+_URL_PASSWORD = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:]*:)[^/@]*(?=@)")
+_QUERY_PASSWORD = re.compile(r"(?P<head>[?&]password=)[^&]*")
+
+
+def masked(name: str, value: Any) -> Any:
+    """`value` of setting `name` as it may be shown: a secret's value masked (an empty one stays
+    empty, so "not set" still shows), the password inside a URL setting masked in place."""
+    if name not in SECRET_SETTINGS or not isinstance(value, str) or not value:
+        return value
+    if "://" not in value:
+        return _MASK
+    value = _URL_PASSWORD.sub(lambda m: m["head"] + _MASK, value)
+    return _QUERY_PASSWORD.sub(lambda m: m["head"] + _MASK, value)
 
 
 def _plain(value: Any) -> Any:

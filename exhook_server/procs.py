@@ -36,7 +36,7 @@ from typing import Any
 
 import structlog
 
-from exhook_server import memory
+from exhook_server import memory, preflight
 from exhook_server.config import Config, join_host_port, loopback, split_host_port
 from exhook_server.errors import ConfigError
 
@@ -51,6 +51,7 @@ _LOCK_NAME = "server.lock"
 def serve_main(cfg: Config, ready_file: str | None) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code."""
     memory.limit_arenas()  # before any thread or child process exists
+    preflight.check(cfg)  # one line naming the setting, before anything is locked, bound or forked
     # On PostgreSQL any number of instances share the store (the database arbitrates): no
     # data dir to lock, none to create (a pod's root filesystem may be read-only).
     lock = _lock_data_dir(cfg) if not cfg.store_url else None
@@ -87,9 +88,9 @@ def _lock_data_dir(cfg: Config) -> Any:
     return handle
 
 
-def _reserve_port(address: str) -> socket.socket:
-    """Bind (not listen) a gRPC address with SO_REUSEPORT: it fixes the port number for all
-    children when the configured port is 0, and keeps it ours while they start."""
+def _reserve_port(name: str, address: str) -> socket.socket:
+    """Bind (not listen) the gRPC address of setting `name` with SO_REUSEPORT: it fixes the port
+    number for all children when the configured port is 0, and keeps it ours while they start."""
     host, port = split_host_port(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -98,12 +99,12 @@ def _reserve_port(address: str) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {address}: {exc.strerror}") from None
+        raise ConfigError(f"{name} {address}: {preflight.bind_error(exc)}") from None
     # SO_REUSEPORT would let us join another server's group on this port and silently take
     # half of EMQX's calls. Nothing of ours listens yet, so an answer means someone else does.
     with contextlib.suppress(OSError), socket.create_connection((loopback(host), sock.getsockname()[1]), timeout=1.0):
         sock.close()
-        raise ConfigError(f"cannot listen on {address}: address already in use by another server")
+        raise ConfigError(f"{name} {address}: address already in use by another server")
     return sock
 
 
@@ -119,10 +120,10 @@ class _Supervisor:
 
     def run(self) -> int:
         n = self.cfg.process_count
-        sock = _reserve_port(self.cfg.listen)
+        sock = _reserve_port("listen", self.cfg.listen)
         port = sock.getsockname()[1]
         try:
-            admin_sock = _reserve_port(self.cfg.admin_listen) if self.cfg.admin_listen else None
+            admin_sock = _reserve_port("admin_listen", self.cfg.admin_listen) if self.cfg.admin_listen else None
         except ConfigError:
             sock.close()
             raise
@@ -178,6 +179,7 @@ class _Supervisor:
                 "server_group_started",
                 listen=f"{self.cfg.host_port[0]}:{port}",
                 admin=admin_listen or "off",
+                metrics=join_host_port(split_host_port(self.cfg.metrics_listen)[0], metrics_port) if http else "off",
                 processes=n,
                 pid=os.getpid(),
             )
@@ -278,7 +280,7 @@ def _serve_group_metrics(listen: str, metrics_dir: str) -> tuple[Any, int]:
     try:
         http, _ = start_http_server(port, host, registry=registry)
     except OSError as exc:
-        raise ConfigError(f"metrics_listen {listen}: {exc.strerror}") from None
+        raise ConfigError(f"metrics_listen {listen}: {preflight.bind_error(exc)}") from None
     return http, int(http.server_port)
 
 

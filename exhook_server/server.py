@@ -33,6 +33,7 @@ from exhook_server.dispatch.rows import StoreRows
 from exhook_server.dispatch.shared import SharedDispatcher
 from exhook_server.errors import ConfigError
 from exhook_server.ingest import Ingestor
+from exhook_server.preflight import bind_error
 from exhook_server.procs import write_ready_file
 from exhook_server.progress import ProgressReporter
 from exhook_server.status import StatusPublisher, answer_fields
@@ -93,16 +94,19 @@ def _serve_also(server: grpc.aio.Server, health_servicer: health.aio.HealthServi
     reflection.enable_server_reflection((*services, _HEALTH, reflection.SERVICE_NAME), server)
 
 
-def _bind(server: grpc.aio.Server, address: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
-    """Add the listening port for the `address` setting (its port replaced by `port`); the bound port."""
+def _bind(
+    server: grpc.aio.Server, name: str, address: str, port: int, credentials: grpc.ServerCredentials | None
+) -> int:
+    """Add the listening port for setting `name`, `address` (its port replaced by `port`); the
+    bound port. A failure names the setting (`preflight` has found the usual ones already)."""
     target = join_host_port(split_host_port(address)[0], port)
     try:
         secure = credentials is not None
         bound = int(server.add_secure_port(target, credentials) if secure else server.add_insecure_port(target))
-    except RuntimeError as exc:  # grpc reports a failed bind this way
-        raise ConfigError(f"cannot listen on {address}: {exc}") from None
+    except RuntimeError:  # grpc reports a failed bind this way
+        bound = 0
     if not bound:
-        raise ConfigError(f"cannot listen on {address}")
+        raise ConfigError(f"{name} {address}: cannot listen (address in use or not available)")
     return bound
 
 
@@ -248,6 +252,12 @@ class FanoutServer:
             return ""
         return join_host_port(split_host_port(self.cfg.admin_listen)[0], self.admin_port)
 
+    def _metrics_address(self) -> str:
+        """Where this process serves /metrics (the bound port); "" when it does not."""
+        if not self.metrics_port:
+            return ""
+        return join_host_port(split_host_port(self.cfg.metrics_listen)[0], self.metrics_port)
+
     def _peers(self) -> Peers:
         assert self.peers is not None
         return self.peers
@@ -328,16 +338,16 @@ class FanoutServer:
         else:
             log.warning("delivery_disabled", reason="mqtt_url is empty: batches are stored, not delivered")
         credentials = server_credentials(self.cfg)
-        self.port = _bind(self._server, self.cfg.listen, port, credentials)
+        self.port = _bind(self._server, "listen", self.cfg.listen, port, credentials)
         if self._admin_server is not None:  # in a group, the parent put the group's port here
             admin_port = split_host_port(self.cfg.admin_listen)[1]
-            self.admin_port = _bind(self._admin_server, self.cfg.admin_listen, admin_port, credentials)
+            self.admin_port = _bind(self._admin_server, "admin_listen", self.cfg.admin_listen, admin_port, credentials)
         if self.cfg.metrics_listen:
             mhost, mport = split_host_port(self.cfg.metrics_listen)
             try:
                 self._metrics_http, _ = prometheus_client.start_http_server(mport, mhost)
             except OSError as exc:
-                raise ConfigError(f"metrics_listen {self.cfg.metrics_listen}: {exc.strerror}") from None
+                raise ConfigError(f"metrics_listen {self.cfg.metrics_listen}: {bind_error(exc)}") from None
             self.metrics_port = self._metrics_http.server_port
         await self._server.start()
         if self._admin_server is not None:
@@ -376,7 +386,8 @@ class FanoutServer:
             "server_started",
             listen=f"{host}:{self.port}",
             tls="mutual" if self.cfg.tls_client_ca_file else ("on" if self.cfg.tls_cert_file else "off"),
-            metrics_port=self.metrics_port,
+            # A process of a group: its parent serves the group's /metrics (server_group_started).
+            metrics=self._metrics_address() or ("parent" if self.group else "off"),
             admin=self.admin_address or "off",
             store="postgresql" if self.store is None else str(self.store.path),
             stale_readers_cleared=0 if self.store is None else self.store.stale_readers_cleared,

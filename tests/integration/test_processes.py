@@ -180,7 +180,8 @@ def test_map_grows_while_two_processes_write(tmp_path: Path) -> None:
 
 
 def test_a_taken_metrics_port_stops_the_group_cleanly(tmp_path: Path) -> None:
-    """The parent binds /metrics after the children start: if it cannot, it stops them and exits 2."""
+    """A taken metrics_listen is found before any child starts: exit 2 naming it, nothing left
+    holding the data dir (tests/integration/test_startup_errors.py covers every listener)."""
     import socket
     import subprocess
 

@@ -95,3 +95,55 @@ def test_processes_zero_respects_a_cgroup_cpu_quota(tmp_path: Path) -> None:
     assert usable_cpus(tmp_path) == min(visible, 2)
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("garbage\n")
     assert usable_cpus(tmp_path) == visible
+
+
+SECRETS = {
+    "mqtt_password": "hunter2",
+    "store_url": "postgresql://app:s3cr%40t@db-1:5432,db-2:5432/sdv?target_session_attrs=read-write&password=hunter3",
+}
+
+
+def test_secret_settings_are_every_setting_named_like_a_secret() -> None:
+    """SECRET_SETTINGS is one set: every *_password / *_secret / *_api_key setting, whoever added
+    it, and store_url; never a path to a file (tls_key_file)."""
+    import dataclasses
+
+    from exhook_server.config import SECRET_SETTINGS
+
+    names = {f.name for f in dataclasses.fields(Config)}
+    assert {"mqtt_password", "store_url"} <= SECRET_SETTINGS <= names
+    assert {n for n in names if n.endswith(("_password", "_secret", "_api_key"))} <= SECRET_SETTINGS
+    assert not {n for n in SECRET_SETTINGS if n.endswith("_file")}
+
+
+@pytest.mark.parametrize("command", ["check-config", "default-config"])
+def test_config_printouts_mask_secrets_unless_asked(
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check-config and default-config print no password (mqtt_password, the one inside store_url,
+    in its userinfo or query) unless --show-secrets; masked lines say so; `load` reads it back."""
+    from exhook_server import cli
+
+    for name, value in SECRETS.items():
+        monkeypatch.setenv("SDV_FANOUT_" + name.upper(), value)
+    assert cli.main([command]) == 0
+    shown = capsys.readouterr().out
+    assert "hunter" not in shown and "s3cr" not in shown
+    if command == "check-config":
+        assert 'mqtt_password = "********"  # masked (--show-secrets prints it)' in shown
+        url = "postgresql://app:********@db-1:5432,db-2:5432/sdv?target_session_attrs=read-write&password=********"
+        assert f'store_url = "{url}"  # masked' in shown
+    assert cli.main([command, "--show-secrets"]) == 0
+    full = capsys.readouterr().out
+    assert "masked" not in full
+    if command == "check-config":
+        assert all(value in full for value in SECRETS.values())
+
+
+def test_an_unset_secret_and_a_url_without_a_password_show_as_they_are() -> None:
+    """Masking hides values, not their absence: "" stays "", a URL without a password stays whole."""
+    from exhook_server.config import masked
+
+    assert masked("mqtt_password", "") == ""
+    assert masked("store_url", "postgresql://app@db/sdv") == "postgresql://app@db/sdv"
+    assert masked("mqtt_username", "fleet") == "fleet"
