@@ -98,6 +98,12 @@ class Config:
     # PostgreSQL mode: the database unreachable this long turns health NOT_SERVING (a blip does
     # not: hooks that need it answer UNAVAILABLE within ingest_timeout_s meanwhile).
     store_down_grace_s: float = 10.0
+    # PostgreSQL mode: how long a statement may wait for a lock (a row another session holds, a
+    # vehicle's or a request's advisory lock) before it gives up; the batch then answers
+    # UNAVAILABLE and its connection is free at once. Our own transactions hold locks for
+    # milliseconds, so a longer wait means someone else holds them, and waiting up to the ingest
+    # timeout would tie up a connection per batch. 0: a quarter of ingest_timeout_s (1 s).
+    store_lock_timeout_s: float = 0.0
     # Relative to the working directory, so `make run` works from a checkout.
     data_dir: str = "./var/lmdb"
     # Initial LMDB map: 1 GiB of address space (sparse on disk); grows by doubling.
@@ -247,6 +253,12 @@ class Config:
     # ------------------------------------------------------------------------
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def lock_timeout_s(self) -> float:
+        """Seconds a PostgreSQL statement waits for a lock: store_lock_timeout_s, or a quarter of
+        ingest_timeout_s when 0."""
+        return self.store_lock_timeout_s or self.ingest_timeout_s / 4
 
     @property
     def outcome_retention(self) -> float:
@@ -426,6 +438,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("await_response needs a response_topic_prefix (vehicles answer there)")
     if cfg.heartbeat_window_ms < 0 or cfg.grpc_max_connection_age_s < 0:
         raise ConfigError("heartbeat_window_ms and grpc_max_connection_age_s must not be negative")
+    if not 0 <= cfg.store_lock_timeout_s < cfg.ingest_timeout_s:
+        raise ConfigError("store_lock_timeout_s must be 0 (a quarter of ingest_timeout_s) or below ingest_timeout_s")
     if cfg.store_url and not cfg.store_url.startswith(("postgresql://", "postgres://")):
         raise ConfigError("store_url must be empty (LMDB in data_dir) or a postgresql:// URL")
     if cfg.max_pending_per_vehicle < 0 or cfg.max_attempts < 0:

@@ -37,7 +37,7 @@ from exhook_server.status import StatusPublisher
 from exhook_server.topics import is_level
 from storage import cancel as cancelling
 from storage import ops
-from storage.errors import CommitTimeout
+from storage.errors import CommitTimeout, LockTimeout
 from storage.outcomes import Outcome
 from storage.port import Writes
 from storage.store import now_ms
@@ -55,6 +55,9 @@ OutcomeListener = Callable[[str, str, bytes, Outcome, int], None]
 _NO_TAGS = Tags()
 #: Refused VINs named in one log line at most (the receipt names them all).
 _LOGGED_REFUSED = 5
+#: Times a cancel chunk that found a vehicle's rows locked by someone else is tried again (after
+#: a pause growing to 5 s: about 5 minutes in all) before the walk stops until the next start-up.
+_LOCKED_RETRIES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,7 +368,7 @@ class Ingestor:
                 if not chunk.more:
                     break
             try:
-                chunk = await self._writes.cancel_chunk(request_id, self._clock(), self._cfg.max_rows_per_commit)
+                chunk = await self._next_cancel_chunk(request_id)
             except StorageError as exc:  # the job stays recorded: the next start-up resumes it
                 log.error("cancel_failed", request_id=request_id, reason=type(exc).__name__, detail=str(exc))
                 raise
@@ -376,6 +379,18 @@ class Ingestor:
                 "cancelled", request_id, cancelled=total, in_flight=in_flight, correlation_id=correlation_id
             )
         return CancelResult(request_id, total, in_flight)
+
+    async def _next_cancel_chunk(self, request_id: str) -> cancelling.CancelChunk:
+        """The next chunk of a cancel of every vehicle. One that waited too long for a vehicle's
+        rows someone else holds (LockTimeout; nothing of it was written) is tried again after a
+        pause, so the walk neither waits on that lock nor stops for it."""
+        for attempt in range(_LOCKED_RETRIES):
+            try:
+                return await self._writes.cancel_chunk(request_id, self._clock(), self._cfg.max_rows_per_commit)
+            except LockTimeout as exc:
+                log.warning("cancel_chunk_locked", request_id=request_id, attempt=attempt + 1, detail=str(exc))
+                await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
+        return await self._writes.cancel_chunk(request_id, self._clock(), self._cfg.max_rows_per_commit)
 
     async def _ended_by_cancel(self, chunk: cancelling.CancelChunk) -> int:
         if not chunk.cancelled:

@@ -67,6 +67,12 @@ def create_pool(cfg: Config) -> Any:
             # back to back, so PostgreSQL ends one left idle this long and frees its locks.
             # A stall inside a statement is not covered: see `end_stalled`.
             "idle_in_transaction_session_timeout": str(round(stall_bound_s(cfg) * 1000)),
+            # Our transactions hold a lock for milliseconds; a statement that waits longer waits
+            # for someone else's (another session holding a vehicle's rows, a stalled instance).
+            # It gives up after this (well under ingest_timeout_s): the batch answers UNAVAILABLE
+            # (LockTimeout), a vehicle event is dropped for its next trigger, and the connection
+            # is free again at once, so one locked vehicle cannot hold the pool.
+            "lock_timeout": str(round(cfg.lock_timeout_s * 1000)),
         },
         reset=_keep_session,
     )

@@ -2,6 +2,7 @@
 
 StorageError            LMDB could not do what was asked; nothing was committed
 ├── StorageFull         the map reached map_max_bytes and cannot grow
+├── LockTimeout         PostgreSQL: a statement waited too long for a lock someone else holds
 └── EarlyTriggersFull   too many triggers are waiting for their data
 """
 
@@ -24,3 +25,8 @@ class PlanError(StorageError):
 
 class CommitTimeout(StorageError):
     """A write did not commit within its deadline (it may still land later)."""
+
+
+class LockTimeout(StorageError):
+    """PostgreSQL: a statement waited longer than its lock_timeout for a lock another session
+    holds (a vehicle's rows, a request's cancel); its transaction was rolled back."""

@@ -32,6 +32,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
+import asyncpg
 import structlog
 
 from exhook_server import metrics
@@ -293,6 +294,13 @@ class SharedDispatcher:
                     result = await self._event(vin, act)
             except asyncio.CancelledError:
                 raise
+            except asyncpg.exceptions.LockNotAvailableError:
+                # Someone else holds this vehicle's rows or lock (lock_timeout): the event gives
+                # up, and the lane goes on with other vehicles; the vehicle's next heartbeat, the
+                # sweep or the in-flight timeout brings what it would have done.
+                metrics.DISPATCH_EVENT_FAILURES.inc()
+                log.warning("vehicle_locked", vin=vin, reason="lock_timeout")
+                result = None
             except Exception as exc:  # one failed event must not stop the lane
                 metrics.DISPATCH_EVENT_FAILURES.inc()
                 log.error("dispatch_event_failed", vin=vin, error=repr(exc))

@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import asyncpg
 
-from storage.errors import StorageError
+from storage.errors import LockTimeout, StorageError
 
 T = TypeVar("T")
 
@@ -25,6 +25,8 @@ async def as_storage_error(work: Awaitable[T]) -> T:
         return await work
     except FAILURES as exc:
         raise_if_cancelling()
+        if isinstance(exc, asyncpg.exceptions.LockNotAvailableError):
+            raise LockTimeout(f"PostgreSQL: {exc}") from exc
         raise StorageError(f"PostgreSQL: {type(exc).__name__}: {exc}") from exc
 
 

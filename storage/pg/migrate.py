@@ -60,6 +60,9 @@ async def migrate(conn: Any) -> list[int]:
     call applied (empty when it was there already)."""
     applied: list[int] = []
     async with conn.transaction():
+        # Another instance's migration may hold the lock for a while: wait for it, whatever
+        # lock_timeout the connection has.
+        await conn.execute("SET LOCAL lock_timeout = 0")
         await conn.execute("SELECT pg_advisory_xact_lock($1)", LOCK_KEY)
         # Behind the lock: two first starts never race on creating the same table.
         await conn.execute(_VERSION_TABLE)

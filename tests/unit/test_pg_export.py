@@ -349,3 +349,28 @@ def test_cli_cancels_on_postgresql_when_store_url_is_set(
     assert not (tmp_path / "nowhere").exists()
     unreachable = cancel("--store-url", "postgresql://sdv@127.0.0.1:1/sdv")
     assert unreachable.returncode == 2 and "store_url" in unreachable.stderr
+
+
+def test_a_gc_plan_skips_a_row_another_session_holds(sides: tuple[more.LmdbSide, more.PgSide], pg_dsn: str) -> None:
+    """A planned row whose vehicle's rows another session holds (FOR UPDATE) is kept and counted,
+    not waited for: the chunk finishes at once with the other rows ended `expired`, and its locks
+    never make other vehicles' writes wait behind the locked one."""
+    from storage.pg import plan as pg_plan
+
+    _, pg_side = sides
+    pg_side.batch(["V1", "V2", "V3"], "task_old_1", b"old", 1_000)
+    planned = [(r.vin, r.request_id, r.ts_ms) for r in pg_side.rows()]
+
+    async def apply_while_locked() -> tuple[int, int]:
+        holder = await asyncpg.connect(pg_dsn, timeout=10)
+        try:
+            async with holder.transaction():
+                await holder.execute("SELECT 1 FROM rows WHERE vin = 'V2' FOR UPDATE")
+                async with asyncio.timeout(10):  # waiting on the lock would outlast it
+                    return await pg_plan.delete_planned_rows(pg_side.conn, planned)
+        finally:
+            await holder.close()
+
+    assert pg_side._run(apply_while_locked()) == (2, 1)
+    assert [(r.vin, r.request_id) for r in pg_side.rows()] == [("V2", "task_old_1")]
+    assert {(r[0], r[6]) for r in pg_side.records()} == {("V1", int(Outcome.EXPIRED)), ("V3", int(Outcome.EXPIRED))}
