@@ -177,9 +177,16 @@ class Config:
     # Receipts, progress and outcomes go QoS 1 to <prefix>/<request_id> (rejections without a
     # usable request id to <prefix>/_rejected), published by the delivery client; "" = off.
     status_topic_prefix: str = "$SDV-FANOUT/status"
-    # Status messages held while the broker link is down; beyond it the oldest are dropped
-    # (counted): the Admin queries always tell the truth, the topic is a convenience.
+    # Status messages held until the broker acknowledges them (they pile up while the link is
+    # down); beyond it progress reports are dropped first, then the oldest (counted): the Admin
+    # queries always tell the truth, the topic is a convenience.
     status_queue_max: int = 10_000
+    # ... and the bytes they hold at most (payload, topic and about 380 B of overhead each). A
+    # receipt listing 2,000 refused VINs is 120 KB: by count alone 10,000 of them would hold
+    # 1.2 GB of a pod limited to 2 GiB. 64 MiB per process adds 128 MiB to the
+    # shipped pod (2 processes, about 850 MiB at its peak under a batch flood), still well inside
+    # the limit, and is never reached by 10,000 ordinary receipts (about 0.5 KB each).
+    status_queue_max_bytes: int = 64 << 20
     # A changing generation reports its counts at most this often (a 200,000-vehicle campaign
     # would otherwise send one message per delivery).
     progress_interval_s: float = 5.0
@@ -411,6 +418,7 @@ def _validate(cfg: Config) -> None:
         "delivery_max_refusals",
         "early_ttl_s",
         "status_queue_max",
+        "status_queue_max_bytes",
         "progress_interval_s",
         "early_sweep_interval_s",
         "response_timeout_s",

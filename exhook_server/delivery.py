@@ -233,6 +233,8 @@ class MqttDelivery:
         self._housekeeping_timer: asyncio.TimerHandle | None = None
         #: mid → (vin, request_id) of deliveries written and not yet PUBACKed by the broker.
         self._unacked: dict[int, tuple[str, str]] = {}
+        #: mid → what to tell when the broker answers a status message written on this connection.
+        self._status_unacked: dict[int, Callable[[int], None]] = {}
         #: (vin, request_id) → times the broker refused it; present = sent only alone.
         self._suspects: OrderedDict[tuple[str, str], int] = OrderedDict()
         #: Deliveries accepted from dispatch, waiting while a suspect is (about to be) sent alone.
@@ -290,12 +292,18 @@ class MqttDelivery:
     def connected(self) -> bool:
         return self._connected
 
-    def publish_status(self, topic: str, payload: bytes) -> bool:
-        """Queue one QoS 1 status message (exhook_server/status.py); False while disconnected.
-        Not a delivery: outside the delivery window and the refusal accounting."""
+    def publish_status(self, topic: str, payload: bytes, on_puback: Callable[[int], None]) -> bool:
+        """Write one QoS 1 status message (exhook_server/status.py); False while disconnected.
+        `on_puback(reason_code)` once the broker answers it; a link drop forgets it (the status
+        publisher hears of that through on_state and sends it again). Not a delivery: outside
+        the delivery window and the refusal accounting."""
         if not self._connected:
             return False
-        return self._client.publish(topic, payload, qos=1).rc == mqtt.MQTT_ERR_SUCCESS
+        info = self._client.publish(topic, payload, qos=1)
+        if info.rc != mqtt.MQTT_ERR_SUCCESS:
+            return False
+        self._status_unacked[info.mid] = on_puback
+        return True
 
     def publish(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
         """Queue one QoS 1 delivery; False (nothing queued) while disconnected. A request with
@@ -530,6 +538,9 @@ class MqttDelivery:
     def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason: Any, props: Any) -> None:
         key = self._unacked.pop(mid, None)
         if key is None:
+            done = self._status_unacked.pop(mid, None)
+            if done is not None:
+                done(reason.value)
             return
         if mid == self._isolated:
             self._isolated = None
@@ -544,6 +555,7 @@ class MqttDelivery:
         # What the broker had not acknowledged may be what made it drop us: blame it. A suspect
         # goes alone, so after the first drop only the culprit is blamed again.
         unacked, self._unacked = list(self._unacked.values()), {}
+        self._status_unacked.clear()  # the status publisher re-sends them (on_state)
         self._held.clear()
         self._isolated = None
         if was and not self._stopping:

@@ -60,9 +60,13 @@ DELIVERIES_FAILED = Counter(
     " cancelled_unacked (cancelled while out and never PUBACKed)",
     ["reason"],
 )
-STATUS_PUBLISHED = Counter("sdv_fanout_status_published_total", "Status messages handed to the broker link")
+STATUS_PUBLISHED = Counter("sdv_fanout_status_published_total", "Status messages the broker acknowledged (PUBACK)")
 STATUS_DROPPED = Counter(
-    "sdv_fanout_status_dropped_total", "Status messages dropped: status_queue_max was full while the link was down"
+    "sdv_fanout_status_dropped_total",
+    "Status messages dropped, by event (kind) and reason: queue_count / queue_bytes (status_queue_max /"
+    " status_queue_max_bytes full), too_large (alone over status_queue_max_bytes), refused (PUBACK >= 0x80),"
+    " link_dropped (unacknowledged at delivery_max_refusals link drops), shutdown (held when the process stopped)",
+    ["kind", "reason"],
 )
 OUTCOMES = Counter(
     "sdv_fanout_outcomes_total",

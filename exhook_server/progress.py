@@ -6,7 +6,9 @@ look: `progress` with the counts, and `completed` once nothing of it is pending.
 live in the store with the rows (read through its `Reads` port, LMDB or PostgreSQL), so every
 process's work is seen and a message never says more than the store does. A generation that
 changes and completes between two looks reports both. After a restart, only changes since the
-start are reported (the queries know the rest).
+start are reported (the queries know the rest). A `progress` report still waiting for the broker
+is replaced by the next one of its generation, and gives way to every other status message when
+the queue is full (see `status`); `completed` is kept like a receipt.
 """
 
 from __future__ import annotations

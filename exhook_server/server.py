@@ -52,6 +52,8 @@ log = structlog.get_logger("sdv_fanout.server")
 _ENVELOPE_BYTES = 1 << 20
 #: A message up to this many times max_payload_bytes still reaches our validation.
 _OVERSIZE_FACTOR = 4
+#: How long a stop waits at most for the broker to acknowledge the status messages still held.
+_STATUS_DRAIN_S = 2.0
 _HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
@@ -265,7 +267,9 @@ class FanoutServer:
     def _broker_connected(self, up: bool) -> None:
         self.dispatcher.broker_connected(up)
         if up:
-            self.status.flush()
+            self.status.link_up()
+        else:
+            self.status.link_down()
 
     def _vehicle_outcome(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
         self.status.emit("vehicle", request_id, vin=vin, sha1=sha1.hex(), outcome=outcome.label, attempts=attempts)
@@ -404,12 +408,15 @@ class FanoutServer:
             self._server.stop(grace_s), *([self._admin_server.stop(grace_s)] if self._admin_server else [])
         )
         if self.delivery is not None:
+            if self.delivery.connected:  # the last receipts, while the broker still answers
+                await self.status.drain(min(grace_s, _STATUS_DRAIN_S))
             await asyncio.to_thread(self.delivery.stop)
         await self.dispatcher.stop()
         if self.peers is not None:
             await self.peers.stop()
         await cancel_all(self._tasks)
         await self.ingestor.stop()
+        self.status.close()
         if self.committer is not None:
             await asyncio.to_thread(self.committer.close)
         if self.store is not None:

@@ -39,8 +39,9 @@ class Heard:
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
 
-    def publish_status(self, topic: str, payload: bytes) -> bool:
+    def publish_status(self, topic: str, payload: bytes, on_puback: Callable[[int], None]) -> bool:
         self.events.append(json.loads(payload))
+        on_puback(0)  # the broker has it
         return True
 
     def of(self, event: str) -> list[dict[str, Any]]:
