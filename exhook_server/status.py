@@ -266,19 +266,18 @@ class StatusPublisher:
         if msg.blamed:
             self._alone = False
         self._bytes -= msg.size
-        if reason_code >= _REFUSED:
-            log.warning(
-                "status_refused", request_id=msg.request_id, kind=msg.event, topic=msg.topic, reason_code=reason_code
-            )
-            self._drop(msg, "refused")
+        if reason_code >= _REFUSED:  # e.g. 0x87: the ACL denies the topic; sending again will not help
+            self._drop(msg, "refused", topic=msg.topic, reason_code=reason_code)
         else:
             metrics.STATUS_PUBLISHED.inc()
         self._release()
 
-    def _drop(self, msg: _Message, reason: str) -> None:
+    def _drop(self, msg: _Message, reason: str, **detail: Any) -> None:
         metrics.STATUS_DROPPED.labels(msg.event, reason).inc()
         self.dropped += 1
-        if self.dropped % 10_000 == 1 or reason in ("too_large", "link_dropped"):  # the first, then now and then
+        # The first, then now and then (a full queue or a denying ACL drops every message); the
+        # rare reasons each time.
+        if self.dropped % 10_000 == 1 or reason in ("too_large", "link_dropped"):
             log.warning(
                 "status_dropped",
                 request_id=msg.request_id,
@@ -288,6 +287,7 @@ class StatusPublisher:
                 dropped=self.dropped,
                 backlog=self.backlog(),
                 backlog_bytes=self._bytes,
+                **detail,
             )
 
 
