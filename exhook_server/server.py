@@ -32,6 +32,7 @@ from exhook_server.dispatch.port import Dispatch
 from exhook_server.dispatch.rows import StoreRows
 from exhook_server.dispatch.shared import SharedDispatcher
 from exhook_server.errors import ConfigError
+from exhook_server.health import HealthStates
 from exhook_server.ingest import Ingestor
 from exhook_server.preflight import bind_error
 from exhook_server.procs import write_ready_file
@@ -198,6 +199,8 @@ class FanoutServer:
             self.ingestor.outcome_listeners.append(self._vehicle_outcome)
         self.servicer = hooks.HookServicer(cfg, self.ingestor, self.dispatcher)
         self.health = health.aio.HealthServicer()
+        #: What self.health answers per service name (exhook_server/health.py).
+        self.health_states = HealthStates(self.health)
         limit = receive_limit_bytes(cfg)
         self._server = grpc.aio.server(
             options=[
@@ -266,6 +269,7 @@ class FanoutServer:
 
     def _broker_connected(self, up: bool) -> None:
         self.dispatcher.broker_connected(up)
+        self.health_states.delivery(up)
         if up:
             self.status.link_up()
         else:
@@ -313,12 +317,8 @@ class FanoutServer:
 
     async def _store_up(self, up: bool) -> None:
         """The PostgreSQL store became unreachable for longer than store_down_grace_s, or reachable
-        again: Kubernetes' readiness (the hook service's health) sees it."""
-        state = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
-        # The hook services only: "" stays SERVING while the process lives (liveness must not
-        # restart every instance for the database's outage; readiness asks for a hook service).
-        for service in hooks.SERVICE_NAMES:
-            await self.health.set(service, state)
+        again: readiness ("") sees it; liveness (sdv_fanout.Process) does not."""
+        await self.health_states.store(up)
 
     async def start(self) -> int:
         """Bind, start serving, report SERVING; returns the bound port."""
@@ -382,8 +382,7 @@ class FanoutServer:
         elif self.group is None or self.group.index == 0:  # store-wide work: once per data dir
             await self._resume_store_work()
             self._tasks += [asyncio.create_task(job, name=name) for name, job in self._leader_jobs(named=True)]
-        for service in ("", *hooks.SERVICE_NAMES):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self.health_states.started()
         for service in ("", admin.SERVICE_NAME):
             await self.admin_health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(

@@ -31,8 +31,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.harness import ExHookClient, SubprocessServer, poll
 from tests.pg_cluster import PgCluster, PgError, multi_host_dsn
 
-#: The hook service Kubernetes' readiness asks about ("" is liveness: it stays SERVING).
+#: A hook service: like "" (what readiness asks), it says whether batches can be stored now.
 HOOK_SERVICE = "emqx.exhook.v3.HookProvider"
+#: What liveness asks: SERVING while the process serves, whatever the database does.
+PROCESS_SERVICE = "sdv_fanout.Process"
 #: ExHookClient's deadline for a call: an error answer later than this is DEADLINE_EXCEEDED.
 CLIENT_DEADLINE_S = 10.0
 
@@ -186,7 +188,7 @@ def never_acked(calls: Iterable[Call]) -> list[Batch]:
 
 
 class HealthWatch:
-    """Samples the gRPC health of each instance's hook service and of "" every `interval_s` from a
+    """Samples the gRPC health of each instance's hook service, "" and the process every `interval_s` from a
     thread of its own; `samples` holds (time, instance, service, status name) for each sample."""
 
     def __init__(self, ports: Sequence[int], interval_s: float = 0.05) -> None:
@@ -220,7 +222,7 @@ class HealthWatch:
         stubs = [health_pb2_grpc.HealthStub(ch) for ch in self._channels]
         while not self._stop.is_set():
             for instance, stub in enumerate(stubs):
-                for service in ("", HOOK_SERVICE):
+                for service in ("", HOOK_SERVICE, PROCESS_SERVICE):
                     try:
                         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
                         status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -32,6 +32,7 @@ from tests.harness import poll
 from tests.pg_cluster import PgCluster, find_bindir
 from tests.pg_failover import (
     HOOK_SERVICE,
+    PROCESS_SERVICE,
     Batch,
     Call,
     Driver,
@@ -189,26 +190,28 @@ def test_hooks_that_fail_during_the_outage_answer_unavailable(failover: Failover
 
 def test_health_stays_serving_through_an_outage_shorter_than_the_grace(failover: Failover) -> None:
     """The instance whose store_down_grace_s outlasts the failover saw the database go away (its
-    watcher logged it) and still never reported its hook service, or "", NOT_SERVING."""
+    watcher logged it) and still never reported its hook service, "" or the process NOT_SERVING."""
     assert failover.logs[PATIENT]["store_unreachable"], "the watcher never saw the outage"
     assert failover.logs[PATIENT]["store_down"] == []
-    for service in ("", HOOK_SERVICE):
+    for service in ("", HOOK_SERVICE, PROCESS_SERVICE):
         states = {s for _, s in failover.health.samples(PATIENT, service)}
         assert states == {"SERVING"}, (service, states)
 
 
 def test_health_turns_not_serving_only_past_the_grace_and_back_after_the_promote(failover: Failover) -> None:
-    """The instance with a 1 s grace reports its hook service NOT_SERVING no sooner than the grace
-    after the kill, SERVING again within the bound of the promote; "" stays SERVING throughout."""
+    """The instance with a 1 s grace reports its hook service and "" (readiness) NOT_SERVING no
+    sooner than the grace after the kill, SERVING again within the bound of the promote; the
+    process (liveness) stays SERVING throughout."""
     t = failover.timeline
-    down = failover.health.first(QUICK, "NOT_SERVING", after=0.0)
-    assert down is not None and down - t.killed >= QUICK_GRACE_S, (down, t.killed)
-    up = failover.health.first(QUICK, "SERVING", after=down)
-    assert up is not None and up - t.promote_started <= RECOVERY_BOUND_S, (up, t.promote_started)
+    for service in (HOOK_SERVICE, ""):
+        down = failover.health.first(QUICK, "NOT_SERVING", after=0.0, service=service)
+        assert down is not None and down - t.killed >= QUICK_GRACE_S, (service, down, t.killed)
+        up = failover.health.first(QUICK, "SERVING", after=down, service=service)
+        assert up is not None and up - t.promote_started <= RECOVERY_BOUND_S, (service, up, t.promote_started)
     [store_down] = failover.logs[QUICK]["store_down"]
     assert float(store_down["for_s"]) >= QUICK_GRACE_S  # type: ignore[arg-type]
     assert failover.logs[QUICK]["store_reachable_again"]
-    assert {s for _, s in failover.health.samples(QUICK, "")} == {"SERVING"}
+    assert {s for _, s in failover.health.samples(QUICK, PROCESS_SERVICE)} == {"SERVING"}
 
 
 # -- the bug the scenario found, reduced to its deterministic core --------------------------------

@@ -17,9 +17,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from exhook_server import hooks, metrics
+from exhook_server import metrics
 from exhook_server.config import Config, load
 from exhook_server.errors import ConfigError
+from exhook_server.health import PROCESS_SERVICE
 from tests.harness import BIN, ROOT, SubprocessServer
 
 K8S = ROOT / "deploy" / "k8s"
@@ -100,6 +101,10 @@ def test_pod_runs_non_root_read_only_with_grpc_probes() -> None:
     }
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == Config().host_port[1]
+    # Readiness: batches can be stored now (""); startup and liveness: the process serves, so
+    # an outage of the database or the broker never restarts the pod (exhook_server/health.py).
+    assert c["readinessProbe"]["grpc"].get("service", "") == ""
+    assert c["startupProbe"]["grpc"]["service"] == c["livenessProbe"]["grpc"]["service"] == PROCESS_SERVICE
 
 
 def test_network_policy_lets_only_emqx_reach_exhook_and_monitoring_reach_metrics() -> None:
@@ -302,8 +307,8 @@ def test_pod_starts_with_the_environment_the_kubelet_gives_it(
     root: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """The real server, started with exactly the pod's environment (ConfigMap and Secrets resolved,
-    service links for every Service in the namespace), serves: health answers on its port for what
-    the readiness probe asks. Only the addresses are flags: loopback, free ports, a temp data dir."""
+    service links for every Service in the namespace), serves: health answers SERVING on its port
+    for what each probe asks. Only the addresses are flags: loopback, free ports, a temp data dir."""
     config = tmp_path / "config.toml"
     config.write_text(by_kind("ConfigMap", root)["data"]["config.toml"])
     secrets = dict(SECRET_SAMPLES)
@@ -320,11 +325,11 @@ def test_pod_starts_with_the_environment_the_kubelet_gives_it(
     )
     try:
         assert len(srv.pids) == int(c["resources"]["requests"]["cpu"])  # SDV_FANOUT_PROCESSES
-        service = c["readinessProbe"]["grpc"].get("service", "")
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
-            ask = health_pb2.HealthCheckRequest(service=service)
-            answer = health_pb2_grpc.HealthStub(channel).Check(ask, timeout=10)
-        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                ask = health_pb2.HealthCheckRequest(service=c[probe]["grpc"].get("service", ""))
+                answer = health_pb2_grpc.HealthStub(channel).Check(ask, timeout=10)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING, probe
         assert srv.logged("server_group_started")
     finally:
         assert srv.terminate() == 0
@@ -386,15 +391,10 @@ def test_postgresql_disruption_budget_lets_one_pod_go() -> None:
 
 
 def test_postgresql_pod_matches_the_lmdb_pod_where_the_modes_agree() -> None:
-    """Image, probes, ports, resources, security and the shared env are the same in both modes' pods;
-    readiness differs only in asking for the hook service (it turns NOT_SERVING when the database
-    is away for long, while "", what liveness asks, stays SERVING)."""
+    """Image, probes, ports, resources, security and the shared env are the same in both modes' pods."""
     lmdb, pg = container(K8S), container(PG)
-    for key in ("image", "ports", "startupProbe", "livenessProbe", "resources", "securityContext"):
+    for key in ("image", "ports", "startupProbe", "readinessProbe", "livenessProbe", "resources", "securityContext"):
         assert pg[key] == lmdb[key], key
-    ready = dict(pg["readinessProbe"], grpc={"port": pg["readinessProbe"]["grpc"]["port"]})
-    assert ready == lmdb["readinessProbe"]
-    assert pg["readinessProbe"]["grpc"]["service"] in hooks.SERVICE_NAMES
     lmdb_pod, pg_pod = (workload(r)["spec"]["template"]["spec"] for r in (K8S, PG))
     for key in ("securityContext", "terminationGracePeriodSeconds", "automountServiceAccountToken"):
         assert pg_pod[key] == lmdb_pod[key], key
