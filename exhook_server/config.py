@@ -241,7 +241,8 @@ class Config:
     mqtt_max_inflight: int = 50
     # A delivery the broker refused (PUBACK reason >= 0x80, or our link dropped while it was
     # the oldest unacknowledged publish) this many times is parked, so one bad row cannot
-    # keep dropping the link every other vehicle's deliveries share.
+    # keep dropping the link every other vehicle's deliveries share. A status message that was
+    # unacknowledged at this many link drops (or refused once) is dropped and counted likewise.
     delivery_max_refusals: int = 3
     # MQTT 5 Message-Expiry-Interval on deliveries; 0 = none.
     mqtt_message_expiry_s: int = 0

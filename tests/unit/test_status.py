@@ -151,13 +151,18 @@ def test_a_message_that_keeps_breaking_the_link_is_dropped_and_counted() -> None
 
 
 def test_a_refused_message_is_dropped_and_counted() -> None:
-    """A PUBACK reason >= 0x80 (e.g. not authorized): nothing to retry, counted `refused`."""
+    """A PUBACK reason >= 0x80 (e.g. not authorized): nothing to retry, counted `refused`; 0x10 (no
+    matching subscribers, EMQX's answer while the platform is away) is a success."""
     link = Link(auto_ack=False)
     status = publisher(link)
     before = dropped("cancelled", "refused")
+    published = REGISTRY.get_sample_value("sdv_fanout_status_published_total") or 0.0
     status.emit("cancelled", "task_1")
+    status.emit("cancelled", "task_2")
     link.ack(reason_code=0x87)
+    link.ack(reason_code=0x10)
     assert status.backlog() == 0 and dropped("cancelled", "refused") - before == 1
+    assert (REGISTRY.get_sample_value("sdv_fanout_status_published_total") or 0.0) - published == 1
 
 
 def refused(n: int) -> list[dict[str, str]]:
