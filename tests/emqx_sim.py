@@ -1334,7 +1334,7 @@ class Vehicle:
         """PUBACK every message held back with auto_ack=False (message.acked each); returns how many."""
         return self.emqx._wait(self.emqx._submit(self.clientid, self._job_ack_pending))  # type: ignore[no-any-return]
 
-    def wait_for(self, n: int, timeout_s: float = 10.0) -> list[Received]:
+    def wait_for(self, n: int, timeout_s: float = 30.0) -> list[Received]:
         """Poll until n PUBLISHes were received (and their hooks ran); returns them all."""
 
         def enough() -> bool:

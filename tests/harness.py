@@ -31,8 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def poll(predicate: Callable[[], Any], timeout_s: float = 10.0, interval_s: float = 0.01) -> Any:
-    """Return predicate()'s first truthy value, or fail after timeout_s (never a bare sleep)."""
+def poll(predicate: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.01) -> Any:
+    """Return predicate()'s first truthy value, or fail after timeout_s (never a bare sleep). The
+    default deadline is generous: a passing wait costs what the condition takes, and on 2 loaded
+    cores with tests running side by side a few-ms condition has been seen to take seconds."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()

@@ -21,7 +21,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from exhook_server import metrics
 from storage import outcomes
 from storage.ops import sha1_of
-from tests.harness import poll
+from tests.harness import StepClock, poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
 from tests.integration.test_status_topic import Platform
 
@@ -174,11 +174,15 @@ def test_a_cancel_racing_batches_of_the_same_request_takes_each_batch_whole_or_n
 
 
 def test_a_request_expiring_while_its_vehicle_is_offline_is_never_sent(make: Any) -> None:
-    """Past expires_at the row ends expired (through the time index) and is never delivered."""
-    rig, platform = make()
-    expires = int(time.time() * 1000) + 800
+    """Past expires_at the row ends expired (through the time index) and is never delivered.
+    The server's clock is stepped past expires_at: a slow publish cannot find it passed already."""
+    clock = StepClock()
+    rig, platform = make(clock=clock)
+    expires = clock.ms + 800
     rig.emqx.publish_batch(["V1", "V2"], "task_unlock_1", "open", expires_at=expires)
     rig.emqx.publish_batch(["V1"], "task_cfg_1", "cfg")
+    assert counts(rig, "task_unlock_1", b"open") == {"total": 2, "pending": 2}
+    clock.advance(1.0)
     poll(lambda: counts(rig, "task_unlock_1", b"open") == {"total": 2, "expired": 2}, timeout_s=10)
     v1 = rig.online("V1")
     v1.wait_for(1)
@@ -191,13 +195,15 @@ def test_a_request_expiring_while_its_vehicle_is_offline_is_never_sent(make: Any
 
 def test_an_expiry_between_queueing_and_delivery_is_skipped_without_waiting_for_the_sweep(make: Any) -> None:
     """A row that expires while the vehicle's previous delivery is out is passed over the moment
-    the slot frees, even before the sweep ends it (the sweep here runs once a minute)."""
-    rig, _ = make(expiry_sweep_interval_s=60.0)
+    the slot frees, even before the sweep ends it. Ingest and the sweep judge by a clock that
+    stays put (the batch is never found expired on arrival, nor swept); delivery by the wall clock."""
+    clock = StepClock()
+    rig, _ = make(expiry_sweep_interval_s=60.0, clock=clock)
     v1 = rig.online("V1")
     v1.auto_ack = False
     rig.emqx.publish_batch(["V1"], "task_a_1", "a")
     v1.wait_for(1)
-    expires = int(time.time() * 1000) + 300
+    expires = clock.ms + 300
     rig.emqx.publish_batch(["V1"], "task_b_1", "b", expires_at=expires)
     rig.emqx.publish_batch(["V1"], "task_c_1", "c")
     poll(lambda: time.time() * 1000 > expires + 5)  # the wall clock passing it is the point
@@ -309,7 +315,8 @@ def test_response_mode_holds_the_slot_until_the_answer_and_publishes_it(make: An
 def test_no_answer_within_the_timeout_fails_and_a_late_or_forged_answer_is_ignored(make: Any) -> None:
     """No answer within response_timeout_s: failed, the next request goes; the late answer, and
     one published by another client on the vehicle's response topic, change nothing."""
-    rig, platform = make(response_timeout_s=0.6, max_response_bytes=8)
+    # The forged answer's round trip must fit in the timeout (it must not be what freed the slot).
+    rig, platform = make(response_timeout_s=2.0, max_response_bytes=8)
     v1, v2 = rig.online("V1"), rig.online("V2")
     rig.emqx.publish_batch(["V1"], "task_diag_3", "d3", await_response=True)
     rig.emqx.publish_batch(["V1"], "task_cfg_3", "c3")

@@ -45,7 +45,7 @@ class Platform:
         return [doc for _, doc in self.seen if all(doc.get(k) == v for k, v in match.items())]
 
     def wait(self, n: int = 1, **match: Any) -> list[dict[str, Any]]:
-        return poll(lambda: (found := self.events(**match)) and len(found) >= n and found, timeout_s=10)  # type: ignore[no-any-return]
+        return poll(lambda: (found := self.events(**match)) and len(found) >= n and found, timeout_s=30)  # type: ignore[no-any-return]
 
     def topics(self, **match: Any) -> list[str]:
         self.events()

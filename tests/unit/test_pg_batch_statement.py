@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Any
 
 import asyncpg
@@ -108,12 +109,11 @@ def test_a_row_ended_between_insert_and_lock_makes_the_batch_start_over(dsn: str
             waiting = (
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
             )
-            for _ in range(500):  # until the batch waits on the held row (bounded: 5 s)
-                if await watcher.fetchval(waiting):
-                    break
+            deadline = time.monotonic() + 30  # until the batch waits on the held row
+            while not await watcher.fetchval(waiting):
+                if time.monotonic() > deadline:
+                    raise AssertionError("the batch never waited for the held row")
                 await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("the batch never waited for the held row")
             await holder.execute("DELETE FROM rows WHERE vin = 'V1' AND request_id = 'task_a_1'")
             await tx.commit()
             written = await asyncio.wait_for(batch, 10)

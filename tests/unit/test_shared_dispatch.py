@@ -202,18 +202,20 @@ def test_resume_on_another_instance_does_not_resend(dsn: str) -> None:
 
 def test_timeout_sweep_resends_and_attempts_limit_fails(dsn: str) -> None:
     async def body() -> None:
-        async with Rig(dsn, 2, inflight_timeout_s=0.05, max_attempts=2) as rig:
+        now = [time.time()]  # the instances' clock, stepped past the timeout before each sweep
+        async with Rig(dsn, 2, inflight_timeout_s=60, max_attempts=2, clock=lambda: now[0]) as rig:
             a, b = rig.instances
             a.subscribed(S("V1"), "V1")
             await rig.batch(["V1"], "task_a_1", b"one")
             await rig.batch(["V1"], "task_a_2", b"two")
             await rig.until(lambda: rig.sent_to("V1") == ["task_a_1"], "delivery")
-            for _ in range(200):
-                if rig.sent_to("V1")[-1:] == ["task_a_2"]:
-                    break
-                await asyncio.sleep(0.06)
+            b.sweep()  # not due yet
+            await rig.idle()
+            assert rig.sent_to("V1") == ["task_a_1"]
+            for want in (["task_a_1", "task_a_1"], ["task_a_1", "task_a_1", "task_a_2"]):
+                now[0] += 61
                 b.sweep()
-            assert rig.sent_to("V1")[:3] == ["task_a_1", "task_a_1", "task_a_2"]
+                await rig.until(lambda want=want: rig.sent_to("V1") == want, "the sweep's send")
             assert ("V1", "task_a_1", Outcome.FAILED, 2) in rig.outcomes
 
     run(body)
@@ -391,8 +393,10 @@ def test_a_stalled_leader_loses_the_lead_and_a_live_one_keeps_it(dsn: str) -> No
         try:
             async with asyncio.timeout(10):
                 await leading.wait()
-            for _ in range(15):  # 1.5 s, three times the bound: never silent that long
-                assert await pgmode.end_stalled(pool, older_than_s=0.5) == []
+            # 2.5 s past a 2 s bound, a statement every 0.1 s: never silent that long. (A bound of
+            # a few retries would end a live leader whenever a loaded machine paused this process.)
+            for _ in range(25):
+                assert await pgmode.end_stalled(pool, older_than_s=2.0) == []
                 await asyncio.sleep(0.1)
             await cancel_all([leader])
             # A leader stopped while leading: the lock on its connection, and silence.

@@ -160,7 +160,9 @@ def test_replacement_is_counted_once_per_existing_row(store: Store) -> None:
 def test_lazy_ops_wait_for_company_then_commit_alone(store: Store) -> None:
     """Lazy ops share one commit: they join the next durable group at once, or go together
     once the oldest has waited the delay; close() commits what is still parked."""
-    writer = GroupCommitter(store, lazy_delay_s=0.2)
+    # The 50 submits, and the durable submit behind `parked`, must each fit in the delay: 1 s,
+    # so that a loaded machine pausing this thread does not split them into two commits.
+    writer = GroupCommitter(store, lazy_delay_s=1.0)
     lazy = [writer.submit(batch_op(store, [f"L{i}"], "task_a_1", b"x"), lazy=True) for i in range(50)]
     done = [f.result(10) for f in lazy]  # the delay passes: committed without any durable op
     assert [d.rows for d in done] == [1] * 50

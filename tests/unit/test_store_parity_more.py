@@ -313,17 +313,29 @@ def test_no_trigger_stays_parked_when_its_data_races_it_on_postgresql(pg_dsn: st
     side = PgSide(pg_dsn)
     side._run(side.conn.execute(f"TRUNCATE {parity._TABLES}"))
 
+    # The data goes once a trigger has parked, and each connection's last trigger waits for the
+    # data: some triggers come before it and some after, however the machine schedules them; the
+    # others race it.
+    one_parked, data_stored = asyncio.Event(), asyncio.Event()
+
     async def triggers(conn: asyncpg.Connection, n: int) -> list[bool]:
         parked = []
         for i in range(15):
+            if i == 14:
+                await data_stored.wait()
             done = await early.store_trigger(conn, "d1", [f"V{n}_{i}"], f"task_{n}_{i}", 1_000 + i, early_max=1_000)
             assert isinstance(done, TriggerWritten)
             parked.append(done.early)
+            if done.early:
+                one_parked.set()
         return parked
 
     async def data(conn: asyncpg.Connection) -> ops.DataWritten:
-        await asyncio.sleep(0.01)
-        return await early.store_data(conn, "d1", b"fw", 1_005)
+        await one_parked.wait()
+        try:
+            return await early.store_data(conn, "d1", b"fw", 1_005)
+        finally:
+            data_stored.set()
 
     async def go() -> list[Any]:
         conns = [await asyncpg.connect(pg_dsn, timeout=10) for _ in range(5)]
