@@ -154,6 +154,8 @@ class FanoutServer:
         vin_from_clientid = (lambda c: vin_re.fullmatch(c) is not None) if cfg.vin_from_clientid else None
         on_outcome = self._vehicle_outcome if cfg.status_per_vehicle else None
         self.dispatcher: Dispatch
+        #: LMDB mode: dispatch's row source (None with PostgreSQL).
+        self._rows: StoreRows | None = None
         self.peers: Peers | None = None
         if self.pool is not None:
             # Every process is an instance of its own: the database, not forwarding, decides.
@@ -176,8 +178,9 @@ class FanoutServer:
             )
         else:
             assert self.store is not None and self.committer is not None
+            self._rows = StoreRows(self.store, self.committer)
             dispatcher = Dispatcher(
-                StoreRows(self.store, self.committer),
+                self._rows,
                 self,  # publishes through self.delivery once it exists (see publish)
                 workers=cfg.worker_count,
                 inflight_timeout_s=cfg.inflight_timeout_s,
@@ -330,6 +333,12 @@ class FanoutServer:
         if self.pool is not None:
             await pgmode.prepare(self.pool)
         self.dispatcher.start()
+        if self._rows is not None and isinstance(self.dispatcher, Dispatcher):
+            # Deliveries PUBACKed before this start, still awaiting their answer: the sweep ends
+            # them at their response timeout even if their vehicles stay away.
+            restored = self.dispatcher.restore_awaited(self._rows.awaited())
+            if restored:
+                log.info("answers_awaited_restored", deliveries=restored)
         if self.cfg.mqtt_url:
             self.delivery = MqttDelivery(
                 self.cfg,

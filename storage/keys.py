@@ -24,6 +24,12 @@ _BLOB_HEAD = struct.Struct(">Q")
 #: aliases value: sha1, then the time the alias was (re)written (ms).
 _ALIAS = struct.Struct(">20sQ")
 _U64 = struct.Struct(">Q")
+#: `tries` value (schema 4): the row's sha1 and how often it has been published.
+_TRIES = struct.Struct(">20sH")
+#: `awaited` value (schema 4): sha1, attempts, when the vehicle PUBACKed it (ms); the session
+#: that took it follows (node, clientid, host, port joined by `_SESSION_SEP`).
+_AWAITED = struct.Struct(">20sHQ")
+_SESSION_SEP = "\x1f"
 
 BLOB_HEAD_SIZE = _BLOB_HEAD.size
 
@@ -82,6 +88,11 @@ def encoded_row(row: Row) -> bytes:
 def row_expires(value: bytes | memoryview) -> int:
     """A row value's expires_at (ms, 0 = never) without decoding the rest."""
     return 0 if len(value) == _ROW.size else int(_U64.unpack(value[32:40])[0])
+
+
+def row_awaits(value: bytes | memoryview) -> bool:
+    """Whether a row value has FLAG_AWAIT_RESPONSE, without decoding the rest."""
+    return len(value) != _ROW.size and bool(value[_ROW_EXT.size - 1] & FLAG_AWAIT_RESPONSE)
 
 
 def row_order(request_id: bytes, value: bytes | memoryview) -> tuple[bytes, bytes]:
@@ -257,3 +268,32 @@ def outcome_response(value: bytes | memoryview) -> bytes:
 def timed_key(ts_ms: int, key: bytes) -> bytes:
     """A time index entry (`outcome_expiry`, `batch_expiry`): walks oldest first, like `expiry`."""
     return _U64.pack(ts_ms) + key
+
+
+# -- delivery attempts (schema 4) ----------------------------------------------------------------
+#: Both tables are keyed by the row's `ids` key; an entry counts only while its sha1 is the row's.
+
+
+def tries_value(sha1: bytes, attempts: int) -> bytes:
+    return _TRIES.pack(sha1, min(attempts, 0xFFFF))
+
+
+def decode_tries(value: bytes | memoryview) -> tuple[bytes, int]:
+    """(sha1, attempts)."""
+    sha1, attempts = _TRIES.unpack(value)
+    return sha1, attempts
+
+
+def awaited_value(sha1: bytes, attempts: int, acked_ms: int, session: tuple[str, str, str, int]) -> bytes:
+    node, clientid, host, port = session
+    return (
+        _AWAITED.pack(sha1, min(attempts, 0xFFFF), acked_ms)
+        + _SESSION_SEP.join((node, clientid, host, str(port))).encode()
+    )
+
+
+def decode_awaited(value: bytes | memoryview) -> tuple[bytes, int, int, tuple[str, str, str, int]]:
+    """(sha1, attempts, PUBACKed at ms, (node, clientid, host, port) of the session that took it)."""
+    sha1, attempts, acked_ms = _AWAITED.unpack_from(value)
+    node, clientid, host, port = bytes(value[_AWAITED.size :]).decode().split(_SESSION_SEP)
+    return sha1, attempts, acked_ms, (node, clientid, host, int(port))

@@ -256,6 +256,7 @@ def put_rows(
             replaced += 1
             old_sha1 = keys.row_sha1(old)
             if old_sha1 != sha1:
+                pending.forget_tries(txn, t, rkey, keys.row_awaits(old))
                 old_ts = keys.row_ts(old)
                 if cut is not None and old_ts <= cut:
                     # A cancel in progress took it already (its walk had not come this far).
@@ -551,3 +552,28 @@ def delete_row_if(
     value = bytes(value)  # a memoryview into the page the delete frees
     pending.end_row(txn, t, rkey, value, outcome, now_ms or keys.row_ts(value), attempts, response)
     return True
+
+
+#: One record of `record_tries`: (ids key, sha1, attempts, then for a PUBACK awaiting its answer:
+#: when (ms) and the session (node, clientid, host, port); else 0 and None).
+TryRecord = tuple[bytes, bytes, int, int, tuple[str, str, str, int] | None]
+
+
+def record_tries(txn: lmdb.Transaction, t: Tables, records: Sequence[TryRecord]) -> int:
+    """Keep how often rows were published, and which were PUBACKed and await their answer, in
+    record order. A record for a row gone or holding another payload since is passed over (an
+    end committed first must not leave an entry behind). Returns the records written."""
+    written = 0
+    for rkey, sha1, attempts, acked_ms, session in records:
+        value = txn.get(rkey, db=t.ids)
+        if value is None or keys.row_sha1(value) != sha1:
+            continue
+        if session is None:  # published (again): not PUBACKed yet
+            awaits = keys.row_awaits(value)
+            txn.put(rkey, keys.tries_value(sha1, attempts), db=t.tries)
+            if awaits:
+                txn.delete(rkey, db=t.awaited)
+        else:
+            txn.put(rkey, keys.awaited_value(sha1, attempts, acked_ms, session), db=t.awaited)
+        written += 1
+    return written

@@ -1,8 +1,9 @@
 """A pending row and the index entries that go with it: written together, removed together.
 
 A row (`ids`) has an entry in `expiry` (retention, by store time), in `by_request` (the
-request's pending VINs, for cancel), in `deadlines` when it has an `expires_at`, and counts
-once in its vehicle's `backlogs`. Every path that ends a row (delivery, response, cancel,
+request's pending VINs, for cancel), in `deadlines` when it has an `expires_at`, counts
+once in its vehicle's `backlogs`, and once published, an entry in `tries` (and in `awaited`
+while its answer is awaited). Every path that ends a row (delivery, response, cancel,
 expiry, retention, `gc apply`) goes through `end_row`, so no index can keep an entry for a
 row that is gone, and the vehicle's count stays exact.
 """
@@ -69,6 +70,13 @@ def _row_gone(txn: lmdb.Transaction, t: Tables, vin_key: bytes) -> None:
         set_backlog(txn, t, vin_key, decode_count(raw) - 1)
 
 
+def forget_tries(txn: lmdb.Transaction, t: Tables, rkey: bytes, awaits: bool) -> None:
+    """The row `rkey` ended or holds another payload now: its deliveries are no longer counted."""
+    txn.delete(rkey, db=t.tries)
+    if awaits:
+        txn.delete(rkey, db=t.awaited)
+
+
 def end_row(
     txn: lmdb.Transaction,
     t: Tables,
@@ -87,6 +95,7 @@ def end_row(
     if row.expires_ms:
         txn.delete(keys.deadline_key(row.expires_ms, row.vin, row.request_id), db=t.deadlines)
     txn.delete(keys.request_index_key(row.vin, row.request_id), db=t.by_request)
+    forget_tries(txn, t, rkey, row.await_response)
     _row_gone(txn, t, row.vin.encode())
     outcomes.end(txn, t, rkey, row.request_id, row.sha1, outcome, now_ms, row.ts_ms, attempts, response)
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lmdb
 
@@ -25,8 +25,9 @@ from storage.errors import StorageError
 
 #: 2 added the outcome tables (gens, outcomes, outcome_expiry, batches, batch_expiry); 3 the
 #: lifecycle ones (deadlines, backlogs, by_request, cancels), longer rows for expires_at and
-#: flags, and the `responded` count. An older store is upgraded when a writer opens it.
-SCHEMA_VERSION = 3
+#: flags, and the `responded` count; 4 the delivery attempts (tries, awaited), so that they
+#: outlive a restart. An older store is upgraded when a writer opens it.
+SCHEMA_VERSION = 4
 _DB_NAMES = (
     "data",
     "touched",
@@ -44,9 +45,11 @@ _DB_NAMES = (
     "backlogs",
     "by_request",
     "cancels",
+    "tries",
+    "awaited",
 )
 #: Tables each schema version added, for a clear error when a reader opens an older store.
-_ADDED_IN = {name: (2 if i < 12 else 3) for i, name in enumerate(_DB_NAMES) if i >= 7}
+_ADDED_IN = {name: (2 if i < 12 else 3 if i < 16 else 4) for i, name in enumerate(_DB_NAMES) if i >= 7}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,10 @@ class Tables:
     by_request: Any
     #: request_id → a cancel of every vehicle still in progress (its chunks resume after a crash).
     cancels: Any
+    #: ids key → sha1 and how often that row was published (written with the next commit).
+    tries: Any
+    #: ids key → a delivery the vehicle PUBACKed whose answer is awaited (await_response rows).
+    awaited: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +197,22 @@ class _Txn:
             self._store._gate.leave()
 
 
+class Tried(NamedTuple):
+    """What the store keeps of a row's deliveries (`Store.tried`)."""
+
+    #: Times the row was published (as far as the last commit knows).
+    attempts: int
+    #: The row's answer, not its PUBACK, ends it (await_response).
+    awaits: bool = False
+    #: When the vehicle PUBACKed it, its answer awaited since (epoch ms); 0: not PUBACKed.
+    acked_ms: int = 0
+    #: (node, clientid, host, port) of the session that PUBACKed it.
+    session: tuple[str, str, str, int] | None = None
+
+
+_NEVER = Tried(0)
+
+
 def now_ms() -> int:
     """Wall-clock milliseconds: row and blob timestamps are compared across restarts."""
     return time.time_ns() // 1_000_000
@@ -269,12 +292,15 @@ class Store:
                 txn.put(b"created_at_ms", str(now_ms()).encode())
                 return SCHEMA_VERSION
             version = int(raw)
-            if version in (1, 2) and not self.readonly:
+            if version in (1, 2, 3) and not self.readonly:
                 if version == 1:
                     _upgrade_from_1(txn, self.tables)
-                from storage.pending import rebuild_indexes  # pending builds on this module
+                if version < 3:
+                    from storage.pending import rebuild_indexes  # pending builds on this module
 
-                rebuild_indexes(txn, self.tables)
+                    rebuild_indexes(txn, self.tables)
+                # 3 → 4: the attempt tables start empty (opened above): rows out for delivery
+                # count from 0 once more, as they did after any restart before.
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode(), db=self.tables.meta)
                 return SCHEMA_VERSION
         if version != SCHEMA_VERSION:
@@ -381,6 +407,43 @@ class Store:
 
         with self.read() as txn:
             return outcome_of(txn, self.tables, vin, request_id, sha1)
+
+    def tried(self, vin: str, request_id: str, sha1: bytes, stored_before_ms: int) -> Tried:
+        """What the store keeps of the deliveries of the row (vin, request_id) holding `sha1`:
+        nothing (all zero) when the row is gone, holds another payload, or was stored at or
+        after `stored_before_ms` (its deliveries are known to the caller)."""
+        rkey = keys.row_key(vin, request_id)
+        t = self.tables
+        with self.read() as txn:
+            value = txn.get(rkey, db=t.ids)
+            if value is None or keys.row_sha1(value) != sha1 or keys.row_ts(value) >= stored_before_ms:
+                return _NEVER
+            awaits = keys.decode_row(rkey, value).await_response
+            raw = txn.get(rkey, db=t.tries)
+            attempts = 0
+            if raw is not None:
+                kept_sha1, attempts = keys.decode_tries(raw)
+                if kept_sha1 != sha1:
+                    attempts = 0
+            if awaits and (raw := txn.get(rkey, db=t.awaited)) is not None:
+                kept_sha1, n, acked_ms, session = keys.decode_awaited(raw)
+                if kept_sha1 == sha1:
+                    return Tried(max(attempts, n), True, acked_ms, session)
+            return Tried(attempts, awaits)
+
+    def awaited(self) -> list[tuple[str, str, bytes, int, int, tuple[str, str, str, int]]]:
+        """Every delivery PUBACKed whose answer is still awaited: (VIN, request id, sha1,
+        attempts, PUBACKed at ms, session). One pass over those alone."""
+        t = self.tables
+        found = []
+        with self.read() as txn:
+            for key, raw in txn.cursor(t.awaited):
+                value = txn.get(key, db=t.ids)
+                sha1, attempts, acked_ms, session = keys.decode_awaited(raw)
+                if value is not None and keys.row_sha1(value) == sha1:
+                    vin, request_id = keys.split_rkey(bytes(key))
+                    found.append((vin, request_id, sha1, attempts, acked_ms, session))
+        return found
 
     def pending(self, vin: str) -> list[keys.Row]:
         """The vehicle's pending requests in delivery order."""

@@ -14,6 +14,8 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from exhook_server.dispatch.commands import Session
+from exhook_server.dispatch.worker import NOTHING_KEPT, Kept
 from storage.keys import FLAG_AWAIT_RESPONSE, Row
 from storage.outcomes import Outcome
 
@@ -97,6 +99,12 @@ class MemoryRows:
     taken: set[Pair] = field(default_factory=set)
     #: Cancelled pairs whose delivery's PUBACK or answer amended the outcome.
     amended: int = 0
+    #: (VIN, request_id) → (sha1, times published, PUBACKed at epoch ms or None, session): what
+    #: the store keeps of a pending row's deliveries (its `tries` and `awaited` tables).
+    tries: dict[tuple[str, str], tuple[bytes, int, int | None, Session | None]] = field(default_factory=dict)
+    #: Rows stamped before this were stored before the server (re)started: `tried` tells what is
+    #: kept of them (see `restart`); of the others the worker's memory knows all.
+    started: int = 0
 
     # -- writes the platform and housekeeping make ------------------------------------------
     def add(
@@ -110,7 +118,7 @@ class MemoryRows:
         old = self.rows.get(key)
         if old is None or old.sha1 != digest:
             if old is not None:
-                self._end(vin, request_id, old, Outcome.SUPERSEDED)
+                self._end(vin, request_id, old, Outcome.SUPERSEDED)  # its tries go with it
             self.outcomes.pop((vin, request_id, digest), None)  # the same pair again: pending once more
         self.rows[key] = Pending(self.clock, payload, expires_ms, FLAG_AWAIT_RESPONSE if await_response else 0)
         self.taken.add((vin, request_id, digest))
@@ -170,6 +178,7 @@ class MemoryRows:
         pair = (vin, request_id, row.sha1)
         assert pair not in self.outcomes, f"{pair} ends twice"  # a pending pair has no record
         del self.rows[vin, request_id]
+        self.tries.pop((vin, request_id), None)
         self.outcomes[pair] = Ended(outcome, attempts, response)
 
     # -- the RowSource port ---------------------------------------------------------------------
@@ -241,6 +250,35 @@ class MemoryRows:
             if ended is not None and ended.outcome is Outcome.CANCELLED and outcome is not Outcome.CANCELLED:
                 self.outcomes[vin, request_id, digest] = Ended(outcome, max(attempts, ended.attempts), response)
                 self.amended += 1
+
+    def tried(self, vin: str, request_id: str, digest: bytes) -> Kept:
+        """As StoreRows.tried (every record committed at once)."""
+        row = self.rows.get((vin, request_id))
+        if row is None or row.sha1 != digest or row.ts >= self.started:
+            return NOTHING_KEPT
+        kept = self.tries.get((vin, request_id))
+        if kept is None or kept[0] != digest:
+            return Kept(0, row.await_response)
+        _, attempts, acked_ms, session = kept
+        if acked_ms is None or not row.await_response:
+            return Kept(attempts, row.await_response)
+        return Kept(attempts, True, max(0.0, (self.now_ms() - acked_ms) / 1000), session)
+
+    def sent(self, vin: str, row: Row, attempts: int) -> None:
+        current = self.rows.get((vin, row.request_id))
+        if current is not None and current.sha1 == row.sha1:
+            self.tries[vin, row.request_id] = (row.sha1, attempts, None, None)
+
+    def awaiting(self, vin: str, request_id: str, digest: bytes, attempts: int, session: Session) -> None:
+        current = self.rows.get((vin, request_id))
+        if current is not None and current.sha1 == digest:
+            self.tries[vin, request_id] = (digest, attempts, self.now_ms(), session)
+
+    def restart(self) -> None:
+        """The server process ends (kill -9) and starts again: acked ends not committed yet are
+        lost; every row stored so far was stored before the start."""
+        self.pending_acks = []
+        self.started = self.clock + 1
 
     # -- reads for tests --------------------------------------------------------------------
     def counts(self, request_id: str, payload: bytes) -> dict[str, int]:

@@ -39,7 +39,7 @@ from exhook_server.dispatch.commands import (
     Trigger,
 )
 from exhook_server.dispatch.ring import HashRing
-from exhook_server.dispatch.worker import OutcomeListener, Publisher, ResponseListener, RowSource, Worker
+from exhook_server.dispatch.worker import Kept, OutcomeListener, Publisher, ResponseListener, RowSource, Worker
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
@@ -314,6 +314,18 @@ class Dispatcher:
     def sweep(self) -> None:
         """Re-send timed-out deliveries (called periodically by the server)."""
         self._broadcast(Sweep())
+
+    def restore_awaited(self, deliveries: Iterable[tuple[str, str, bytes, Kept]]) -> int:
+        """At start-up: deliveries PUBACKed before it whose answer is still awaited (VIN, request
+        id, sha1, what is kept of it); those of this process's VINs hold their slot again.
+        Returns how many."""
+        count = 0
+        for vin, request_id, sha1, kept in deliveries:
+            worker = self.worker_of(vin)
+            if worker is not None:
+                worker.restore_awaited(vin, request_id, sha1, kept)
+                count += 1
+        return count
 
     # -- introspection -----------------------------------------------------------
     def refresh_gauges(self) -> None:

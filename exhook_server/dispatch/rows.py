@@ -14,6 +14,13 @@ For such queues the head of the queue (its first quarter, in delivery order) is
 kept between deliveries and checked row by row instead: a pass per quarter of the
 queue, not per delivery. New rows only join at the end of a queue, so the head
 stays right.
+
+Every publish, and every PUBACK of a delivery awaiting its answer, is kept in the store
+(`tries`, `awaited`) by one lazy op per commit window: it rides with the next commit that
+happens anyway, or commits alone after `lazy_delay_s`, never an fsync of its own per delivery.
+A kill -9 loses at most the records of that last window: a row published in the window may be
+published once more than `max_attempts` after the restart (never fewer), and a PUBACK of an
+awaited delivery in it makes that delivery go once more.
 """
 
 from __future__ import annotations
@@ -22,10 +29,14 @@ import functools
 import threading
 from collections import OrderedDict, deque
 from concurrent.futures import Future
+from typing import Any
 
+import lmdb
 import structlog
 
-from storage import ops
+from exhook_server.dispatch.commands import Session
+from exhook_server.dispatch.worker import NOTHING_KEPT, Kept
+from storage import keys, ops
 from storage.keys import Row
 from storage.outcomes import Outcome
 from storage.store import Store, now_ms
@@ -54,6 +65,12 @@ class StoreRows:
         self._heads: OrderedDict[str, deque[Row]] = OrderedDict()  # (also its first row, until acked)
         #: Rows read by passes over queues, for tests and benchmarks.
         self.rows_scanned = 0
+        #: Publishes and PUBACKs to keep, in order, not yet taken by a commit (see `_Tries`).
+        self._tries: list[ops.TryRecord] = []
+        self._tries_lock = threading.Lock()
+        #: Rows stored since are known to dispatch's memory (as they are in PostgreSQL's one
+        #: delivery per vehicle); the store's count of the older ones bridges the restart.
+        self._started_ms = now_ms()
 
     def oldest(self, vin: str) -> tuple[Row, bytes] | None:
         with self._lock:
@@ -141,6 +158,74 @@ class StoreRows:
         with self._lock:
             return self._deleting.get(vin, {}).get(request_id) == sha1
 
+    # -- attempts kept across restarts ------------------------------------------------
+    def tried(self, vin: str, request_id: str, sha1: bytes) -> Kept:
+        rkey = keys.row_key(vin, request_id)
+        with self._tries_lock:  # not committed yet: the newest word
+            waiting = [r for r in self._tries if r[0] == rkey and r[1] == sha1] if self._tries else None
+        kept = self._store.tried(vin, request_id, sha1, self._started_ms)
+        attempts, acked_ms, session = kept.attempts, kept.acked_ms, kept.session
+        for _, _, n, ms, who in waiting or ():
+            attempts = max(attempts, n)
+            acked_ms, session = (ms, who) if who is not None else (0, None)
+        if not attempts and not kept.awaits:
+            return NOTHING_KEPT
+        if session is None:
+            return Kept(attempts, kept.awaits)
+        age = max(0.0, (now_ms() - acked_ms) / 1000)
+        return Kept(attempts, kept.awaits, age, Session(*session))
+
+    def sent(self, vin: str, row: Row, attempts: int) -> None:
+        self._keep((keys.row_key(vin, row.request_id), row.sha1, attempts, 0, None))
+
+    def awaiting(self, vin: str, request_id: str, sha1: bytes, attempts: int, session: Session) -> None:
+        who = session.__reduce__()[1]
+        self._keep((keys.row_key(vin, request_id), sha1, attempts, now_ms(), who))
+
+    def _keep(self, record: ops.TryRecord) -> None:
+        with self._tries_lock:
+            self._tries.append(record)
+            first = len(self._tries) == 1
+        if first:  # one op per commit window takes every record queued until it runs
+            future = self._committer.submit(_Tries(self), lazy=True)
+            future.add_done_callback(_tries_done)
+
+    def take_tries(self) -> list[ops.TryRecord]:
+        with self._tries_lock:
+            taken, self._tries = self._tries, []
+        return taken
+
+    def awaited(self) -> list[tuple[str, str, bytes, Kept]]:
+        """Deliveries PUBACKed before this start whose answer is still awaited: (VIN, request
+        id, sha1, what is kept of it)."""
+        now = now_ms()
+        return [
+            (vin, rid, sha1, Kept(attempts, True, max(0.0, (now - acked_ms) / 1000), Session(*session)))
+            for vin, rid, sha1, attempts, acked_ms, session in self._store.awaited()
+        ]
+
     def deleting(self) -> int:
         """Vehicles with an acked row whose delete is not committed yet."""
         return len(self._deleting)
+
+
+class _Tries:
+    """The lazy op keeping queued attempt records: takes them when it first runs, and writes the
+    same ones again if the committer replays its group."""
+
+    __slots__ = ("_records", "_rows")
+
+    def __init__(self, rows: StoreRows) -> None:
+        self._rows = rows
+        self._records: list[ops.TryRecord] | None = None
+
+    def __call__(self, txn: lmdb.Transaction) -> int:
+        if self._records is None:
+            self._records = self._rows.take_tries()
+        return ops.record_tries(txn, self._rows._store.tables, self._records)
+
+
+def _tries_done(future: Future[Any]) -> None:
+    if future.exception() is not None:
+        # Counts as if never published: at worst one more delivery of those rows.
+        log.error("attempts_not_kept", error=repr(future.exception()))

@@ -54,7 +54,16 @@ from exhook_server.dispatch.commands import (
     Trigger,
 )
 from exhook_server.dispatch.ring import HashRing
-from exhook_server.dispatch.worker import InFlight, OutcomeListener, Publisher, ResponseListener, VehicleState, Worker
+from exhook_server.dispatch.worker import (
+    NOTHING_KEPT,
+    InFlight,
+    Kept,
+    OutcomeListener,
+    Publisher,
+    ResponseListener,
+    VehicleState,
+    Worker,
+)
 from storage import keys
 from storage.outcomes import Outcome
 from storage.pg import dispatch as pgd
@@ -155,6 +164,17 @@ class _EventRows:
 
     def acking(self, vin: str, request_id: str, sha1: bytes) -> bool:
         return False  # an ack is written inside its event: never half done between events
+
+    # The vehicle's delivery state, attempts and PUBACK included, is stored with every event
+    # (`_marker`): nothing more to keep, and nothing kept apart from it.
+    def tried(self, vin: str, request_id: str, sha1: bytes) -> Kept:
+        return NOTHING_KEPT
+
+    def sent(self, vin: str, row: keys.Row, attempts: int) -> None:
+        pass
+
+    def awaiting(self, vin: str, request_id: str, sha1: bytes, attempts: int, session: Session) -> None:
+        pass
 
 
 class _Sends:

@@ -11,12 +11,15 @@ at most one delivery per VIN is in flight; the oldest pending row goes first;
 it) instead of sending again; an entry older than the in-flight timeout, or
 owned by a connection that is gone, is sent again.
 
-Lifecycle rules (issue 13): a row is published at most `max_attempts` times, then it
-ends `failed` and the next one goes; a row awaiting the vehicle's answer keeps the slot
-after its PUBACK until the answer (outcome `responded`) or `response_timeout_s` (then
-`failed`); rows past their expires_at or being cancelled are never offered by the row
-source; a delivery whose row was cancelled while out keeps the slot, and its outcome
-follows what the vehicle does with it.
+Lifecycle rules: a row is published at most `max_attempts` times, then it ends `failed` and
+the next one goes; a row awaiting the vehicle's answer keeps the slot after its PUBACK until
+the answer (outcome `responded`) or `response_timeout_s` (then `failed`); rows past their
+expires_at or being cancelled are never offered by the row source; a delivery whose row was
+cancelled while out keeps the slot, and its outcome follows what the vehicle does with it.
+
+Attempts and the answer-awaited state outlive the process: the worker tells the row source of
+every publish and of every PUBACK of a delivery awaiting its answer (`sent`, `awaiting`), and
+asks it (`tried`) about a row it holds nothing of, so a restart resumes the count and the wait.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import structlog
 
@@ -62,6 +65,22 @@ class Publisher(Protocol):
         ...
 
 
+class Kept(NamedTuple):
+    """What the row source keeps of a row's deliveries (`RowSource.tried`)."""
+
+    #: Times the row has been published, as far as the store knows.
+    attempts: int = 0
+    #: The row's answer, not its PUBACK, ends it (await_response).
+    awaits: bool = False
+    #: Seconds since the vehicle PUBACKed it, its answer awaited since; None: not PUBACKed.
+    acked_age_s: float | None = None
+    #: The session that PUBACKed it.
+    session: Session | None = None
+
+
+NOTHING_KEPT = Kept()
+
+
 class RowSource(Protocol):
     """The storage port dispatch needs."""
 
@@ -88,6 +107,20 @@ class RowSource(Protocol):
     def acking(self, vin: str, request_id: str, sha1: bytes) -> bool:
         """True while an `ack` of exactly this row has started and not yet committed: the
         vehicle has it, whatever a cancel records meanwhile (the ack then amends it)."""
+        ...
+
+    def tried(self, vin: str, request_id: str, sha1: bytes) -> Kept:
+        """What is kept of the row's deliveries from before this process started (all zero
+        when nothing, the row is gone or holds another payload, or it was stored since: then
+        the worker's memory is the whole story, as it is for the one delivery it holds)."""
+        ...
+
+    def sent(self, vin: str, row: Row, attempts: int) -> None:
+        """`row` was published to `vin`, `attempts` times so far (kept with a later commit)."""
+        ...
+
+    def awaiting(self, vin: str, request_id: str, sha1: bytes, attempts: int, session: Session) -> None:
+        """`session` PUBACKed the delivery; its answer is awaited from now on."""
         ...
 
 
@@ -119,6 +152,9 @@ VehicleState = tuple[Session | None, InFlight | None, tuple[str, bytes, int, boo
 
 
 V = TypeVar("V")
+#: Rows one send may end on its way to a row it can send (failed at max_attempts, or found
+#: past its response timeout after a restart); the next trigger goes on.
+_ENDS_PER_SEND = 16
 
 
 def _put(table: dict[str, V], vin: str, value: V | None) -> None:
@@ -280,28 +316,60 @@ class Worker:
                     return
                 if entry.cancelled and not fresh:
                     self._give_up(vin, entry, "cancelled_unacked")
-        found = self._rows.oldest(vin)
-        if found is not None and self._max_attempts:
-            row = found[0]
+        for _ in range(_ENDS_PER_SEND):
+            found = self._rows.oldest(vin)
+            if found is None:
+                self._void(vin)
+                return
+            row, payload = found
             prior = self._attempts(vin, row.request_id, row.sha1)
-            if prior >= self._max_attempts:
+            if not prior:
+                kept = self._rows.tried(vin, row.request_id, row.sha1)
+                prior = kept.attempts
+                if kept.acked_age_s is not None:
+                    # PUBACKed before a restart and its answer still awaited: the vehicle has it.
+                    if self._restore_awaited(vin, row.request_id, row.sha1, kept, session):
+                        return
+                    continue  # its response timeout passed meanwhile: it ended failed
+            if self._max_attempts and prior >= self._max_attempts:
                 # Sent max_attempts times and never taken: it must not block what follows.
                 self._fail(vin, row.request_id, row.sha1, prior, "max_attempts")
-                found = self._rows.oldest(vin)
-        if found is None:
-            self._void(vin)
-            return
-        row, payload = found
+                continue
+            break
+        else:
+            return  # the next trigger goes on
         if not self._publisher.publish(vin, row.request_id, payload, expires_ms=row.expires_ms):
             return  # no broker connection: BrokerBack will try again
-        attempts = self._attempts(vin, row.request_id, row.sha1) + 1
+        attempts = prior + 1
         resend = attempts > 1
         self.inflight[vin] = InFlight(
             row.request_id, row.sha1, session, self._clock(), attempts, await_response=row.await_response
         )
         self._unacked.pop(vin, None)
+        self._rows.sent(vin, row, attempts)
         (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
         log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)
+
+    def _restore_awaited(self, vin: str, request_id: str, sha1: bytes, kept: Kept, session: Session) -> bool:
+        """Hold the slot for a delivery PUBACKed before a restart whose answer is awaited, from
+        its PUBACK on; True when still awaited, False when its response timeout passed (then it
+        ends failed now)."""
+        assert kept.acked_age_s is not None
+        now = self._clock()
+        entry = InFlight(request_id, sha1, kept.session or session, now, max(1, kept.attempts), True)
+        entry.acked_at = now - kept.acked_age_s
+        self.inflight[vin] = entry
+        self._unacked.pop(vin, None)
+        if kept.acked_age_s < self._response_timeout:
+            return True
+        self._give_up(vin, entry, "response_timeout")
+        return False
+
+    def restore_awaited(self, vin: str, request_id: str, sha1: bytes, kept: Kept) -> None:
+        """At start-up: a delivery PUBACKed before the restart awaits its answer (the sweep
+        applies its response timeout even while the vehicle stays away)."""
+        if vin not in self.inflight and kept.session is not None:
+            self._restore_awaited(vin, request_id, sha1, kept, kept.session)
 
     def _fail(self, vin: str, request_id: str, sha1: bytes, attempts: int, reason: str, **fields: Any) -> None:
         """End the row `failed` for `reason` (a cancelled one: amended to failed) and forget it;
@@ -323,8 +391,8 @@ class Worker:
         self._fail(vin, entry.request_id, entry.sha1, entry.attempts, reason)
 
     def _attempts(self, vin: str, request_id: str, sha1: bytes) -> int:
-        """How often (request_id, sha1) has been published to `vin` so far (0: never, or
-        not since this server started)."""
+        """How often (request_id, sha1) has been published to `vin` as far as this worker
+        holds it (0: never, or not since this server started: then ask the row source)."""
         entry = self.inflight.get(vin)
         if entry is not None and entry.request_id == request_id and entry.sha1 == sha1:
             return entry.attempts
@@ -337,7 +405,15 @@ class Worker:
         vin, rid, digest = cmd.vin, cmd.request_id, cmd.sha1
         if self._awaits_answer(cmd):
             return  # the answer, not the PUBACK, frees the slot
-        attempts = max(1, self._attempts(vin, rid, digest))
+        prior = self._attempts(vin, rid, digest)
+        if not prior:
+            # Sent before a restart (a resumed session redelivered it): the store knows more.
+            kept = self._rows.tried(vin, rid, digest)
+            if kept.awaits and vin not in self.inflight:
+                self._restore_awaited(vin, rid, digest, self._took(vin, rid, digest, kept, cmd.session), cmd.session)
+                return  # its answer, not the PUBACK, ends it
+            prior = kept.attempts
+        attempts = max(1, prior)
         deleted = self._rows.ack(vin, rid, digest, attempts=attempts)
         metrics.DELIVERIES_ACKED.labels("deleted" if deleted else "kept").inc()
         if deleted:
@@ -352,6 +428,15 @@ class Worker:
             del self.inflight[vin]
         self._try_send(vin, Trigger.NEW_BATCH)
 
+    def _took(self, vin: str, request_id: str, sha1: bytes, kept: Kept, session: Session) -> Kept:
+        """`kept` of a delivery awaiting its answer that `session` PUBACKed now (unless it had
+        been before): the wait for its answer starts, and is kept."""
+        if kept.acked_age_s is not None:
+            return kept
+        attempts = max(1, kept.attempts)
+        self._rows.awaiting(vin, request_id, sha1, attempts, session)
+        return Kept(attempts, True, 0.0, session)
+
     def _awaits_answer(self, cmd: Acknowledge) -> bool:
         """A PUBACK of a delivery awaiting the vehicle's answer: start its response timeout (the
         vehicle has it now). True when so."""
@@ -362,6 +447,7 @@ class Worker:
                 return False
             if entry.acked_at is None:
                 entry.acked_at = self._clock()
+                self._rows.awaiting(vin, cmd.request_id, cmd.sha1, entry.attempts, cmd.session)
             return True
         voided = self._unacked.get(vin)
         if entry is None and voided is not None and voided[:2] == (cmd.request_id, cmd.sha1) and voided[3]:
@@ -369,6 +455,7 @@ class Worker:
             del self._unacked[vin]
             now = self._clock()
             self.inflight[vin] = InFlight(cmd.request_id, cmd.sha1, cmd.session, now, voided[2], True, now)
+            self._rows.awaiting(vin, cmd.request_id, cmd.sha1, voided[2], cmd.session)
             return True
         return False
 

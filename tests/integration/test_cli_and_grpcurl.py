@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from storage.store import SCHEMA_VERSION
 from tests.harness import BIN, ExHookClient, SubprocessServer
 
 GRPCURL = str(BIN / "grpcurl")
@@ -153,7 +154,7 @@ def test_admin_api_through_grpcurl(proc: SubprocessServer) -> None:
     c.close()
     admin = proc.admin_port
     stats = json.loads(grpcurl(admin, "-d", "{}", "sdv.fanout.v1.Admin/GetStats"))
-    assert int(stats["rows"]) >= 2 and stats["schema_version"] == 3
+    assert int(stats["rows"]) >= 2 and stats["schema_version"] == SCHEMA_VERSION
     vehicle = json.loads(grpcurl(admin, "-d", '{"vin": "ADMIN1"}', "sdv.fanout.v1.Admin/GetVehicle"))
     assert vehicle["online"] is True and vehicle["session"]["peerport"] == 50001
     assert [p["request_id"] for p in vehicle["pending"]] == ["task_adm_1"]

@@ -18,7 +18,7 @@ import pytest
 from storage import cancel, gc, keys, ops, outcomes, pending
 from storage.ops import RowSpec, sha1_of
 from storage.outcomes import Outcome
-from storage.store import Store
+from storage.store import SCHEMA_VERSION, Store
 
 
 @pytest.fixture
@@ -162,7 +162,7 @@ def test_a_schema_2_store_is_upgraded_with_its_indexes_built(tmp_path: Path) -> 
                 txn.drop(table, delete=False)
             txn.put(b"schema_version", b"2", db=s.tables.meta)
     with Store(path) as s:
-        assert s.schema_version == 3
+        assert s.schema_version == SCHEMA_VERSION
         assert s.backlog("V1") == 2 and s.backlog("V2") == 1
         assert_consistent(s)
 
