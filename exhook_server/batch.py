@@ -169,14 +169,18 @@ class BatchParser:
     def _lifecycle(self, doc: dict[str, Any]) -> Lifecycle:
         expires_ms = _expires_ms(doc.get("expires_at"))
         if expires_ms and expires_ms <= self._clock():
-            raise BatchRejected(Reason.EXPIRED, "expires_at is past: the request would never be sent")
+            raise BatchRejected(
+                Reason.EXPIRED, "expires_at is past: the request would never be sent", field="expires_at"
+            )
         wait = doc.get("await_response")
         if wait is None:
             wait = self._cfg.await_response
         elif not isinstance(wait, bool):
-            raise BatchRejected(Reason.WRONG_TYPE, "await_response must be true or false")
+            raise BatchRejected(Reason.WRONG_TYPE, "await_response must be true or false", field="await_response")
         if wait and not self._cfg.response_topic_prefix:
-            raise BatchRejected(Reason.RESPONSES_OFF, "await_response needs response_topic_prefix (it is empty)")
+            raise BatchRejected(
+                Reason.RESPONSES_OFF, "await_response needs response_topic_prefix (it is empty)", field="await_response"
+            )
         if not expires_ms and not wait:
             return _PLAIN
         return Lifecycle(expires_ms, wait)
@@ -185,12 +189,12 @@ class BatchParser:
     def _vins(self, doc: dict[str, Any]) -> tuple[str, ...]:
         ids = _field(doc, "ids")
         if not isinstance(ids, list):
-            raise BatchRejected(Reason.WRONG_TYPE, "ids must be an array of strings")
+            raise BatchRejected(Reason.WRONG_TYPE, "ids must be an array of strings", field="ids")
         if not ids:
-            raise BatchRejected(Reason.EMPTY_IDS, "ids is empty")
+            raise BatchRejected(Reason.EMPTY_IDS, "ids is empty", field="ids")
         if len(ids) > self._cfg.max_ids_per_batch:
             raise BatchRejected(
-                Reason.TOO_MANY_IDS, f"{len(ids)} ids > max_ids_per_batch {self._cfg.max_ids_per_batch}"
+                Reason.TOO_MANY_IDS, f"{len(ids)} ids > max_ids_per_batch {self._cfg.max_ids_per_batch}", field="ids"
             )
         # Fast path for the common case, every VIN good: the checks run over the whole list in
         # C (type set, dict fold, map of the compiled pattern, one forbidden-char scan of the
@@ -207,9 +211,9 @@ class BatchParser:
             ):
                 return tuple(folded)
         seen: dict[str, None] = {}
-        for vin in ids:
+        for i, vin in enumerate(ids):
             if not isinstance(vin, str):
-                raise BatchRejected(Reason.WRONG_TYPE, "ids must be an array of strings")
+                raise BatchRejected(Reason.WRONG_TYPE, f"ids[{i}] is not a string", field="ids")
             if vin not in seen:
                 self._check_vin(vin)
                 seen[vin] = None
@@ -218,33 +222,39 @@ class BatchParser:
 
     def _check_vin(self, vin: str) -> None:
         if not self._vin_re.fullmatch(vin):
-            raise BatchRejected(Reason.BAD_VIN, "VIN does not match vin_pattern", vin=_shown(vin))
-        _check_level(Reason.BAD_VIN, "VIN", vin, MAX_VIN_BYTES)
+            raise BatchRejected(Reason.BAD_VIN, "VIN does not match vin_pattern", field="ids", vin=_shown(vin))
+        _check_level(Reason.BAD_VIN, "vin", vin, MAX_VIN_BYTES)
 
     def _request_id(self, doc: dict[str, Any]) -> str:
         rid = _field(doc, "request_id")
         if not isinstance(rid, str):
-            raise BatchRejected(Reason.WRONG_TYPE, "request_id must be a string")
+            raise BatchRejected(Reason.WRONG_TYPE, "request_id must be a string", field="request_id")
         _check_level(Reason.BAD_REQUEST_ID, "request_id", rid, self._cfg.max_request_id_bytes)
         return rid
 
     def _data_id(self, data_id: Any) -> str:
         if not isinstance(data_id, str):
-            raise BatchRejected(Reason.WRONG_TYPE, "data_id must be a string")
+            raise BatchRejected(Reason.WRONG_TYPE, "data_id must be a string", field="data_id")
         if not self._data_id_re.fullmatch(data_id):
-            raise BatchRejected(Reason.BAD_DATA_ID, "data_id does not match data_id_pattern", data_id=_shown(data_id))
+            raise BatchRejected(
+                Reason.BAD_DATA_ID, "data_id does not match data_id_pattern", field="data_id", data_id=_shown(data_id)
+            )
         _check_level(Reason.BAD_DATA_ID, "data_id", data_id, MAX_DATA_ID_BYTES)
         return data_id
 
 
 def _check_level(reason: Reason, name: str, text: str, max_bytes: int) -> None:
     """An id becomes one level of a delivery topic and part of an LMDB key: it must be a topic
-    level every broker accepts (topics.level_problem) and fit its byte bound."""
+    level every broker accepts (topics.level_problem) and fit its byte bound. `name` is the
+    batch's field, or `vin` for one of its ids."""
     problem = level_problem(text)
     if problem is None and len(text.encode()) > max_bytes:
         problem = f"longer than {max_bytes} bytes of UTF-8"
     if problem is not None:
-        raise BatchRejected(reason, f"{name} is not usable as one topic level: {problem}", **{name: _shown(text)})
+        field = "ids" if name == "vin" else name
+        what = "VIN" if name == "vin" else name
+        detail = f"{what} is not usable as one topic level: {problem}"
+        raise BatchRejected(reason, detail, field=field, **{name: _shown(text)})
 
 
 def _tags(doc: dict[str, Any]) -> Tags:
@@ -258,13 +268,14 @@ def _optional_text(doc: dict[str, Any], name: str, reason: Reason, max_bytes: in
     if value is None:
         return None
     if not isinstance(value, str):
-        raise BatchRejected(Reason.WRONG_TYPE, f"{name} must be a string")
+        raise BatchRejected(Reason.WRONG_TYPE, f"{name} must be a string", field=name)
     try:
         size = len(value.encode())
     except UnicodeEncodeError:  # a lone surrogate
         size = -1
     if not 0 < size <= max_bytes:
-        raise BatchRejected(reason, f"{name} must be 1..{max_bytes} bytes of UTF-8", **{name: _shown(value)})
+        detail = f"{name} must be 1..{max_bytes} bytes of UTF-8"
+        raise BatchRejected(reason, detail, field=name, **{name: _shown(value)})
     return value
 
 
@@ -280,7 +291,9 @@ def _expires_ms(value: Any) -> int:
         return 0
     if isinstance(value, int) and not isinstance(value, bool):
         if not 0 < value <= MAX_EXPIRES_MS:
-            raise BatchRejected(Reason.BAD_EXPIRES_AT, f"expires_at must be 1..{MAX_EXPIRES_MS} epoch milliseconds")
+            raise BatchRejected(
+                Reason.BAD_EXPIRES_AT, f"expires_at must be 1..{MAX_EXPIRES_MS} epoch milliseconds", field="expires_at"
+            )
         return value
     if isinstance(value, str) and len(value) <= 64:
         try:
@@ -294,14 +307,18 @@ def _expires_ms(value: Any) -> int:
         raise BatchRejected(
             Reason.BAD_EXPIRES_AT,
             "expires_at must be RFC 3339 with an offset (2026-11-23T18:00:00Z) or epoch milliseconds",
+            field="expires_at",
             expires_at=_shown(value),
         )
-    raise BatchRejected(Reason.BAD_EXPIRES_AT, "expires_at must be an integer (epoch ms) or an RFC 3339 string")
+    raise BatchRejected(
+        Reason.BAD_EXPIRES_AT, "expires_at must be an integer (epoch ms) or an RFC 3339 string", field="expires_at"
+    )
 
 
 def _shown(text: str) -> str:
-    """An untrusted id as a log field: cut short, control characters escaped (one event per line)."""
-    return text[:80].encode("unicode_escape").decode("ascii")
+    """An untrusted id as a log or receipt field: control characters escaped (one event per
+    line), cut to 80 characters."""
+    return text[:80].encode("unicode_escape").decode("ascii")[:80]
 
 
 def _json_object(payload: bytes) -> dict[str, Any]:
@@ -323,18 +340,21 @@ def _field(doc: dict[str, Any], name: str) -> Any:
 def _blob(doc: dict[str, Any]) -> bytes:
     data = _field(doc, "data")
     if not isinstance(data, str):
-        raise BatchRejected(Reason.WRONG_TYPE, "data must be a string")
+        raise BatchRejected(Reason.WRONG_TYPE, "data must be a string", field="data")
     encoding = doc.get("data_encoding", "utf-8")
     if encoding in ("utf-8", "utf8", "plain"):
         try:
             return data.encode()
         except UnicodeEncodeError:
-            raise BatchRejected(Reason.BAD_DATA_ENCODING, "data is not valid Unicode") from None
+            raise BatchRejected(Reason.BAD_DATA_ENCODING, "data is not valid Unicode", field="data") from None
     if encoding == "base64":
         try:
             return base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
-            raise BatchRejected(Reason.BAD_DATA_ENCODING, "data is not valid base64") from None
+            raise BatchRejected(Reason.BAD_DATA_ENCODING, "data is not valid base64", field="data") from None
     raise BatchRejected(
-        Reason.BAD_DATA_ENCODING, "data_encoding must be 'utf-8' or 'base64'", data_encoding=str(encoding)[:40]
+        Reason.BAD_DATA_ENCODING,
+        "data_encoding must be 'utf-8' or 'base64'",
+        field="data_encoding",
+        data_encoding=str(encoding)[:40],
     )

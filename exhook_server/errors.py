@@ -68,5 +68,19 @@ class BatchRejected(FanoutError):
         super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
         self.reason = reason
         self.detail = detail
-        #: Extra structured context for the log line (e.g. the offending VIN).
+        #: Extra structured context for the log line (e.g. the offending VIN); `field` names the
+        #: batch field at fault and `vin` the VIN at fault, where there is one: both go into the
+        #: `rejected` receipt too.
         self.fields = fields
+
+    @property
+    def field(self) -> str | None:
+        """The batch field at fault (`ids`, `request_id`, `expires_at`, ...), if one is."""
+        value = self.fields.get("field")
+        return value if isinstance(value, str) else None
+
+    @property
+    def vin(self) -> str | None:
+        """The VIN at fault (cut short, control characters escaped), if one is."""
+        value = self.fields.get("vin")
+        return value if isinstance(value, str) else None

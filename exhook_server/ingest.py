@@ -69,6 +69,20 @@ class CancelResult:
     in_flight: int
 
 
+#: Longest `detail` of a `rejected` receipt, in characters: a sentence, not a payload.
+MAX_DETAIL_CHARS = 200
+_STORAGE_DETAIL = "the store could not take the batch now; nothing was stored: retry it (same batch_id)"
+_EARLY_DETAIL = {
+    "data_never_arrived": "the trigger's data (data_id) did not arrive within early_ttl_s",
+    "expired": "expires_at passed while the trigger waited for its data",
+}
+
+
+def bounded_detail(detail: str) -> str:
+    """`detail` cut to MAX_DETAIL_CHARS (marked with "..." when cut)."""
+    return detail if len(detail) <= MAX_DETAIL_CHARS else detail[: MAX_DETAIL_CHARS - 3] + "..."
+
+
 def report_expired_early(expired: list[ops.EarlyExpired], status: StatusPublisher | None = None) -> None:
     """One log line, one count and one `rejected` receipt per early trigger whose data never
     came (sweeper and GC alike)."""
@@ -78,6 +92,7 @@ def report_expired_early(expired: list[ops.EarlyExpired], status: StatusPublishe
                 "rejected",
                 e.request_id,
                 reason=e.reason,
+                detail=_EARLY_DETAIL.get(e.reason),
                 data_id=e.data_id,
                 batch_id=e.batch_id,
                 correlation_id=e.correlation_id,
@@ -135,7 +150,7 @@ class Ingestor:
                 publisher=clientid,
                 **rej.fields,
             )
-            self._receipt_rejected(rej.reason.value, kind, payload)
+            self._receipt_rejected(rej.reason.value, kind, payload, rej.detail, field=rej.field, vin=rej.vin)
             return False
         except StorageError as exc:
             kind_label = type(exc).__name__
@@ -144,7 +159,7 @@ class Ingestor:
             # A commit that timed out may still land: say nothing, a retry with its batch_id
             # gets the receipt. Any other storage error stored nothing.
             if not isinstance(exc, CommitTimeout):
-                self._receipt_rejected("storage_unavailable", kind, payload)
+                self._receipt_rejected("storage_unavailable", kind, payload, _STORAGE_DETAIL)
             raise
         metrics.INGEST_SECONDS.observe(asyncio.get_running_loop().time() - started)
         return True
@@ -260,13 +275,32 @@ class Ingestor:
                 correlation_id=tags.correlation_id,
             )
 
-    def _receipt_rejected(self, reason: str, kind: Kind, payload: bytes) -> None:
+    def _receipt_rejected(
+        self,
+        reason: str,
+        kind: Kind,
+        payload: bytes,
+        detail: str,
+        *,
+        field: str | None = None,
+        vin: str | None = None,
+    ) -> None:
         """`rejected` on the request's status topic when the payload names a usable request id
-        (and echo its correlation_id), else on `<prefix>/_rejected`."""
+        (and echo its correlation_id), else on `<prefix>/_rejected`; with what is wrong in words
+        (`detail`) and, where one is at fault, the batch `field` and the `vin`, all bounded."""
         if self.status is None or not self.status.enabled:
             return
         request_id, correlation_id, batch_id = _peek_ids(kind, payload, self._cfg.max_request_id_bytes)
-        self.status.emit("rejected", request_id, reason=reason, batch_id=batch_id, correlation_id=correlation_id)
+        self.status.emit(
+            "rejected",
+            request_id,
+            reason=reason,
+            detail=bounded_detail(detail),
+            field=field,
+            vin=vin,
+            batch_id=batch_id,
+            correlation_id=correlation_id,
+        )
 
     def _notify(self, vins: tuple[str, ...], request_id: str) -> None:
         for listener in self.listeners:
