@@ -203,6 +203,9 @@ class AdminServicer:
         except BatchRejected as rej:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(rej))
         assert isinstance(parsed, Cancel)
+        # Like GetRequest: an id nothing was ever stored under is an answer (NOT_FOUND), not "0 cancelled".
+        if not await self._reads.generations(parsed.request_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no generation of request {parsed.request_id!r} is stored")
         try:
             task = await self._ingestor.cancel(parsed.request_id, parsed.vins)
             result = await task

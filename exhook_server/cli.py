@@ -366,58 +366,124 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_inspect(args: argparse.Namespace) -> int:
-    from storage import outcomes
+def _pending_entry(
+    request_id: str, ts_ms: int, sha1_hex: str, size: int, expires_ms: int, wait: bool
+) -> dict[str, Any]:
+    """One pending row as `inspect` shows it, read from the store or from the Admin API."""
+    return {
+        "request_id": request_id,
+        "ts_ms": int(ts_ms),
+        "time": _iso(int(ts_ms)),
+        "sha1": sha1_hex,
+        "size": int(size),
+        "expires_at_ms": int(expires_ms) or None,
+        "await_response": wait,
+    }
 
-    cfg = _load(args)
-    if args.server is not None:
-        from exhook_server._proto import admin_pb2
 
-        vehicle = _admin_call(cfg, args.server, "GetVehicle", admin_pb2.GetVehicleRequest(vin=args.vin))
-        print(json.dumps(vehicle, indent=None if args.json else 2))
-        return 0
+def _outcome_entry(
+    request_id: str, sha1_hex: str, outcome: str, ts_ms: int, stored_ms: int, attempts: int, response: bytes
+) -> dict[str, Any]:
+    """One recent outcome as `inspect` shows it, read from the store or from the Admin API."""
+    entry: dict[str, Any] = {
+        "request_id": request_id,
+        "sha1": sha1_hex,
+        "outcome": outcome,
+        "ts_ms": int(ts_ms),
+        "stored_ms": int(stored_ms),
+        "attempts": int(attempts),
+    }
+    if outcome == "responded":
+        entry["response"] = response.decode(errors="replace")
+    return entry
+
+
+def _served_vehicle(cfg: Config, server: str, vin: str) -> dict[str, Any]:
+    """`inspect`'s document from a running server: the stored part, plus what only the server
+    knows (presence, the delivery in flight, the backlog bound)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from exhook_server._proto import admin_pb2
+
+    m = _admin_rpc(cfg, server, "GetVehicle", admin_pb2.GetVehicleRequest(vin=vin, outcomes_limit=_INSPECT_OUTCOMES))
+    doc: dict[str, Any] = {
+        "vin": vin,
+        "pending": [
+            _pending_entry(p.request_id, p.ts_ms, p.sha1, p.size, p.expires_at_ms, p.await_response) for p in m.pending
+        ],
+        "outcomes": [
+            _outcome_entry(o.request_id, o.sha1, o.outcome, o.ts_ms, o.stored_ms, o.attempts, o.response)
+            for o in m.outcomes
+        ],
+        "online": m.online,
+        "session": MessageToDict(m.session, preserving_proto_field_name=True) if m.online else None,
+        "in_flight": None,
+        "backlog": int(m.backlog),
+        "at_backlog_bound": m.at_backlog_bound,
+    }
+    if m.HasField("in_flight"):
+        f = m.in_flight
+        doc["in_flight"] = {
+            "request_id": f.request_id,
+            "sha1": f.sha1,
+            "age_ms": int(f.age_ms),
+            "attempts": int(f.attempts),
+            "await_response": f.await_response,
+            "acked_age_ms": int(f.acked_age_ms) or None,
+            "cancelled": f.cancelled,
+        }
+    return doc
+
+
+def _stored_vehicle(cfg: Config, vin: str) -> dict[str, Any]:
+    """`inspect`'s document from the store itself."""
 
     async def read(reads: Reads) -> tuple[list[Row], list[OutcomeRecord]]:
-        return await reads.vehicle(args.vin, _INSPECT_OUTCOMES)
+        return await reads.vehicle(vin, _INSPECT_OUTCOMES)
 
     rows, ended = _on_store(cfg, read)
-    pending: list[dict[str, Any]] = [
-        {
-            "request_id": r.request_id,
-            "ts_ms": r.ts_ms,
-            "time": _iso(r.ts_ms),
-            "sha1": r.sha1.hex(),
-            "size": r.size,
-            "expires_at_ms": r.expires_ms or None,
-            "await_response": r.await_response,
-        }
-        for r in rows
-    ]
-    recent: list[dict[str, Any]] = [
-        {
-            "request_id": o.request_id,
-            "sha1": o.sha1.hex(),
-            "outcome": o.outcome.label,
-            "ts_ms": o.ts_ms,
-            "stored_ms": o.stored_ms,
-            "attempts": o.attempts,
-            **({"response": o.response.decode(errors="replace")} if o.outcome is outcomes.Outcome.RESPONDED else {}),
-        }
-        for o in ended
-    ]
+    return {
+        "vin": vin,
+        "pending": [
+            _pending_entry(r.request_id, r.ts_ms, r.sha1.hex(), r.size, r.expires_ms, r.await_response) for r in rows
+        ],
+        "outcomes": [
+            _outcome_entry(o.request_id, o.sha1.hex(), o.outcome.label, o.ts_ms, o.stored_ms, o.attempts, o.response)
+            for o in ended
+        ],
+    }
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    doc = _stored_vehicle(cfg, args.vin) if args.server is None else _served_vehicle(cfg, args.server, args.vin)
     if args.json:
-        print(json.dumps({"vin": args.vin, "pending": pending, "outcomes": recent}))
+        print(json.dumps(doc))
         return 0
+    vin, pending, recent = args.vin, doc["pending"], doc["outcomes"]
+    if "online" in doc:  # what only a running server knows
+        session = doc["session"] or {}
+        where = f" (clientid {session.get('clientid', '?')} on {session.get('node', '?')})" if doc["online"] else ""
+        bound = "  at max_pending_per_vehicle: new rows refused" if doc["at_backlog_bound"] else ""
+        print(f"{vin}: {'online' if doc['online'] else 'offline'}{where}{bound}")
+        if (f := doc["in_flight"]) is not None:
+            state = "  cancelled" if f["cancelled"] else ""
+            if f["acked_age_ms"]:
+                state += f"  PUBACKed {f['acked_age_ms'] / 1000:.1f} s ago, awaiting its answer"
+            print(
+                f"{vin}: in flight {f['request_id']}  sha1 {f['sha1']}  sent {f['age_ms'] / 1000:.1f} s ago"
+                f"  attempts {f['attempts']}{state}"
+            )
     if not pending:
-        print(f"{args.vin}: nothing pending")
+        print(f"{vin}: nothing pending")
     else:
-        print(f"{args.vin}: {len(pending)} pending, in delivery order")
+        print(f"{vin}: {len(pending)} pending, in delivery order")
         for i, p in enumerate(pending, 1):
             extra = f"  expires {_iso(p['expires_at_ms'])}" if p["expires_at_ms"] else ""
             extra += "  awaits response" if p["await_response"] else ""
             print(f"{i:>4}  {p['request_id']:<32} {p['time']}  {p['size']:>9} B  sha1 {p['sha1']}{extra}")
     if recent:
-        print(f"{args.vin}: recent outcomes, newest first")
+        print(f"{vin}: recent outcomes, newest first")
         for o in recent:
             print(
                 f"      {o['request_id']:<32} {_iso(o['ts_ms'])}  {o['outcome']:<10}  attempts {o['attempts']}"
@@ -480,6 +546,12 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
         }
     else:
         vins = parsed.vins
+
+        async def known(reads: Reads) -> bool:
+            return bool(await reads.generations(parsed.request_id))
+
+        if not _on_store(cfg, known):
+            raise _NotFound(f"no generation of request {parsed.request_id!r} is stored")
 
         async def work(writes: Writes) -> int:
             return await run_cancel(writes, parsed.request_id, vins, now_ms(), cfg.max_rows_per_commit)

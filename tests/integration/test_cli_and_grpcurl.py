@@ -258,3 +258,53 @@ def test_cancel_through_grpcurl_and_the_cli(proc: SubprocessServer, tmp_path: Pa
     assert done.returncode == 0 and "1 pending row(s) cancelled" in done.stdout, done.stderr
     inspect = subprocess.run([sdv, "inspect", "OFF2", "--json"], capture_output=True, text=True, env=env)
     assert [o["outcome"] for o in json.loads(inspect.stdout)["outcomes"]] == ["cancelled"]
+
+
+def cli_out(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """`sdv-fanout argv` in this process: exit code, stdout, stderr."""
+    from exhook_server import cli
+
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_inspect_server_prints_the_offline_table_plus_what_only_the_server_knows(
+    proc: SubprocessServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inspect --server` prints the table offline `inspect` prints (not protobuf JSON), after a
+    line of presence; `--json` is the offline document plus online, session, in_flight, backlog."""
+    c = ExHookClient(proc.port)
+    c.batch(["INSP1"], "task_insp_1", "first")
+    c.batch(["INSP1"], "task_insp_2", "second", expires_at="2999-01-01T00:00:00Z")
+    c.close()
+    server = ("--server", f"127.0.0.1:{proc.admin_port}")
+    offline = cli_out(capsys, "inspect", "INSP1", "--data-dir", str(proc.data_dir))
+    served = cli_out(capsys, "inspect", "INSP1", *server)
+    assert offline[0] == served[0] == 0, (offline, served)
+    assert offline[1].startswith("INSP1: 2 pending, in delivery order\n")
+    assert served[1] == "INSP1: offline\n" + offline[1]
+    offline_doc = json.loads(cli_out(capsys, "inspect", "INSP1", "--data-dir", str(proc.data_dir), "--json")[1])
+    served_doc = json.loads(cli_out(capsys, "inspect", "INSP1", *server, "--json")[1])
+    extra = {"online": False, "session": None, "in_flight": None, "backlog": 2, "at_backlog_bound": False}
+    assert served_doc == {**offline_doc, **extra}
+    assert [p["request_id"] for p in served_doc["pending"]] == ["task_insp_1", "task_insp_2"]
+
+
+def test_an_unknown_request_id_exits_1_in_every_command(
+    proc: SubprocessServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`request` and `cancel`, offline and with --server: an id nothing was stored under is an
+    answer (exit 1, one line), not "0 cancelled"; a known one still cancels (exit 0)."""
+    offline = ("--data-dir", str(proc.data_dir))
+    server = ("--server", f"127.0.0.1:{proc.admin_port}")
+    for command in ("request", "cancel"):
+        for where in (offline, server):
+            code, out, err = cli_out(capsys, command, "task_never_sent", *where)
+            assert (code, out) == (1, ""), (command, where, err)
+            assert err == "sdv-fanout: no generation of request 'task_never_sent' is stored\n"
+    c = ExHookClient(proc.port)
+    c.batch(["UNK1"], "task_known_1", "x")
+    c.close()
+    assert cli_out(capsys, "cancel", "task_known_1", *server)[0] == 0
+    assert cli_out(capsys, "cancel", "task_known_1", *server)[0] == 0  # known, nothing left: 0 cancelled
