@@ -554,7 +554,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
             raise _NotFound(f"no generation of request {parsed.request_id!r} is stored")
 
         async def work(writes: Writes) -> int:
-            return await run_cancel(writes, parsed.request_id, vins, now_ms(), cfg.max_rows_per_commit)
+            return await run_cancel(writes, parsed.request_id, vins, now_ms(), cfg.cancel_rows)
 
         total = _on_store_writes(cfg, work)
         # Without the server nobody knows what is out for delivery; a PUBACK still amends it.

@@ -121,6 +121,12 @@ class Config:
     # Rows one housekeeping transaction writes or deletes at most (completing parked triggers,
     # GC chunks): a batch waiting behind it waits for one chunk, tens of milliseconds.
     max_rows_per_commit: int = 10_000
+    # Rows one transaction of a cancel of every vehicle ends (the first in the hook's answer, the
+    # rest behind it): ending a row costs several times writing one (index entries, an outcome
+    # record, counts), so a batch arriving during a 200,000-row cancel waits for one such chunk,
+    # about 20 ms of the writer here, instead of one of max_rows_per_commit (bench/cancel_wait.py).
+    # max_rows_per_commit, when smaller, bounds it too.
+    cancel_chunk_rows: int = 500
     # Row deletes after a vehicle's PUBACK wait up to this long to share one commit (they join
     # any ingest commit sooner). A crash loses at most this window of deletes: those requests
     # are delivered once more, which QoS 1 allows. 0 = commit each delete at once.
@@ -261,6 +267,12 @@ class Config:
     # ------------------------------------------------------------------------
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def cancel_rows(self) -> int:
+        """Rows one transaction of a cancel of every vehicle ends: cancel_chunk_rows, at most
+        max_rows_per_commit."""
+        return min(self.cancel_chunk_rows, self.max_rows_per_commit)
 
     @property
     def lock_timeout_s(self) -> float:
@@ -415,6 +427,7 @@ def _validate(cfg: Config) -> None:
         "early_max_rows",
         "max_ingest_inflight_bytes",
         "max_rows_per_commit",
+        "cancel_chunk_rows",
         "grpc_max_concurrent_streams",
         "delivery_max_refusals",
         "early_ttl_s",

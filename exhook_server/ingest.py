@@ -360,9 +360,7 @@ class Ingestor:
         if vins is not None:
             first = await self._writes.cancel_vins(request_id, vins, now)
         else:
-            first = await self._writes.start_cancel_all(
-                request_id, now, self._cfg.max_rows_per_commit, tags.correlation_id
-            )
+            first = await self._writes.start_cancel_all(request_id, now, self._cfg.cancel_rows, tags.correlation_id)
         log.info("cancel_started", request_id=request_id, vins=None if vins is None else len(vins), more=first.more)
         return self._finish_cancel(request_id, first, tags.correlation_id)
 
@@ -394,18 +392,23 @@ class Ingestor:
             await asyncio.wait([previous])
         in_flight = 0
         total = 0
+        if chunk is None:
+            chunk = await self._logged_chunk(request_id)
         while True:
-            if chunk is not None:
-                in_flight += await self._ended_by_cancel(chunk)
-                total = chunk.total  # cumulative over the chunks of one cancel
-                correlation_id = correlation_id or chunk.correlation_id
-                if not chunk.more:
-                    break
+            # The next chunk commits while this one's rows are reported (deliveries out marked):
+            # the walk waits for one of the two, not for both in turn.
+            following = asyncio.ensure_future(self._logged_chunk(request_id)) if chunk.more else None
             try:
-                chunk = await self._next_cancel_chunk(request_id)
-            except StorageError as exc:  # the job stays recorded: the next start-up resumes it
-                log.error("cancel_failed", request_id=request_id, reason=type(exc).__name__, detail=str(exc))
+                in_flight += await self._ended_by_cancel(chunk)
+            except BaseException:
+                if following is not None:
+                    following.cancel()
                 raise
+            total = chunk.total  # cumulative over the chunks of one cancel
+            correlation_id = correlation_id or chunk.correlation_id
+            if following is None:
+                break
+            chunk = await following
         metrics.CANCELS.inc()
         log.info("request_cancelled", request_id=request_id, cancelled=total, in_flight=in_flight)
         if self.status is not None:
@@ -414,17 +417,24 @@ class Ingestor:
             )
         return CancelResult(request_id, total, in_flight)
 
+    async def _logged_chunk(self, request_id: str) -> cancelling.CancelChunk:
+        try:
+            return await self._next_cancel_chunk(request_id)
+        except StorageError as exc:  # the job stays recorded: the next start-up resumes it
+            log.error("cancel_failed", request_id=request_id, reason=type(exc).__name__, detail=str(exc))
+            raise
+
     async def _next_cancel_chunk(self, request_id: str) -> cancelling.CancelChunk:
         """The next chunk of a cancel of every vehicle. One that waited too long for a vehicle's
         rows someone else holds (LockTimeout; nothing of it was written) is tried again after a
         pause, so the walk neither waits on that lock nor stops for it."""
         for attempt in range(_LOCKED_RETRIES):
             try:
-                return await self._writes.cancel_chunk(request_id, self._clock(), self._cfg.max_rows_per_commit)
+                return await self._writes.cancel_chunk(request_id, self._clock(), self._cfg.cancel_rows)
             except LockTimeout as exc:
                 log.warning("cancel_chunk_locked", request_id=request_id, attempt=attempt + 1, detail=str(exc))
                 await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
-        return await self._writes.cancel_chunk(request_id, self._clock(), self._cfg.max_rows_per_commit)
+        return await self._writes.cancel_chunk(request_id, self._clock(), self._cfg.cancel_rows)
 
     async def _ended_by_cancel(self, chunk: cancelling.CancelChunk) -> int:
         if not chunk.cancelled:

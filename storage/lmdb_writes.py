@@ -77,8 +77,8 @@ class LmdbWrites:
         self._timeout_s = timeout_s
         self._waker = _LoopWaker()
 
-    async def _commit(self, op: Callable[..., T], rows: int = 1, **kw: Any) -> T:
-        future = self._waker.wrap(self._committer.submit(functools.partial(op, t=self._t, **kw), rows=rows))
+    async def _commit(self, op: Callable[..., T], rows: int = 1, solo: bool = False, **kw: Any) -> T:
+        future = self._waker.wrap(self._committer.submit(functools.partial(op, t=self._t, **kw), rows=rows, solo=solo))
         return await durable_within(future, self._timeout_s)
 
     async def store_batch(
@@ -160,6 +160,7 @@ class LmdbWrites:
         return await self._commit(
             cancel.start_cancel_all,
             rows=max_rows,
+            solo=True,
             request_id=request_id,
             now_ms=now_ms,
             max_rows=max_rows,
@@ -168,7 +169,7 @@ class LmdbWrites:
 
     async def cancel_chunk(self, request_id: str, now_ms: int, max_rows: int) -> cancel.CancelChunk:
         return await self._commit(
-            cancel.cancel_chunk, rows=max_rows, request_id=request_id, now_ms=now_ms, max_rows=max_rows
+            cancel.cancel_chunk, rows=max_rows, solo=True, request_id=request_id, now_ms=now_ms, max_rows=max_rows
         )
 
     async def cancels_in_progress(self) -> list[str]:

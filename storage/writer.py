@@ -6,6 +6,9 @@ One thread does all writing: while one commit's fsync runs, new ops queue up
 and go into the next transaction together, so fsyncs per second stay bounded
 while throughput grows with concurrency.
 
+Housekeeping chunks (a cancel's) are `solo`: such an op starts a group of its own and never joins
+one others started, so a batch queued before it is never held back by the chunk's work.
+
 Some writes need not be durable at once: a row delete after a vehicle's PUBACK
 that a crash loses only causes one duplicate delivery, which QoS 1 allows
 (architecture.md §2). Such ops are submitted `lazy`: they ride along with the
@@ -42,6 +45,8 @@ class _Item:
     future: Future[Any]
     #: Rows the op writes or deletes, about: a group stops gathering at max_rows.
     rows: int = 1
+    #: Housekeeping: only ever the first op of a group (ops queued behind it may join it).
+    solo: bool = False
 
 
 class _Replay(Exception):
@@ -69,6 +74,8 @@ class GroupCommitter:
         #: the wait of the batch queued behind it, stays bounded whatever the batches' sizes.
         self._max_rows = max_rows
         self._group_rows = 0  # rows of the group being gathered (writer thread only)
+        #: A solo op met while gathering another group: the first op of the next (writer thread only).
+        self._carry: _Item | None = None
         self._lazy_delay_s = lazy_delay_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         #: Lazy ops waiting for a group to join. They are not queued one by one: waking the writer
@@ -84,19 +91,20 @@ class GroupCommitter:
         self._thread = threading.Thread(target=self._run, name="lmdb-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, op: Op[T], *, lazy: bool = False, rows: int = 1) -> Future[T]:
+    def submit(self, op: Op[T], *, lazy: bool = False, rows: int = 1, solo: bool = False) -> Future[T]:
         """Queue `op`; its future resolves with op's result once durably committed.
 
         `lazy`: the op may wait up to `lazy_delay_s` for company before its commit (for writes
         whose loss in a crash is harmless); it never delays the durable ops it joins.
         `rows`: about how many rows the op writes, for the group's row bound.
+        `solo`: housekeeping; it never joins a group other ops started (see the module's doc).
         """
         future: Future[T] = Future()
         if self._closed:
             future.set_exception(StorageError("the store is closed"))
             return future
         if not lazy:
-            self._queue.put(_Item(op, future, rows))
+            self._queue.put(_Item(op, future, rows, solo))
             return future
         with self._lazy_lock:
             self._lazy.append(_Item(op, future))
@@ -117,6 +125,10 @@ class GroupCommitter:
     def _run(self) -> None:
         stopping = False
         while not stopping:
+            if self._carry is not None:
+                carried, self._carry = self._carry, None
+                stopping = self._group(carried)
+                continue
             due = self._lazy_due
             try:
                 first = self._queue.get() if due is None else self._queue.get(timeout=max(0.0, due - time.monotonic()))
@@ -144,7 +156,7 @@ class GroupCommitter:
     def _take(self, items: list[_Item]) -> bool:
         """Move queued ops into `items` (up to max_ops, or until they write max_rows rows)
         without waiting; True once _STOP is seen."""
-        while len(items) < self._max_ops and self._group_rows < self._max_rows:
+        while len(items) < self._max_ops and self._group_rows < self._max_rows and self._carry is None:
             try:
                 nxt = self._queue.get_nowait()
             except queue.Empty:
@@ -153,6 +165,9 @@ class GroupCommitter:
                 return True
             if nxt is _LAZY:
                 continue  # its ops are taken with the group's last _take_lazy
+            if nxt.solo and items:
+                self._carry = nxt  # the next group's first op
+                return False
             if nxt.future.set_running_or_notify_cancel():
                 items.append(nxt)
                 self._group_rows += nxt.rows

@@ -124,3 +124,23 @@ def test_group_commit_stops_gathering_at_max_rows(store: Store) -> None:
     sizes = sorted(len(g) for g in groups.values())
     assert sum(sizes) == 6 and len(sizes) >= 2
     assert max(sizes) * 4_000 <= 10_000 + 4_000
+
+
+def test_a_solo_op_never_joins_a_group_others_started(store: Store) -> None:
+    """A cancel's chunk (solo) queued between two batches: the batch before it commits without
+    waiting for the chunk's work; the chunk starts the next group, which the batch behind it
+    may join."""
+    committer = GroupCommitter(store)
+    gate = threading.Event()
+    seen: dict[str, int] = {}
+    try:
+        first = committer.submit(lambda txn: gate.wait(10))
+        before = committer.submit(lambda txn: seen.setdefault("before", committer.commits))
+        chunk = committer.submit(lambda txn: seen.setdefault("chunk", committer.commits), rows=500, solo=True)
+        after = committer.submit(lambda txn: seen.setdefault("after", committer.commits))
+        gate.set()
+        for f in (first, before, chunk, after):
+            f.result(10)
+    finally:
+        committer.close()
+    assert seen["before"] < seen["chunk"] == seen["after"]

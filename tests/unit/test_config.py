@@ -147,3 +147,16 @@ def test_an_unset_secret_and_a_url_without_a_password_show_as_they_are() -> None
     assert masked("mqtt_password", "") == ""
     assert masked("store_url", "postgresql://app@db/sdv") == "postgresql://app@db/sdv"
     assert masked("mqtt_username", "fleet") == "fleet"
+
+
+def test_lock_timeout_and_cancel_chunk_derive_from_their_bounds() -> None:
+    """PostgreSQL's lock_timeout is a quarter of ingest_timeout_s unless set, and must stay below
+    it; a cancel's chunk is cancel_chunk_rows, never more than max_rows_per_commit."""
+    assert Config().lock_timeout_s == 1.0
+    assert Config(ingest_timeout_s=2.0, store_lock_timeout_s=0.5).lock_timeout_s == 0.5
+    with pytest.raises(ConfigError, match="store_lock_timeout_s"):
+        Config(store_lock_timeout_s=4.0)
+    assert Config().cancel_rows == 500
+    assert Config(max_ids_per_batch=100, max_rows_per_commit=100).cancel_rows == 100
+    with pytest.raises(ConfigError, match="cancel_chunk_rows"):
+        Config(cancel_chunk_rows=0)

@@ -1,0 +1,238 @@
+"""How long a batch waits for its answer while a cancel of every vehicle ends 200,000 rows.
+
+Per side and round: a fresh `sdv-fanout serve` (LMDB, no broker: nothing is delivered) is filled
+with --rows pending rows of one request (batches of 1,000 VINs); then --clients gRPC channels
+send small batches (--vins VINs of other requests, a new request id each) in a closed loop, each
+paced --gap-ms after the last answer, like a platform's steady trickle. After --quiet-s of that
+the cancel of every vehicle of the big request is published on the cancel topic; its walk runs
+behind the hook's answer while the batches go on. The cancel window is from that publish until the
+server logs `request_cancelled`. Reported per side: the worst and the 99th percentile answer time
+of the batches sent inside the window and of those sent before it (the same run, no cancel), and
+how long the cancel took.
+
+Sides differ in one setting, `cancel_chunk_rows` (rows one cancel transaction ends):
+* unchunked: 10,000, max_rows_per_commit, the size every cancel chunk had before the setting;
+* chunked: the default.
+The order alternates round by round. Markdown to stdout, progress to stderr, --json for numbers.
+
+    .venv/bin/python bench/cancel_wait.py [--rounds 2] [--rows 200000] [--clients 4] [--json F]
+    .venv/bin/python bench/cancel_wait.py --rounds 1 --rows 20000          # smoke, ~20 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.plumbing import machine_meta, pct, stop_server  # noqa: E402
+from exhook_server.config import Config  # noqa: E402
+from tests.harness import ExHookClient, SubprocessServer, poll  # noqa: E402
+
+BIG = "task_big_1"
+FILL_VINS = 1_000
+SIDES = {"unchunked": 10_000, "chunked": Config().cancel_chunk_rows}
+
+
+def fill(port: int, rows: int, clients: int) -> None:
+    """`rows` pending rows of BIG, in batches of FILL_VINS VINs from `clients` channels."""
+    chans = [ExHookClient(port) for _ in range(clients)]
+    try:
+
+        def one(n: int) -> None:
+            vins = [f"BIG{i:014d}" for i in range(n * FILL_VINS, min(rows, (n + 1) * FILL_VINS))]
+            chans[n % clients].batch(vins, BIG, "firmware-x")
+
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(one, range(-(-rows // FILL_VINS))))
+    finally:
+        for c in chans:
+            c.close()
+
+
+class Trickle:
+    """Closed-loop small batches from several channels, each answer's (sent at, seconds) kept."""
+
+    def __init__(self, port: int, clients: int, vins: int, gap_s: float) -> None:
+        self._chans = [ExHookClient(port) for _ in range(clients)]
+        self._vins = vins
+        self._gap_s = gap_s
+        self._stop = threading.Event()
+        self.answers: list[tuple[float, float]] = []
+        self.errors = 0
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        chan = self._chans[i]
+        for n in range(10**7):  # bounded; stopped by stop()
+            if self._stop.is_set():
+                return
+            vins = [f"T{i:02d}{(n * self._vins + k) % 100_000:012d}" for k in range(self._vins)]
+            sent = time.monotonic()
+            try:
+                chan.batch(vins, f"task_small_{i}_{n}", "x")
+                ok = True
+            except Exception:
+                ok = False
+            took = time.monotonic() - sent
+            with self._lock:
+                if ok:
+                    self.answers.append((sent, took))
+                else:
+                    self.errors += 1
+            self._stop.wait(self._gap_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+        for c in self._chans:
+            c.close()
+
+
+def waits(answers: list[tuple[float, float]], start: float, end: float) -> dict[str, float]:
+    inside = [took for sent, took in answers if start <= sent < end]
+    if not inside:
+        return {"n": 0, "max_s": 0.0, "p99_s": 0.0, "median_s": 0.0}
+    return {
+        "n": len(inside),
+        "max_s": max(inside),
+        "p99_s": pct(inside, 0.99),
+        "median_s": statistics.median(inside),
+    }
+
+
+def run_side(side: str, tmp: Path, args: argparse.Namespace, say: Any) -> dict[str, Any]:
+    data = tmp / f"{side}-lmdb"
+    server = SubprocessServer(data, env={"SDV_FANOUT_CANCEL_CHUNK_ROWS": str(SIDES[side])})
+    try:
+        t0 = time.monotonic()
+        fill(server.port, args.rows, args.clients)
+        say(f"  {side}: {args.rows} rows stored in {time.monotonic() - t0:.1f} s")
+        trickle = Trickle(server.port, args.clients, args.vins, args.gap_ms / 1000)
+        trickle.start()
+        before = time.monotonic()
+        time.sleep(args.quiet_s)  # the bench's own pacing: batches without a cancel
+        client = ExHookClient(server.port)
+        try:
+            started = time.monotonic()
+            client.publish("$SDV-FANOUT/cancel", json.dumps({"request_id": BIG}).encode())
+            poll(lambda: server.logged("request_cancelled"), timeout_s=600, interval_s=0.02)
+            ended = time.monotonic()
+        finally:
+            client.close()
+        trickle.stop()
+        cancelled = next(e for e in server.events() if e.get("event") == "request_cancelled")
+        assert cancelled["cancelled"] == args.rows, cancelled
+        out = {
+            "side": side,
+            "cancel_chunk_rows": SIDES[side],
+            "cancel_s": ended - started,
+            "during": waits(trickle.answers, started, ended),
+            "before": waits(trickle.answers, before, started),
+            "errors": trickle.errors,
+        }
+        d = out["during"]
+        say(f"  {side}: cancel {out['cancel_s']:.1f} s, {d['n']} batches during it, worst {d['max_s'] * 1000:.0f} ms")
+        return out
+    finally:
+        stop_server(server)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def ms(values: list[float]) -> str:
+    """min / median / max in ms."""
+    return " / ".join(f"{v * 1000:.0f}" for v in (min(values), statistics.median(values), max(values)))
+
+
+def markdown(rounds: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"Batch answers during a cancel of every vehicle of {meta['rows']:,} rows (LMDB; {meta['clients']} channels "
+        f"of {meta['vins']}-VIN batches, {meta['gap_ms']:g} ms apart each; min / median / max over "
+        f"{meta['rounds']} rounds, ms):",
+        "",
+        "| side | cancel_chunk_rows | worst wait during the cancel | p99 during | median during | worst before it "
+        "| p99 before | cancel took (s) | batches during |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for side, chunk in SIDES.items():
+        mine = [r[side] for r in rounds]
+        lines.append(
+            f"| {side} | {chunk:,} | {ms([m['during']['max_s'] for m in mine])} "
+            f"| {ms([m['during']['p99_s'] for m in mine])} | {ms([m['during']['median_s'] for m in mine])} "
+            f"| {ms([m['before']['max_s'] for m in mine])} | {ms([m['before']['p99_s'] for m in mine])} "
+            f"| {' / '.join(format(m['cancel_s'], '.1f') for m in mine)} | {sum(m['during']['n'] for m in mine)} |"
+        )
+    lines += [
+        "",
+        f"Code under test: {meta['commit']}. {meta['cpus']} CPUs shared by everything; 1-min load average "
+        f"{meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after; {meta['wall_s']:.0f} s wall.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--vins", type=int, default=20, help="VINs per trickle batch")
+    p.add_argument("--gap-ms", type=float, default=10.0, help="pause of each channel after an answer")
+    p.add_argument("--quiet-s", type=float, default=2.0, help="trickle without a cancel first")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    if min(args.rounds, args.rows, args.clients, args.vins) < 1:
+        p.error("--rounds, --rows, --clients and --vins must be positive")
+    wall0 = time.monotonic()
+    load_before = os.getloadavg()[0]
+    tmp = Path(tempfile.mkdtemp(prefix="sdv-bench-cancel-"))
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - wall0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    rounds: list[dict[str, Any]] = []
+    try:
+        for r in range(args.rounds):
+            order = list(SIDES) if r % 2 == 0 else list(reversed(SIDES))
+            say(f"round {r + 1}: {' then '.join(order)}")
+            rounds.append({side: run_side(side, tmp, args, say) for side in order})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    meta = {
+        "rounds": args.rounds,
+        "rows": args.rows,
+        "clients": args.clients,
+        "vins": args.vins,
+        "gap_ms": args.gap_ms,
+        "commit": subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
+        ).stdout.strip(),
+        **machine_meta(load_before, wall0),
+    }
+    print(markdown(rounds, meta))
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
