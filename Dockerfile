@@ -15,11 +15,15 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     SDV_FANOUT_DATA_DIR=/var/lib/sdv-fanout/lmdb \
-    SDV_FANOUT_LOG_FORMAT=json
+    SDV_FANOUT_LOG_FORMAT=json \
+    SDV_FANOUT_LISTEN=0.0.0.0:9000 \
+    SDV_FANOUT_METRICS_LISTEN=0.0.0.0:9100
 # LMDB lives here: mount a persistent volume (a StatefulSet PVC in deploy/k8s).
 VOLUME ["/var/lib/sdv-fanout"]
 USER 10001:10001
 WORKDIR /var/lib/sdv-fanout
-# 9000: ExHook + Admin + health + reflection (gRPC); 9100: Prometheus /metrics.
+# 9000: ExHook + health + reflection (gRPC); 9100: Prometheus /metrics. A container is reached from
+# outside, so both listen on every interface here (the server's own defaults are loopback); the
+# Admin API stays on 127.0.0.1:9001 (`docker exec ... sdv-fanout stats --server`).
 EXPOSE 9000 9100
 ENTRYPOINT ["sdv-fanout", "serve"]

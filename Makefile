@@ -1,19 +1,26 @@
-# The two commands a newcomer needs: `make run` and `make test`. Both set up
-# everything first (system packages via apt when missing, then .venv).
+# The two commands a newcomer needs: `make run` and `make test`. Both set up what they need
+# first (system packages via apt when missing, then .venv), one line per step: `make run` the
+# runtime set only (requirements-runtime.txt), `make test` everything (requirements.txt: Spark,
+# lint and test tools; mosquitto, PostgreSQL, librocksdb and Java from apt).
 VENV    ?= .venv
 PYTHON  ?= python3
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+RUNTIME := $(VENV)/.runtime
 ARGS    ?=
 
 .PHONY: run test demo check lint typecheck proto bench clean
 
-$(STAMP): requirements.txt setup.cfg pyproject.toml scripts/bootstrap
-	PYTHON=$(PYTHON) VENV=$(VENV) scripts/bootstrap
+$(RUNTIME): requirements-runtime.txt setup.cfg pyproject.toml scripts/bootstrap
+	PYTHON=$(PYTHON) VENV=$(VENV) scripts/bootstrap runtime
 	touch $@
 
-## run: start the server on 0.0.0.0:9000 with data in ./var/lmdb (ARGS="--listen ..." to change)
-run: $(STAMP)
+$(STAMP): requirements.txt requirements-runtime.txt setup.cfg pyproject.toml scripts/bootstrap
+	PYTHON=$(PYTHON) VENV=$(VENV) scripts/bootstrap dev
+	touch $(RUNTIME) $@
+
+## run: start the server on 127.0.0.1:9000 (metrics 127.0.0.1:9100) with data in ./var/lmdb; installs the runtime set only (ARGS="--listen 0.0.0.0:9000 ..." to change)
+run: $(RUNTIME)
 	$(BIN)/sdv-fanout serve $(ARGS)
 
 ## test: the whole test suite (what CI runs)

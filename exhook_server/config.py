@@ -38,15 +38,18 @@ class Config:
     """Everything the server needs to know, with defaults an EMQX operator expects."""
 
     # -- network --------------------------------------------------------------
-    # EMQX's own ExHook examples listen on 9000; all interfaces, as a pod must.
-    listen: str = "0.0.0.0:9000"
+    # EMQX's own ExHook examples listen on 9000. Loopback unless told otherwise: the ExHook port
+    # believes its caller, so reaching it from the network is a choice (the container image and
+    # the Kubernetes manifests set 0.0.0.0:9000; a pod must).
+    listen: str = "127.0.0.1:9000"
     # TLS for the gRPC port (EMQX's exhook url `https://...`): PEM files; empty = plaintext.
     tls_cert_file: str = ""
     tls_key_file: str = ""
     # With a CA bundle here, clients must present a certificate it signed (mutual TLS).
     tls_client_ca_file: str = ""
-    # Prometheus /metrics (plain HTTP, its own port as scrapers expect); "" = off.
-    metrics_listen: str = "0.0.0.0:9100"
+    # Prometheus /metrics (plain HTTP, its own port as scrapers expect); "" = off. Loopback unless
+    # told otherwise, like `listen` (the image and the manifests set 0.0.0.0:9100 for scrapers).
+    metrics_listen: str = "127.0.0.1:9100"
     # The Admin API (requeue, GC, vehicle state) on its own listener, loopback only by default:
     # whoever reaches the ExHook port must not become an operator. Same TLS files as `listen`;
     # "" = no Admin API.
