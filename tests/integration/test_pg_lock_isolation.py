@@ -1,10 +1,11 @@
-"""One vehicle's rows locked by someone else (PostgreSQL mode) cost only that vehicle's batches.
+"""One vehicle's rows locked by someone else (PostgreSQL mode) cost only that vehicle's work.
 
 Another session (here a connection of the test, in its own thread) holds `FOR UPDATE` on every
 row of one vehicle for longer than `ingest_timeout_s`. Batches that must lock those rows answer
 UNAVAILABLE within the ingest timeout and give their pool connection back at once (no session of
 the server is left waiting on the lock); batches of every other vehicle, sent meanwhile and in
-between, all succeed; once the lock goes, the locked vehicle's batch is stored too.
+between, all succeed; once the lock goes, the locked vehicle's batch is stored too. A cancel of
+every vehicle whose walk meets the locked rows tries that chunk again and finishes after the lock.
 """
 
 from __future__ import annotations
@@ -144,3 +145,30 @@ def test_a_locked_vehicle_fails_only_its_own_batches(make_server: Any) -> None:
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_cancel_walk_waits_out_a_locked_vehicle_and_finishes(make_server: Any) -> None:
+    """A cancel of every vehicle whose walk meets the locked vehicle's rows tries that chunk again
+    (it neither holds its connection on the lock nor stops until the next start-up) and ends once
+    the lock goes; other vehicles' batches succeed meanwhile."""
+    srv: InProcessServer = make_server(
+        ingest_timeout_s=INGEST_TIMEOUT_S, store_pool_size=POOL_SIZE, cancel_chunk_rows=2
+    )
+    first = [f"AAAVIN{i:011d}" for i in range(4)]  # before LOCKED in VIN order: the first chunks
+    client = ExHookClient(srv.port)
+    try:
+        assert outcome(client, [*first, LOCKED], "r-cancel", "v1") == "ok"
+        with rows_locked(srv.cfg.store_url, LOCKED) as held_s:
+            client.publish(srv.cfg.cancel_topic, b'{"request_id": "r-cancel"}')
+            poll(lambda: all(not srv.pending(v) for v in first))
+            for n in range(200):  # bounded: until the walk has met the lock a few times
+                if held_s() > 3 * srv.cfg.lock_timeout_s and n >= 4:
+                    break
+                assert outcome(client, [OTHERS[n % 40]], f"r-other-{n}", "x") == "ok"
+            assert srv.cancels_in_progress() == ["r-cancel"]
+            assert waiting_on_locks(srv) <= 1  # the chunk's try, if one is waiting right now
+        poll(lambda: srv.cancels_in_progress() == [], timeout_s=20)
+        assert srv.pending(LOCKED) == []
+        assert srv.generations("r-cancel")[0].counts["cancelled"] == 5
+    finally:
+        client.close()
