@@ -15,7 +15,14 @@ Sides differ in one setting, `cancel_chunk_rows` (rows one cancel transaction en
 * chunked: the default.
 The order alternates round by round. Markdown to stdout, progress to stderr, --json for numbers.
 
+--store postgresql runs the same on a throwaway PostgreSQL (tests/pg_cluster.py, a database per
+side and round); there a chunk holds the cancel's job row and its rows' locks until it commits, and
+--trickle-request big sends the trickle's batches (new VINs) to the request being cancelled, so
+each of them waits for the chunk in progress (with `own`, the default, each batch has a request id
+of its own and shares only the machine with the walk).
+
     .venv/bin/python bench/cancel_wait.py [--rounds 2] [--rows 200000] [--clients 4] [--json F]
+    .venv/bin/python bench/cancel_wait.py --store postgresql --trickle-request big
     .venv/bin/python bench/cancel_wait.py --rounds 1 --rows 20000          # smoke, ~20 s
 """
 
@@ -67,7 +74,8 @@ def fill(port: int, rows: int, clients: int) -> None:
 class Trickle:
     """Closed-loop small batches from several channels, each answer's (sent at, seconds) kept."""
 
-    def __init__(self, port: int, clients: int, vins: int, gap_s: float) -> None:
+    def __init__(self, port: int, clients: int, vins: int, gap_s: float, request: str | None = None) -> None:
+        self._request = request
         self._chans = [ExHookClient(port) for _ in range(clients)]
         self._vins = vins
         self._gap_s = gap_s
@@ -89,7 +97,7 @@ class Trickle:
             vins = [f"T{i:02d}{(n * self._vins + k) % 100_000:012d}" for k in range(self._vins)]
             sent = time.monotonic()
             try:
-                chan.batch(vins, f"task_small_{i}_{n}", "x")
+                chan.batch(vins, self._request or f"task_small_{i}_{n}", "x")
                 ok = True
             except Exception:
                 ok = False
@@ -121,14 +129,17 @@ def waits(answers: list[tuple[float, float]], start: float, end: float) -> dict[
     }
 
 
-def run_side(side: str, tmp: Path, args: argparse.Namespace, say: Any) -> dict[str, Any]:
+def run_side(side: str, tmp: Path, args: argparse.Namespace, say: Any, store_url: str = "") -> dict[str, Any]:
     data = tmp / f"{side}-lmdb"
-    server = SubprocessServer(data, env={"SDV_FANOUT_CANCEL_CHUNK_ROWS": str(SIDES[side])})
+    env = {"SDV_FANOUT_CANCEL_CHUNK_ROWS": str(SIDES[side]), "SDV_FANOUT_STORE_URL": store_url}
+    server = SubprocessServer(data, env=env)
     try:
         t0 = time.monotonic()
         fill(server.port, args.rows, args.clients)
         say(f"  {side}: {args.rows} rows stored in {time.monotonic() - t0:.1f} s")
-        trickle = Trickle(server.port, args.clients, args.vins, args.gap_ms / 1000)
+        trickle = Trickle(
+            server.port, args.clients, args.vins, args.gap_ms / 1000, BIG if args.trickle_request == "big" else None
+        )
         trickle.start()
         before = time.monotonic()
         time.sleep(args.quiet_s)  # the bench's own pacing: batches without a cancel
@@ -142,7 +153,8 @@ def run_side(side: str, tmp: Path, args: argparse.Namespace, say: Any) -> dict[s
             client.close()
         trickle.stop()
         cancelled = next(e for e in server.events() if e.get("event") == "request_cancelled")
-        assert cancelled["cancelled"] == args.rows, cancelled
+        if args.trickle_request == "own":  # else rows the trickle stored before the cut count too
+            assert cancelled["cancelled"] == args.rows, cancelled
         out = {
             "side": side,
             "cancel_chunk_rows": SIDES[side],
@@ -152,7 +164,10 @@ def run_side(side: str, tmp: Path, args: argparse.Namespace, say: Any) -> dict[s
             "errors": trickle.errors,
         }
         d = out["during"]
-        say(f"  {side}: cancel {out['cancel_s']:.1f} s, {d['n']} batches during it, worst {d['max_s'] * 1000:.0f} ms")
+        say(
+            f"  {side}: cancel {out['cancel_s']:.1f} s, {d['n']} batches during it, worst {d['max_s'] * 1000:.0f} ms,"
+            f" {trickle.errors} failed"
+        )
         return out
     finally:
         stop_server(server)
@@ -166,13 +181,15 @@ def ms(values: list[float]) -> str:
 
 def markdown(rounds: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
-        f"Batch answers during a cancel of every vehicle of {meta['rows']:,} rows (LMDB; {meta['clients']} channels "
+        f"Batch answers during a cancel of every vehicle of {meta['rows']:,} rows ({meta['store']}, trickle "
+        f"batches of {'the cancelled request' if meta['trickle_request'] == 'big' else 'their own requests'}; "
+        f"{meta['clients']} channels "
         f"of {meta['vins']}-VIN batches, {meta['gap_ms']:g} ms apart each; min / median / max over "
         f"{meta['rounds']} rounds, ms):",
         "",
         "| side | cancel_chunk_rows | worst wait during the cancel | p99 during | median during | worst before it "
-        "| p99 before | cancel took (s) | batches during |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| p99 before | cancel took (s) | batches during | batches failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for side, chunk in SIDES.items():
         mine = [r[side] for r in rounds]
@@ -180,7 +197,8 @@ def markdown(rounds: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"| {side} | {chunk:,} | {ms([m['during']['max_s'] for m in mine])} "
             f"| {ms([m['during']['p99_s'] for m in mine])} | {ms([m['during']['median_s'] for m in mine])} "
             f"| {ms([m['before']['max_s'] for m in mine])} | {ms([m['before']['p99_s'] for m in mine])} "
-            f"| {' / '.join(format(m['cancel_s'], '.1f') for m in mine)} | {sum(m['during']['n'] for m in mine)} |"
+            f"| {' / '.join(format(m['cancel_s'], '.1f') for m in mine)} | {sum(m['during']['n'] for m in mine)} "
+            f"| {sum(m['errors'] for m in mine)} |"
         )
     lines += [
         "",
@@ -198,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vins", type=int, default=20, help="VINs per trickle batch")
     p.add_argument("--gap-ms", type=float, default=10.0, help="pause of each channel after an answer")
     p.add_argument("--quiet-s", type=float, default=2.0, help="trickle without a cancel first")
+    p.add_argument("--store", choices=("lmdb", "postgresql"), default="lmdb")
+    p.add_argument("--trickle-request", choices=("own", "big"), default="own")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if min(args.rounds, args.rows, args.clients, args.vins) < 1:
@@ -210,12 +230,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{time.monotonic() - wall0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
     rounds: list[dict[str, Any]] = []
+    cluster: Any = None
     try:
+        if args.store == "postgresql":
+            from tests.pg_cluster import PgCluster
+
+            cluster = PgCluster.create(name="cancelwait")
         for r in range(args.rounds):
             order = list(SIDES) if r % 2 == 0 else list(reversed(SIDES))
             say(f"round {r + 1}: {' then '.join(order)}")
-            rounds.append({side: run_side(side, tmp, args, say) for side in order})
+            done = {}
+            for side in order:
+                url = cluster.new_database(f"cw_{r}_{side}") if cluster is not None else ""
+                done[side] = run_side(side, tmp, args, say, url)
+            rounds.append(done)
     finally:
+        if cluster is not None:
+            cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     meta = {
         "rounds": args.rounds,
@@ -223,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "clients": args.clients,
         "vins": args.vins,
         "gap_ms": args.gap_ms,
+        "store": "LMDB" if args.store == "lmdb" else "PostgreSQL",
+        "trickle_request": args.trickle_request,
         "commit": subprocess.run(
             ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
         ).stdout.strip(),
