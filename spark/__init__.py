@@ -60,11 +60,35 @@ def parse_duration_ms(text: str) -> int:
     return round(float(m.group(1)) * _UNITS_MS[m.group(2)])
 
 
+#: A local run's driver (master local[...]): loopback only and no web UI, so nothing of a job run
+#: on a workstation or CI machine is reachable from the network. A cluster submission keeps its own.
+LOCAL_CONF = {
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.ui.enabled": "false",
+}
+
+
+def submitted_master() -> str | None:
+    """The master spark-submit (or PYSPARK_SUBMIT_ARGS) gave the driver's JVM, started here if it
+    is not yet; None when none was given (Spark then runs local[*])."""
+    from pyspark import SparkContext
+
+    SparkContext._ensure_initialized()  # type: ignore[attr-defined]
+    jvm: Any = SparkContext._jvm  # type: ignore[attr-defined]
+    value = jvm.java.lang.System.getProperty("spark.master")
+    return str(value) if value else None
+
+
 def session(app_name: str, master: str | None = None) -> SparkSession:
-    """The job's session: `master` if given, else what spark-submit configured, else local[*]."""
+    """The job's session: `master` if given, else what spark-submit configured, else local[*]; a
+    local one with LOCAL_CONF."""
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
+    if (master or submitted_master() or "local[*]").startswith("local"):
+        for key, value in LOCAL_CONF.items():
+            builder = builder.config(key, value)
     spark = builder.getOrCreate()
     # spark-submit without --master and `python -m` both default to local[*]; say so in the log.
     print(f"{app_name}: master {spark.sparkContext.master}", file=sys.stderr, flush=True)

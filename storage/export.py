@@ -180,6 +180,9 @@ def export(store: Store, out: str | os.PathLike[str], progress: Progress | None 
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        # Which store this is a snapshot of and that store's schema version (the PostgreSQL export
+        # names its database's); the tables are the same from either store.
+        "store": "lmdb",
         "schema_version": SCHEMA_VERSION,
         "snapshot_ms": snapshot,
         "counts": counts,

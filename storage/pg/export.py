@@ -32,7 +32,7 @@ from storage.errors import StorageError
 from storage.outcomes import Outcome
 from storage.pg.migrate import SCHEMA_VERSION as PG_SCHEMA_VERSION
 from storage.pg.migrate import schema_version
-from storage.store import SCHEMA_VERSION, now_ms
+from storage.store import now_ms
 
 Progress = Callable[[int], None]
 
@@ -176,9 +176,11 @@ async def export(conn: Any, out: str | os.PathLike[str], progress: Progress | No
     manifest = {
         "format": lmdb_export.FORMAT,
         "format_version": lmdb_export.FORMAT_VERSION,
-        # The LMDB store schema whose content this is (3: the request lifecycle): what readers of
-        # the export know; the PostgreSQL schema's own number says nothing to them.
-        "schema_version": SCHEMA_VERSION,
+        # Which store this is a snapshot of, and that store's own schema version (the database's,
+        # as `sdv-fanout db migrate` reports it): the tables and columns are the same from either
+        # store, `format_version` says what readers need to know.
+        "store": "postgresql",
+        "schema_version": version,
         "snapshot_ms": snapshot,
         "counts": counts,
     }

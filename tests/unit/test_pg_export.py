@@ -29,6 +29,8 @@ from storage.export import export as export_lmdb
 from storage.ops import sha1_of
 from storage.outcomes import Outcome
 from storage.pg import export as pg_export
+from storage.pg.migrate import SCHEMA_VERSION as PG_SCHEMA_VERSION
+from storage.store import SCHEMA_VERSION as LMDB_SCHEMA_VERSION
 from tests.harness import BIN
 from tests.pg_cluster import PgCluster
 from tests.unit import test_store_parity as parity
@@ -100,6 +102,16 @@ def export_both(
     return from_lmdb, from_pg, tables(tmp_path / "lmdb-export"), tables(tmp_path / "pg-export")
 
 
+#: What a manifest says about its store rather than the data: which store, its own schema
+#: version, and the snapshot's time.
+STORE_KEYS = ("snapshot_ms", "store", "schema_version")
+
+
+def same_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest without what differs between stores (STORE_KEYS)."""
+    return {k: v for k, v in manifest.items() if k not in STORE_KEYS}
+
+
 def assert_same_export(
     from_lmdb: dict[str, Any],
     from_pg: dict[str, Any],
@@ -107,9 +119,7 @@ def assert_same_export(
     pg_tables: dict[str, pa.Table],
     drop: Callable[[str, pa.Table], pa.Table] = lambda name, table: table,
 ) -> None:
-    assert {k: v for k, v in from_pg.items() if k != "snapshot_ms"} == {
-        k: v for k, v in from_lmdb.items() if k != "snapshot_ms"
-    }
+    assert same_manifest(from_pg) == same_manifest(from_lmdb)
     for name in TABLES:
         assert pg_tables[name].schema == lmdb_tables[name].schema, name
         assert sorted_records(drop(name, pg_tables[name])) == sorted_records(drop(name, lmdb_tables[name])), name
@@ -128,6 +138,11 @@ def test_both_stores_export_the_same_tables_and_manifest(
     for name in TABLES:
         assert pg_tables[name].equals(lmdb_tables[name]), name
     assert from_pg["format_version"] == lmdb_export.FORMAT_VERSION == 2
+    # Each names its store and that store's real schema version: the database's, not LMDB's.
+    database_version = pg_side._run(pg_side.conn.fetchval("SELECT max(version) FROM schema_version"))
+    assert (from_pg["store"], from_pg["schema_version"]) == ("postgresql", database_version)
+    assert database_version == PG_SCHEMA_VERSION
+    assert (from_lmdb["store"], from_lmdb["schema_version"]) == ("lmdb", LMDB_SCHEMA_VERSION)
     assert from_pg["counts"] == {"rows": 9, "blobs": 8, "aliases": 1, "outcomes": 12, "generations": 8}
     assert json.loads((tmp_path / "pg-export" / "manifest.json").read_text()) == from_pg
     ended = {(r["vin"], r["request_id"]): r for r in pg_tables["outcomes"].to_pylist()}
@@ -269,9 +284,8 @@ def test_cli_exports_from_postgresql_when_store_url_is_set(
     from_env = run("--out", str(tmp_path / "b"), SDV_FANOUT_STORE_URL=pg_dsn)
     from_lmdb = run("--out", str(tmp_path / "c"), "--data-dir", lmdb_dir)
     for manifest in (flagged, from_env):
-        assert {k: v for k, v in manifest.items() if k != "snapshot_ms"} == {
-            k: v for k, v in from_lmdb.items() if k != "snapshot_ms"
-        }
+        assert same_manifest(manifest) == same_manifest(from_lmdb)
+        assert (manifest["store"], manifest["schema_version"]) == ("postgresql", PG_SCHEMA_VERSION)
     for name in TABLES:
         assert sorted_records(tables(tmp_path / "a")[name]) == sorted_records(tables(tmp_path / "c")[name]), name
     bad = subprocess.run(
