@@ -132,7 +132,9 @@ class Config:
     cancel_chunk_rows: int = 500
     # Row deletes after a vehicle's PUBACK wait up to this long to share one commit (they join
     # any ingest commit sooner). A crash loses at most this window of deletes: those requests
-    # are delivered once more, which QoS 1 allows. 0 = commit each delete at once.
+    # are delivered once more, which QoS 1 allows. Delivery attempts (and PUBACKs of deliveries
+    # awaiting their answer) are kept the same way: a crash forgets at most this window of them,
+    # so a row re-sent in it may go once more than max_attempts. 0 = commit each at once.
     ack_commit_delay_ms: float = 50.0
 
     # -- topics ---------------------------------------------------------------

@@ -251,7 +251,7 @@ class MemoryRows:
                 self.outcomes[vin, request_id, digest] = Ended(outcome, max(attempts, ended.attempts), response)
                 self.amended += 1
 
-    def tried(self, vin: str, request_id: str, digest: bytes) -> Kept:
+    def tried(self, vin: str, request_id: str, digest: bytes, stored_ms: int = -1) -> Kept:
         """As StoreRows.tried (every record committed at once)."""
         row = self.rows.get((vin, request_id))
         if row is None or row.sha1 != digest or row.ts >= self.started:

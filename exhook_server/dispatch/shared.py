@@ -167,7 +167,7 @@ class _EventRows:
 
     # The vehicle's delivery state, attempts and PUBACK included, is stored with every event
     # (`_marker`): nothing more to keep, and nothing kept apart from it.
-    def tried(self, vin: str, request_id: str, sha1: bytes) -> Kept:
+    def tried(self, vin: str, request_id: str, sha1: bytes, stored_ms: int = -1) -> Kept:
         return NOTHING_KEPT
 
     def sent(self, vin: str, row: keys.Row, attempts: int) -> None:

@@ -109,10 +109,12 @@ class RowSource(Protocol):
         vehicle has it, whatever a cancel records meanwhile (the ack then amends it)."""
         ...
 
-    def tried(self, vin: str, request_id: str, sha1: bytes) -> Kept:
+    def tried(self, vin: str, request_id: str, sha1: bytes, stored_ms: int = -1) -> Kept:
         """What is kept of the row's deliveries from before this process started (all zero
         when nothing, the row is gone or holds another payload, or it was stored since: then
-        the worker's memory is the whole story, as it is for the one delivery it holds)."""
+        the worker's memory is the whole story, as it is for the one delivery it holds).
+        `stored_ms`: the row's timestamp when the caller has it (spares a read for a row
+        stored since the start)."""
         ...
 
     def sent(self, vin: str, row: Row, attempts: int) -> None:
@@ -324,7 +326,7 @@ class Worker:
             row, payload = found
             prior = self._attempts(vin, row.request_id, row.sha1)
             if not prior:
-                kept = self._rows.tried(vin, row.request_id, row.sha1)
+                kept = self._rows.tried(vin, row.request_id, row.sha1, row.ts_ms)
                 prior = kept.attempts
                 if kept.acked_age_s is not None:
                     # PUBACKed before a restart and its answer still awaited: the vehicle has it.

@@ -172,10 +172,15 @@ def test_a_puback_after_a_restart_of_a_row_awaiting_its_answer_starts_the_wait()
 @pytest.fixture
 def lmdb_rows(tmp_path: Path) -> tuple[Store, GroupCommitter, StoreRows]:
     store = Store(tmp_path / "lmdb")
-    writer = GroupCommitter(store, lazy_delay_s=0.01)
+    writer = GroupCommitter(store, lazy_delay_s=3600)  # lazy ops wait for company, never for time
     yield store, writer, StoreRows(store, writer)
     writer.close()
     store.close()
+
+
+def _commit(writer: GroupCommitter) -> None:
+    """A durable commit, which takes the lazy ops waiting with it."""
+    writer.submit(lambda txn: None).result(5)
 
 
 def _put(store: Store, writer: GroupCommitter, vin: str, rid: str, blob: bytes, *, awaits: bool = False) -> None:
@@ -201,8 +206,10 @@ def test_store_rows_keep_attempts_with_a_later_commit_and_forget_them_with_the_r
     rows.sent(VIN, b, 1)
     rows.awaiting(VIN, "task_b", b.sha1, 1, session(41000))
     later = StoreRows(store, writer)  # a new process: only what is committed counts
-    poll(lambda: later.tried(VIN, "task_a", a.sha1).attempts == 2)
-    assert writer.commits == commits + 1  # four records, one commit
+    assert later.tried(VIN, "task_a", a.sha1).attempts == 0  # not committed yet
+    _commit(writer)
+    assert writer.commits == commits + 1  # four records, one op, in the commit that came next
+    assert later.tried(VIN, "task_a", a.sha1).attempts == 2
     kept = later.tried(VIN, "task_b", b.sha1)
     assert (kept.attempts, kept.awaits, kept.session) == (1, True, session(41000))
     assert kept.acked_age_s is not None and kept.acked_age_s < 5
@@ -210,7 +217,8 @@ def test_store_rows_keep_attempts_with_a_later_commit_and_forget_them_with_the_r
     _put(store, writer, VIN, "task_a", b"a2")  # replaced: another row
     assert later.tried(VIN, "task_a", sha1(b"a2")).attempts == 0
     assert rows.ack(VIN, "task_b", b.sha1, outcome=Outcome.RESPONDED)
-    poll(lambda: not rows.acking(VIN, "task_b", b.sha1))
+    _commit(writer)
+    poll(lambda: not rows.acking(VIN, "task_b", b.sha1))  # its future's callback
     assert store.counts()["tries"] == 0 and store.counts()["awaited"] == 0
     assert later.awaited() == []
 
@@ -223,7 +231,7 @@ def test_a_record_for_a_row_ended_first_is_dropped(lmdb_rows: tuple[Store, Group
     assert row is not None
     writer.submit(lambda txn: ops.delete_row_if(txn, store.tables, VIN, "task_a", row.sha1, 2)).result(5)
     rows.sent(VIN, row, 1)
-    writer.submit(lambda txn: None).result(5)  # a durable commit takes the lazy op with it
+    _commit(writer)
     assert store.counts()["tries"] == 0
 
 
@@ -235,7 +243,7 @@ def test_a_dispatcher_restores_answers_awaited_at_start(lmdb_rows: tuple[Store, 
     assert b is not None
     rows.sent(VIN, b, 3)
     rows.awaiting(VIN, "task_b", b.sha1, 3, session(41000))
-    writer.submit(lambda txn: None).result(5)
+    _commit(writer)
     later = StoreRows(store, writer)
     dispatcher = Dispatcher(later, RecordingPublisher(), workers=2, inflight_timeout_s=60)
     assert dispatcher.restore_awaited(later.awaited()) == 1

@@ -1,0 +1,179 @@
+"""What keeping delivery attempts in LMDB costs end to end: this checkout against an older commit, same run.
+
+Two of bench/e2e.py's rigs (each its own mosquitto, LMDB server with the default process count
+and sim fleet processes) stay up for the whole run: one of this checkout, one of `--base REV`
+(its exhook_server, storage, tests and bench unpacked from git into tmp). Each rig runs in a
+child process of its own importing its own tree, and so does its server (PYTHONPATH). Per
+round each rig runs e2e.py's `run_ours` once (B batches, each naming all N VINs; first publish
+→ the store holding 0 rows), the order alternating round by round, after one unrecorded
+warm-up each. Reported: deliveries/s and the server's CPU µs per delivery, min / median / max,
+and the paired ratios this / base.
+
+    .venv/bin/python bench/attempts_cost.py [--base 2d572fd] [--rounds 7] [--vehicles 500] [--batches 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def serve_rig(args: argparse.Namespace) -> int:
+    """Child: one rig of this process's checkout; runs `run_ours` on each {"cmd": "run"}."""
+    sys.path.insert(0, str(HERE))
+    import e2e  # this checkout's: e2e puts its own checkout first on sys.path
+
+    rig_args = argparse.Namespace(
+        vehicles=args.vehicles,
+        batches=args.batches,
+        procs=args.procs,
+        deadline_s=180.0,
+        log_level="info",  # the rig waits for the mqtt_connected line
+        server_processes=0,
+        max_inflight=50,
+        store_url="",
+    )
+    vins = e2e.make_vins(args.seed, args.vehicles)
+    rig = e2e.Rig(rig_args, Path(args.tmp), vins)
+    try:
+        rig.start_server()
+        rig.start_sims()
+        print(json.dumps({"ready": len(vins)}), flush=True)
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                break
+            out = e2e.run_ours(rig, cmd["tag"], args.payload_bytes, cmd["seed"])
+            print(
+                json.dumps({"msgs_per_s": out["msgs_per_s"], "server_us": out["cpu_us_per_msg"]["server"]}), flush=True
+            )
+    finally:
+        rig.close()
+    return 0
+
+
+def unpack_tree(rev: str, dest: Path) -> Path:
+    """What a rig of git revision `rev` imports, unpacked into `dest` (its PYTHONPATH)."""
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "exhook_server", "storage", "tests", "bench"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    dest.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        tf.extractall(dest, filter="data")
+    return dest
+
+
+def mmm(values: Sequence[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def cells(s: dict[str, float]) -> str:
+    return f"{s['min']:,.2f} | {s['median']:,.2f} | {s['max']:,.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base", default="2d572fd", help="git revision to compare with (default: the commit "
+                   "before attempts were kept, 2d572fd)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--vehicles", type=int, default=500)
+    p.add_argument("--batches", type=int, default=10)
+    p.add_argument("--procs", type=int, default=2, help="sim fleet processes per rig")
+    p.add_argument("--payload-bytes", type=int, default=256)
+    p.add_argument("--seed", type=int, default=20261128)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--serve-rig", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tmp", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_rig:
+        return serve_rig(args)
+    sys.path[:0] = [str(HERE), str(ROOT)]
+    from plumbing import Child, machine_meta
+
+    load_before, wall0 = os.getloadavg()[0], time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="sdv-bench-attempts-"))
+    builds = {"this": ROOT, "base": unpack_tree(args.base, tmp / "base-tree")}
+    rigs: dict[str, Child] = {}
+    rounds: list[dict[str, Any]] = []
+    try:
+        for name, tree in builds.items():
+            (tmp / name).mkdir()
+            script = tree / "bench" / "attempts_cost.py"
+            if tree != ROOT:
+                shutil.copy(__file__, script)  # the same driver, importing that tree
+            argv_ = [sys.executable, str(script), "--serve-rig", "--tmp", str(tmp / name)]
+            argv_ += ["--vehicles", str(args.vehicles), "--batches", str(args.batches), "--procs", str(args.procs)]
+            argv_ += ["--payload-bytes", str(args.payload_bytes), "--seed", str(args.seed)]
+            os.environ["PYTHONPATH"] = str(tree)  # the child and its server import that checkout
+            rigs[name] = Child(name, argv_, tmp / f"{name}.log")
+            rigs[name].recv(300)  # {"ready": n}
+        os.environ.pop("PYTHONPATH", None)
+        for rig in rigs.values():  # warm-up, not recorded
+            rig.send({"cmd": "run", "tag": "warm", "seed": args.seed})
+            rig.recv(300)
+        for r in range(args.rounds):
+            order = ("this", "base") if r % 2 == 0 else ("base", "this")
+            result: dict[str, Any] = {"order": "->".join(order)}
+            for name in order:
+                rigs[name].send({"cmd": "run", "tag": f"r{r}", "seed": args.seed + r})
+                result[name] = rigs[name].recv(300)
+            result["ratio"] = result["this"]["msgs_per_s"] / result["base"]["msgs_per_s"]
+            rounds.append(result)
+            print(
+                f"round {r + 1}: this {result['this']['msgs_per_s']:,.0f}/s, "
+                f"base {result['base']['msgs_per_s']:,.0f}/s, ratio {result['ratio']:.3f}",
+                file=sys.stderr,
+            )
+    finally:
+        for rig in rigs.values():
+            rig.stop()
+    meta = {**machine_meta(load_before, wall0), "base": args.base, "vehicles": args.vehicles, "batches": args.batches}
+    summary = {
+        "this_msgs_per_s": mmm([x["this"]["msgs_per_s"] for x in rounds]),
+        "base_msgs_per_s": mmm([x["base"]["msgs_per_s"] for x in rounds]),
+        "ratio": mmm([x["ratio"] for x in rounds]),
+        "this_server_us": mmm([x["this"]["server_us"] for x in rounds]),
+        "base_server_us": mmm([x["base"]["server_us"] for x in rounds]),
+        "cpu_ratio": mmm([x["this"]["server_us"] / x["base"]["server_us"] for x in rounds]),
+    }
+    n = args.vehicles * args.batches
+    print(f"### Attempts kept in LMDB: {args.vehicles} vehicles x {args.batches} batches = {n:,} deliveries "
+          f"per run, {args.rounds} rounds, this checkout vs {args.base}\n")  # fmt: skip
+    print(f"{meta['cpus']} CPUs; load average (1 min) {meta['loadavg_1m_before']:.2f} before, "
+          f"{meta['loadavg_1m_after']:.2f} after.\n")  # fmt: skip
+    print("| metric | min | median | max |\n|---|---:|---:|---:|")
+    print(f"| this: deliveries/s | {cells(summary['this_msgs_per_s'])} |")
+    print(f"| {args.base}: deliveries/s | {cells(summary['base_msgs_per_s'])} |")
+    print(f"| **ratio this / {args.base}** (paired per round) | {cells(summary['ratio'])} |")
+    print(f"| this: server CPU µs per delivery | {cells(summary['this_server_us'])} |")
+    print(f"| {args.base}: server CPU µs per delivery | {cells(summary['base_server_us'])} |")
+    print(f"| server CPU per delivery, this / {args.base} (paired) | {cells(summary['cpu_ratio'])} |\n")
+    print("| round | order | this /s | base /s | ratio |\n|---:|---|---:|---:|---:|")
+    for i, x in enumerate(rounds, 1):
+        print(f"| {i} | {x['order']} | {x['this']['msgs_per_s']:,.0f} | {x['base']['msgs_per_s']:,.0f} | "
+              f"{x['ratio']:.2f} |")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rounds": rounds, "summary": summary}, indent=2))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
