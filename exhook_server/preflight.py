@@ -1,11 +1,11 @@
 """Start-up checks that turn the usual first-hour mistakes into one line naming the setting.
 
 `check(cfg)` runs before anything else of `serve` (before the data dir is locked, before any
-server process is forked, before gRPC exists): a data_dir that is not a writable directory,
-and a `listen`, `admin_listen` or `metrics_listen` address something else already holds, raise
-`ConfigError("<setting> <value>: <why>")`, which the CLI prints as one line and exits 2.
-The binds that follow still report a failure under the setting's name (a port can be taken
-between the check and the bind).
+server process is forked, before gRPC exists): a data_dir that is not a writable directory, a
+TLS file it cannot read, and a `listen`, `admin_listen` or `metrics_listen` address something
+else already holds raise `ConfigError("<setting> <value>: <why>")`, which the CLI prints as one
+line, exit code 2. The binds that follow still report a failure under the setting's name (a
+port can be taken between the check and the bind).
 """
 
 from __future__ import annotations
@@ -20,12 +20,18 @@ from exhook_server.errors import ConfigError
 
 #: The settings naming an address this server listens on.
 LISTENERS = ("listen", "admin_listen", "metrics_listen")
+#: The settings naming a file the server reads at start (TLS for its listeners and its MQTT link).
+FILES = ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "mqtt_ca_file")
 
 
 def check(cfg: Config) -> None:
     """Raise ConfigError naming the first setting the server cannot start with."""
     if not cfg.store_url:  # PostgreSQL mode neither creates nor uses data_dir
         check_data_dir(cfg.data_dir)
+    for name in FILES:
+        path = getattr(cfg, name)
+        if path:
+            check_file(name, path)
     for name in LISTENERS:
         address = getattr(cfg, name)
         if address:
@@ -47,6 +53,15 @@ def check_data_dir(data_dir: str) -> None:
         raise ConfigError(f"data_dir {data_dir}: not writable: {exc.strerror}") from None
     os.close(fd)
     os.unlink(probe)
+
+
+def check_file(name: str, path: str) -> None:
+    """The file setting `name` names can be read."""
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        raise ConfigError(f"{name} {path}: cannot read it: {(exc.strerror or str(exc)).lower()}") from None
 
 
 def check_address(name: str, address: str) -> None:

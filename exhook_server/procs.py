@@ -84,7 +84,7 @@ def _lock_data_dir(cfg: Config) -> Any:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise ConfigError(f"another sdv-fanout server is running on {path}") from None
+        raise ConfigError(f"data_dir {path}: another sdv-fanout server is running on it") from None
     return handle
 
 

@@ -75,3 +75,22 @@ def test_an_unwritable_data_dir_is_one_line_naming_data_dir(tmp_path: Path, proc
         pytest.skip(f"{UNWRITABLE} is writable here")
     [line] = serve(tmp_path, processes, data_dir=str(UNWRITABLE))
     assert line.startswith(f"sdv-fanout: data_dir {UNWRITABLE}: not writable: ")
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_tls_file_it_cannot_read_is_one_line_naming_its_setting(tmp_path: Path, processes: int) -> None:
+    """Before, the children read the TLS files after the fork: each logged a failure, exit 1."""
+    missing = tmp_path / "missing.pem"
+    (tmp_path / "key.pem").write_text("not read")
+    [line] = serve(tmp_path, processes, tls_cert_file=str(missing), tls_key_file=str(tmp_path / "key.pem"))
+    assert line == f"sdv-fanout: tls_cert_file {missing}: cannot read it: no such file or directory"
+
+
+def test_a_data_dir_another_server_holds_is_one_line_naming_data_dir(tmp_path: Path) -> None:
+    import fcntl
+
+    (tmp_path / "lmdb").mkdir()
+    with open(tmp_path / "lmdb" / "server.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        [line] = serve(tmp_path, 1)
+    assert line == f"sdv-fanout: data_dir {tmp_path / 'lmdb'}: another sdv-fanout server is running on it"
