@@ -263,6 +263,19 @@ class Config:
     # to <prefix>/<delivery clientid> (sdv-fanout ack-rule prints it), about a sixth of the CPU.
     # Without that rule no delivery is ever acknowledged.
     ack_topic_prefix: str = ""
+    # EMQX's failed_action cannot stop a publish: while no hook call of ours answers (a restart,
+    # a crash, a stopped process) EMQX PUBACKs a batch and routes it. With this on (and mqtt_url
+    # set) one process of the deployment keeps a persistent MQTT session subscribed to the batch
+    # topics and stores what EMQX queued there (catchup.py); a batch without batch_id is then
+    # idempotent on its exact topic and payload, so one both paths saw is stored once.
+    catchup_enabled: bool = True
+    # That session's MQTT client id: the same for every process and restart of the deployment, or
+    # EMQX would keep an orphaned session and start an empty one. "" = mqtt_clientid_prefix +
+    # "catchup"; set it when two deployments share a broker and a prefix.
+    catchup_clientid: str = ""
+    # How long EMQX keeps the session (and queues batches for it, up to its mqtt.max_mqueue_len)
+    # while no process holds it: a week outlasts a weekend's outage of every instance.
+    catchup_session_expiry_s: int = 604_800
 
     # -- logging --------------------------------------------------------------
     # `console` for people, `json` (one object per line) for log pipelines.
@@ -289,6 +302,16 @@ class Config:
     def outcome_retention(self) -> float:
         """Seconds outcome records are kept: outcome_retention_s, or retention_s when 0."""
         return self.outcome_retention_s or self.retention_s
+
+    @property
+    def catchup_active(self) -> bool:
+        """Whether a catch-up session is kept (catchup_enabled with a broker to keep it on)."""
+        return self.catchup_enabled and bool(self.mqtt_url)
+
+    @property
+    def catchup_session_clientid(self) -> str:
+        """The catch-up session's client id: catchup_clientid, or mqtt_clientid_prefix + "catchup"."""
+        return self.catchup_clientid or self.mqtt_clientid_prefix + "catchup"
 
     @property
     def process_count(self) -> int:
@@ -485,6 +508,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("mqtt_clientid_prefix must not be empty (acks are matched by it)")
     if cfg.ack_topic_prefix:
         _check_ack_topic_prefix(cfg)
+    if not 1 <= cfg.catchup_session_expiry_s <= 0xFFFF_FFFF:
+        raise ConfigError("catchup_session_expiry_s must be 1..4294967295 (MQTT's Session Expiry Interval)")
+    if len(cfg.catchup_clientid.encode()) > 256 or "\x00" in cfg.catchup_clientid:
+        raise ConfigError("catchup_clientid must be at most 256 bytes, without NUL")
     if cfg.retention_s <= 0 or cfg.gc_interval_s < 0:
         raise ConfigError("retention_s must be positive and gc_interval_s not negative")
     if cfg.gc_grace_s < 60:

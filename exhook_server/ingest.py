@@ -9,7 +9,9 @@ Rejections are logged and counted here, once, with their reason code.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ from exhook_server.batch import (
     Lifecycle,
     Parsed,
     Tags,
+    Trigger,
 )
 from exhook_server.config import Config
 from exhook_server.errors import BatchRejected, EarlyTriggersFull, Reason, StorageError, StorageFull
@@ -53,6 +56,23 @@ CancelledListener = Callable[[str, tuple[tuple[str, bytes], ...]], Awaitable[int
 OutcomeListener = Callable[[str, str, bytes, Outcome, int], None]
 
 _NO_TAGS = Tags()
+#: Starts the batch_id implied for a batch or trigger that names none (`implied_batch_id`): 59
+#: bytes with the digest, kept apart from the platform's own ids by this prefix.
+IMPLIED_PREFIX = "sdv-fanout:message:"
+
+
+def implied_batch_id(topic: str, payload: bytes) -> str:
+    """The batch_id of a message that names none: a digest of its topic and payload, so the same
+    message reaching us twice (the hook and the catch-up session, or a redelivery) is stored once."""
+    digest = hashlib.blake2b(topic.encode() + b"\0" + payload, digest_size=20).hexdigest()
+    return IMPLIED_PREFIX + digest
+
+
+def shown_batch_id(batch_id: str | None) -> str | None:
+    """The batch_id a receipt shows: the platform's own, never an implied one."""
+    return None if batch_id is None or batch_id.startswith(IMPLIED_PREFIX) else batch_id
+
+
 #: Refused VINs named in one log line at most (the receipt names them all).
 _LOGGED_REFUSED = 5
 #: Times a cancel chunk that found a vehicle's rows locked by someone else is tried again (after
@@ -94,7 +114,7 @@ def report_expired_early(expired: list[ops.EarlyExpired], status: StatusPublishe
                 reason=e.reason,
                 detail=_EARLY_DETAIL.get(e.reason),
                 data_id=e.data_id,
-                batch_id=e.batch_id,
+                batch_id=shown_batch_id(e.batch_id),
                 correlation_id=e.correlation_id,
             )
         metrics.EARLY_EXPIRED.inc()
@@ -125,6 +145,8 @@ class Ingestor:
         self._writes = writes
         self._clock = clock
         self.parser = BatchParser(cfg, clock)
+        #: With a catch-up session, a batch or trigger without batch_id gets `implied_batch_id`.
+        self._imply_ids = cfg.catchup_active
         self.listeners: list[StoredListener] = []
         self.cancel_listener: CancelledListener | None = None
         self.outcome_listeners: list[OutcomeListener] = []
@@ -133,12 +155,21 @@ class Ingestor:
         #: request id → the task finishing its cancel (counting in-flight rows, further chunks).
         self._cancelling: dict[str, asyncio.Task[CancelResult]] = {}
 
-    async def ingest(self, kind: Kind, topic: str, payload: bytes, clientid: str, username: str) -> bool:
-        """Store one batch message durably. False if rejected (logged); raises StorageError."""
+    async def ingest(
+        self, kind: Kind, topic: str, payload: bytes, clientid: str, username: str, *, via: str = "hook"
+    ) -> bool:
+        """Store one batch message durably. False if rejected (logged); raises StorageError.
+        `via` "catchup": the message came through the catch-up session, which does not learn its
+        publisher (the broker's ACL alone decided who may publish it), so publisher_allowlist is
+        not checked."""
         started = asyncio.get_running_loop().time()
         try:
-            self.parser.check_publisher(clientid, username)
+            if via == "hook":
+                self.parser.check_publisher(clientid, username)
             parsed = self.parser.parse(kind, topic, payload)
+            if self._imply_ids and isinstance(parsed, Batch | Trigger) and parsed.tags.batch_id is None:
+                tags = Tags(implied_batch_id(topic, payload), parsed.tags.correlation_id)
+                parsed = dataclasses.replace(parsed, tags=tags)
             await self._store_parsed(parsed)
         except BatchRejected as rej:
             metrics.REJECTED.labels(rej.reason.value).inc()
@@ -148,6 +179,7 @@ class Ingestor:
                 detail=rej.detail,
                 topic=topic,
                 publisher=clientid,
+                via=via,
                 **rej.fields,
             )
             self._receipt_rejected(rej.reason.value, kind, payload, rej.detail, field=rej.field, vin=rej.vin)
@@ -155,7 +187,7 @@ class Ingestor:
         except StorageError as exc:
             kind_label = type(exc).__name__
             metrics.STORAGE_ERRORS.labels(kind_label).inc()
-            log.error("batch_not_stored", reason=kind_label, detail=str(exc), topic=topic, publisher=clientid)
+            log.error("batch_not_stored", reason=kind_label, detail=str(exc), topic=topic, publisher=clientid, via=via)
             # A commit that timed out may still land: say nothing, a retry with its batch_id
             # gets the receipt. Any other storage error stored nothing.
             if not isinstance(exc, CommitTimeout):
@@ -249,7 +281,7 @@ class Ingestor:
                 sha1=written.sha1.hex(),
                 vins=written.rows,
                 refused=_refused_list(written.refused),
-                batch_id=tags.batch_id,
+                batch_id=shown_batch_id(tags.batch_id),
                 correlation_id=tags.correlation_id,
             )
         if written.superseded:
@@ -271,7 +303,7 @@ class Ingestor:
                 vins=dup.rows,
                 refused=_refused_list(dup.refused),
                 duplicate=True,
-                batch_id=dup.batch_id,
+                batch_id=shown_batch_id(dup.batch_id),
                 correlation_id=tags.correlation_id,
             )
 

@@ -163,3 +163,13 @@ AWAITING_RESPONSE = Gauge(
     "Deliveries PUBACKed and waiting for the vehicle's answer",
     multiprocess_mode="livesum",
 )
+CATCHUP_MESSAGES = Counter(
+    "sdv_fanout_catchup_messages_total",
+    "Batch messages the catch-up session received (EMQX routed them: no hook call answered), by outcome",
+    ["outcome"],
+)
+CATCHUP_HELD = Gauge(
+    "sdv_fanout_catchup_session_held",
+    "1 while this process holds the catch-up session (one process of the deployment)",
+    multiprocess_mode="livesum",
+)

@@ -161,7 +161,7 @@ async def lead(cfg: Config, jobs: Callable[[], list[Coroutine[Any, Any, None]]],
             conn = await _connect(cfg.store_url)
             while not tasks:
                 if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_KEY, timeout=_PROBE_TIMEOUT_S):
-                    log.info("leading", jobs="gc, progress, gauges, fold, wake-idle")
+                    log.info("leading", jobs="gc, progress, gauges, fold, wake-idle, catchup")
                     tasks = [asyncio.create_task(job, name=getattr(job, "__qualname__", None)) for job in jobs()]
                 else:
                     await asyncio.sleep(retry_s)

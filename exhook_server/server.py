@@ -22,7 +22,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from exhook_server import acks, admin, hooks, housekeeping, memory, pgmode
+from exhook_server import acks, admin, catchup, hooks, housekeeping, memory, pgmode
 from exhook_server.aio import cancel_all
 from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
@@ -303,14 +303,16 @@ class FanoutServer:
 
     def _leader_jobs(self, named: bool = False) -> Any:
         """The work one instance (one process of a host, or the PostgreSQL leader) does for all:
-        GC, the vehicles-at-bound gauge, progress reports, and on PostgreSQL folding the count
-        changes acks append."""
+        GC, the vehicles-at-bound gauge, progress reports, the catch-up session, and on PostgreSQL
+        folding the count changes acks append."""
         jobs = [
             ("backlog-gauge", housekeeping.backlog_gauge_loop(self.cfg, self.reads)),
             ("gc", housekeeping.gc_loop(self.cfg, self.reads, self.status)),
         ]
         if self.status.enabled:
             jobs.append(("progress", ProgressReporter(self.reads, self.status).run(self.cfg.progress_interval_s)))
+        if self.cfg.catchup_active:  # the deployment's one catch-up session (docs/operations.md)
+            jobs.append(("catchup", catchup.CatchupSession(self.cfg, self.ingestor).hold()))
         if self.pool is not None:
             jobs.append(("fold", pgmode.fold_loop(self.pool)))
             jobs.append(("gauges", housekeeping.gauge_loop(self.dispatcher, self.reads)))

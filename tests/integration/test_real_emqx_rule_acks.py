@@ -62,7 +62,8 @@ class RuleFanout(Fanout):
     def delivery_clients(self) -> list[str]:
         """The clientids of the server's delivery clients (one per server process), from EMQX."""
         found = self.broker.api("GET", "/clients?like_clientid=sdv-fanout-&limit=100")["data"]
-        return sorted(c["clientid"] for c in found if c.get("connected", True))
+        catchup = Config().catchup_session_clientid  # the catch-up session shares the prefix
+        return sorted(c["clientid"] for c in found if c.get("connected", True) and c["clientid"] != catchup)
 
     def rule_acks(self) -> dict[str, float]:
         """sdv_fanout_rule_acks_total by outcome, for the whole group, from /metrics."""
