@@ -156,7 +156,9 @@ class BatchParser:
         doc = _json_object(payload)
         if kind is Kind.CANCEL:
             request_id = self._request_id(doc)
-            vins = self._vins(doc) if doc.get("ids") is not None else None
+            # Absent = every vehicle; present, it must be an array like a batch's (null is no
+            # array: it must not widen a cancel to every vehicle).
+            vins = self._vins(doc) if "ids" in doc else None
             return Cancel(request_id, vins, _tags(doc))
         vins = self._vins(doc)
         request_id = self._request_id(doc)

@@ -111,6 +111,7 @@ def report_expired_early(expired: list[ops.EarlyExpired], status: StatusPublishe
             status.emit(
                 "rejected",
                 e.request_id,
+                of="trigger",
                 reason=e.reason,
                 detail=_EARLY_DETAIL.get(e.reason),
                 data_id=e.data_id,
@@ -323,9 +324,11 @@ class Ingestor:
         if self.status is None or not self.status.enabled:
             return
         request_id, correlation_id, batch_id = _peek_ids(kind, payload, self._cfg.max_request_id_bytes)
+        # `of` names the message refused: a refused cancel must not read as a rejected batch of R.
         self.status.emit(
             "rejected",
             request_id,
+            of=kind.value,
             reason=reason,
             detail=bounded_detail(detail),
             field=field,

@@ -43,6 +43,12 @@ DELIVERIES_ACKED = Counter(
     "PUBACKs of our deliveries; deleted = row removed, kept = row was replaced or already gone",
     ["result"],
 )
+ACKS_IGNORED = Counter(
+    "sdv_fanout_acks_ignored_total",
+    "PUBACKs of our deliveries that ended nothing, by reason (not_the_vehicle = from a client other "
+    "than the vehicle the delivery was meant for)",
+    ["reason"],
+)
 RULE_ACKS = Counter(
     "sdv_fanout_rule_acks_total",
     "Messages on the ack topic (ack_topic_prefix): ok = a PUBACK handed to dispatch, else why one was ignored",

@@ -853,8 +853,10 @@ class Fleet:
 class Platform:
     """The SDV platform: publishes batches at QoS 1 and waits for each PUBACK (= stored or refused)."""
 
-    def __init__(self, broker: EmqxBroker, clientid: str = "sdv-platform") -> None:
+    def __init__(self, broker: EmqxBroker, clientid: str = "sdv-platform", username: str | None = None) -> None:
         self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=clientid, protocol=mqtt.MQTTv5)
+        if username:
+            self._client.username_pw_set(username)  # deploy/emqx/acl.conf knows the platform by it
         self._codes: dict[int, tuple[int]] = {}  # mid -> (PUBACK reason code,)
         self._client.on_publish = lambda _c, _u, mid, rc, _p: self._codes.__setitem__(mid, (rc.value,))
         self._client.connect(broker.host, broker.mqtt_port, keepalive=30)
@@ -893,6 +895,13 @@ class Platform:
         release_paho(self._client)
 
 
+def file_authorization(acl: Path, *, no_match: str = "deny") -> dict[str, str]:
+    """`env` for an EmqxBroker whose only authorization source is the ACL file `acl`, read as it
+    is (`authorization.sources = [{type = file, path = ...}]`), with `authorization.no_match`."""
+    source = {"type": "file", "enable": True, "path": str(acl)}
+    return {"EMQX_AUTHORIZATION__SOURCES": json.dumps([source]), "EMQX_AUTHORIZATION__NO_MATCH": no_match}
+
+
 @contextlib.contextmanager
 def running_emqx(version: str, workdir: Path, **kw: Any) -> Iterator[EmqxBroker]:
     """A started EmqxBroker, killed on exit whatever happens: a throwaway broker needs no graceful
@@ -921,6 +930,7 @@ __all__ = [
     "available_versions",
     "cache_dir",
     "exhook_protocol",
+    "file_authorization",
     "find_release",
     "missing_libraries",
     "release_dirs",

@@ -9,7 +9,8 @@ Rules (architecture.md §3): nothing is sent to a VIN without a live session;
 at most one delivery per VIN is in flight; the oldest pending row goes first;
 `session_resumed` re-points the in-flight entry (the broker session redelivers
 it) instead of sending again; an entry older than the in-flight timeout, or
-owned by a connection that is gone, is sent again.
+owned by a connection that is gone, is sent again; a PUBACK counts only when it comes from
+the vehicle's own client (the one the delivery went to, or the one it is online with).
 
 Lifecycle rules: a row is published at most `max_attempts` times, then it ends `failed` and
 the next one goes; a row awaiting the vehicle's answer keeps the slot after its PUBACK until
@@ -405,6 +406,12 @@ class Worker:
 
     def _acknowledge(self, cmd: Acknowledge) -> None:
         vin, rid, digest = cmd.vin, cmd.request_id, cmd.sha1
+        if not self._from_the_vehicle(cmd):
+            # Someone else got the delivery (a broker ACL that lets a client read another
+            # vehicle's topic): its PUBACK says nothing about the vehicle. The row stays out.
+            metrics.ACKS_IGNORED.labels("not_the_vehicle").inc()
+            log.warning("ack_ignored", vin=vin, request_id=rid, reason="not_the_vehicle", acker=cmd.session.clientid)
+            return
         if self._awaits_answer(cmd):
             return  # the answer, not the PUBACK, frees the slot
         prior = self._attempts(vin, rid, digest)
@@ -438,6 +445,19 @@ class Worker:
         attempts = max(1, kept.attempts)
         self._rows.awaiting(vin, request_id, sha1, attempts, session)
         return Kept(attempts, True, 0.0, session)
+
+    def _from_the_vehicle(self, cmd: Acknowledge) -> bool:
+        """Whether the PUBACK comes from the vehicle's own client: the one its delivery went to or
+        the one it is online with. Knowing neither (e.g. a session's redelivery after a restart of
+        this server, before its presence was seen), only a client whose id is the VIN."""
+        acker = cmd.session.clientid
+        entry = self.inflight.get(cmd.vin)
+        present = self.presence.get(cmd.vin)
+        if entry is None and present is None:
+            return acker == cmd.vin
+        return (entry is not None and entry.session.clientid == acker) or (
+            present is not None and present.clientid == acker
+        )
 
     def _awaits_answer(self, cmd: Acknowledge) -> bool:
         """A PUBACK of a delivery awaiting the vehicle's answer: start its response timeout (the

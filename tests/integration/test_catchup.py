@@ -354,14 +354,16 @@ def test_a_batch_both_the_hook_and_the_session_saw_is_stored_and_delivered_once(
 
 def test_shipped_acl_lets_only_our_clients_subscribe_to_the_batch_topics(broker: EmqxBroker) -> None:
     """deploy/emqx/acl.conf's catch-up line, ahead of a deny of every other subscription to the batch
-    topics: a client id with our prefix is granted each filter the session asks for, another is not."""
+    topics: our user (`sdv-fanout`, the session's mqtt_username) is granted each filter the session
+    asks for; a client without it is not, even with a client id of our prefix."""
     [line] = [
         ln for ln in (ROOT / "deploy/emqx/acl.conf").read_text().splitlines() if "subscribe" in ln and "trigger" in ln
     ]
     rules = [line, '{deny, all, subscribe, ["$SDV-FANOUT", "$SDV-FANOUT/#"]}.', "{allow, all}.", ""]
     default = next(s for s in broker.api("GET", "/authorization/sources")["sources"] if s["type"] == "file")
     broker.api("PUT", "/authorization/sources/file", {**default, "rules": "\n".join(rules)})
-    ours, other = Client(broker, f"sdv-fanout-catchup-probe{next(_ids)}"), Client(broker, f"someone-{next(_ids)}")
+    ours = Client(broker, f"sdv-fanout-catchup-probe{next(_ids)}", username="sdv-fanout")
+    other = Client(broker, f"sdv-fanout-catchup-probe{next(_ids)}")
     try:
         assert [ours.subscribe(f) for f in sorted(FILTERS)] == [0x01] * len(FILTERS)
         assert [other.subscribe(f) for f in sorted(FILTERS)] == [0x87] * len(FILTERS)

@@ -149,6 +149,26 @@ def test_a_cancel_of_every_vehicle_in_chunks_reports_its_total(opener: Opener) -
     run(opener, body, max_ids_per_batch=4, max_rows_per_commit=4)
 
 
+def test_a_cancel_with_ids_null_cancels_nothing_and_its_refusal_names_the_cancel(opener: Opener) -> None:
+    """`"ids": null` on the cancel topic is wrong_type: no vehicle's row ends. Its `rejected` event
+    (on the request's own topic) says `"of": "cancel"`, a rejected batch's says `"of": "batch"`."""
+
+    async def body(ingestor: Ingestor, heard: Heard) -> None:
+        assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", batch(["V1", "V2"], "task_ota_1", "fw"))
+        null_ids = json.dumps({"request_id": "task_ota_1", "ids": None, "correlation_id": "c-9"}).encode()
+        assert not await publish(ingestor, Kind.CANCEL, "$SDV-FANOUT/cancel", null_ids)
+        assert not await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", batch([], "task_ota_1", "fw"))
+        assert heard.of("cancelled") == []
+        refused, rejected_batch = heard.of("rejected")
+        assert refused["request_id"] == "task_ota_1" and refused["correlation_id"] == "c-9"
+        assert (refused["reason"], refused["of"]) == ("wrong_type", "cancel")
+        assert (rejected_batch["reason"], rejected_batch["of"]) == ("empty_ids", "batch")
+        result = await (await ingestor.cancel("task_ota_1", None))
+        assert result.cancelled == 2  # both rows were still pending
+
+    run(opener, body)
+
+
 def test_the_expiry_sweep_ends_rows_past_their_time(opener: Opener) -> None:
     async def body(ingestor: Ingestor, heard: Heard) -> None:
         clock = [1_000_000]

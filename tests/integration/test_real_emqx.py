@@ -192,7 +192,42 @@ def fleet_gets_each_once_one_at_a_time(
         assert v.max_unacked == 1, v.vin
 
 
+def snooped_puback_ends_nothing(fanout: Fanout, fleet: Fleet, platform: Platform, prefix: str) -> None:
+    """A client subscribed to every vehicle's requests (EMQX's default ACL lets a loopback client
+    read anything) gets a vehicle's delivery and PUBACKs it at once: the row stays out, neither
+    delivered nor followed by the vehicle's next request, and the server says why; the vehicle's
+    own PUBACK then ends it and the next request goes."""
+    [vin] = vins_of(prefix, 1)
+    v = fleet.vehicle(vin, auto_ack=False)
+    v.connect()
+    v.subscribe()
+    snoop = fleet.vehicle(f"{prefix}S", clientid=f"snoop-{prefix}")  # acks whatever it gets
+    snoop.connect()
+    snoop.subscribe("+/+/proxy/request/+")  # a wildcard: no vehicle's presence, only its traffic
+    platform.batch([vin], "task_snoop_1", "one")
+    platform.batch([vin], "task_snoop_2", "two")
+    poll(lambda: "task_snoop_1" in snoop.request_ids() and v.request_ids() == ["task_snoop_1"], DEADLINE_S)
+
+    def ignored() -> list[dict[str, Any]]:
+        return [e for e in fanout.events("ack_ignored") if e.get("vin") == vin]
+
+    [event] = poll(ignored, DEADLINE_S)
+    assert (event["reason"], event["acker"], event["request_id"]) == ("not_the_vehicle", snoop.clientid, "task_snoop_1")
+    assert fanout.rows([vin]) == 2 and fanout.outcome(vin, "task_snoop_1", sha1_of(b"one")) is None
+    assert v.request_ids() == ["task_snoop_1"]  # still one in flight: the first
+    v.auto_ack = True
+    assert v.ack_held() == 1
+    poll(lambda: fanout.rows([vin]) == 0, DEADLINE_S)
+    assert v.request_ids() == ["task_snoop_1", "task_snoop_2"]
+    assert fanout.outcome(vin, "task_snoop_1", sha1_of(b"one")) is Outcome.DELIVERED
+
+
 # ---------------------------------------------------------------------------------------------
+
+
+def test_a_puback_from_another_client_ends_no_delivery(rig: Any) -> None:
+    """On the message.acked hook path: see `snooped_puback_ends_nothing`."""
+    snooped_puback_ends_nothing(*rig)
 
 
 def test_seed_batches_reach_an_online_fleet_exactly_once_one_at_a_time(rig: Any) -> None:

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exhook_server.acks import rule_body
 from exhook_server.config import Config
-from tests.emqx_real import EmqxBroker, Fleet, Vehicle, find_release, running_emqx, where_looked
+from tests.emqx_real import EmqxBroker, Fleet, Platform, Vehicle, find_release, running_emqx, where_looked
 from tests.harness import ROOT, SubprocessServer, poll
 from tests.integration import test_real_emqx
 from tests.integration.test_real_emqx import (
@@ -30,6 +30,7 @@ from tests.integration.test_real_emqx import (
     Fanout,
     all_have,
     fleet_gets_each_once_one_at_a_time,
+    snooped_puback_ends_nothing,
     vins_of,
 )
 
@@ -162,6 +163,12 @@ def test_rule_acks_deliver_a_fleet_exactly_once_one_at_a_time(rig: Any) -> None:
     assert fanout.events("rule_acks_expected"), "the server says at start-up that it needs the rule"
 
 
+def test_a_puback_from_another_client_ends_no_delivery(rig: Any) -> None:
+    """Through the rule (its message names the acking client, `c`): the same as on the hook path,
+    test_real_emqx.snooped_puback_ends_nothing."""
+    snooped_puback_ends_nothing(*rig)
+
+
 def test_ack_of_a_replaced_row_delivers_the_new_payload(rig: Any) -> None:
     """A row replaced while its delivery is in flight survives that delivery's ack (another SHA-1) and
     goes again with the new payload; the second ack deletes it."""
@@ -213,32 +220,40 @@ def test_forged_and_garbled_ack_messages_are_counted_and_delete_nothing(rig: Any
 
 
 def test_shipped_acl_refuses_forged_acks_while_the_rule_still_delivers(rig: Any) -> None:
-    """With deploy/emqx/acl.conf's ack-topic lines, a client's forged ack is refused (0x87) and only the
-    delivery user subscribes to its own ack topic; the rule's republish passes and deletes the rows."""
-    fanout, fleet, platform, prefix = rig
+    """With deploy/emqx/acl.conf verbatim (and no_match = deny), a client's forged ack is refused (0x87)
+    and only the delivery user subscribes to its own ack topic; the server's deliveries and the rule's
+    republish pass, the platform's batches (username sdv-platform) are stored and every row is acked."""
+    fanout, fleet, _, prefix = rig
     broker = fanout.broker
-    lines = [ln for ln in (ROOT / "deploy/emqx/acl.conf").read_text().splitlines() if "acked" in ln and "{" in ln]
-    assert len(lines) == 2
     default = next(s for s in broker.api("GET", "/authorization/sources")["sources"] if s["type"] == "file")
-    broker.api("PUT", "/authorization/sources/file", {**default, "rules": "\n".join([*lines, "{allow, all}.", ""])})
+    settings = broker.api("GET", "/authorization/settings")
+    rules = (ROOT / "deploy/emqx/acl.conf").read_text()
+    broker.api("PUT", "/authorization/settings", {**settings, "no_match": "deny"})
+    broker.api("PUT", "/authorization/sources/file", {**default, "rules": rules})
+    broker.api("DELETE", "/authorization/cache")  # decisions cached under the permissive default
     [cid, *_] = fanout.delivery_clients()
     forger = Client(broker, f"forger-{prefix}")
     mine = Client(broker, f"sdv-fanout-probe-{prefix}", username="sdv-fanout")
+    platform = Platform(broker, clientid=f"sdv-platform-acl-{prefix}", username="sdv-platform")
     try:
         assert forger.publish(f"{ACK_PREFIX}/{cid}", b"{}") == 0x87
         assert forger.subscribe(f"{ACK_PREFIX}/#") == 0x87
+        assert mine.publish(f"{ACK_PREFIX}/{cid}", b"{}") == 0x87
         assert mine.subscribe(f"{ACK_PREFIX}/{cid}") == 0x87  # another delivery client's topic
         assert mine.subscribe(f"{ACK_PREFIX}/sdv-fanout-probe-{prefix}") == 0x01
         vins = vins_of(prefix, 5)
         vehicles = fleet.online(vins)
-        platform.batch(vins, "task_acl_1", "one")
-        platform.batch(vins, "task_acl_2", "two")
+        assert platform.batch(vins, "task_acl_1", "one") < 0x80
+        assert platform.batch(vins, "task_acl_2", "two") < 0x80
         poll(lambda: all_have(vehicles, ["task_acl_1", "task_acl_2"]), DEADLINE_S)
         poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
     finally:
         forger.close()
         mine.close()
+        platform.close()
         broker.api("PUT", "/authorization/sources/file", default)
+        broker.api("PUT", "/authorization/settings", settings)
+        broker.api("DELETE", "/authorization/cache")
 
 
 def test_missing_rule_is_reported_and_its_deliveries_go_again_once_it_is_back(rig: Any) -> None:

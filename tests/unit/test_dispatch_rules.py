@@ -215,6 +215,55 @@ def test_next_row_goes_before_the_ack_commits(rig: Rig) -> None:
     assert rig.rows.rows == {}
 
 
+ATTACKER = Session("emqx@n1", "VIN2", "10.0.0.9", 40009)
+
+
+def acks_ignored() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("sdv_fanout_acks_ignored_total", {"reason": "not_the_vehicle"}) or 0.0
+
+
+def test_a_puback_from_another_client_ends_nothing(rig: Rig) -> None:
+    """Another client that got the vehicle's delivery (a broker ACL letting it read the topic) and
+    PUBACKs it ends nothing and frees no slot, counted; the vehicle's own PUBACK then ends it."""
+    before = acks_ignored()
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.rows.add("VIN1", "task_a_2", b"y")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.ack_last(ATTACKER)
+    assert acks_ignored() == before + 1
+    assert rig.sent_rids == ["task_a_1"] and ("VIN1", "task_a_1") in rig.rows.rows
+    assert rig.worker.inflight["VIN1"].request_id == "task_a_1"
+    rig.do(Down("VIN1", S1, EndReason.OFFLINE))  # the delivery's own client still counts offline
+    rig.do(Acknowledge("VIN1", ATTACKER, "task_a_1", sha1(b"x")))
+    assert acks_ignored() == before + 2 and ("VIN1", "task_a_1") in rig.rows.rows
+    rig.do(MaybeSend(Trigger.SESSION_RESUMED, "VIN1", S2))
+    rig.do(Acknowledge("VIN1", S2, "task_a_1", sha1(b"x")))
+    assert rig.sent_rids == ["task_a_1", "task_a_2"] and ("VIN1", "task_a_1") not in rig.rows.rows
+
+
+def test_a_puback_from_another_client_does_not_start_the_answer_wait(rig: Rig) -> None:
+    """A delivery awaiting the vehicle's answer: an outsider's PUBACK starts no response timeout."""
+    rig.rows.add("VIN1", "task_d_1", b"q", await_response=True)
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.ack_last(ATTACKER)
+    assert rig.worker.inflight["VIN1"].acked_at is None
+    rig.ack_last()
+    assert rig.worker.inflight["VIN1"].acked_at is not None
+
+
+def test_a_puback_for_a_vehicle_unknown_counts_only_from_its_own_clientid(rig: Rig) -> None:
+    """Nothing known of the vehicle (its session redelivers after a restart of this server, before
+    its presence was seen): a PUBACK counts from the client whose id is the VIN, no other."""
+    before = acks_ignored()
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.do(Acknowledge("VIN1", ATTACKER, "task_a_1", sha1(b"x")))
+    assert acks_ignored() == before + 1 and ("VIN1", "task_a_1") in rig.rows.rows
+    rig.do(Acknowledge("VIN1", S1, "task_a_1", sha1(b"x")))
+    assert rig.rows.rows == {}
+
+
 def test_inflight_timeout_resends(rig: Rig) -> None:
     """An unacked delivery older than the timeout goes again on the next trigger, not before."""
     rig.rows.add("VIN1", "task_a_1", b"x")

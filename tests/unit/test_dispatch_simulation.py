@@ -9,7 +9,7 @@ A small broker model plays MQTT: deliveries reach a vehicle's live connection,
 wait in a persistent session while it is offline, and die with a discarded or
 terminated session. Events are interleaved at random: connect, resume, disconnect,
 heartbeat, batches (some with an expires_at, some awaiting the vehicle's answer),
-PUBACKs, answers (some late or guessed, some forged by another vehicle), cancels of
+PUBACKs (some forged by another vehicle), answers (some late or guessed, some forged by another vehicle), cancels of
 named VINs and of every vehicle (walked in chunks behind a cut), time passing (the
 response timeouts), the expiry sweep (apart: the queue must skip an expired row before
 it), deferred commits of acked rows (LMDB's group committer: memory only), and our broker link
@@ -23,7 +23,7 @@ Invariants, checked at every step against the store's view (`MemoryRows`, or Pos
   its expires_at (which the delivery carries), never a row a cancel took;
 - the worker ends what happened: the PUBACK of the delivery out ends it delivered with its
   attempts, the awaited answer from the vehicle itself responded with that answer, the
-  response timeout failed; late and forged answers end nothing; a cancel counts exactly
+  response timeout failed; forged PUBACKs, late and forged answers end nothing; a cancel counts exactly
   the deliveries out;
 - at the end every row is drained and every pair the store took has exactly one outcome;
   a cancelled pair the vehicle PUBACKed later was amended.
@@ -369,7 +369,13 @@ async def run(fleet: Fleet, steps: int) -> None:
                 fleet.cancelled_at[vin, rid, digest] = fleet.step
             d.new_batch(batch)
         elif r < 0.74:
-            if v.session is not None and v.unacked:
+            by = fleet.vehicles[rng.choice(vins)]
+            if v.unacked and by is not v and by.session is not None and rng.random() < 0.15:
+                # Forged: another vehicle got this one's delivery (a lax broker ACL) and PUBACKs it.
+                msg = v.unacked[0]
+                d.acked(by.session, v.vin, msg.request_id, sha1(msg.payload))
+                fleet.events["puback_forged"] += 1
+            elif v.session is not None and v.unacked:
                 puback(v, v.unacked.pop(0))
         elif r < 0.84:
             if v.session is not None and v.to_answer:
@@ -513,3 +519,4 @@ def test_random_fleet_keeps_invariants_and_drains(
     assert fleet.published > 100 and fleet.rows.amended > 0, (fleet.published, fleet.rows.amended)
     assert {"delivered", "superseded", "cancelled", "expired", "responded", "failed"} <= outcomes.keys(), outcomes
     assert fleet.events["answer_accepted"] and fleet.events["answer_ignored"], fleet.events
+    assert fleet.events["puback_forged"], fleet.events

@@ -58,3 +58,26 @@ def test_a_cancel_names_a_request_and_optionally_vehicles() -> None:
     assert every == Cancel("task_a_1", None)
     some = parse(Kind.CANCEL, {"request_id": "task_a_1", "ids": ["V2", "V1", "V2"], "correlation_id": "c"})
     assert isinstance(some, Cancel) and some.vins == ("V2", "V1") and some.tags.correlation_id == "c"
+
+
+@pytest.mark.parametrize(
+    ("kind", "doc"),
+    [
+        (Kind.CANCEL, {"request_id": "task_a_1", "ids": None}),
+        (Kind.CANCEL, {"request_id": "task_a_1", "ids": "V1"}),
+        (Kind.CANCEL, {"request_id": "task_a_1", "ids": {"V1": 1}}),
+        (Kind.BATCH, {**BASE, "ids": None}),
+        (Kind.TRIGGER, {"ids": None, "request_id": "t_1", "data_id": "d"}),
+    ],
+)
+def test_ids_present_must_be_an_array_on_every_control_topic(kind: Kind, doc: dict[str, object]) -> None:
+    """`ids` is absent (a cancel of every vehicle) or an array: `null` is wrong_type, never "every vehicle"."""
+    with pytest.raises(BatchRejected) as exc:
+        parse(kind, doc)
+    assert exc.value.reason is Reason.WRONG_TYPE
+
+
+def test_a_cancel_with_empty_ids_is_refused_not_widened() -> None:
+    with pytest.raises(BatchRejected) as exc:
+        parse(Kind.CANCEL, {"request_id": "task_a_1", "ids": []})
+    assert exc.value.reason is Reason.EMPTY_IDS

@@ -161,6 +161,35 @@ def test_offline_vehicle_gets_nothing_until_it_subscribes(dsn: str) -> None:
     run(body)
 
 
+def test_a_puback_from_another_client_ends_nothing_on_any_instance(dsn: str) -> None:
+    """Another client's PUBACK of V1's delivery (it read V1's topic) ends nothing on any instance:
+    the row stays out, nothing else is sent, counted; V1's own PUBACK then ends it."""
+    from prometheus_client import REGISTRY
+
+    def ignored() -> float:
+        return REGISTRY.get_sample_value("sdv_fanout_acks_ignored_total", {"reason": "not_the_vehicle"}) or 0.0
+
+    async def body() -> None:
+        async with Rig(dsn, 2) as rig:
+            a, b = rig.instances
+            before = ignored()
+            a.subscribed(S("V1"), "V1")
+            await rig.batch(["V1"], "task_a_1", b"one")
+            await rig.batch(["V1"], "task_a_2", b"two")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1"], "delivery")
+            b.acked(S("V2", 9), "V1", "task_a_1", sha1_of(b"one"))
+            await rig.idle()
+            assert ignored() == before + 1
+            assert rig.sent_to("V1") == ["task_a_1"] and rig.outcomes == []
+            assert await rig.conn.fetchval("SELECT count(*) FROM rows WHERE vin = 'V1'") == 2
+            assert (await b.vehicle_state("V1"))[1] is not None  # still out
+            b.acked(S("V1"), "V1", "task_a_1", sha1_of(b"one"))
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1", "task_a_2"], "next after the vehicle's ack")
+            assert rig.outcomes == [("V1", "task_a_1", Outcome.DELIVERED, 1)]
+
+    run(body)
+
+
 def test_disconnect_elsewhere_voids_and_resubscribe_resends(dsn: str) -> None:
     """Subscribe on one instance, the disconnect (discarded) on another, a new subscription on a
     third: the delivery goes again as a re-send (attempt 2)."""
