@@ -10,7 +10,8 @@ arrives while nobody holds it.
 Promises: every message is handed to `Ingestor.ingest`, the hook's own path (validation,
 idempotent batch_id, receipts), one at a time in arrival order, and PUBACKed only once stored or
 rejected, so a crash before that has EMQX send it again; a storage failure is retried until it
-stores. A message both paths saw is stored once (`ingest.implied_batch_id`). At most
+stores (any other failure is logged and left unacknowledged: EMQX sends it again on the next
+connection). A message both paths saw is stored once (`ingest.implied_batch_id`). At most
 `RECEIVE_MAXIMUM` unacknowledged messages are held. One process runs `hold` (the LMDB group's
 first process, the PostgreSQL leader); should two connect, EMQX hands the session to the later
 one and the one taken over waits `TAKEN_OVER_WAIT_S` before it asks for it again.
@@ -140,6 +141,10 @@ class CatchupSession:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _STORE_RETRY_MAX_S)
                 continue
+            except Exception:  # never the session's end: unacknowledged, EMQX sends it again on reconnect
+                metrics.CATCHUP_MESSAGES.labels("failed").inc()
+                log.exception("catchup_ingest_failed", topic=item.topic, size=len(item.payload))
+                return
             break
         metrics.CATCHUP_MESSAGES.labels("stored" if stored else "rejected").inc()
         log.info("catchup_ingested", topic=item.topic, stored=stored, dup=item.dup, size=len(item.payload))

@@ -182,3 +182,41 @@ def test_the_expiry_sweep_ends_rows_past_their_time(opener: Opener) -> None:
         assert await ingestor.sweep_expired() == 0
 
     run(opener, body)
+
+
+def test_with_the_catchup_session_the_same_message_twice_is_stored_once(opener: Opener) -> None:
+    """With the catch-up session on (mqtt_url set), a batch or trigger without batch_id seen twice
+    (by the hook and by the session) is stored once, the second sighting a duplicate; no receipt
+    shows the implied id. The session's sighting carries no publisher, and is not refused for it."""
+
+    async def body(ingestor: Ingestor, heard: Heard) -> None:
+        plain = batch(["V1"], "task_p_1", "p")
+        assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", plain)
+        assert await ingestor.ingest(Kind.BATCH, "$SDV-FANOUT", plain, "", "", via="catchup")
+        trigger = json.dumps({"ids": ["V2"], "request_id": "task_t_1", "data_id": "d1"}).encode()
+        assert await publish(ingestor, Kind.TRIGGER, "$SDV-FANOUT/trigger", trigger)  # parked
+        assert await ingestor.ingest(Kind.TRIGGER, "$SDV-FANOUT/trigger", trigger, "", "", via="catchup")
+        assert await publish(ingestor, Kind.DATA, "$SDV-FANOUT/data/d1", b"payload")
+        accepted = heard.of("accepted")
+        assert [(a["request_id"], a.get("duplicate", False)) for a in accepted] == [
+            ("task_p_1", False),
+            ("task_p_1", True),
+            ("task_t_1", False),
+        ]
+        assert all(a.get("batch_id") is None for a in accepted)
+        # The hook's sighting names its publisher, and the allowlist applies there.
+        assert not await ingestor.ingest(Kind.BATCH, "$SDV-FANOUT", batch(["V3"], "task_x_1", "x"), "intruder", "")
+
+    run(opener, body, publisher_allowlist=("sdv-platform",))
+
+
+def test_without_the_catchup_session_a_message_without_batch_id_is_stored_each_time(opener: Opener) -> None:
+    """catchup_enabled = false: no implied id, each sighting stores (as before the session existed)."""
+
+    async def body(ingestor: Ingestor, heard: Heard) -> None:
+        plain = batch(["V1"], "task_q_1", "q")
+        for _ in range(2):
+            assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", plain)
+        assert [a.get("duplicate", False) for a in heard.of("accepted")] == [False, False]
+
+    run(opener, body, catchup_enabled=False)

@@ -55,6 +55,8 @@ def test_blank_list_entries_are_refused(tmp_path: Path, name: str, raw: str) -> 
         ({"SDV_FANOUT_BATCH_TOPIC": "$SDV/+"}, "wildcards"),
         ({"SDV_FANOUT_LOG_FORMAT": "xml"}, "log_format"),
         ({"SDV_FANOUT_MAP_MAX_BYTES": "1024"}, "map_max_bytes"),
+        ({"SDV_FANOUT_CATCHUP_SESSION_EXPIRY_S": "0"}, "catchup_session_expiry_s"),
+        ({"SDV_FANOUT_CATCHUP_CLIENTID": "x" * 257}, "catchup_clientid"),
     ],
 )
 def test_bad_settings_are_refused_with_the_setting_named(env: dict[str, str], message: str) -> None:
@@ -160,3 +162,13 @@ def test_lock_timeout_and_cancel_chunk_derive_from_their_bounds() -> None:
     assert Config(max_ids_per_batch=100, max_rows_per_commit=100).cancel_rows == 100
     with pytest.raises(ConfigError, match="cancel_chunk_rows"):
         Config(cancel_chunk_rows=0)
+
+
+def test_the_catchup_session_has_one_client_id_per_deployment_and_needs_a_broker() -> None:
+    """Not per process or host: every process and restart asks EMQX for the same session."""
+    assert load(env={}).catchup_session_clientid == "sdv-fanout-catchup"
+    assert load(env={"SDV_FANOUT_MQTT_CLIENTID_PREFIX": "fleet-a-"}).catchup_session_clientid == "fleet-a-catchup"
+    assert load(env={"SDV_FANOUT_CATCHUP_CLIENTID": "mine"}).catchup_session_clientid == "mine"
+    assert load(env={}).catchup_active
+    assert not load(env={"SDV_FANOUT_MQTT_URL": ""}).catchup_active
+    assert not load(env={"SDV_FANOUT_CATCHUP_ENABLED": "false"}).catchup_active
