@@ -27,10 +27,9 @@ import pytest
 from storage.store import Store
 from tests.emqx_real import EmqxApiError, EmqxBroker, Fleet, Platform, Vehicle, find_release, running_emqx, where_looked
 from tests.emqx_sim import free_port
-from tests.harness import ROOT, SubprocessServer, poll
+from tests.harness import SubprocessServer, poll
 from tests.integration.test_multi_instance import metric, signal_all, stop
 from tests.integration.test_real_emqx import Throttle
-from tests.integration.test_real_emqx_rule_acks import Client
 
 pytestmark = pytest.mark.slow
 
@@ -350,24 +349,3 @@ def test_a_batch_both_the_hook_and_the_session_saw_is_stored_and_delivered_once(
     stored_once(rig, ["cd_plain", "cd_tagged", "cd_session_only"])
     duplicates = {e["request_id"] for e in rig.events("batch_duplicate")}
     assert duplicates == {"cd_plain", "cd_tagged"}
-
-
-def test_shipped_acl_lets_only_our_clients_subscribe_to_the_batch_topics(broker: EmqxBroker) -> None:
-    """deploy/emqx/acl.conf's catch-up line, ahead of a deny of every other subscription to the batch
-    topics: our user (`sdv-fanout`, the session's mqtt_username) is granted each filter the session
-    asks for; a client without it is not, even with a client id of our prefix."""
-    [line] = [
-        ln for ln in (ROOT / "deploy/emqx/acl.conf").read_text().splitlines() if "subscribe" in ln and "trigger" in ln
-    ]
-    rules = [line, '{deny, all, subscribe, ["$SDV-FANOUT", "$SDV-FANOUT/#"]}.', "{allow, all}.", ""]
-    default = next(s for s in broker.api("GET", "/authorization/sources")["sources"] if s["type"] == "file")
-    broker.api("PUT", "/authorization/sources/file", {**default, "rules": "\n".join(rules)})
-    ours = Client(broker, f"sdv-fanout-catchup-probe{next(_ids)}", username="sdv-fanout")
-    other = Client(broker, f"sdv-fanout-catchup-probe{next(_ids)}")
-    try:
-        assert [ours.subscribe(f) for f in sorted(FILTERS)] == [0x01] * len(FILTERS)
-        assert [other.subscribe(f) for f in sorted(FILTERS)] == [0x87] * len(FILTERS)
-    finally:
-        ours.close()
-        other.close()
-        broker.api("PUT", "/authorization/sources/file", default)
