@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from exhook_server import __version__, flags, log
 from exhook_server.config import ENV_PREFIX, SECRET_SETTINGS, Config, join_host_port, load, loopback, split_host_port
+from exhook_server.emqx_api import EmqxApiError
 from exhook_server.errors import ConfigError, StorageError
 from storage.keys import COUNT_NAMES
 
@@ -92,6 +93,18 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave out direct_dispatch (EMQX 5.1 fails every action that sets it)",
     )
+
+    emqx = sub.add_parser("emqx", help="EMQX's side of the integration, through its REST API (emqx_api_url)")
+    emqx_sub = emqx.add_subparsers(dest="emqx_command", required=True)
+    emqx_sync = emqx_sub.add_parser(
+        "sync", help="make EMQX match these settings: ExHook entry, its hook list (reload), the ack rule"
+    )
+    emqx_sync.add_argument("--dry-run", action="store_true", help="print the differences; change nothing")
+    _config_args(emqx_sync)
+    emqx_check = emqx_sub.add_parser(
+        "check", help="compare EMQX with these settings: exit 0 in sync, 1 on a difference, 2 if EMQX cannot be asked"
+    )
+    _config_args(emqx_check)
 
     stats = sub.add_parser("stats", help="rows, blobs, bytes, dedup ratio, early triggers")
     _server_arg(stats, "ask a running server instead")
@@ -595,6 +608,34 @@ def _cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_emqx(args: argparse.Namespace) -> int:
+    from exhook_server import emqx_sync
+    from exhook_server.emqx_api import EmqxApi
+
+    cfg = _load(args)
+    api = EmqxApi.from_config(cfg)
+    found = emqx_sync.plan(cfg, api)
+    for warning in found.warnings:
+        print(f"warning: {warning}")
+    if args.emqx_command == "check" or args.dry_run:
+        for change in found.changes:
+            print(f"differs: {change.detail}")
+        for problem in found.problems:
+            print(f"differs: {problem}")
+        if args.emqx_command == "check":
+            print(f"emqx check: {'in sync' if found.in_sync else 'NOT in sync'} ({api.base})")
+            return 0 if found.in_sync else 1
+        print(f"emqx sync --dry-run: {len(found.changes)} change(s) to make, none made")
+        return 0
+    left = emqx_sync.apply(cfg, api, found, on_change=lambda c: print(f"changed: {c.detail}"))
+    for problem in found.problems:
+        print(f"note: {problem}")
+    for problem in left:
+        print(f"problem: {problem}")
+    print(f"emqx sync: {len(found.changes)} change(s) made ({api.base})")
+    return 1 if left else 0
+
+
 def _cmd_requests(args: argparse.Namespace) -> int:
     cfg = _load(args)
     found: list[dict[str, Any]] = []
@@ -770,11 +811,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_cancel(args)
         if args.command == "db":
             return _cmd_db(args)
+        if args.command == "emqx":
+            return _cmd_emqx(args)
         return _cmd_inspect(args)
     except _NotFound as exc:
         print(f"sdv-fanout: {exc}", file=sys.stderr)
         return 1
-    except (ConfigError, StorageError) as exc:
+    except (ConfigError, StorageError, EmqxApiError) as exc:
         print(f"sdv-fanout: {exc}", file=sys.stderr)
         return 2
 

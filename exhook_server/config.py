@@ -12,6 +12,7 @@ import difflib
 import json
 import os
 import re
+import socket
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -277,6 +278,49 @@ class Config:
     # while no process holds it: a week outlasts a weekend's outage of every instance.
     catchup_session_expiry_s: int = 604_800
 
+    # -- EMQX provisioning (`sdv-fanout emqx sync|check`, emqx_sync_on_start) --
+    # EMQX's REST API: the dashboard listener's base URL (http://emqx:18083; /api/v5 is
+    # appended). "" = not configured: `emqx sync` refuses, nothing is synced at start-up.
+    emqx_api_url: str = ""
+    # An EMQX API key and its secret (HTTP basic auth; the key needs the administrator role or
+    # the scopes for ExHooks, rules and authorization settings). Never logged or printed.
+    emqx_api_key: str = ""
+    emqx_api_secret: str = ""
+    # The same, read from files (a mounted Kubernetes Secret): they win over the two above.
+    emqx_api_key_file: str = ""
+    emqx_api_secret_file: str = ""
+    # How EMQX reaches this server's ExHook port, e.g. http://sdv-fanout.sdv.svc:9000 (https://
+    # with tls_cert_file). "" = from `listen`: its host, or this machine's hostname when it
+    # listens on every interface (set it explicitly behind a Kubernetes Service).
+    emqx_exhook_url: str = ""
+    # The ExHook entry's name in EMQX (one entry per server deployment).
+    emqx_exhook_name: str = "sdv-fanout"
+    # EMQX's gRPC connections to us per EMQX node; 0 = 8 (EMQX's default) with LMDB, 32 with
+    # store_url (a call waits for its database commit: at 8 the database sits partly idle).
+    emqx_exhook_pool_size: int = 0
+    # EMQX's ExHook request_timeout: its default, above ingest_timeout_s, so a slow store gives
+    # our clear UNAVAILABLE rather than an EMQX timeout.
+    emqx_exhook_request_timeout_s: float = 5.0
+    # What EMQX does when a call to us fails: `ignore` lets other ExHook servers in the chain
+    # still run (for message.publish `deny` would not stop the message anyway).
+    emqx_exhook_failed_action: str = "ignore"
+    # How soon EMQX retries loading us after a failed load; EMQX's own 60 s default makes every
+    # restart of ours a minute without hooks.
+    emqx_exhook_auto_reconnect_s: float = 2.0
+    # TLS (when tls_cert_file is set): PEM files as paths ON THE EMQX NODES (e.g. a mounted
+    # Secret): the CA that signed our certificate (empty = EMQX does not verify it) ...
+    emqx_exhook_tls_ca_file: str = ""
+    # ... and EMQX's client certificate and key, which tls_client_ca_file checks (mutual TLS).
+    emqx_exhook_tls_cert_file: str = ""
+    emqx_exhook_tls_key_file: str = ""
+    # Run `emqx sync` once this server is serving; a failure is logged, serving goes on (EMQX
+    # keeps what it had). Off by default: it needs the API settings above.
+    emqx_sync_on_start: bool = False
+    # A server that got no OnProviderLoaded this long after start checks EMQX's hook list (with
+    # emqx_api_url) or logs that it cannot confirm it: EMQX does not load a restarted server
+    # again, it keeps the list it loaded earlier. A minute covers EMQX's load after our start.
+    hook_set_confirm_s: float = 60.0
+
     # -- logging --------------------------------------------------------------
     # `console` for people, `json` (one object per line) for log pipelines.
     log_format: str = "console"
@@ -328,6 +372,23 @@ class Config:
     def host_port(self) -> tuple[str, int]:
         """The listen address split into host and port."""
         return split_host_port(self.listen)
+
+    @property
+    def exhook_url(self) -> str:
+        """How EMQX reaches our ExHook port: emqx_exhook_url, or else `listen` with the wildcard
+        host replaced by this machine's hostname; https:// when the listener has TLS."""
+        if self.emqx_exhook_url:
+            return self.emqx_exhook_url.rstrip("/")
+        host, port = self.host_port
+        if host in ("0.0.0.0", "::"):
+            host = socket.gethostname()
+        scheme = "https" if self.tls_cert_file else "http"
+        return f"{scheme}://{join_host_port(host, port)}"
+
+    @property
+    def exhook_pool_size(self) -> int:
+        """EMQX's pool size for us: emqx_exhook_pool_size, or 8 with LMDB and 32 with store_url."""
+        return self.emqx_exhook_pool_size or (32 if self.store_url else 8)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, in declaration order, for printing."""
@@ -393,6 +454,7 @@ def loopback(host: str) -> str:
 
 #: The settings that take one of a few words (the CLI offers them as choices).
 CHOICES: dict[str, tuple[str, ...]] = {
+    "emqx_exhook_failed_action": ("ignore", "deny"),
     "log_format": ("console", "json"),
     "log_level": ("debug", "info", "warning", "error"),
 }
@@ -522,10 +584,32 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("max_rows_per_commit must be at least max_ids_per_batch (a batch is one transaction)")
     if cfg.map_max_bytes < cfg.map_size_bytes:
         raise ConfigError("map_max_bytes must be at least map_size_bytes")
+    _check_emqx(cfg)
     if cfg.log_format not in CHOICES["log_format"]:
         raise ConfigError("log_format must be 'console' or 'json'")
     if cfg.log_level.lower() not in CHOICES["log_level"]:
         raise ConfigError("log_level must be debug, info, warning or error")
+
+
+def _check_emqx(cfg: Config) -> None:
+    """The EMQX provisioning settings: usable URLs and durations EMQX accepts."""
+    if cfg.emqx_api_url and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", cfg.emqx_api_url):
+        raise ConfigError(f"emqx_api_url {cfg.emqx_api_url!r} must be http(s)://host[:port] (e.g. http://emqx:18083)")
+    if cfg.emqx_exhook_url and not re.fullmatch(r"https?://[^/\s]+/?", cfg.emqx_exhook_url):
+        raise ConfigError(f"emqx_exhook_url {cfg.emqx_exhook_url!r} must be http(s)://host:port")
+    if cfg.emqx_sync_on_start and not cfg.emqx_api_url:
+        raise ConfigError("emqx_sync_on_start needs emqx_api_url (and an API key)")
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", cfg.emqx_exhook_name):
+        raise ConfigError("emqx_exhook_name must be 1-64 letters, digits, '_' or '-'")
+    if not 0 <= cfg.emqx_exhook_pool_size <= 1024:
+        raise ConfigError("emqx_exhook_pool_size must be 0..1024 (0 = 8, or 32 with store_url)")
+    if cfg.emqx_exhook_failed_action not in CHOICES["emqx_exhook_failed_action"]:
+        raise ConfigError("emqx_exhook_failed_action must be 'ignore' or 'deny'")
+    for name in ("emqx_exhook_request_timeout_s", "emqx_exhook_auto_reconnect_s", "hook_set_confirm_s"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive")
+    if bool(cfg.emqx_exhook_tls_cert_file) != bool(cfg.emqx_exhook_tls_key_file):
+        raise ConfigError("emqx_exhook_tls_cert_file and emqx_exhook_tls_key_file go together")
 
 
 def _check_ack_topic_prefix(cfg: Config) -> None:

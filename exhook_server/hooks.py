@@ -24,6 +24,7 @@ from exhook_server.config import Config
 from exhook_server.dispatch.commands import EndReason, Session
 from exhook_server.dispatch.port import Dispatch
 from exhook_server.errors import StorageError
+from exhook_server.hookset import HookSetWatch, hook_of
 from exhook_server.ingest import Ingestor
 from exhook_server.topics import RequestTopics, TopicTemplate
 from storage.ops import sha1_of
@@ -136,7 +137,9 @@ def _rpc_names() -> Iterator[tuple[str, Any, Any]]:
 class HookServicer:
     """Answers every ExHook RPC; hands batch messages to the Ingestor."""
 
-    def __init__(self, cfg: Config, ingestor: Ingestor, dispatcher: Dispatch) -> None:
+    def __init__(
+        self, cfg: Config, ingestor: Ingestor, dispatcher: Dispatch, watch: HookSetWatch | None = None
+    ) -> None:
         self._cfg = cfg
         self._ingestor = ingestor
         self._dispatch = dispatcher
@@ -145,6 +148,8 @@ class HookServicer:
         self._responses = RequestTopics(cfg.response_topic_prefix) if cfg.response_topic_prefix else None
         self._delivery_prefix = cfg.mqtt_clientid_prefix
         self._specs = [pb.HookSpec(name=name, topics=topics) for name, topics in hook_specs(cfg)]
+        #: Calls for hooks or topics we did not ask for: EMQX holds an older hook list.
+        self.watch = watch or HookSetWatch(cfg, dict(hook_specs(cfg)), bytearray(1))
         #: Caps the payload bytes of batch calls in progress (see `admission`).
         self.budget = IngestBudget(cfg.max_ingest_inflight_bytes)
         self._calls = {
@@ -165,6 +170,7 @@ class HookServicer:
             hooks=[s.name for s in self._specs],
         )
         self._calls["OnProviderLoaded", "ok"].inc()
+        self.watch.confirm()
         return pb.LoadedResponse(hooks=self._specs)
 
     async def OnProviderUnloaded(
@@ -226,6 +232,8 @@ class HookServicer:
             sender = _publisher(msg)
             payload = msg.payload
             self._dispatch.responded(sender, vin, request_id, payload[: self._cfg.max_response_bytes], len(payload))
+            return
+        self.watch.unexpected_topic("OnMessagePublish", msg.topic)
 
     async def _refuse_overloaded(self, context: grpc.aio.ServicerContext) -> NoReturn:
         self._calls["OnMessagePublish", "refused"].inc()
@@ -293,7 +301,9 @@ class HookServicer:
         msg = request.message
         parsed = self._requests.parse_delivery(msg.topic)
         # Only PUBACKs of our own deliveries count; another publisher on the topic is not ours.
-        if parsed is not None and getattr(msg, "from").startswith(self._delivery_prefix):
+        if parsed is None:
+            self.watch.unexpected_topic("OnMessageAcked", msg.topic)
+        elif getattr(msg, "from").startswith(self._delivery_prefix):
             vin, request_id = parsed
             self._dispatch.acked(session_of(request.clientinfo), vin, request_id, sha1_of(msg.payload))
         self._calls["OnMessageAcked", "ok"].inc()
@@ -301,7 +311,20 @@ class HookServicer:
 
     # -- hooks without an opinion ------------------------------------------------
     def handler(self, name: str, response_cls: Any) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-        """The coroutine answering RPC `name`: ours, or a counted EmptySuccess / IGNORE."""
+        """The coroutine answering RPC `name`: ours, or a counted EmptySuccess / IGNORE; for a hook
+        we did not ask for, the same after reporting the call to `watch`."""
+        answer_it = self._handler(name, response_cls)
+        if name in ("OnProviderLoaded", "OnProviderUnloaded") or hook_of(name) in self.watch.wanted:
+            return answer_it
+        watch = self.watch
+
+        async def not_asked_for(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            watch.unexpected_call(name)
+            return await answer_it(request, context)
+
+        return not_asked_for
+
+    def _handler(self, name: str, response_cls: Any) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         own: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]] | None = getattr(self, name, None)
         latency = metrics.HOOK_SECONDS.labels(name)
         if own is not None:

@@ -179,3 +179,14 @@ CATCHUP_HELD = Gauge(
     "1 while this process holds the catch-up session (one process of the deployment)",
     multiprocess_mode="livesum",
 )
+HOOK_SET_MISMATCH = Counter(
+    "sdv_fanout_hook_set_mismatch_total",
+    "Signs that EMQX holds another hook list than this server asks for (a call for a hook or topic not"
+    " asked for, or a difference `emqx check` found), by hook: run `sdv-fanout emqx sync`",
+    ["hook"],
+)
+HOOK_SET_CONFIRMED = Gauge(
+    "sdv_fanout_hook_set_confirmed",
+    "1 once EMQX loaded this server (OnProviderLoaded) or its hook list was found equal to ours since start",
+    multiprocess_mode="livemax",
+)

@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import fcntl
 import json
+import mmap
 import os
 import secrets
 import select
@@ -46,6 +47,9 @@ _PR_SET_PDEATHSIG = 1
 #: How long the children may take to report ready before the parent gives up.
 _START_TIMEOUT_S = 60.0
 _LOCK_NAME = "server.lock"
+#: One byte every server process of the group sees (an anonymous shared mapping made before the
+#: fork): 1 once EMQX loaded any of them or their hook list was confirmed (`hookset`).
+HOOK_SET_CONFIRMED = mmap.mmap(-1, 1)
 
 
 def serve_main(cfg: Config, ready_file: str | None) -> int:

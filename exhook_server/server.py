@@ -22,7 +22,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from exhook_server import acks, admin, catchup, hooks, housekeeping, memory, pgmode
+from exhook_server import acks, admin, catchup, emqx_sync, hooks, housekeeping, memory, pgmode
 from exhook_server.aio import cancel_all
 from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
@@ -33,9 +33,10 @@ from exhook_server.dispatch.rows import StoreRows
 from exhook_server.dispatch.shared import SharedDispatcher
 from exhook_server.errors import ConfigError
 from exhook_server.health import HealthStates
+from exhook_server.hookset import HookSetWatch
 from exhook_server.ingest import Ingestor
 from exhook_server.preflight import bind_error
-from exhook_server.procs import write_ready_file
+from exhook_server.procs import HOOK_SET_CONFIRMED, write_ready_file
 from exhook_server.progress import ProgressReporter
 from exhook_server.status import StatusPublisher, answer_fields
 from storage.lmdb_reads import LmdbReads
@@ -200,7 +201,8 @@ class FanoutServer:
         self.ingestor.cancel_listener = self.dispatcher.cancelled
         if cfg.status_per_vehicle:
             self.ingestor.outcome_listeners.append(self._vehicle_outcome)
-        self.servicer = hooks.HookServicer(cfg, self.ingestor, self.dispatcher)
+        watch = HookSetWatch(cfg, dict(hooks.hook_specs(cfg)), HOOK_SET_CONFIRMED)
+        self.servicer = hooks.HookServicer(cfg, self.ingestor, self.dispatcher, watch)
         self.health = health.aio.HealthServicer()
         #: What self.health answers per service name (exhook_server/health.py).
         self.health_states = HealthStates(self.health)
@@ -394,6 +396,8 @@ class FanoutServer:
             await self._resume_store_work()
             self._tasks += [asyncio.create_task(job, name=name) for name, job in self._leader_jobs(named=True)]
         await self.health_states.started()
+        if self.group is None or self.group.index == 0:  # once per group: EMQX loads one of us
+            self._tasks.append(asyncio.create_task(self._emqx_after_start(), name="emqx-hook-set"))
         for service in ("", admin.SERVICE_NAME):
             await self.admin_health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -409,6 +413,17 @@ class FanoutServer:
             process=f"{self.group.index + 1}/{self.group.size}" if self.group else "1/1",
         )
         return self.port
+
+    async def _emqx_after_start(self) -> None:
+        """Serving: `emqx sync` when emqx_sync_on_start, then, hook_set_confirm_s after start,
+        whether EMQX's hook list is ours (`hookset`)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if self.cfg.emqx_sync_on_start:
+            await asyncio.to_thread(emqx_sync.sync_at_start, self.cfg)
+        await asyncio.sleep(max(0.0, started + self.cfg.hook_set_confirm_s - loop.time()))
+        check = (lambda: emqx_sync.hook_list_differences(self.cfg)) if self.cfg.emqx_api_url else None
+        await asyncio.to_thread(self.servicer.watch.deadline_passed, check)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """NOT_SERVING first, finish running calls, commit what is queued, close LMDB."""

@@ -117,3 +117,16 @@ class RequestTopics:
     def subscribed_vin(self, topic: str) -> str | None:
         """The VIN of a subscription to exactly `<prefix>/+` (shared subscriptions do not count)."""
         return self.subscription.vin(topic)
+
+
+def filter_matches(topic_filter: str, topic: str) -> bool:
+    """MQTT topic-filter matching (`+` one level, `#` the rest); a `$` topic needs a `$` filter."""
+    if topic.startswith("$") and not topic_filter.startswith("$"):
+        return False
+    levels, wanted = topic.split("/"), topic_filter.split("/")
+    for i, want in enumerate(wanted):
+        if want == "#":
+            return True
+        if i >= len(levels) or (want != "+" and want != levels[i]):
+            return False
+    return len(levels) == len(wanted)

@@ -322,6 +322,8 @@ class EmqxBroker:
         self._token: str | None = None
         self._children: list[tuple[int, str]] = []
         self._cookie = secrets.token_hex(16)
+        self._console_offset = 0
+        self._launched = 0.0
 
     # -- process -------------------------------------------------------------------------------
 
@@ -368,6 +370,12 @@ class EmqxBroker:
         """Start the node; return once MQTT accepts a connection and the REST login works."""
         if self.running:
             return self
+        return self.launch().wait_started(timeout_s)
+
+    def launch(self) -> EmqxBroker:
+        """Start the node's process and return at once (`wait_started` waits for the boot): several
+        brokers then boot side by side. Call it from the thread that outlives the broker: the node
+        dies with the thread that started it (PR_SET_PDEATHSIG)."""
         missing = missing_libraries(self.release)
         if missing:
             raise EmqxUnavailable(
@@ -378,9 +386,9 @@ class EmqxBroker:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._keep_earlier_logs()
         console = self.log_dir / "console.log"
-        offset = console.stat().st_size if console.exists() else 0
+        self._console_offset = console.stat().st_size if console.exists() else 0
         self._console = open(console, "ab")  # noqa: SIM115 - closed in stop()
-        started = time.monotonic()
+        self._launched = time.monotonic()
         self.proc = subprocess.Popen(
             [str(self.release / "bin" / "emqx"), "foreground"],
             cwd=self.release,
@@ -392,6 +400,12 @@ class EmqxBroker:
             preexec_fn=_die_with_parent,
         )
         self._token = None
+        return self
+
+    def wait_started(self, timeout_s: float = 90) -> EmqxBroker:
+        """After `launch`: return once the node says it runs, MQTT accepts and the REST login works."""
+        console = self.log_dir / "console.log"
+        offset = self._console_offset
 
         def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
@@ -408,6 +422,7 @@ class EmqxBroker:
         except BaseException:
             self.stop()
             raise
+        assert self.proc is not None
         self._children = _descendants(self.proc.pid)
         log.info(
             "emqx_started",
@@ -415,7 +430,7 @@ class EmqxBroker:
             node=self.node_name,
             mqtt_port=self.mqtt_port,
             api_port=self.api_port,
-            seconds=round(time.monotonic() - started, 2),
+            seconds=round(time.monotonic() - self._launched, 2),
         )
         return self
 
@@ -548,6 +563,22 @@ class EmqxBroker:
         if status >= 400:
             raise EmqxApiError(method, path, status, text)
         return json.loads(text) if text.strip() else None
+
+    def create_api_key(self, name: str, timeout_s: float = 30) -> tuple[str, str]:
+        """A new API key (`POST /api/v5/api_key`) for HTTP basic auth: (key, secret).
+
+        `desc` is sent because 5.1.6 and 5.8.9 answer 500 without it; e5.9.1 answers 404 on the
+        route for a few seconds after its listener opens, so 404 is retried until `timeout_s`."""
+        body = {"name": name, "desc": "sdv-fanout tests", "enable": True}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                made = self.api("POST", "/api_key", body)
+                return str(made["api_key"]), str(made["api_secret"])
+            except EmqxApiError as exc:
+                if exc.status != 404 or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
 
     def register_exhook(
         self,

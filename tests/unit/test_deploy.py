@@ -545,3 +545,61 @@ def test_grafana_dashboard_has_a_request_lifecycle_row() -> None:
         for y in range(p["gridPos"]["y"], p["gridPos"]["y"] + p["gridPos"]["h"])
     ]
     assert len(cells) == len(set(cells)) and max(x for x, _ in cells) < 24
+
+
+# -- EMQX's side: the emqx-sync Job --------------------------------------------------------------
+
+SYNC = K8S / "emqx-sync"
+
+
+def sync_job() -> dict[str, Any]:
+    [job] = resources(SYNC / "kustomization.yaml")
+    return job
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_emqx_sync_job_validates_strictly(version: str) -> None:
+    """The Job validates against the Kubernetes schemas, unknown fields rejected."""
+    job = sync_job()
+    assert job["kind"] == "Job"
+    kubernetes_validate.validate(job, version, strict=True)
+
+
+def test_emqx_sync_job_runs_sync_with_the_api_key_from_a_secret() -> None:
+    """`sdv-fanout emqx sync` with the pods' settings file and the key and secret from a Secret (required
+    here: without them the Job cannot do anything); a pod the Service does not select, hardened like the server."""
+    pod = sync_job()["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert c["command"] + c["args"] == ["sdv-fanout", "emqx", "sync"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["SDV_FANOUT_CONFIG"]["value"] == "/etc/sdv-fanout/config.toml"
+    for name in ("SDV_FANOUT_EMQX_API_KEY", "SDV_FANOUT_EMQX_API_SECRET"):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "sdv-fanout-emqx-api" and not ref.get("optional", False)
+    assert [v["configMap"]["name"] for v in pod["volumes"]] == [by_kind("ConfigMap")["metadata"]["name"]]
+    service = by_kind("Service", K8S / "base")
+    labels = sync_job()["spec"]["template"]["metadata"]["labels"]
+    assert not service["spec"]["selector"].items() <= labels.items()
+    assert pod["securityContext"]["runAsNonRoot"] and c["securityContext"]["readOnlyRootFilesystem"]
+    assert pod["enableServiceLinks"] is False and pod["restartPolicy"] == "OnFailure"
+
+
+@pytest.mark.parametrize("root", MODES)
+def test_emqx_sync_job_and_the_pods_want_the_same_from_emqx(root: Path, tmp_path: Path) -> None:
+    """The Job (settings file only) and each mode's pods (file and environment, which sync at start)
+    want the same ExHook entry, hook list and rule: else each sync would undo the other's. The
+    entry's URL is the Service; the pods' API key is optional (a missing one is logged, not fatal)."""
+    from exhook_server import emqx_sync
+
+    job = Config(**tomllib.loads(by_kind("ConfigMap")["data"]["config.toml"]))
+    pods = pod_config(root, tmp_path)
+    assert pods.emqx_sync_on_start and pods.emqx_api_url
+    assert emqx_sync.wanted_exhook(job) == emqx_sync.wanted_exhook(pods)
+    assert emqx_sync.wanted_hooks(job) == emqx_sync.wanted_hooks(pods)
+    assert emqx_sync.wanted_rule(job, [(5, 8, 9)]) == emqx_sync.wanted_rule(pods, [(5, 8, 9)])
+    service = by_kind("Service", K8S / "base")
+    [grpc] = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    assert job.exhook_url == f"http://{service['metadata']['name']}.sdv.svc:{grpc['port']}"
+    for e in container(root)["env"]:
+        if e["name"].startswith("SDV_FANOUT_EMQX_API_"):
+            assert e["valueFrom"]["secretKeyRef"]["optional"] is True

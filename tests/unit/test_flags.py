@@ -33,6 +33,10 @@ STRINGS = {
     "mqtt_url": "mqtts://broker.example:8883",
     "log_format": "json",
     "log_level": "debug",
+    "emqx_api_url": "http://emqx.emqx.svc:18083",
+    "emqx_exhook_url": "http://sdv-fanout.sdv.svc:9000",
+    "emqx_exhook_name": "fleet-hook",
+    "emqx_exhook_failed_action": "deny",
 }
 #: Settings that are only valid together with others: given the same way to both sides.
 COMPANIONS = {
@@ -41,6 +45,9 @@ COMPANIONS = {
     "tls_client_ca_file": {"tls_cert_file": "cert.pem", "tls_key_file": "key.pem"},
     "cli_tls_cert_file": {"cli_tls_key_file": "client.key"},
     "cli_tls_key_file": {"cli_tls_cert_file": "client.pem"},
+    "emqx_exhook_tls_cert_file": {"emqx_exhook_tls_key_file": "client.key"},
+    "emqx_exhook_tls_key_file": {"emqx_exhook_tls_cert_file": "client.pem"},
+    "emqx_sync_on_start": {"emqx_api_url": "http://emqx:18083"},
 }
 
 

@@ -1,0 +1,314 @@
+"""`sdv-fanout emqx sync|check` and the run-time hook-set checks against real EMQX 5.1.6, 5.8.9, 5.9.1.
+
+The three brokers start together once for the module (an API key made through the REST API on
+each); each test runs `sdv-fanout serve` processes on loopback and the CLI in-process. A fresh
+broker gets the ExHook entry and the ack rule from one sync; a server restarted with another
+ack_topic_prefix finds EMQX still calling the hooks of the old list (it logs and counts it) until
+a sync reloads the entry; a second sync writes nothing, which the server's OnProviderLoaded count
+and the client's list of writes both show.
+"""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+from prometheus_client.parser import text_string_to_metric_families
+
+from exhook_server import cli, emqx_sync
+from exhook_server.config import Config
+from exhook_server.emqx_api import EmqxApi
+from tests.emqx_real import EmqxBroker, EmqxError, available_versions, where_looked
+from tests.emqx_sim import free_port, release_paho
+from tests.harness import SubprocessServer, poll
+
+pytestmark = pytest.mark.slow
+if not available_versions():
+    pytest.skip(f"no real EMQX release: {where_looked()}", allow_module_level=True)
+
+VERSIONS = ["5.1.6", "5.8.9", "5.9.1"]
+ACK_PREFIX = "$SDV-FANOUT/acked"
+#: Versions seen loading a restarted ExHook server again on their own once a call hit the dropped
+#: connection (e5.9.1, not every time); 5.1.6 and 5.8.9 reconnect and keep the list they loaded.
+RELOADS_BY_ITSELF = {"5.9.1"}
+
+
+class Rig:
+    """A broker with an API key, and the settings (as flags) of a server on a fixed loopback port."""
+
+    def __init__(self, broker: EmqxBroker, workdir: Path) -> None:
+        self.broker = broker
+        self.workdir = workdir
+        self.key, self.secret = broker.create_api_key("sdv-fanout-sync")
+        self.port = free_port()
+        self.servers: list[SubprocessServer] = []
+        self.api_url = f"http://127.0.0.1:{broker.api_port}"
+
+    def flags(self, name: str, ack_prefix: str) -> list[str]:
+        """The settings `emqx sync|check` and the server share."""
+        return [
+            "--emqx-api-url",
+            self.api_url,
+            "--emqx-api-key",
+            self.key,
+            "--emqx-api-secret",
+            self.secret,
+            "--emqx-exhook-name",
+            name,
+            "--emqx-exhook-url",
+            f"http://127.0.0.1:{self.port}",
+            "--ack-topic-prefix",
+            ack_prefix,
+        ]
+
+    def cfg(self, name: str, ack_prefix: str) -> Config:
+        return Config(
+            emqx_api_url=self.api_url,
+            emqx_api_key=self.key,
+            emqx_api_secret=self.secret,
+            emqx_exhook_name=name,
+            emqx_exhook_url=f"http://127.0.0.1:{self.port}",
+            ack_topic_prefix=ack_prefix,
+        )
+
+    def serve(self, name: str, ack_prefix: str, *extra: str) -> SubprocessServer:
+        """`sdv-fanout serve` on the rig's port (no delivery: the hooks are what matters here)."""
+        self.stop_servers()
+        srv = SubprocessServer(
+            self.workdir / f"lmdb-{len(self.servers)}",
+            *self.flags(name, ack_prefix),
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--processes",
+            "1",
+            *extra,
+        )
+        self.servers.append(srv)
+        return srv
+
+    def stop_servers(self) -> None:
+        for srv in self.servers:
+            if srv.proc.poll() is None:
+                assert srv.terminate() == 0, srv.log()[-3000:]
+
+    def api(self) -> EmqxApi:
+        return EmqxApi(self.api_url, self.key, self.secret)
+
+    def hooks(self, name: str) -> dict[str, frozenset[str]]:
+        return emqx_sync.held_hooks(self.broker.exhook_hooks(name))
+
+    def rules(self) -> list[str]:
+        return [r["id"] for r in self.broker.api("GET", "/rules")["data"] if r.get("name") == emqx_sync.RULE_ID]
+
+    def cleanup(self, name: str) -> None:
+        self.stop_servers()
+        self.broker.unregister_exhook(name)
+        for rid in self.rules():
+            self.broker.api("DELETE", f"/rules/{rid}")
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """`sdv-fanout <argv>` in-process: exit code and what it printed."""
+    capsys.readouterr()
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def metric(srv: SubprocessServer, name: str, **labels: str) -> float:
+    """A sample of the server's /metrics (0 when absent)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def loads(srv: SubprocessServer) -> float:
+    """How often EMQX loaded this server (OnProviderLoaded calls answered)."""
+    return metric(srv, "sdv_fanout_hook_calls_total", hook="OnProviderLoaded", outcome="ok")
+
+
+def connected_and_loaded(rig: Rig, name: str, want: dict[str, frozenset[str]]) -> bool:
+    return rig.broker.exhook_status(name) == ["connected"] and rig.hooks(name) == want
+
+
+@pytest.fixture(scope="module")
+def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rig]]:
+    """Every available version, booting side by side, killed at the end. A boot that fails (a
+    port it was given got taken meanwhile) is tried once more on new ports."""
+    workdir = tmp_path_factory.mktemp("emqx-sync")
+    started = {v: EmqxBroker(v, workdir) for v in VERSIONS if v in available_versions()}
+    try:
+        for broker in started.values():
+            broker.launch()
+        for version, broker in started.items():
+            try:
+                broker.wait_started()
+            except EmqxError:
+                broker.kill()
+                started[version] = EmqxBroker(version, workdir).start()
+        yield {v: Rig(b, workdir / v.replace(".", "_")) for v, b in started.items()}
+    finally:
+        for broker in started.values():
+            broker.kill()
+
+
+@pytest.fixture(params=VERSIONS)
+def rig(request: pytest.FixtureRequest, brokers: dict[str, Rig]) -> Iterator[Rig]:
+    if request.param not in brokers:
+        pytest.skip(f"no EMQX {request.param}: {where_looked()}")
+    r = brokers[request.param]
+    r.workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        yield r
+    finally:
+        r.stop_servers()
+
+
+def test_fresh_broker_gets_entry_and_rule_then_a_second_sync_changes_nothing(
+    rig: Rig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "fresh"
+    srv = rig.serve(name, ACK_PREFIX)
+    try:
+        code, out = run_cli(capsys, "emqx", "check", *rig.flags(name, ACK_PREFIX))
+        assert code == 1 and f"exhook {name}: create" in out and "rule sdv-fanout-acks: create" in out, out
+        # --dry-run prints the same and writes nothing.
+        code, out = run_cli(capsys, "emqx", "sync", "--dry-run", *rig.flags(name, ACK_PREFIX))
+        assert code == 0 and "2 change(s) to make, none made" in out, out
+        assert name not in [e["name"] for e in rig.broker.api("GET", "/exhooks")]
+        assert rig.rules() == []
+        assert "authorization.no_match is allow" in out  # the release's default: a hint, not a failure
+
+        code, out = run_cli(capsys, "emqx", "sync", *rig.flags(name, ACK_PREFIX))
+        assert code == 0, out
+        assert f"changed: exhook {name}: create" in out and "changed: rule sdv-fanout-acks: create" in out
+        cfg = rig.cfg(name, ACK_PREFIX)
+        want = emqx_sync.wanted_hooks(cfg)
+        assert "message.acked" not in want
+        poll(lambda: connected_and_loaded(rig, name, want), timeout_s=20)
+        assert rig.rules() == [emqx_sync.RULE_ID]
+        code, out = run_cli(capsys, "emqx", "check", *rig.flags(name, ACK_PREFIX))
+        assert code == 0 and "in sync" in out, out
+
+        # A second run: no write at all, so no reload either.
+        before = loads(srv)
+        api = rig.api()
+        again = emqx_sync.plan(cfg, api)
+        assert again.in_sync, (again.changes, again.problems)
+        assert emqx_sync.apply(cfg, api, again) == [] and api.writes == []
+        code, out = run_cli(capsys, "emqx", "sync", *rig.flags(name, ACK_PREFIX))
+        assert code == 0 and "0 change(s) made" in out and "changed:" not in out, out
+        assert loads(srv) == before == 1
+    finally:
+        rig.cleanup(name)
+
+
+def ack_a_request(rig: Rig, vin: str) -> None:
+    """A vehicle PUBACKs a message on its request topic: EMQX runs message.acked for it."""
+    got = threading.Event()
+    vehicle = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=vin, protocol=mqtt.MQTTv5)
+    vehicle.on_message = lambda *_: got.set()
+    sender = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{vin}-sender", protocol=mqtt.MQTTv5)
+    try:
+        vehicle.connect(rig.broker.host, rig.broker.mqtt_port)
+        vehicle.loop_start()
+        subscribed = threading.Event()
+        vehicle.on_subscribe = lambda *_: subscribed.set()
+        vehicle.subscribe(f"agent/{vin}/proxy/request/+", qos=1)
+        assert subscribed.wait(10)
+        sender.connect(rig.broker.host, rig.broker.mqtt_port)
+        sender.loop_start()
+        sender.publish(f"agent/{vin}/proxy/request/r1", b"x", qos=1).wait_for_publish(10)
+        assert got.wait(10)
+    finally:
+        for c in (vehicle, sender):
+            c.disconnect()
+            c.loop_stop()
+            release_paho(c)
+
+
+def test_changed_hook_set_is_noticed_at_run_time_and_sync_reloads_it(
+    rig: Rig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "toggled"
+    hooks_acked = emqx_sync.wanted_hooks(rig.cfg(name, ""))
+    hooks_rule = emqx_sync.wanted_hooks(rig.cfg(name, ACK_PREFIX))
+    may_reload_itself = rig.broker.version in RELOADS_BY_ITSELF
+    try:
+        # Acks through the hook: the baseline.
+        rig.serve(name, "")
+        assert run_cli(capsys, "emqx", "sync", *rig.flags(name, ""))[0] == 0
+        poll(lambda: connected_and_loaded(rig, name, hooks_acked), timeout_s=20)
+
+        # The server restarts with ack_topic_prefix: EMQX reconnects and keeps the old list.
+        srv = rig.serve(name, ACK_PREFIX, "--hook-set-confirm-s", "1")
+        # hook_set_confirm_s after its start it asked EMQX (emqx_api_url is set): not its list.
+        def settled() -> str | None:
+            if any(e.get("reason") == "emqx_holds_other_list" for e in srv.events()):
+                return "old list"
+            if may_reload_itself and connected_and_loaded(rig, name, hooks_rule):
+                return "reloaded"
+            return None
+
+        if poll(settled, timeout_s=10) == "old list":
+            assert loads(srv) == 0 and metric(srv, "sdv_fanout_hook_set_confirmed") == 0
+            # A call for the hook it no longer asks for is logged and counted.
+            ack_a_request(rig, "SYNCVIN1")
+            poll(lambda: any(e.get("reason") == "not_registered" for e in srv.events()), timeout_s=10)
+            assert metric(srv, "sdv_fanout_hook_set_mismatch_total", hook="message.acked") == 2
+
+        code, out = run_cli(capsys, "emqx", "check", *rig.flags(name, ACK_PREFIX))
+        assert code == 1 and "rule sdv-fanout-acks: create" in out, out
+        assert may_reload_itself or ("reload" in out and "- message.acked" in out), out
+        code, out = run_cli(capsys, "emqx", "sync", *rig.flags(name, ACK_PREFIX))
+        assert code == 0 and "problem" not in out, out
+        assert may_reload_itself or "changed: exhook toggled: reload" in out, out
+        assert rig.hooks(name) == hooks_rule and rig.rules() == [emqx_sync.RULE_ID]
+        assert loads(srv) == 1 and metric(srv, "sdv_fanout_hook_set_confirmed") == 1
+        api = rig.api()
+        emqx_sync.apply(rig.cfg(name, ACK_PREFIX), api, emqx_sync.plan(rig.cfg(name, ACK_PREFIX), api))
+        assert api.writes == [] and loads(srv) == 1
+
+        # And back: the hook acks again, the rule goes (after the reload).
+        srv = rig.serve(name, "")
+        code, out = run_cli(capsys, "emqx", "sync", *rig.flags(name, ""))
+        assert code == 0 and "rule sdv-fanout-acks: delete" in out, out
+        assert may_reload_itself or ("reload" in out and "+ message.acked" in out), out
+        assert rig.hooks(name) == hooks_acked and rig.rules() == [] and loads(srv) == 1
+        assert run_cli(capsys, "emqx", "check", *rig.flags(name, ""))[0] == 0
+    finally:
+        rig.cleanup(name)
+
+
+def test_unreachable_api_and_bad_credentials_exit_2_with_one_line(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = rig.flags("nobody", "")
+    wrong = [*flags, "--emqx-api-secret", "not-the-secret"]
+    code, out = run_cli(capsys, "emqx", "check", *wrong)
+    assert code == 2 and "refused the API key" in out and "not-the-secret" not in out, out
+    assert len(out.strip().splitlines()) == 1
+    closed = [*flags, "--emqx-api-url", f"http://127.0.0.1:{free_port()}"]
+    code, out = run_cli(capsys, "emqx", "sync", *closed)
+    assert code == 2 and "unreachable" in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_server_syncs_on_start_and_confirms_the_hook_set(rig: Rig) -> None:
+    name = "onstart"
+    try:
+        srv = rig.serve(name, ACK_PREFIX, "--emqx-sync-on-start", "--hook-set-confirm-s", "1")
+        poll(lambda: srv.logged("emqx_sync_done"), timeout_s=20)
+        poll(lambda: connected_and_loaded(rig, name, emqx_sync.wanted_hooks(rig.cfg(name, ACK_PREFIX))), timeout_s=20)
+        assert rig.rules() == [emqx_sync.RULE_ID]
+        poll(lambda: metric(srv, "sdv_fanout_hook_set_confirmed") == 1, timeout_s=10)
+        assert not srv.logged("hook_set_mismatch") and not srv.logged("emqx_sync_failed")
+    finally:
+        rig.cleanup(name)
