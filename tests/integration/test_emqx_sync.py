@@ -106,8 +106,13 @@ class Rig:
         return [r["id"] for r in self.broker.api("GET", "/rules")["data"] if r.get("name") == emqx_sync.RULE_ID]
 
     def cleanup(self, name: str) -> None:
+        """Disable the test's entry (never delete it: a create after a delete has crashed e5.9.1's
+        ExHook manager, `config_not_found` for the deleted name), while its server still answers
+        the unload (5.1.6 waits out request_timeout for one that is gone), then the rest."""
+        entry = self.broker.api("GET", f"/exhooks/{name}")
+        keep = ("name", "url", "request_timeout", "failed_action", "pool_size", "auto_reconnect")
+        self.broker.api("PUT", f"/exhooks/{name}", {**{k: entry[k] for k in keep}, "enable": False})
         self.stop_servers()
-        self.broker.unregister_exhook(name)
         for rid in self.rules():
             self.broker.api("DELETE", f"/rules/{rid}")
 
@@ -252,6 +257,7 @@ def test_changed_hook_set_is_noticed_at_run_time_and_sync_reloads_it(
 
         # The server restarts with ack_topic_prefix: EMQX reconnects and keeps the old list.
         srv = rig.serve(name, ACK_PREFIX, "--hook-set-confirm-s", "1")
+
         # hook_set_confirm_s after its start it asked EMQX (emqx_api_url is set): not its list.
         def settled() -> str | None:
             if any(e.get("reason") == "emqx_holds_other_list" for e in srv.events()):
@@ -273,18 +279,22 @@ def test_changed_hook_set_is_noticed_at_run_time_and_sync_reloads_it(
         code, out = run_cli(capsys, "emqx", "sync", *rig.flags(name, ACK_PREFIX))
         assert code == 0 and "problem" not in out, out
         assert may_reload_itself or "changed: exhook toggled: reload" in out, out
-        assert rig.hooks(name) == hooks_rule and rig.rules() == [emqx_sync.RULE_ID]
-        assert loads(srv) == 1 and metric(srv, "sdv_fanout_hook_set_confirmed") == 1
+        # (e5.9.1 may be reconnecting: then it loads the server, with this list, when it connects)
+        poll(lambda: connected_and_loaded(rig, name, hooks_rule), timeout_s=20)
+        assert rig.rules() == [emqx_sync.RULE_ID] and metric(srv, "sdv_fanout_hook_set_confirmed") == 1
+        assert loads(srv) == 1 or may_reload_itself
+        loaded = loads(srv)
         api = rig.api()
         emqx_sync.apply(rig.cfg(name, ACK_PREFIX), api, emqx_sync.plan(rig.cfg(name, ACK_PREFIX), api))
-        assert api.writes == [] and loads(srv) == 1
+        assert api.writes == [] and loads(srv) == loaded
 
         # And back: the hook acks again, the rule goes (after the reload).
         srv = rig.serve(name, "")
         code, out = run_cli(capsys, "emqx", "sync", *rig.flags(name, ""))
         assert code == 0 and "rule sdv-fanout-acks: delete" in out, out
         assert may_reload_itself or ("reload" in out and "+ message.acked" in out), out
-        assert rig.hooks(name) == hooks_acked and rig.rules() == [] and loads(srv) == 1
+        poll(lambda: connected_and_loaded(rig, name, hooks_acked), timeout_s=20)
+        assert rig.rules() == [] and (loads(srv) == 1 or may_reload_itself)
         assert run_cli(capsys, "emqx", "check", *rig.flags(name, ""))[0] == 0
     finally:
         rig.cleanup(name)
