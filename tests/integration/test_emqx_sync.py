@@ -33,8 +33,8 @@ if not available_versions():
 
 VERSIONS = ["5.1.6", "5.8.9", "5.9.1"]
 ACK_PREFIX = "$SDV-FANOUT/acked"
-#: Versions seen loading a restarted ExHook server again on their own once a call hit the dropped
-#: connection (e5.9.1, not every time); 5.1.6 and 5.8.9 reconnect and keep the list they loaded.
+#: Versions seen loading a restarted ExHook server again on their own, mostly within auto_reconnect
+#: (e5.9.1, not every time); 5.1.6 and 5.8.9 reconnect and keep the list they loaded.
 RELOADS_BY_ITSELF = {"5.9.1"}
 
 
