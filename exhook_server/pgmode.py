@@ -181,7 +181,9 @@ async def lead(cfg: Config, jobs: Callable[[], list[Coroutine[Any, Any, None]]],
 async def _connect(url: str) -> Any:
     """A connection of its own, opened so that a cancel neither gets lost nor leaks it: asyncpg's
     connect, cancelled as it completes, may hand back the connection or drop it unclosed. The
-    connect runs shielded; if we are cancelled meanwhile, whatever it opens is closed at once."""
+    connect runs shielded; if we are cancelled meanwhile, whatever it opens is closed at once,
+    and the cancel waits (up to the probe timeout) for the connect to end: a stopping server's
+    loop must not close over it, pending with its socket open."""
     opening = asyncio.ensure_future(
         asyncpg.connect(url, timeout=_PROBE_TIMEOUT_S * 5, server_settings={"application_name": LEADER_APPLICATION})
     )
@@ -189,6 +191,7 @@ async def _connect(url: str) -> Any:
         return await asyncio.shield(opening)
     except asyncio.CancelledError:
         opening.add_done_callback(_terminate_opened)
+        await asyncio.wait([opening], timeout=_PROBE_TIMEOUT_S)
         raise
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import asyncpg
 
+from exhook_server import pgmode
 from exhook_server.aio import cancel_all
 from storage.errors import StorageError
 from storage.pg.errors import as_storage_error
+from tests.pg_cluster import APP_DB, APP_USER, PgCluster
 
 
 async def _query_that_fails_when_interrupted() -> None:
@@ -85,3 +88,50 @@ def test_cancel_all_cancels_again_a_loop_that_swallowed_its_cancel() -> None:
         return bool(done), odd.cancelled(), len(swallowed)
 
     assert asyncio.run(main()) == (True, True, 1)
+
+
+def test_a_leader_connect_cancelled_by_a_stop_is_over_when_the_cancel_returns(pg_cluster: PgCluster) -> None:
+    """A stop that cancels the leader while its connection is opening (slow: a loaded machine, a
+    far database) returns once that connect is over and its connection closed: nothing pending is
+    left to a loop about to close (it was destroyed pending, its socket unclosed)."""
+
+    async def main() -> tuple[list[str], int]:
+        links: list[asyncio.Task[Any]] = []
+
+        async def slow_link(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            links.append(asyncio.current_task())  # type: ignore[arg-type]
+            await asyncio.sleep(0.5)  # the database answers late
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", pg_cluster.port)
+
+            async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+                with contextlib.suppress(ConnectionError):
+                    while data := await src.read(65536):
+                        dst.write(data)
+                        await dst.drain()
+                dst.close()
+
+            await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+        link = await asyncio.start_server(slow_link, "127.0.0.1", 0)
+        port = link.sockets[0].getsockname()[1]
+        try:
+            leader = asyncio.create_task(pgmode._connect(f"postgresql://{APP_USER}@127.0.0.1:{port}/{APP_DB}"))
+            await asyncio.sleep(0.1)
+            leader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await leader
+            pending = [t.get_coro().__qualname__ for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            still = await asyncpg.connect(pg_cluster.dsn_for(APP_DB))
+            try:
+                opened = await still.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", pgmode.LEADER_APPLICATION
+                )
+            finally:
+                await still.close()
+            return [name for name in pending if name == "connect"], opened
+        finally:
+            link.close()
+            await asyncio.wait(links, timeout=10)  # the link ends with the connection it carried
+            await link.wait_closed()
+
+    assert asyncio.run(main()) == ([], 0)
