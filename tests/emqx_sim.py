@@ -57,6 +57,7 @@ import heapq
 import itertools
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -118,24 +119,46 @@ class SimulationError(AssertionError):
     """The harness could not play EMQX's part faithfully (or crashed while trying)."""
 
 
+#: Where `free_ports` picks: below the kernel's ephemeral range (ip_local_port_range), from which
+#: every outgoing connection of every process on the machine takes its local port. A port picked
+#: by bind(0) comes from that range too, and a client connecting anywhere could take it between
+#: our pick and the broker's bind (an EMQX 5.9.1 found its distribution port "in use" so).
+_PICK_FROM, _PICK_BELOW = 10_000, 32_768
+
+
+def _pick_range() -> tuple[int, int]:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = _PICK_BELOW
+    return _PICK_FROM, max(_PICK_FROM + 1_000, min(low, 65_536))
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago (see `free_ports`)."""
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct TCP ports on 127.0.0.1 that were free a moment ago. All are held at once while
-    they are picked: one at a time, the kernel may hand out a port it has just given back (an EMQX
-    once got the same port for its dashboard and its RPC server, and did not boot)."""
+    """`n` distinct TCP ports on 127.0.0.1 that were free a moment ago, picked at random outside
+    the ephemeral range (no outgoing connection takes them meanwhile; see `_PICK_FROM`). All are
+    held at once while they are picked: the same port is never given twice (an EMQX once got the
+    same port for its dashboard and its RPC server, and did not boot)."""
+    low, high = _pick_range()
+    pick = random.SystemRandom()
     with contextlib.ExitStack() as held:
-        ports = []
-        for _ in range(n):
+        ports: list[int] = []
+        for _ in range(1_000):
+            if len(ports) == n:
+                return ports
+            port = pick.randrange(low, high)
             s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind((LOOPBACK, 0))
-            ports.append(int(s.getsockname()[1]))
-        return ports
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue  # taken (or in TIME_WAIT): another
+            ports.append(port)
+        raise OSError(f"no {n} free ports on {LOOPBACK} in [{low}, {high})")
 
 
 #: select()'s limit: paho's network loop watches its sockets with select.select, which refuses a file

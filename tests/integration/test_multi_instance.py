@@ -644,8 +644,10 @@ def test_a_batch_stored_while_another_instance_handles_the_vehicles_puback_is_de
                     timeout_s=10,
                 )
             v.auto_ack = True
-            v.wait_for(2, timeout_s=2 * INFLIGHT_TIMEOUT_S)
-            poll(db.settled, timeout_s=10)
+            # Well within the leader's wake-idle pass (every inflight_timeout_s, 60 s here), which
+            # would deliver it without the wake-up; on a loaded machine 4 s was not always enough.
+            v.wait_for(2, timeout_s=20)
+            poll(db.settled, timeout_s=30)
             assert [rid_of(r.topic) for r in v.received] == ["task_wake_1", "task_wake_2"]
 
 

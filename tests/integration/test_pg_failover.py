@@ -54,8 +54,10 @@ pytestmark = pytest.mark.slow
 VINS = 200
 #: Short, so a call that waits on the database shows quickly; ample for a 200-row commit.
 INGEST_TIMEOUT_S = 2.0
-#: What an answer may take past ingest_timeout_s: scheduling on 2 shared cores, not waiting.
-ANSWER_MARGIN_S = 2.0
+#: What an answer may take past ingest_timeout_s: scheduling on 2 shared cores (a loaded machine,
+#: tests beside this one), not waiting. Still well short of the client's deadline (CLIENT_DEADLINE_S,
+#: 10 s), which a hung call would reach.
+ANSWER_MARGIN_S = 5.0
 #: Instance 0 has a grace far longer than this failover: its health must stay SERVING.
 PATIENT, PATIENT_GRACE_S = 0, 30.0
 #: Instance 1's grace is shorter than the outage this test holds: NOT_SERVING, then SERVING again.
