@@ -8,6 +8,9 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 RUNTIME := $(VENV)/.runtime
 ARGS    ?=
+# Two workers: the suite's tests wait on subprocesses, brokers and databases about half the time,
+# so two share 2 cores well; more multiply the brokers and clusters started (one per worker).
+TEST_WORKERS ?= 2
 
 .PHONY: run test demo check lint typecheck proto bench clean
 
@@ -23,9 +26,9 @@ $(STAMP): requirements.txt requirements-runtime.txt setup.cfg pyproject.toml scr
 run: $(RUNTIME)
 	$(BIN)/sdv-fanout serve $(ARGS)
 
-## test: the whole test suite (what CI runs)
+## test: the whole test suite (what CI runs), on TEST_WORKERS pytest-xdist workers (TEST_WORKERS=0: one process)
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 ## demo: the product end to end in ~30 s: EMQX if a release is found (else mosquitto + simulated ExHook), the server, 200 vehicles (ARGS="--processes 4 --broker sim" to change; see demo/README.md)
 demo: $(STAMP)

@@ -22,6 +22,21 @@ log.configure("console", "warning", cache=False)
 _databases = itertools.count()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a pytest-xdist worker (`make test`: `--dist loadfile --no-loadscope-reorder`, a whole
+    file per worker, so a module's broker or cluster is set up once): the files with `slow`
+    tests, then the Spark ones, are handed out first, so that the other worker is not left idle
+    while one of them runs at the end. A serial run keeps the collected order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    weight: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        heavy = 2 if item.get_closest_marker("slow") else 1 if path.startswith("tests/spark/") else 0
+        weight[path] = max(weight.get(path, 0), heavy)
+    items.sort(key=lambda item: -weight[item.nodeid.split("::", 1)[0]])  # stable: files stay whole
+
+
 @pytest.fixture
 def store_kind() -> str:
     """The store `make_server`'s servers use. A module whose behaviour must hold on both stores
