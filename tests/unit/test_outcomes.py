@@ -12,7 +12,7 @@ import pytest
 from storage import gc, keys, ops, outcomes
 from storage.ops import sha1_of
 from storage.outcomes import Outcome
-from storage.store import Store
+from storage.store import SCHEMA_VERSION, Store
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ def test_a_version_1_store_is_upgraded_with_its_rows_pending(tmp_path: Path) -> 
             txn.drop(s.tables.gens, delete=False)
             txn.put(b"schema_version", b"1", db=s.tables.meta)
     with Store(path) as s:
-        assert s.schema_version == 3
+        assert s.schema_version == SCHEMA_VERSION
         assert counts(s, "task_ota_1", b"fw1") == {"total": 2, "pending": 2}
         assert_recount(s)
 
