@@ -159,7 +159,7 @@ def main() -> None:
                     say(f"no EMQX {version}: skipped")
                     continue
                 for store in stores:
-                    for attempt in range(3):  # a broker port taken meanwhile by another program: again
+                    for attempt in range(3):  # a port taken meanwhile by another program: again
                         try:
                             where = Path(tmp) / f"{version}-{store}-{attempt}"
                             where.mkdir()
@@ -168,6 +168,10 @@ def main() -> None:
                             break
                         except EmqxError as exc:
                             say(f"{version} {store}: broker failed ({str(exc).splitlines()[0]}), again")
+                        except AssertionError as exc:  # our port taken between choosing and binding it
+                            if "address already in use" not in str(exc):
+                                raise
+                            say(f"{version} {store}: the server's port was taken meanwhile, again")
     finally:
         if cluster is not None:
             cluster.stop()

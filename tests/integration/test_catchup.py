@@ -1,8 +1,8 @@
 """The catch-up session on a real EMQX (5.8.9, one broker for the module): batches published while
 every server process is stopped (SIGSTOP, then kill -9) are stored once and delivered once to
 real vehicles after the processes continue or start again, in LMDB mode (a group of two
-processes) and in PostgreSQL mode (two instances); a batch both the hook and the session saw is
-stored and delivered once.
+processes) and in PostgreSQL mode (two instances); the session moves with the PostgreSQL lead when
+the leader is killed; a batch both the hook and the session saw is stored and delivered once.
 
 The ExHook is registered with request_timeout 1 s: a stopped server costs each publish one second,
 after which EMQX applies failed_action `ignore`, PUBACKs the platform and routes the batch to the
