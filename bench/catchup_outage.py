@@ -38,6 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
 
+import structlog
+
 from tests.emqx_real import EmqxError, Fleet, Platform, find_release, running_emqx
 from tests.harness import poll
 from tests.integration.test_catchup import Rig, batch, hold_acks, hooks_reach, release_acks
@@ -140,6 +142,7 @@ def one(version: str, store: str, args: argparse.Namespace, workdir: Path, clust
 
 
 def main() -> None:
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout: the table only
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--versions", default="5.1.6,5.8.9,5.9.1")
     ap.add_argument("--stores", default="lmdb,postgresql")
