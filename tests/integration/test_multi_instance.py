@@ -643,7 +643,9 @@ def test_a_batch_stored_while_another_instance_handles_the_vehicles_puback_is_de
                     lambda: metric(storing, "sdv_fanout_db_round_trips_total", 'purpose="batch_filter"') > filtered,
                     timeout_s=10,
                 )
-            v.auto_ack = True
+                # Before the commit: task_wake_2 may come the moment the lock goes, and a PUBACK
+                # held back then was never sent (the store never settled).
+                v.auto_ack = True
             # Well within the leader's wake-idle pass (every inflight_timeout_s, 60 s here), which
             # would deliver it without the wake-up; on a loaded machine 4 s was not always enough.
             v.wait_for(2, timeout_s=20)
