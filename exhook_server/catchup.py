@@ -32,7 +32,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from exhook_server import metrics
+from exhook_server import metrics, paho_tls
 from exhook_server.config import Config
 from exhook_server.errors import StorageError
 from exhook_server.ingest import Ingestor
@@ -157,7 +157,7 @@ class CatchupSession:
     # -- the MQTT thread -----------------------------------------------------------------------
     def _new_client(self) -> mqtt.Client:
         cfg = self._cfg
-        client = mqtt.Client(
+        client = paho_tls.Client(
             CallbackAPIVersion.VERSION2,
             client_id=self.clientid,
             protocol=mqtt.MQTTv5,

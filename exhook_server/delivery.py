@@ -44,6 +44,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
+from exhook_server import paho_tls
 from exhook_server.config import Config
 from exhook_server.topics import RequestTopics
 from storage.store import now_ms
@@ -75,7 +76,7 @@ _PUBACK_OK = ReasonCode(PacketTypes.PUBACK)
 _NO_PROPERTIES = Properties(PacketTypes.PUBACK)  # type: ignore[no-untyped-call]
 
 
-class _Client(mqtt.Client):
+class _Client(paho_tls.Client):
     """paho's client (pinned: paho-mqtt 2.2.0) with the hot paths of a busy link made cheaper,
     the same bytes on the wire and the same callbacks.
 
