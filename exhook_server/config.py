@@ -313,6 +313,9 @@ class Config:
     # ... and EMQX's client certificate and key, which tls_client_ca_file checks (mutual TLS).
     emqx_exhook_tls_cert_file: str = ""
     emqx_exhook_tls_key_file: str = ""
+    # The name EMQX checks our certificate against (its SNI) when that is not the URL's host
+    # (Erlang's check fails a certificate's IP address against a URL's IP); empty = the host.
+    emqx_exhook_tls_server_name: str = ""
     # Run `emqx sync` once this server is serving; a failure is logged, serving goes on (EMQX
     # keeps what it had). Off by default: it needs the API settings above.
     emqx_sync_on_start: bool = False

@@ -111,6 +111,7 @@ def wanted_exhook(cfg: Config) -> dict[str, Any]:
             ("cacertfile", cfg.emqx_exhook_tls_ca_file),
             ("certfile", cfg.emqx_exhook_tls_cert_file),
             ("keyfile", cfg.emqx_exhook_tls_key_file),
+            ("server_name_indication", cfg.emqx_exhook_tls_server_name),
         ):
             if value:
                 ssl[key] = value
@@ -156,7 +157,7 @@ def exhook_differences(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
     wanted_ssl = want["ssl"]
     differ("ssl.enable", bool(held_ssl.get("enable", False)), wanted_ssl["enable"])
     if wanted_ssl["enable"]:
-        for key in ("verify", "cacertfile", "certfile", "keyfile"):
+        for key in ("verify", "cacertfile", "certfile", "keyfile", "server_name_indication"):
             differ(f"ssl.{key}", held_ssl.get(key) or "", wanted_ssl.get(key, ""))
     return out
 

@@ -101,6 +101,7 @@ def test_wanted_entry_and_tls() -> None:
             emqx_exhook_tls_ca_file="/etc/emqx/certs/ca.pem",
             emqx_exhook_tls_cert_file="/etc/emqx/certs/client.pem",
             emqx_exhook_tls_key_file="/etc/emqx/certs/client.key",
+            emqx_exhook_tls_server_name="sdv-fanout.sdv.svc",
         )
     )
     assert mutual["url"] == "https://127.0.0.1:9000"
@@ -110,6 +111,7 @@ def test_wanted_entry_and_tls() -> None:
         "cacertfile": "/etc/emqx/certs/ca.pem",
         "certfile": "/etc/emqx/certs/client.pem",
         "keyfile": "/etc/emqx/certs/client.key",
+        "server_name_indication": "sdv-fanout.sdv.svc",
     }
     unverified = emqx_sync.wanted_exhook(Config(listen="127.0.0.1:9000", tls_cert_file="c", tls_key_file="k"))
     assert unverified["ssl"] == {"enable": True, "verify": "verify_none"}
