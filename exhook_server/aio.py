@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import structlog
 
 log = structlog.get_logger("sdv_fanout.server")
+T = TypeVar("T")
 
 #: How long `cancel_all` waits before it cancels a loop again, and how many times it does.
 _PATIENCE_S = 1.0
@@ -47,3 +50,29 @@ async def cancel_all(tasks: Iterable[asyncio.Task[None]]) -> None:
             await task
     if interrupted:
         raise asyncio.CancelledError
+
+
+async def in_daemon_thread(fn: Callable[[], T]) -> T:
+    """`fn()` in a daemon thread of its own, awaited: unlike `asyncio.to_thread`, a call still
+    blocked (a network peer that never answers) does not hold up the process's exit, which waits
+    for the default executor's threads. Cancelling the await leaves the thread to finish alone."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not done.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine
+            error = exc
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
+                loop.call_soon_threadsafe(settle, lambda: done.set_exception(error))
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, lambda: done.set_result(result))
+
+    threading.Thread(target=run, name=getattr(fn, "__name__", "worker"), daemon=True).start()
+    return await done

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from exhook_server import acks, admin, catchup, emqx_sync, hooks, housekeeping, memory, pgmode
-from exhook_server.aio import cancel_all
+from exhook_server.aio import cancel_all, in_daemon_thread
 from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
 from exhook_server.dispatch.peers import Group, Peers
@@ -419,11 +419,12 @@ class FanoutServer:
         whether EMQX's hook list is ours (`hookset`)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
+        # (REST calls in daemon threads: an API that never answers must not hold up our exit)
         if self.cfg.emqx_sync_on_start:
-            await asyncio.to_thread(emqx_sync.sync_at_start, self.cfg)
+            await in_daemon_thread(lambda: emqx_sync.sync_at_start(self.cfg))
         await asyncio.sleep(max(0.0, started + self.cfg.hook_set_confirm_s - loop.time()))
         check = (lambda: emqx_sync.hook_list_differences(self.cfg)) if self.cfg.emqx_api_url else None
-        await asyncio.to_thread(self.servicer.watch.deadline_passed, check)
+        await in_daemon_thread(lambda: self.servicer.watch.deadline_passed(check))
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """NOT_SERVING first, finish running calls, commit what is queued, close LMDB."""

@@ -252,3 +252,42 @@ def test_key_files_win_and_check_config_masks_the_secrets(tmp_path: Any, capsys:
     assert cli.main(["check-config", "--emqx-api-key", "the-key", "--emqx-api-secret", "the-secret"]) == 0
     out = capsys.readouterr().out
     assert "the-secret" not in out and "the-key" not in out and out.count("# masked") >= 2
+
+
+def test_start_up_calls_run_in_a_daemon_thread_that_does_not_hold_up_the_exit() -> None:
+    """in_daemon_thread returns fn's result or raises its error; a call still blocked when its
+    await is cancelled does not keep asyncio.run from returning (asyncio.to_thread would: the
+    loop's shutdown waits for the default executor's threads)."""
+    import asyncio
+    import threading
+
+    from exhook_server.aio import in_daemon_thread
+    from tests.harness import poll
+
+    async def ok() -> int:
+        return await in_daemon_thread(lambda: 41 + 1)
+
+    def fail() -> None:
+        raise OSError("api down")
+
+    async def failing() -> None:
+        await in_daemon_thread(fail)
+
+    assert asyncio.run(ok()) == 42
+    with pytest.raises(OSError, match="api down"):
+        asyncio.run(failing())
+
+    release = threading.Event()
+
+    async def abandoned() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(in_daemon_thread(release.wait), timeout=0.05)
+
+    runner = threading.Thread(target=lambda: asyncio.run(abandoned()))
+    runner.start()
+    try:
+        poll(lambda: not runner.is_alive(), timeout_s=10)  # returned while the call still blocks
+        assert not release.is_set()
+    finally:
+        release.set()
+        runner.join(10)
