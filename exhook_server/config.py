@@ -261,7 +261,7 @@ class Config:
     mqtt_keepalive_s: int = 30
     # Where PUBACKs of deliveries reach us: "" = EMQX's message.acked ExHook call (one gRPC call
     # per delivery, its costliest step); a topic prefix = an EMQX rule republishes each PUBACK
-    # to <prefix>/<delivery clientid> (sdv-fanout ack-rule prints it), about a sixth of the CPU.
+    # to <prefix>/<delivery clientid> (`emqx sync` installs it), about a sixth of the CPU.
     # Without that rule no delivery is ever acknowledged.
     ack_topic_prefix: str = ""
     # EMQX's failed_action cannot stop a publish: while no hook call of ours answers (a restart,

@@ -281,7 +281,7 @@ class MqttDelivery:
             log.info(
                 "rule_acks_expected",
                 topic=self.ack_topic,
-                note="message.acked is not registered: PUBACKs arrive only through the EMQX rule (sdv-fanout ack-rule)",
+                note="message.acked is not registered: PUBACKs come only through the EMQX rule (emqx sync installs it)",
             )
 
     def stop(self) -> None:
@@ -500,7 +500,7 @@ class MqttDelivery:
             "rule_acks_missing",
             topic=self.ack_topic,
             waited_s=round(time.monotonic() - since, 1),
-            hint="is the EMQX rule of `sdv-fanout ack-rule` in place and enabled?",
+            hint="is the ack rule in place and enabled? `sdv-fanout emqx check` says",
         )
 
     # -- paho callbacks (the loop's thread) ---------------------------------------------------
