@@ -2,8 +2,9 @@
 
 Several server processes on one host share the LMDB environment. Today each hook event for a
 VIN another process owns is forwarded to the owner over local sockets
-(`exhook_server/dispatch/peers.py`). The alternative (docs scale-out.md §3 applied to LMDB): any
-process handles any VIN, and "at most one in flight per VIN" is a claim, a write transaction that
+(`exhook_server/dispatch/peers.py`). The alternative (the claim of the first PostgreSQL design,
+`bench/pg_raw.py`, applied to LMDB): any process handles any VIN, and "at most one in flight per
+VIN" is a claim, a write transaction that
 sets an in-flight marker only if none is set, in a second LMDB environment opened without fsync
 (sync=False, metasync=False: the marker is soft state, rebuilt after a crash). This script
 measures the three costs the choice rests on, each in its own helper processes (siblings, so the

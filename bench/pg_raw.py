@@ -2,10 +2,10 @@
 
 Not the product: bare statements on a throwaway cluster (tests/pg_cluster.py: 127.0.0.1, fsync and
 synchronous_commit on, run as an unprivileged user), from one asyncio process with 1, 4 and 8
-connections. (a) VIN-rows/s writing 200-row batches into the `rows` table of scale-out.md §3 three
-ways: `executemany` of an upsert, one `INSERT ... SELECT FROM unnest(arrays)` upsert, COPY into a
+connections. (a) VIN-rows/s writing 200-row batches into the `rows` table of the first PostgreSQL
+design (below) three ways: `executemany` of an upsert, one `INSERT ... SELECT FROM unnest(arrays)` upsert, COPY into a
 temp table + merge; one commit per batch, so concurrent connections share WAL flushes (group commit).
-(b) claims/s of §3's claim statement (the one-in-flight marker from the oldest row), and the same
+(b) claims/s of that design's claim statement (the one-in-flight marker from the oldest row), and the same
 statement on VINs already in flight (a miss). (c) the batched heartbeat filter: which of N VINs have
 something pending and nothing in flight, one `vin = ANY($1)` statement.
 
@@ -417,7 +417,7 @@ def report(
                   f"| {dec(med(rs, 'server_cpu_us'))} | {dec(med(rs, 'client_cpu_us'))} |")  # fmt: skip
         print()
     if claim:
-        print(f"### (b) claim: scale-out.md §3's statement on {meta['claims']:,} VINs with 3 pending rows "
+        print(f"### (b) claim: the first design's statement on {meta['claims']:,} VINs with 3 pending rows "
               "each, one autocommit statement per VIN; `miss` = the same on VINs already in flight (no row "
               "changes)")  # fmt: skip
         print()

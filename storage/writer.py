@@ -11,7 +11,7 @@ one others started, so a batch queued before it is never held back by the chunk'
 
 Some writes need not be durable at once: a row delete after a vehicle's PUBACK
 that a crash loses only causes one duplicate delivery, which QoS 1 allows
-(architecture.md §2). Such ops are submitted `lazy`: they ride along with the
+(docs/architecture.md, "A request's life"). Such ops are submitted `lazy`: they ride along with the
 next durable group, or are committed on their own once the oldest has waited
 `lazy_delay_s`. Under a steady ack stream that is one commit per delay instead
 of one per few acks.

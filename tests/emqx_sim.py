@@ -5,8 +5,8 @@ EMQX cannot run here, so tests split its two jobs:
 * a real **mosquitto** broker (`Mosquitto`) carries every MQTT packet: vehicles are real paho
   clients, and the server under test publishes its deliveries to mosquitto with its own paho client;
 * a **driver** (`FakeEmqx` / `Vehicle`) calls the server's HookProvider RPCs at the moments, in the
-  order and with the field values EMQX 5 would (docs/exhook-interface.md §1, §2.3 and the orders
-  observed on a real EMQX 5.1.6 in §7), deriving what it can from what mosquitto really did
+  order and with the field values EMQX 5 would (docs/exhook-interface.md §1, §4 and the orders
+  observed on real EMQX brokers in §6), deriving what it can from what mosquitto really did
   (CONNACK session-present, the vehicle's real TCP port, every PUBLISH the vehicle really got).
 
 What is EMQX-like on purpose:

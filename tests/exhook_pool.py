@@ -1,7 +1,7 @@
 """EMQX's pool of gRPC connections to one ExHook URL, when that URL fronts several server instances.
 
 EMQX opens `pool_size` connections (gun, HTTP/2) to the server URL and sends each hook call over
-the connection its client's key hashes to (`key_dispatch`, docs/exhook-interface.md §2.2), so one
+the connection its client's key hashes to (docs/exhook-interface.md §3), so one
 client's calls share one connection. Behind a Kubernetes Service each connection lands on one pod.
 `ExHookPool` plays that pool for `FakeEmqx`, with one of two routings:
 

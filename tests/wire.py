@@ -1,6 +1,6 @@
 """A tiny, hand-written protobuf wire codec for the ExHook messages.
 
-Written from the field tables of docs/exhook-interface.md sections 1.3-1.6 only:
+Written from the message definitions of proto/exhook_v3.proto (v2: the same less a few fields) only:
 it never imports the server's generated modules or google.protobuf, so the
 wire-conformance tests act as an independent client of the server.
 

@@ -5,7 +5,7 @@ locks. `handle` never waits: reads are short LMDB read transactions, publishes
 are queued by the MQTT client, and an ack's row delete is committed behind it
 (the row source hides the acked row meanwhile, so the next one goes at once).
 
-Rules (architecture.md §3): nothing is sent to a VIN without a live session;
+Rules (docs/architecture.md): nothing is sent to a VIN without a live session;
 at most one delivery per VIN is in flight; the oldest pending row goes first;
 `session_resumed` re-points the in-flight entry (the broker session redelivers
 it) instead of sending again; an entry older than the in-flight timeout, or

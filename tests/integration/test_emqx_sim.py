@@ -1,5 +1,5 @@
 """The EMQX simulation harness (tests/emqx_sim.py) itself, against a real mosquitto and a recording
-HookProvider: the hook orders and fields must be those EMQX sends (docs/exhook-interface.md §7)."""
+HookProvider: the hook orders and fields must be those EMQX sends (docs/exhook-interface.md §6)."""
 
 from __future__ import annotations
 
