@@ -21,8 +21,7 @@ import orjson
 from exhook_server.config import MAX_DATA_ID_BYTES, MAX_VIN_BYTES, Config
 from exhook_server.errors import BatchRejected, Reason
 from exhook_server.topics import is_level, level_problem
-from storage.keys import FLAG_AWAIT_RESPONSE
-from storage.store import now_ms
+from storage.model import FLAG_AWAIT_RESPONSE, now_ms
 
 
 class Kind(enum.Enum):

@@ -23,12 +23,10 @@ from exhook_server import __version__, flags, log
 from exhook_server.config import ENV_PREFIX, SECRET_SETTINGS, Config, join_host_port, load, loopback, split_host_port
 from exhook_server.emqx_api import EmqxApiError
 from exhook_server.errors import ConfigError, StorageError
-from storage.keys import COUNT_NAMES
+from storage.model import COUNT_NAMES
 
 if TYPE_CHECKING:
-    from storage.gc import ApplyReport, GcReport
-    from storage.keys import Row
-    from storage.outcomes import Generation, OutcomeRecord, PageKey
+    from storage.model import ApplyReport, GcReport, Generation, OutcomeRecord, PageKey, Row
     from storage.port import Reads, Writes
 
 T = TypeVar("T")
@@ -535,7 +533,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     from exhook_server.batch import BatchParser, Cancel, Kind
     from exhook_server.errors import BatchRejected
     from storage.cancel import run_cancel
-    from storage.store import now_ms
+    from storage.model import now_ms
 
     cfg = _load(args)
     doc: dict[str, Any] = {"request_id": args.request_id}

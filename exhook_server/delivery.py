@@ -47,7 +47,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from exhook_server import paho_tls
 from exhook_server.config import Config
 from exhook_server.topics import RequestTopics
-from storage.store import now_ms
+from storage.model import now_ms
 
 log = structlog.get_logger("sdv_fanout.delivery")
 

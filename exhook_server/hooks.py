@@ -27,7 +27,7 @@ from exhook_server.errors import StorageError
 from exhook_server.hookset import HookSetWatch, hook_of
 from exhook_server.ingest import Ingestor
 from exhook_server.topics import RequestTopics, TopicTemplate
-from storage.ops import sha1_of
+from storage.model import sha1_of
 
 pb = exhook_v3_pb2
 

@@ -19,8 +19,8 @@ from exhook_server.ingest import report_expired_early
 from exhook_server.status import StatusPublisher
 from storage import gc
 from storage.errors import StorageError
+from storage.model import now_ms
 from storage.port import GcSettings, Reads
-from storage.store import now_ms
 
 log = structlog.get_logger("sdv_fanout.gc")
 

@@ -41,9 +41,8 @@ from exhook_server.topics import is_level
 from storage import cancel as cancelling
 from storage import ops
 from storage.errors import CommitTimeout, LockTimeout
-from storage.outcomes import Outcome
+from storage.model import Outcome, now_ms
 from storage.port import Writes
-from storage.store import now_ms
 
 log = structlog.get_logger("sdv_fanout.ingest")
 

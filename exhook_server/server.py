@@ -41,11 +41,11 @@ from exhook_server.progress import ProgressReporter
 from exhook_server.status import StatusPublisher, answer_fields
 from storage.lmdb_reads import LmdbReads
 from storage.lmdb_writes import LmdbWrites
-from storage.outcomes import Outcome
+from storage.model import Outcome, now_ms
 from storage.pg.reads import PgReads
 from storage.pg.writes import PgWrites
 from storage.port import Reads, Writes
-from storage.store import Store, now_ms
+from storage.store import Store
 from storage.writer import GroupCommitter
 
 log = structlog.get_logger("sdv_fanout.server")

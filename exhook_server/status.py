@@ -36,7 +36,7 @@ import structlog
 from exhook_server import metrics
 from exhook_server.config import Config
 from exhook_server.topics import is_level
-from storage.store import now_ms
+from storage.model import now_ms
 
 log = structlog.get_logger("sdv_fanout.status")
 

@@ -1,4 +1,6 @@
-"""LMDB storage of sdv-fanout: content-addressed blobs, per-vehicle rows, group commit.
+"""Storage of sdv-fanout: the two stores behind one port.
 
-The only package that imports `lmdb`.
+`model` (the values both stores share), `errors` (the one tree of storage errors), `port` (what
+the server asks of a store) and `export_format` import neither `lmdb` nor `asyncpg`. The LMDB
+store is the other modules of this package; the PostgreSQL store is `storage.pg`.
 """

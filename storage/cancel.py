@@ -17,32 +17,18 @@ when the vehicle's PUBACK (or answer) still comes, the outcome is amended to wha
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lmdb
 import orjson
 
 from storage import keys, pending
-from storage.outcomes import Outcome
+from storage.model import CancelChunk as CancelChunk
+from storage.model import Outcome
 from storage.store import Tables
 
 if TYPE_CHECKING:  # storage.port imports this module's CancelChunk
     from storage.port import Writes
-
-
-@dataclass(frozen=True, slots=True)
-class CancelChunk:
-    """What one cancel transaction did."""
-
-    request_id: str
-    #: (VIN, sha1) of the rows this transaction cancelled.
-    cancelled: tuple[tuple[str, bytes], ...]
-    #: Rows cancelled by this cancel so far, this chunk included.
-    total: int
-    #: A cancel of every vehicle has more rows to go (run `cancel_chunk` again).
-    more: bool
-    correlation_id: str | None = None
 
 
 def cut_of(value: bytes | memoryview) -> int:

@@ -1,14 +1,18 @@
-"""Errors of the storage layer; the hook layer maps them to answers and reason codes.
+"""Errors of both stores; the hook layer maps them to answers and reason codes.
 
-StorageError            LMDB could not do what was asked; nothing was committed
-├── StorageFull         the map reached map_max_bytes and cannot grow
+StorageError            the store could not do what was asked; nothing was committed
+├── StorageFull         LMDB: the map reached map_max_bytes and cannot grow
 ├── LockTimeout         PostgreSQL: a statement waited too long for a lock someone else holds
-└── EarlyTriggersFull   too many triggers are waiting for their data
+├── EarlyTriggersFull   too many triggers are waiting for their data
+├── PlanError           the directory is not a GC plan this build can apply
+└── CommitTimeout       a write did not commit within its deadline (it may still land later)
+
+Imports neither `lmdb` nor `asyncpg`.
 """
 
 
 class StorageError(Exception):
-    """LMDB failed; the operation was not committed."""
+    """The store failed; the operation was not committed."""
 
 
 class StorageFull(StorageError):

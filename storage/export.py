@@ -19,63 +19,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import keys
+from storage import export_format, keys
+from storage.export_format import ALIASES_SCHEMA as ALIASES_SCHEMA
+from storage.export_format import BLOBS_SCHEMA as BLOBS_SCHEMA
+from storage.export_format import FORMAT as FORMAT
+from storage.export_format import FORMAT_VERSION as FORMAT_VERSION
+from storage.export_format import GENERATIONS_SCHEMA as GENERATIONS_SCHEMA
+from storage.export_format import OUTCOMES_SCHEMA as OUTCOMES_SCHEMA
+from storage.export_format import ROWS_SCHEMA as ROWS_SCHEMA
 from storage.outcomes import Outcome
 from storage.store import SCHEMA_VERSION, Store, now_ms
-
-FORMAT = "sdv-fanout-export"
-#: Changes only when a table that readers already know changes. Adding a table (outcomes and
-#: generations came later) does not: older jobs ignore it, and a job that needs it checks the
-#: manifest's counts for it. 2 (store schema 3, request lifecycle): rows gained `expires_at_ms`
-#: and `await_response`, outcomes the `responded` outcome with `response` and `response_bytes`,
-#: generations the `responded` count. The jobs in spark/ read 1 and 2 (a column version 1 lacks
-#: reads as its "nothing" value: no expiry, no answer awaited, none responded).
-FORMAT_VERSION = 2
-#: Rows per Parquet record batch: ~3 MB of Arrow memory per batch ...
-BATCH_ROWS = 65_536
-#: ... or fewer, where a batch would hold more than this many bytes of the vehicles' answers
-#: (up to max_response_bytes, 1 MiB at most, each).
-BATCH_BYTES = 32 << 20
-
-ROWS_SCHEMA = pa.schema(
-    [
-        ("vin", pa.string()),
-        ("request_id", pa.string()),
-        ("ts_ms", pa.int64()),
-        ("sha1", pa.binary()),
-        ("size", pa.int64()),
-        #: Epoch ms after which the row is never sent; null: no expiry.
-        ("expires_at_ms", pa.int64()),
-        #: The vehicle's answer, not its PUBACK, ends the row.
-        ("await_response", pa.bool_()),
-    ]
-)
-BLOBS_SCHEMA = pa.schema(
-    [("sha1", pa.binary()), ("created_ms", pa.int64()), ("touched_ms", pa.int64()), ("size", pa.int64())]
-)
-ALIASES_SCHEMA = pa.schema([("data_id", pa.string()), ("sha1", pa.binary()), ("ts_ms", pa.int64())])
-#: One per (VIN, generation) that has ended; sha1 as lower-case hex (what receipts and the Admin API
-#: show), outcome as its name (`delivered`, `superseded`, `cancelled`, `expired`, `failed`,
-#: `responded`). `response` is the answer of a `responded` pair as stored (its first
-#: max_response_bytes) and `response_bytes` its length; both null for every other outcome.
-OUTCOMES_SCHEMA = pa.schema(
-    [
-        ("vin", pa.string()),
-        ("request_id", pa.string()),
-        ("sha1", pa.string()),
-        ("outcome", pa.string()),
-        ("ended_ms", pa.int64()),
-        ("stored_ms", pa.int64()),
-        ("attempts", pa.int64()),
-        ("response", pa.binary()),
-        ("response_bytes", pa.int64()),
-    ]
-)
-#: One per generation (request_id, sha1): its first and last change and its counts, as stored.
-GENERATIONS_SCHEMA = pa.schema(
-    [("request_id", pa.string()), ("sha1", pa.string()), ("first_ms", pa.int64()), ("last_ms", pa.int64())]
-    + [(name, pa.int64()) for name in keys.COUNT_NAMES]
-)
 
 Progress = Callable[[int], None]
 
@@ -98,14 +51,15 @@ def _write(path: Path, schema: pa.Schema, batches: Iterator[list[tuple[Any, ...]
 def _batched(
     items: Iterator[tuple[Any, ...]], weight: Callable[[tuple[Any, ...]], int] | None = None
 ) -> Iterator[list[tuple[Any, ...]]]:
-    """Chunks of BATCH_ROWS items, or fewer once their `weight` (bytes) reaches BATCH_BYTES."""
+    """Chunks of `export_format.BATCH_ROWS` items, or fewer once their `weight` (bytes) reaches
+    `export_format.BATCH_BYTES` (read at each call)."""
     chunk: list[tuple[Any, ...]] = []
     held = 0
     for item in items:
         chunk.append(item)
         if weight is not None:
             held += weight(item)
-        if len(chunk) >= BATCH_ROWS or held >= BATCH_BYTES:
+        if len(chunk) >= export_format.BATCH_ROWS or held >= export_format.BATCH_BYTES:
             yield chunk
             chunk = []
             held = 0

@@ -20,45 +20,20 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
 
 from storage import keys, ops, pending
-from storage.outcomes import Outcome
+from storage.model import BLOB_CHUNK as BLOB_CHUNK
+from storage.model import ROW_CHUNK as ROW_CHUNK
+from storage.model import ApplyReport as ApplyReport
+from storage.model import GcReport as GcReport
+from storage.model import Outcome
 from storage.store import Store, Tables
 from storage.store import now_ms as clock_ms
 
-#: Rows or aliases deleted per write transaction: short enough to keep ingest latency flat.
-ROW_CHUNK = 1000
-#: Blobs per write transaction (they may be large).
-BLOB_CHUNK = 100
-
 Submit = Callable[[Callable[[lmdb.Transaction], Any]], "Future[Any]"]
-
-
-@dataclass(slots=True)
-class GcReport:
-    """What one GC run did (or, with dry_run, would do)."""
-
-    dry_run: bool = False
-    rows_expired: int = 0
-    aliases_expired: int = 0
-    blobs_deleted: int = 0
-    blob_bytes_freed: int = 0
-    blobs_kept_recent: int = 0
-    early_expired: int = 0
-    outcomes_expired: int = 0
-    generations_expired: int = 0
-    batch_ids_expired: int = 0
-    seconds: float = 0.0
-    expired_early: list[ops.EarlyExpired] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "expired_early"}
-        out["seconds"] = round(self.seconds, 3)
-        return out
 
 
 # -- rows ------------------------------------------------------------------------------
@@ -290,22 +265,6 @@ def collect(
 
 
 # -- applying a plan computed elsewhere (spark/gc_job.py over an export) -----------------
-
-
-@dataclass(slots=True)
-class ApplyReport:
-    """What `gc apply` deleted, and what it kept because the store moved on since the export."""
-
-    dry_run: bool = False
-    rows_deleted: int = 0
-    rows_kept_changed: int = 0
-    aliases_deleted: int = 0
-    blobs_deleted: int = 0
-    blob_bytes_freed: int = 0
-    blobs_kept_recent: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 def delete_planned_rows(txn: lmdb.Transaction, t: Tables, planned: Sequence[tuple[str, str, int]]) -> tuple[int, int]:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-from typing import NamedTuple
+
+from storage.model import COUNT_NAMES as COUNT_NAMES
+from storage.model import FLAG_AWAIT_RESPONSE as FLAG_AWAIT_RESPONSE
+from storage.model import Row as Row
 
 SEP = b"\x00"
 
@@ -17,8 +20,6 @@ SEP = b"\x00"
 _ROW = struct.Struct(">Q20sI")
 #: ... then, only for a row with an expiry or flags (schema 3): expires_at (ms, 0 = never), flags.
 _ROW_EXT = struct.Struct(">Q20sIQB")
-#: Row flag: the vehicle's answer on the response topic, not its PUBACK, ends the row.
-FLAG_AWAIT_RESPONSE = 1
 #: data value prefix: the blob's creation timestamp (ms); the blob bytes follow.
 _BLOB_HEAD = struct.Struct(">Q")
 #: aliases value: sha1, then the time the alias was (re)written (ms).
@@ -32,26 +33,6 @@ _AWAITED = struct.Struct(">20sHQ")
 _SESSION_SEP = "\x1f"
 
 BLOB_HEAD_SIZE = _BLOB_HEAD.size
-
-
-class Row(NamedTuple):
-    """One pending request: what to send to `vin` as `request_id`."""
-
-    vin: str
-    request_id: str
-    ts_ms: int
-    sha1: bytes
-    size: int
-    #: Epoch ms after which the row is never sent (0: no expiry).
-    expires_ms: int = 0
-    flags: int = 0
-
-    @property
-    def await_response(self) -> bool:
-        return bool(self.flags & FLAG_AWAIT_RESPONSE)
-
-    def expired(self, now_ms: int) -> bool:
-        return 0 < self.expires_ms <= now_ms
 
 
 def row_key(vin: str, request_id: str) -> bytes:
@@ -203,7 +184,6 @@ def decode_u64(value: bytes | memoryview) -> int:
 # -- outcomes and generations (what the platform gets back) -------------------------------------
 #: A generation is one (request_id, blob sha1): request ids are reused, so counts are kept per
 #: generation. `gens` value: first and last change (ms), then the counts in `COUNT_NAMES` order.
-COUNT_NAMES = ("total", "pending", "delivered", "superseded", "cancelled", "expired", "failed", "responded")
 _GEN = struct.Struct(">QQ8Q")
 #: Schema 2 kept no `responded` count.
 _GEN_2 = struct.Struct(">QQ7Q")

@@ -7,9 +7,7 @@ without an op that raised anyway, so a half-done op never reaches the disk.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import lmdb
@@ -17,48 +15,22 @@ import orjson
 
 from storage import cancel, keys, outcomes, pending
 from storage.errors import EarlyTriggersFull
-from storage.outcomes import Outcome
+from storage.model import PLAIN as PLAIN
+from storage.model import BatchWritten as BatchWritten
+from storage.model import DataWritten as DataWritten
+from storage.model import Duplicate as Duplicate
+from storage.model import EarlyCompleted as EarlyCompleted
+from storage.model import EarlyExpired as EarlyExpired
+from storage.model import Outcome
+from storage.model import RowSpec as RowSpec
+from storage.model import RowsPut as RowsPut
+from storage.model import TriggerWritten as TriggerWritten
+from storage.model import sha1_of as sha1_of
 from storage.store import Tables
 
 _EARLY_SEQ = b"early_seq"
 #: Rows named by the parked triggers, kept with them so a new trigger is checked in O(1).
 _EARLY_ROWS = b"early_rows"
-
-
-@dataclass(frozen=True, slots=True)
-class BatchWritten:
-    """The outcome of storing one batch (or completing one early trigger)."""
-
-    request_id: str
-    sha1: bytes
-    vins: tuple[str, ...]
-    replaced: int
-    new_blob: bool
-    #: sha1s of the older generations of request_id whose rows this batch superseded.
-    superseded: frozenset[bytes] = frozenset()
-    #: The platform's tags, for a parked trigger completed later (a direct batch's are known
-    #: to its caller): echoed in its receipt.
-    batch_id: str | None = None
-    correlation_id: str | None = None
-    #: VINs given no row because their backlog is full (max_pending_per_vehicle).
-    refused: tuple[str, ...] = ()
-
-    @property
-    def rows(self) -> int:
-        return len(self.vins)
-
-
-@dataclass(frozen=True, slots=True)
-class Duplicate:
-    """A batch whose batch_id was stored before: nothing written, the first receipt again."""
-
-    batch_id: str
-    request_id: str
-    #: None while the first one is a parked trigger still waiting for its data.
-    sha1: bytes | None
-    rows: int
-    ts_ms: int
-    refused: tuple[str, ...] = ()
 
 
 def _duplicate(txn: lmdb.Transaction, t: Tables, batch_id: str | None) -> Duplicate | None:
@@ -105,60 +77,6 @@ def forget_batch(txn: lmdb.Transaction, t: Tables, batch_id: str) -> None:
         txn.delete(keys.timed_key(ts, key), db=t.batch_expiry)
 
 
-@dataclass(frozen=True, slots=True)
-class DataWritten:
-    """The outcome of storing a `$SDV-FANOUT/data/<data_id>` payload."""
-
-    data_id: str
-    sha1: bytes
-    new_blob: bool
-    #: Early triggers this data completed, now real rows.
-    completed: tuple[BatchWritten, ...] = ()
-    #: More triggers wait for this data than one transaction may complete (`complete_early`).
-    more: bool = False
-    #: Triggers whose expires_at passed before this data came: dropped.
-    expired: tuple[EarlyExpired, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class EarlyCompleted:
-    """Parked triggers turned into rows by one `complete_early` chunk."""
-
-    completed: tuple[BatchWritten, ...]
-    #: Triggers for the data_id still wait: run another chunk.
-    more: bool
-    #: Triggers whose expires_at passed before their data came: dropped.
-    expired: tuple[EarlyExpired, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class TriggerWritten:
-    """The outcome of a trigger: rows written, or parked until its data arrives."""
-
-    data_id: str
-    request_id: str
-    batch: BatchWritten | None
-    early: bool
-
-
-@dataclass(frozen=True, slots=True)
-class EarlyExpired:
-    """An early trigger whose data never came."""
-
-    data_id: str
-    request_id: str
-    vins: int
-    age_ms: int
-    batch_id: str | None = None
-    correlation_id: str | None = None
-    #: data_never_arrived (its TTL passed), or expired (its expires_at passed while parked).
-    reason: str = "data_never_arrived"
-
-
-def sha1_of(blob: bytes) -> bytes:
-    return hashlib.sha1(blob, usedforsecurity=False).digest()
-
-
 def touch_blob(txn: lmdb.Transaction, t: Tables, sha1: bytes, now_ms: int) -> None:
     """Record that a write referenced `sha1` now: GC keeps blobs touched within its grace period,
     which closes the race of a batch reusing a blob between GC's mark and its delete."""
@@ -170,29 +88,6 @@ def put_blob(txn: lmdb.Transaction, t: Tables, sha1: bytes, blob: bytes, now_ms:
     touch_blob(txn, t, sha1, now_ms)
     # One B-tree descent instead of get-then-put; a present blob keeps its created-at.
     return bool(txn.put(sha1, keys.blob_value(now_ms, blob), overwrite=False, db=t.data))
-
-
-@dataclass(frozen=True, slots=True)
-class RowsPut:
-    replaced: int
-    #: sha1s of the generations whose pending rows were replaced by another payload.
-    superseded: frozenset[bytes]
-    #: VINs whose backlog was full: no row for them.
-    refused: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RowSpec:
-    """What a batch asks of every row beyond its payload."""
-
-    #: Epoch ms after which it is never sent (0: never expires).
-    expires_ms: int = 0
-    flags: int = 0
-    #: A vehicle with this many pending rows gets no new one (0: unbounded).
-    max_pending: int = 0
-
-
-PLAIN = RowSpec()
 
 
 def put_rows(

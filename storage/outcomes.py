@@ -13,63 +13,20 @@ counts of generations with nothing pending whose last change is that old.
 
 from __future__ import annotations
 
-import enum
 import heapq
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import lmdb
 
 from storage import keys
+from storage.model import Generation as Generation
+from storage.model import Outcome as Outcome
+from storage.model import OutcomeRecord as OutcomeRecord
+from storage.model import PageKey as PageKey
 from storage.store import Tables
 
 _TOTAL = 0
 _PENDING = 1
-
-
-class Outcome(enum.IntEnum):
-    """How a (VIN, generation) ended; the value is its slot in `keys.COUNT_NAMES`."""
-
-    DELIVERED = 2
-    SUPERSEDED = 3
-    CANCELLED = 4
-    EXPIRED = 5
-    FAILED = 6
-    #: The vehicle answered on the response topic (await_response rows).
-    RESPONDED = 7
-
-    @property
-    def label(self) -> str:
-        return keys.COUNT_NAMES[self.value]
-
-
-@dataclass(frozen=True, slots=True)
-class Generation:
-    """One generation's counts, as stored."""
-
-    request_id: str
-    sha1: bytes
-    first_ms: int
-    last_ms: int
-    counts: dict[str, int]
-
-    @property
-    def pending(self) -> int:
-        return self.counts["pending"]
-
-
-@dataclass(frozen=True, slots=True)
-class OutcomeRecord:
-    vin: str
-    request_id: str
-    sha1: bytes
-    outcome: Outcome
-    ts_ms: int
-    #: When its row was stored: ts_ms - stored_ms is the time to the outcome.
-    stored_ms: int
-    attempts: int
-    #: The vehicle's answer (its first max_response_bytes), for `responded`.
-    response: bytes = b""
 
 
 def _bump(txn: lmdb.Transaction, t: Tables, request_id: str, sha1: bytes, now_ms: int, deltas: dict[int, int]) -> None:
@@ -217,11 +174,6 @@ def all_generations(txn: lmdb.Transaction, t: Tables) -> list[Generation]:
     found = [_generation(k, v) for k, v in txn.cursor(t.gens)]
     found.sort(key=lambda g: (g.last_ms, g.request_id), reverse=True)
     return found
-
-
-#: A generation's place in `ListRequests` order: last change, then its `gens` key (request id,
-#: then sha1), so two generations never tie and a page token names one place exactly.
-PageKey = tuple[int, bytes]
 
 
 def generations_page(

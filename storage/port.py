@@ -5,9 +5,8 @@ API, progress reporting and housekeeping (GC, level gauges) through `Reads`. So 
 store (`storage/lmdb_writes.py`, `storage/lmdb_reads.py`) and the shared PostgreSQL store (issue
 14, `storage/pg/writes.py`, `storage/pg/reads.py`) are interchangeable behind them. Every write
 returns once its change is durable (or raises StorageError, CommitTimeout included, having stored
-nothing or possibly landing later); results are the dataclasses of storage/ops.py,
-storage/cancel.py, storage/outcomes.py, storage/gc.py and storage/store.Stats, so a caller never
-knows which engine answered.
+nothing or possibly landing later); results are the values of storage/model.py, so a caller
+never knows which engine answered.
 """
 
 from __future__ import annotations
@@ -17,22 +16,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from storage.cancel import CancelChunk
 from storage.errors import CommitTimeout
-from storage.gc import GcReport
-from storage.keys import Row
-from storage.ops import (
+from storage.model import (
     PLAIN,
     BatchWritten,
+    CancelChunk,
     DataWritten,
     Duplicate,
     EarlyCompleted,
     EarlyExpired,
+    GcReport,
+    Generation,
+    OutcomeRecord,
+    PageKey,
+    Row,
     RowSpec,
+    Stats,
     TriggerWritten,
 )
-from storage.outcomes import Generation, OutcomeRecord, PageKey
-from storage.store import Stats
 
 T = TypeVar("T")
 

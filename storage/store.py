@@ -12,7 +12,6 @@ import contextlib
 import heapq
 import os
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ import lmdb
 
 from storage import keys
 from storage.errors import StorageError
+from storage.model import Stats as Stats
+from storage.model import now_ms as now_ms
 
 #: 2 added the outcome tables (gens, outcomes, outcome_expiry, batches, batch_expiry); 3 the
 #: lifecycle ones (deadlines, backlogs, by_request, cancels), longer rows for expires_at and
@@ -85,31 +86,6 @@ class Tables:
     tries: Any
     #: ids key → a delivery the vehicle PUBACKed whose answer is awaited (await_response rows).
     awaited: Any
-
-
-@dataclass(frozen=True, slots=True)
-class Stats:
-    """What `sdv-fanout stats` shows; read in one consistent snapshot."""
-
-    rows: int
-    blobs: int
-    blob_bytes: int
-    logical_bytes: int
-    aliases: int
-    early_triggers: int
-    map_size_bytes: int
-    map_used_bytes: int
-    schema_version: int
-
-    @property
-    def dedup_ratio(self) -> float:
-        """Bytes the rows would take without dedup, per byte actually stored."""
-        return self.logical_bytes / self.blob_bytes if self.blob_bytes else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out["dedup_ratio"] = round(self.dedup_ratio, 3)
-        return out
 
 
 class _Gate:
@@ -211,11 +187,6 @@ class Tried(NamedTuple):
 
 
 _NEVER = Tried(0)
-
-
-def now_ms() -> int:
-    """Wall-clock milliseconds: row and blob timestamps are compared across restarts."""
-    return time.time_ns() // 1_000_000
 
 
 class Store:

@@ -37,9 +37,8 @@ import structlog
 from exhook_server.dispatch.commands import Session
 from exhook_server.dispatch.worker import NOTHING_KEPT, Kept
 from storage import keys, ops
-from storage.keys import Row
-from storage.outcomes import Outcome
-from storage.store import Store, now_ms
+from storage.model import Outcome, Row, now_ms
+from storage.store import Store
 from storage.writer import GroupCommitter
 
 log = structlog.get_logger("sdv_fanout.dispatch")

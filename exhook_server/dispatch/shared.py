@@ -65,7 +65,7 @@ from exhook_server.dispatch.worker import (
     Worker,
 )
 from storage import keys
-from storage.outcomes import Outcome
+from storage.model import Outcome
 from storage.pg import dispatch as pgd
 
 log = structlog.get_logger("sdv_fanout.dispatch")

@@ -51,8 +51,7 @@ from exhook_server.dispatch.commands import (
     Sweep,
     Trigger,
 )
-from storage.keys import Row
-from storage.outcomes import Outcome
+from storage.model import Outcome, Row
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 

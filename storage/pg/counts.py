@@ -13,20 +13,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from storage import keys
-from storage.outcomes import Generation, Outcome, OutcomeRecord
+from storage import model
+from storage.model import Generation, Outcome, OutcomeRecord
 
 TOTAL = 0
 PENDING = 1
-_COLUMNS = ", ".join(keys.COUNT_NAMES)
+_COLUMNS = ", ".join(model.COUNT_NAMES)
 # No floor at 0 here: a change appended to gen_deltas and not folded yet may be what keeps the sum
 # from going below it (a revived pair: delivered -1 here, its +1 still appended); readers and the
 # fold floor the sums.
 _BUMP = f"""
 INSERT INTO generations AS g (request_id, sha1, first_ms, last_ms, {_COLUMNS})
-VALUES ($1, $2, $3, $3, {", ".join(f"greatest(0, ${i + 4}::bigint)" for i in range(len(keys.COUNT_NAMES)))})
+VALUES ($1, $2, $3, $3, {", ".join(f"greatest(0, ${i + 4}::bigint)" for i in range(len(model.COUNT_NAMES)))})
 ON CONFLICT (request_id, sha1) DO UPDATE SET last_ms = $3,
-    {", ".join(f"{n} = g.{n} + ${i + 4}::bigint" for i, n in enumerate(keys.COUNT_NAMES))}
+    {", ".join(f"{n} = g.{n} + ${i + 4}::bigint" for i, n in enumerate(model.COUNT_NAMES))}
 """
 # Ended pairs of one transaction, VIN order. DO UPDATE, not an error: like LMDB's `outcomes.end`,
 # a stale record of the pair (none is expected: it was pending) is replaced.
@@ -43,11 +43,11 @@ WITH picked AS (
     DELETE FROM gen_deltas WHERE id IN (SELECT id FROM gen_deltas ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
     RETURNING *
 ), summed AS (
-    SELECT request_id, sha1, max(last_ms) AS last_ms, {", ".join(f"sum({n}) AS {n}" for n in keys.COUNT_NAMES)}
+    SELECT request_id, sha1, max(last_ms) AS last_ms, {", ".join(f"sum({n}) AS {n}" for n in model.COUNT_NAMES)}
     FROM picked GROUP BY request_id, sha1
 ), applied AS (
     UPDATE generations g SET last_ms = greatest(g.last_ms, s.last_ms),
-        {", ".join(f"{n} = greatest(0, g.{n} + s.{n})" for n in keys.COUNT_NAMES)}
+        {", ".join(f"{n} = greatest(0, g.{n} + s.{n})" for n in model.COUNT_NAMES)}
     FROM (SELECT * FROM summed ORDER BY request_id, sha1) s
     WHERE g.request_id = s.request_id AND g.sha1 = s.sha1
     RETURNING 1
@@ -59,13 +59,13 @@ MAX_ATTEMPTS = 0xFFFF
 
 
 class Bumps:
-    """Count changes of one transaction, per generation (slots of `keys.COUNT_NAMES`)."""
+    """Count changes of one transaction, per generation (slots of `model.COUNT_NAMES`)."""
 
     def __init__(self) -> None:
         self._deltas: dict[tuple[str, bytes], list[int]] = {}
 
     def add(self, request_id: str, sha1: bytes, slot: int, delta: int) -> None:
-        counts = self._deltas.setdefault((request_id, sha1), [0] * len(keys.COUNT_NAMES))
+        counts = self._deltas.setdefault((request_id, sha1), [0] * len(model.COUNT_NAMES))
         counts[slot] += delta
 
     async def write(self, conn: Any, now_ms: int) -> None:
@@ -146,7 +146,7 @@ async def fold(conn: Any, limit: int = 10_000) -> int:
 # Readers see `generation_counts`: the folded counts plus the changes appended since.
 def generation_of(record: Any) -> Generation:
     """A generation from a row of `generation_counts`."""
-    counts = {name: int(record[name]) for name in keys.COUNT_NAMES}
+    counts = {name: int(record[name]) for name in model.COUNT_NAMES}
     return Generation(record["request_id"], bytes(record["sha1"]), record["first_ms"], record["last_ms"], counts)
 
 
@@ -181,7 +181,7 @@ async def recount(conn: Any) -> dict[tuple[str, bytes], dict[str, int]]:
     """Counts rebuilt from rows and outcome records alone (as `storage.outcomes.recount`)."""
     out: dict[tuple[str, bytes], dict[str, int]] = {}
     for request_id, sha1, code, n in await conn.fetch(_RECOUNT):
-        counts = out.setdefault((request_id, bytes(sha1)), dict.fromkeys(keys.COUNT_NAMES, 0))
+        counts = out.setdefault((request_id, bytes(sha1)), dict.fromkeys(model.COUNT_NAMES, 0))
         counts["pending" if code < 0 else Outcome(code).label] += n
         counts["total"] += n
     return out

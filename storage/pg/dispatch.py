@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from storage import keys
-from storage.outcomes import Outcome
+from storage import model
+from storage.model import Outcome
 from storage.pg.counts import MAX_ATTEMPTS
 
 #: Advisory lock class of a vehicle (with hashtext(vin)): `sdv_vin_load` (dispatch.sql) takes it for
@@ -52,7 +52,7 @@ class Loaded:
     presence: str | None
     marker: Marker | None
     #: Its first deliverable rows, oldest first, with payloads.
-    rows: list[tuple[keys.Row, bytes]]
+    rows: list[tuple[model.Row, bytes]]
 
 
 async def load(conn: Any, vin: str, now_ms: int, rows: int) -> Loaded:
@@ -60,13 +60,13 @@ async def load(conn: Any, vin: str, now_ms: int, rows: int) -> Loaded:
     first `rows` deliverable rows (one round trip)."""
     presence: str | None = None
     marker: Marker | None = None
-    found: list[tuple[keys.Row, bytes]] = []
+    found: list[tuple[model.Row, bytes]] = []
     for r in await conn.fetch("SELECT * FROM sdv_vin_load($1, $2, $3)", vin, now_ms, rows):
         kind = r["kind"]
         if kind == "p":
             presence = r["session"]
         elif kind == "r":
-            row = keys.Row(vin, r["request_id"], r["ts_ms"], bytes(r["sha1"]), r["size"], r["expires_ms"], r["flags"])
+            row = model.Row(vin, r["request_id"], r["ts_ms"], bytes(r["sha1"]), r["size"], r["expires_ms"], r["flags"])
             found.append((row, bytes(r["data"])))
         else:
             marker = Marker(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from storage.errors import EarlyTriggersFull
-from storage.ops import (
+from storage.model import (
     PLAIN,
     BatchWritten,
     DataWritten,

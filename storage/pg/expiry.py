@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from storage.outcomes import Outcome
+from storage.model import Outcome
+from storage.model import now_ms as clock_ms
 from storage.pg import counts, ingest
 from storage.pg.counts import Bumps, Ended
-from storage.store import now_ms as clock_ms
 
 _EXPIRE_DUE = """
 WITH due AS (

@@ -5,7 +5,7 @@ One consistent snapshot: every table is read in one `REPEATABLE READ READ ONLY` 
 generation counts and the rows and outcomes they count are of the same instant (a reader never
 blocks the writers; it only holds back vacuum while it lasts). Each table streams through a
 server-side cursor (`FETCH_ROWS` records at a time) into Parquet record batches bounded as the
-LMDB export's are (`storage.export.BATCH_ROWS` rows, or fewer holding `BATCH_BYTES` of answers),
+LMDB export's are (`storage.export_format.BATCH_ROWS` rows, or fewer holding `BATCH_BYTES` of answers),
 so memory stays bounded however large the store. Answers longer than `INLINE_ANSWER_BYTES` do not
 ride in the cursor: each batch reads its long answers by key in the same transaction, so one fetch
 holds at most FETCH_ROWS short answers whatever `max_response_bytes` is.
@@ -26,13 +26,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import export as lmdb_export
-from storage import keys
+from storage import export_format, model
 from storage.errors import StorageError
-from storage.outcomes import Outcome
+from storage.model import Outcome, now_ms
 from storage.pg.migrate import SCHEMA_VERSION as PG_SCHEMA_VERSION
 from storage.pg.migrate import schema_version
-from storage.store import now_ms
 
 Progress = Callable[[int], None]
 
@@ -44,7 +42,7 @@ INLINE_ANSWER_BYTES = 4_096
 
 _ROWS = f"""
 SELECT vin, request_id, ts_ms, sha1, size::int8, nullif(expires_ms, 0),
-       (flags & {keys.FLAG_AWAIT_RESPONSE}) <> 0
+       (flags & {model.FLAG_AWAIT_RESPONSE}) <> 0
 FROM rows ORDER BY vin, request_id
 """
 # octet_length of a bytea reads its stored length: the payload is not fetched or decompressed.
@@ -64,7 +62,7 @@ FROM unnest($1::text[], $2::text[], $3::bytea[]) AS k(vin, request_id, sha1)
 JOIN outcomes o ON o.vin = k.vin AND o.request_id = k.request_id AND o.sha1 = k.sha1
 """
 _GENERATIONS = f"""
-SELECT request_id, encode(sha1, 'hex'), first_ms, last_ms, {", ".join(keys.COUNT_NAMES)}
+SELECT request_id, encode(sha1, 'hex'), first_ms, last_ms, {", ".join(model.COUNT_NAMES)}
 FROM generation_counts ORDER BY request_id, sha1
 """
 # Planner estimates (no scan): a progress bar's total. -1 (PostgreSQL 14+) or 0: never analysed.
@@ -96,7 +94,7 @@ async def _chunks(
         chunk.append(item)
         if weight is not None:
             held += weight(item)
-        if len(chunk) >= lmdb_export.BATCH_ROWS or held >= lmdb_export.BATCH_BYTES:
+        if len(chunk) >= export_format.BATCH_ROWS or held >= export_format.BATCH_BYTES:
             yield chunk
             chunk = []
             held = 0
@@ -163,19 +161,19 @@ async def export(conn: Any, out: str | os.PathLike[str], progress: Progress | No
         if version > PG_SCHEMA_VERSION:
             raise StorageError(f"database schema {version} is newer than this release's {PG_SCHEMA_VERSION}")
         counts = {
-            "rows": await _write(out / "rows", lmdb_export.ROWS_SCHEMA, _chunks(_cursor(conn, _ROWS)), tick),
-            "blobs": await _write(out / "blobs", lmdb_export.BLOBS_SCHEMA, _chunks(_cursor(conn, _BLOBS)), tick),
+            "rows": await _write(out / "rows", export_format.ROWS_SCHEMA, _chunks(_cursor(conn, _ROWS)), tick),
+            "blobs": await _write(out / "blobs", export_format.BLOBS_SCHEMA, _chunks(_cursor(conn, _BLOBS)), tick),
             "aliases": await _write(
-                out / "aliases", lmdb_export.ALIASES_SCHEMA, _chunks(_cursor(conn, _ALIASES)), tick
+                out / "aliases", export_format.ALIASES_SCHEMA, _chunks(_cursor(conn, _ALIASES)), tick
             ),
-            "outcomes": await _write(out / "outcomes", lmdb_export.OUTCOMES_SCHEMA, _outcomes(conn), tick),
+            "outcomes": await _write(out / "outcomes", export_format.OUTCOMES_SCHEMA, _outcomes(conn), tick),
             "generations": await _write(
-                out / "generations", lmdb_export.GENERATIONS_SCHEMA, _chunks(_cursor(conn, _GENERATIONS)), tick
+                out / "generations", export_format.GENERATIONS_SCHEMA, _chunks(_cursor(conn, _GENERATIONS)), tick
             ),
         }
     manifest = {
-        "format": lmdb_export.FORMAT,
-        "format_version": lmdb_export.FORMAT_VERSION,
+        "format": export_format.FORMAT,
+        "format_version": export_format.FORMAT_VERSION,
         # Which store this is a snapshot of, and that store's own schema version (the database's,
         # as `sdv-fanout db migrate` reports it): the tables and columns are the same from either
         # store, `format_version` says what readers need to know.

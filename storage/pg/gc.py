@@ -40,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from storage.gc import BLOB_CHUNK, ROW_CHUNK, GcReport
+from storage.model import BLOB_CHUNK, ROW_CHUNK, GcReport
 from storage.pg import counts, early, expiry
 
 _EXPIRE_OUTCOMES = """

@@ -14,10 +14,8 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from storage.cancel import CancelChunk
 from storage.errors import StorageError
-from storage.ops import PLAIN, BatchWritten, Duplicate, RowSpec, RowsPut, sha1_of
-from storage.outcomes import Outcome
+from storage.model import PLAIN, BatchWritten, CancelChunk, Duplicate, Outcome, RowSpec, RowsPut, sha1_of
 from storage.pg import counts
 from storage.pg.counts import Bumps, Ended
 

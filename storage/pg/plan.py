@@ -19,9 +19,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from storage.model import now_ms as clock_ms
 from storage.pg import expiry, ingest
 from storage.pg import gc as pg_gc
-from storage.store import now_ms as clock_ms
 
 # The planned rows still at their planned ts, locked in key order, skipping any another
 # transaction holds; the join is re-checked on the latest version of a row changed meanwhile (READ

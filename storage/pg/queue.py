@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from storage import keys
-from storage.store import now_ms as clock_ms
+from storage import model
+from storage.model import now_ms as clock_ms
 
 _COLUMNS = "r.request_id, r.ts_ms, r.sha1, r.size, r.expires_ms, r.flags"
 # Not hidden: $2/$3 are the request ids and sha1s of rows acked but not deleted yet.
@@ -37,11 +37,11 @@ ORDER BY r.ts_ms, r.request_id LIMIT 1
 """
 
 
-def _row(vin: str, r: Any) -> keys.Row:
-    return keys.Row(vin, r["request_id"], r["ts_ms"], bytes(r["sha1"]), r["size"], r["expires_ms"], r["flags"])
+def _row(vin: str, r: Any) -> model.Row:
+    return model.Row(vin, r["request_id"], r["ts_ms"], bytes(r["sha1"]), r["size"], r["expires_ms"], r["flags"])
 
 
-async def pending(conn: Any, vin: str) -> list[keys.Row]:
+async def pending(conn: Any, vin: str) -> list[model.Row]:
     """The vehicle's pending rows in delivery order (deliverable or not)."""
     found = await conn.fetch(f"SELECT {_COLUMNS} FROM rows r WHERE r.vin = $1 ORDER BY r.ts_ms, r.request_id", vin)
     return [_row(vin, r) for r in found]
@@ -49,7 +49,7 @@ async def pending(conn: Any, vin: str) -> list[keys.Row]:
 
 async def oldest(
     conn: Any, vin: str, hidden: Mapping[str, bytes] | None = None, now_ms: int | None = None
-) -> tuple[tuple[keys.Row, bytes] | None, int]:
+) -> tuple[tuple[model.Row, bytes] | None, int]:
     """The vehicle's next deliverable row and its payload (None when there is none), and how many
     deliverable rows it has besides the `hidden` ones (request id -> sha1 of rows acked, their
     delete not committed yet). `now_ms` (default: the wall clock) decides what is past its

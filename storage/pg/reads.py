@@ -14,15 +14,13 @@ import dataclasses
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from storage import keys
+from storage import keys, model
 from storage.errors import StorageError
-from storage.gc import GcReport
-from storage.outcomes import Generation, OutcomeRecord, PageKey
+from storage.model import GcReport, Generation, OutcomeRecord, PageKey, Stats
 from storage.pg import counts, queue
 from storage.pg import gc as pg_gc
 from storage.pg.errors import as_storage_error
 from storage.port import GcSettings, Reads
-from storage.store import Stats
 
 T = TypeVar("T")
 
@@ -82,7 +80,7 @@ async def generations_page(
     return page, (page[-1].last_ms, keys.gen_key(page[-1].request_id, page[-1].sha1)) if more else None, total
 
 
-async def vehicle(conn: Any, vin: str, outcomes_limit: int) -> tuple[list[keys.Row], list[OutcomeRecord]]:
+async def vehicle(conn: Any, vin: str, outcomes_limit: int) -> tuple[list[model.Row], list[OutcomeRecord]]:
     """The vehicle's pending rows in delivery order and its most recent outcomes."""
     return await queue.pending(conn, vin), await counts.vehicle_outcomes(conn, vin, outcomes_limit)
 
@@ -127,7 +125,7 @@ class PgReads:
     async def stats(self) -> Stats:
         return await self._read(stats)
 
-    async def vehicle(self, vin: str, outcomes_limit: int) -> tuple[list[keys.Row], list[OutcomeRecord]]:
+    async def vehicle(self, vin: str, outcomes_limit: int) -> tuple[list[model.Row], list[OutcomeRecord]]:
         return await self._read(vehicle, vin, outcomes_limit)
 
     async def generations(self, request_id: str) -> list[Generation]:

@@ -8,10 +8,10 @@ import asyncio
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from storage.cancel import CancelChunk
-from storage.ops import (
+from storage.model import (
     PLAIN,
     BatchWritten,
+    CancelChunk,
     DataWritten,
     Duplicate,
     EarlyCompleted,

@@ -283,7 +283,7 @@ def test_export_round_trip_of_outcomes_and_generations(tmp_path: Path) -> None:
 
 def test_export_batches_are_bounded_by_the_answers_they_hold(tmp_path: Path, monkeypatch: Any) -> None:
     """Outcome records with large answers go out in smaller record batches (Arrow memory stays bounded)."""
-    import storage.export as export_module
+    import storage.export_format as export_module
 
     monkeypatch.setattr(export_module, "BATCH_BYTES", 10_000)
     with Store(tmp_path / "lmdb") as store:

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import storage.export as lmdb_export
+import storage.export_format as export_format
 from storage import keys
 from storage.errors import StorageError
 from storage.export import export as export_lmdb
@@ -195,7 +196,7 @@ def test_batches_stay_bounded_by_the_answers_they_hold(
 ) -> None:
     """Long answers are read per batch, not through the cursor, and batches close at BATCH_BYTES of
     answers as on LMDB: the same row groups, the same answers."""
-    monkeypatch.setattr(lmdb_export, "BATCH_BYTES", 10_000)
+    monkeypatch.setattr(export_format, "BATCH_BYTES", 10_000)
     monkeypatch.setattr(pg_export, "FETCH_ROWS", 5)
     monkeypatch.setattr(pg_export, "INLINE_ANSWER_BYTES", 100)
     vins = [f"V{n:02d}" for n in range(12)]
