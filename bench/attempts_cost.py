@@ -15,14 +15,11 @@ and the paired ratios this / base.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
@@ -67,19 +64,6 @@ def serve_rig(args: argparse.Namespace) -> int:
     return 0
 
 
-def unpack_tree(rev: str, dest: Path) -> Path:
-    """What a rig of git revision `rev` imports, unpacked into `dest` (its PYTHONPATH)."""
-    tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "exhook_server", "storage", "tests", "bench"],
-        capture_output=True,
-        check=True,
-    ).stdout
-    dest.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
-        tf.extractall(dest, filter="data")
-    return dest
-
-
 def mmm(values: Sequence[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
@@ -105,11 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve_rig:
         return serve_rig(args)
     sys.path[:0] = [str(HERE), str(ROOT)]
-    from plumbing import Child, machine_meta
+    from plumbing import Child, machine_meta, unpack_tree
 
     load_before, wall0 = os.getloadavg()[0], time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="sdv-bench-attempts-"))
-    builds = {"this": ROOT, "base": unpack_tree(args.base, tmp / "base-tree")}
+    base = unpack_tree(args.base, tmp / "base-tree", ("exhook_server", "storage", "tests", "bench"))
+    builds = {"this": ROOT, "base": base}
     rigs: dict[str, Child] = {}
     rounds: list[dict[str, Any]] = []
     try:

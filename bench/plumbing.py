@@ -8,6 +8,7 @@ lives here once. Linux only: CPU and RSS come from /proc.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -17,6 +18,7 @@ import statistics
 import string
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +33,20 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # -- processes ----------------------------------------------------------------------------------
+
+
+def unpack_tree(rev: str, dest: Path, packages: Sequence[str] = ("exhook_server", "storage")) -> Path:
+    """`packages` of this repository as of git revision `rev`, unpacked into `dest` (for PYTHONPATH):
+    a rig of an older server measured beside this checkout's."""
+    tar = subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parent.parent), "archive", "--format=tar", rev, *packages],
+        capture_output=True,
+        check=True,
+    ).stdout
+    dest.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        tf.extractall(dest, filter="data")
+    return dest
 
 
 def descendants(pid: int) -> list[int]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import io
 import json
 import os
 import random
@@ -46,7 +45,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections import Counter
@@ -58,7 +56,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 
 import e2e  # bench/ is sys.path[0] when run as a script
 import ingest
-from plumbing import Child, dec, machine_meta, make_vins, min_med_max, num, quiesce, serve_status_counts, share
+from plumbing import (
+    Child,
+    dec,
+    machine_meta,
+    make_vins,
+    min_med_max,
+    num,
+    quiesce,
+    serve_status_counts,
+    share,
+    unpack_tree,
+)
 
 from storage import ops
 from storage.store import Store, now_ms
@@ -146,19 +155,6 @@ def diff(after: Counter[str], before: Counter[str]) -> dict[str, int]:
 
 
 # -- 1. ingest ------------------------------------------------------------------------------------
-
-
-def unpack_tree(rev: str, dest: Path) -> Path:
-    """The server's packages as of git revision `rev`, unpacked into `dest` (for PYTHONPATH)."""
-    tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "exhook_server", "storage"],
-        capture_output=True,
-        check=True,
-    ).stdout
-    dest.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
-        tf.extractall(dest, filter="data")
-    return dest
 
 
 def run_ingest(args: argparse.Namespace, tmp: Path, say: Callable[[str], None]) -> dict[str, Any]:
