@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ssl
 import threading
 from typing import Any, NamedTuple
-from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
 import structlog
@@ -86,10 +84,7 @@ class CatchupSession:
         self._cfg = cfg
         self._ingestor = ingestor
         self.clientid = cfg.catchup_session_clientid
-        url = urlsplit(cfg.mqtt_url)
-        self._host = url.hostname or "127.0.0.1"
-        self._port = url.port or (8883 if url.scheme == "mqtts" else 1883)
-        self._tls = url.scheme == "mqtts"
+        self._host, self._port, self._tls = paho_tls.broker(cfg)
         self._filters = topic_filters(cfg)
         self._stop = threading.Event()
         #: The connection now open (bumped by the MQTT thread at each connect).
@@ -164,10 +159,7 @@ class CatchupSession:
             manual_ack=True,
             reconnect_on_failure=False,
         )
-        if cfg.mqtt_username:
-            client.username_pw_set(cfg.mqtt_username, cfg.mqtt_password or None)
-        if self._tls:
-            client.tls_set_context(ssl.create_default_context(cafile=cfg.mqtt_ca_file or None))
+        paho_tls.authenticate(client, cfg, self._tls)
         client.on_connect = self._on_connect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
@@ -207,18 +199,19 @@ class CatchupSession:
         link = self._link
         rc = mqtt.MQTT_ERR_SUCCESS
         while rc == mqtt.MQTT_ERR_SUCCESS and not self._stop.is_set():
-            while self._acks:
-                ack_link, mid = self._acks.popleft()
-                if ack_link == link:  # an older connection's messages come again on this one
-                    client.ack(mid, 1)
+            self._send_acks(client, link)
             rc = client.loop(timeout=_LOOP_S)
         if self._stop.is_set() and client.is_connected():
-            while self._acks:  # what was stored meanwhile, so the next holder is not sent it again
-                ack_link, mid = self._acks.popleft()
-                if ack_link == link:
-                    client.ack(mid, 1)
+            self._send_acks(client, link)  # what was stored meanwhile: the next holder is not sent it again
             client.disconnect()  # written at once (no loop thread); the session stays for its expiry
         return self._up
+
+    def _send_acks(self, client: mqtt.Client, link: int) -> None:
+        """PUBACK what was stored or rejected; an older connection's messages come again on this one."""
+        while self._acks:
+            ack_link, mid = self._acks.popleft()
+            if ack_link == link:
+                client.ack(mid, 1)
 
     def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         if reason.is_failure:

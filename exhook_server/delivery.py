@@ -35,7 +35,6 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
 import structlog
@@ -215,9 +214,7 @@ class MqttDelivery:
         #: When a delivery went out with no ack message since (monotonic); None when answered.
         self._unanswered_since: float | None = None
         self._ack_warned = False
-        url = urlsplit(cfg.mqtt_url)
-        self._host = url.hostname or "127.0.0.1"
-        self._port = url.port or (8883 if url.scheme == "mqtts" else 1883)
+        self._host, self._port, self._tls = paho_tls.broker(cfg)
         self._connected = False
         self._stopping = False
         self._client: _Client = self._new_client()
@@ -250,11 +247,7 @@ class MqttDelivery:
         """A paho client for one connection: nothing queued from an earlier one."""
         cfg = self._cfg
         client = _Client(CallbackAPIVersion.VERSION2, client_id=self.clientid, protocol=mqtt.MQTTv5)
-        if cfg.mqtt_username:
-            client.username_pw_set(cfg.mqtt_username, cfg.mqtt_password or None)
-        if urlsplit(cfg.mqtt_url).scheme == "mqtts":
-            context = ssl.create_default_context(cafile=cfg.mqtt_ca_file or None)
-            client.tls_set_context(context)
+        paho_tls.authenticate(client, cfg, self._tls)
         # Our window, not paho's: paho walks every message it holds on each PUBACK to find the
         # next one to send (O(queue) per delivery); ours is a deque.
         client.max_inflight_messages_set(0)

@@ -63,8 +63,10 @@ IMPLIED_PREFIX = "sdv-fanout:message:"
 def implied_batch_id(topic: str, payload: bytes) -> str:
     """The batch_id of a message that names none: a digest of its topic and payload, so the same
     message reaching us twice (the hook and the catch-up session, or a redelivery) is stored once."""
-    digest = hashlib.blake2b(topic.encode() + b"\0" + payload, digest_size=20).hexdigest()
-    return IMPLIED_PREFIX + digest
+    digest = hashlib.blake2b(topic.encode(), digest_size=20)
+    digest.update(b"\0")
+    digest.update(payload)  # fed in parts: no copy of a payload of megabytes
+    return IMPLIED_PREFIX + digest.hexdigest()
 
 
 def shown_batch_id(batch_id: str | None) -> str | None:

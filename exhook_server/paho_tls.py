@@ -1,4 +1,5 @@
-"""A paho MQTT client whose failed TLS handshake closes its socket.
+"""Our paho MQTT clients' common part: a client whose failed TLS handshake closes its socket,
+and the broker address and credentials from the settings.
 
 paho wraps the TCP socket and runs the handshake inside ``connect``/``reconnect``; when the
 handshake fails (broker gone, reset, certificate refused) the wrapped socket is left to the
@@ -10,8 +11,12 @@ from __future__ import annotations
 
 import socket
 import ssl
+from typing import NamedTuple
+from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
+
+from exhook_server.config import Config
 
 
 class Client(mqtt.Client):
@@ -33,3 +38,27 @@ class Client(mqtt.Client):
             ssl_sock.close()
             raise
         return ssl_sock
+
+
+class Broker(NamedTuple):
+    """Where `mqtt_url` points: host, port (the scheme's default when absent) and whether TLS."""
+
+    host: str
+    port: int
+    tls: bool
+
+
+def broker(cfg: Config) -> Broker:
+    """The broker of `cfg.mqtt_url` (mqtt:// or mqtts://)."""
+    url = urlsplit(cfg.mqtt_url)
+    tls = url.scheme == "mqtts"
+    return Broker(url.hostname or "127.0.0.1", url.port or (8883 if tls else 1883), tls)
+
+
+def authenticate(client: mqtt.Client, cfg: Config, tls: bool) -> None:
+    """Give `client` our username and password, and with `tls` a context trusting `mqtt_ca_file`
+    (else the system's store) that checks the broker's host name."""
+    if cfg.mqtt_username:
+        client.username_pw_set(cfg.mqtt_username, cfg.mqtt_password or None)
+    if tls:
+        client.tls_set_context(ssl.create_default_context(cafile=cfg.mqtt_ca_file or None))
