@@ -63,8 +63,6 @@ class Plan:
     problems: list[str] = dataclasses.field(default_factory=list)
     #: Hints, not failures (e.g. EMQX authorizes what no ACL rule matches).
     warnings: list[str] = dataclasses.field(default_factory=list)
-    #: The hook list EMQX's API node holds for us, when it has loaded us (else None).
-    held_hooks: HookSet | None = None
 
     @property
     def in_sync(self) -> bool:
@@ -271,8 +269,8 @@ def plan(cfg: Config, api: EmqxApi) -> Plan:
                 " (EMQX loads the hook list when it connects)"
             )
         else:
-            out.held_hooks = held_hooks(api.get(f"/exhooks/{api.quote(name)}/hooks"))
-            hook_diff = hook_differences(wanted_hooks(cfg), out.held_hooks)
+            held = held_hooks(api.get(f"/exhooks/{api.quote(name)}/hooks"))
+            hook_diff = hook_differences(wanted_hooks(cfg), held)
             if hook_diff:
                 detail = f"exhook {name}: reload, EMQX holds another hook list: {'; '.join(hook_diff)}"
                 out.changes.append(Change("exhook-reload", detail, want))

@@ -389,7 +389,7 @@ class Store:
             value = txn.get(rkey, db=t.ids)
             if value is None or keys.row_sha1(value) != sha1 or keys.row_ts(value) >= stored_before_ms:
                 return _NEVER
-            awaits = keys.decode_row(rkey, value).await_response
+            awaits = keys.row_awaits(value)
             raw = txn.get(rkey, db=t.tries)
             attempts = 0
             if raw is not None:

@@ -446,16 +446,20 @@ class Worker:
         return Kept(attempts, True, 0.0, session)
 
     def _from_the_vehicle(self, cmd: Acknowledge) -> bool:
-        """Whether the PUBACK comes from the vehicle's own client: the one its delivery went to or
-        the one it is online with. Knowing neither (e.g. a session's redelivery after a restart of
-        this server, before its presence was seen), only a client whose id is the VIN."""
-        acker = cmd.session.clientid
-        entry = self.inflight.get(cmd.vin)
-        present = self.presence.get(cmd.vin)
-        if entry is None and present is None:
-            return acker == cmd.vin
-        return (entry is not None and entry.session.clientid == acker) or (
-            present is not None and present.clientid == acker
+        """Whether the PUBACK comes from the vehicle's own client (`_is_own`). Knowing neither of
+        its clients (e.g. a session's redelivery after a restart of this server, before its
+        presence was seen), only a client whose id is the VIN."""
+        if cmd.vin not in self.inflight and cmd.vin not in self.presence:
+            return cmd.session.clientid == cmd.vin
+        return self._is_own(cmd.vin, cmd.session.clientid)
+
+    def _is_own(self, vin: str, clientid: str) -> bool:
+        """Whether `clientid` is the vehicle's: the client its delivery in flight went to, or the
+        one it is online with."""
+        entry = self.inflight.get(vin)
+        present = self.presence.get(vin)
+        return (entry is not None and entry.session.clientid == clientid) or (
+            present is not None and present.clientid == clientid
         )
 
     def _awaits_answer(self, cmd: Acknowledge) -> bool:
@@ -489,9 +493,7 @@ class Worker:
             metrics.RESPONSES.labels("late").inc()
             log.info("response_ignored", vin=vin, request_id=rid, reason="late", publisher=cmd.session.clientid)
             return
-        present = self.presence.get(vin)
-        own = {entry.session.clientid} | ({present.clientid} if present is not None else set())
-        if cmd.session.clientid not in own:
+        if not self._is_own(vin, cmd.session.clientid):
             metrics.RESPONSES.labels("forged").inc()
             log.warning("response_ignored", vin=vin, request_id=rid, reason="forged", publisher=cmd.session.clientid)
             return
