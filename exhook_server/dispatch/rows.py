@@ -188,8 +188,9 @@ class StoreRows:
             self._tries.append(record)
             first = len(self._tries) == 1
         if first:  # one op per commit window takes every record queued until it runs
-            future = self._committer.submit(_Tries(self), lazy=True)
-            future.add_done_callback(_tries_done)
+            op = _Tries(self)
+            future = self._committer.submit(op, lazy=True)
+            future.add_done_callback(op.done)
 
     def take_tries(self) -> list[ops.TryRecord]:
         with self._tries_lock:
@@ -225,8 +226,12 @@ class _Tries:
             self._records = self._rows.take_tries()
         return ops.record_tries(txn, self._rows._store.tables, self._records)
 
-
-def _tries_done(future: Future[Any]) -> None:
-    if future.exception() is not None:
-        # Counts as if never published: at worst one more delivery of those rows.
-        log.error("attempts_not_kept", error=repr(future.exception()))
+    def done(self, future: Future[Any]) -> None:
+        """A failed op's records count as never published (at worst one more delivery of those
+        rows). One that failed before it ran (store closed or full) drops the records it would
+        have taken: else they would stay queued, and no later record would submit an op again."""
+        if future.exception() is None:
+            return
+        if self._records is None:
+            self._records = self._rows.take_tries()
+        log.error("attempts_not_kept", error=repr(future.exception()), records=len(self._records))

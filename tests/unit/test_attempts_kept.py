@@ -7,7 +7,9 @@ keeps through the group committer, what ends with a row, and the schema upgrade.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -282,3 +284,35 @@ def test_a_schema_3_store_opens_and_keeps_attempts(tmp_path: Path) -> None:
 def _put_plain(store: Store, vin: str, rid: str, blob: bytes) -> None:
     with store.write() as txn:
         ops.store_batch(txn, store.tables, [vin], rid, blob, 1)
+
+
+class _FailsFirst:
+    """A committer whose first submit fails before its op runs (as a closed or full store's does)."""
+
+    def __init__(self, writer: GroupCommitter) -> None:
+        self._writer, self.failed = writer, False
+
+    def submit(self, op: Any, **kwargs: Any) -> Future[Any]:
+        if not self.failed:
+            self.failed = True
+            future: Future[Any] = Future()
+            future.set_exception(StorageError("map full"))
+            return future
+        return self._writer.submit(op, **kwargs)
+
+
+def test_records_are_kept_again_after_an_op_that_failed_before_it_ran(
+    lmdb_rows: tuple[Store, GroupCommitter, StoreRows],
+) -> None:
+    """The record of the failed op is lost (one more delivery at worst); the next ones are kept."""
+    store, writer, _ = lmdb_rows
+    _put(store, writer, VIN, "task_a", b"a")
+    a = store.row(VIN, "task_a")
+    assert a is not None
+    failing = _FailsFirst(writer)
+    rows = StoreRows(store, failing)  # type: ignore[arg-type]
+    rows.sent(VIN, a, 1)
+    assert failing.failed
+    rows.sent(VIN, a, 2)
+    _commit(writer)
+    assert StoreRows(store, writer).tried(VIN, "task_a", a.sha1).attempts == 2
