@@ -161,6 +161,8 @@ class StoreRows:
     def tried(self, vin: str, request_id: str, sha1: bytes, stored_ms: int = -1) -> Kept:
         if stored_ms >= self._started_ms:
             return NOTHING_KEPT  # stored since the start: dispatch's memory knows it all
+        if self.acking(vin, request_id, sha1):
+            return NOTHING_KEPT  # ended, its delete on its way: nothing to resume (no read either)
         rkey = keys.row_key(vin, request_id)
         with self._tries_lock:  # not committed yet: the newest word
             waiting = [r for r in self._tries if r[0] == rkey and r[1] == sha1] if self._tries else None

@@ -17,7 +17,7 @@ import pytest
 from exhook_server.dispatch.commands import Acknowledge, MaybeSend, Responded, Session, Sweep, Trigger
 from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.dispatch.rows import StoreRows
-from exhook_server.dispatch.worker import Worker
+from exhook_server.dispatch.worker import NOTHING_KEPT, Worker
 from storage import keys, ops
 from storage.errors import StorageError
 from storage.outcomes import Outcome
@@ -316,3 +316,19 @@ def test_records_are_kept_again_after_an_op_that_failed_before_it_ran(
     rows.sent(VIN, a, 2)
     _commit(writer)
     assert StoreRows(store, writer).tried(VIN, "task_a", a.sha1).attempts == 2
+
+
+def test_a_row_whose_delete_is_on_its_way_has_nothing_kept(lmdb_rows: tuple[Store, GroupCommitter, StoreRows]) -> None:
+    """An answered row of a previous start, its delete not committed yet: a duplicate PUBACK must
+    not find its awaited state and take the vehicle's slot again."""
+    store, writer, rows = lmdb_rows
+    _put(store, writer, VIN, "task_b", b"b", awaits=True)
+    b = store.row(VIN, "task_b")
+    assert b is not None
+    rows.awaiting(VIN, "task_b", b.sha1, 1, session(41000))
+    _commit(writer)
+    later = StoreRows(store, writer)  # after a restart
+    assert later.tried(VIN, "task_b", b.sha1).awaits
+    assert later.ack(VIN, "task_b", b.sha1, outcome=Outcome.RESPONDED)
+    assert later.acking(VIN, "task_b", b.sha1)
+    assert later.tried(VIN, "task_b", b.sha1) == NOTHING_KEPT
