@@ -28,10 +28,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import exhook_server.dispatch.rows as rows_mod
-from storage import ops
-from storage.store import Store
-from storage.writer import GroupCommitter
+import exhook_server.backends.lmdb.rows as rows_mod
+from storage.lmdb import batches
+from storage.lmdb.store import Store
+from storage.lmdb.writer import GroupCommitter
 
 
 def drain_once(length: int, total_rows: int, keep_heads: bool) -> dict[str, float]:
@@ -45,7 +45,7 @@ def drain_once(length: int, total_rows: int, keep_heads: bool) -> dict[str, floa
             vins = [f"LSV{i:014d}" for i in range(max(1, total_rows // length))]
             for r in range(length):
                 op = functools.partial(
-                    ops.store_batch,
+                    batches.store_batch,
                     t=store.tables,
                     vins=vins,
                     request_id=f"task_ota_{(r * 7919) % 100_000}",  # request ids not in time order

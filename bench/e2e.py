@@ -91,7 +91,7 @@ from plumbing import (  # bench/ is sys.path[0] when run as a script
 from plumbing import min_med_max as _mmm
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from storage.store import Store
+from storage.lmdb.store import Store
 from tests.emqx_sim import FakeEmqx, Mosquitto
 from tests.harness import ExHookClient, SubprocessServer
 

@@ -90,7 +90,7 @@ from plumbing import (  # bench/ is sys.path[0] when run as a script
 
 from exhook_server.acks import rule_body
 from exhook_server.config import Config
-from storage.store import Store
+from storage.lmdb.store import Store
 from tests.emqx_real import EmqxBroker, EmqxError, find_release
 from tests.emqx_sim import LOOPBACK, free_port
 from tests.harness import SubprocessServer

@@ -4,7 +4,7 @@ rows/s, and the peak RSS of each step (every step runs in its own process and re
     .venv/bin/python bench/gc.py                 # 1M rows (half expired), local[2] Spark
     .venv/bin/python bench/gc.py --rows 100000   # smoke
 
-The store is filled directly through storage.ops (no gRPC: this measures the GC pipeline, not
+The store is filled directly through storage.lmdb.batches (no gRPC: this measures the GC pipeline, not
 ingest). Two identical copies are made: one for export → Spark plan → apply, one for the embedded
 GC, so both collect the same data; their results must agree.
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from storage import ops  # noqa: E402
-from storage.store import Store, now_ms  # noqa: E402
-from storage.writer import GroupCommitter  # noqa: E402
+from storage.lmdb import batches  # noqa: E402
+from storage.lmdb.store import Store, now_ms  # noqa: E402
+from storage.lmdb.writer import GroupCommitter  # noqa: E402
 
 DAY = 86_400_000
 BIN = Path(sys.executable).parent
@@ -46,7 +46,7 @@ def fill(path: Path, rows: int, seed: int) -> None:
         old = n % 2 == 0
         blob = f"payload {rng.randrange(blobs)} ".encode() * 40
         op = functools.partial(
-            ops.store_batch,
+            batches.store_batch,
             t=store.tables,
             vins=[f"WVW{n:07d}{k:03d}" for k in range(1000)],
             request_id=f"task_t{n % 5}_{n % 7}",

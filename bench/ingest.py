@@ -67,14 +67,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 from plumbing import dec, descendants, machine_busy_s, num, share
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from storage import keys
+from storage.lmdb import keys
 from tests.harness import SubprocessServer
 
 METHOD = "/emqx.exhook.v3.HookProvider/OnMessagePublish"
 BATCH_TOPIC = "$SDV-FANOUT"
 TASK_TYPES = ("ota", "config", "diag", "remote", "campaign")
 VIN_CHARS = "ABCDEFGHJKLMNPRSTUVWXYZ" + string.digits  # no I, O, Q, as in real VINs
-#: Same LMDB options as storage/store.py, so the reference pays the same fsyncs.
+#: Same LMDB options as storage/lmdb/store.py, so the reference pays the same fsyncs.
 LMDB_OPTS: dict[str, Any] = {
     "map_size": 1 << 30,
     "max_dbs": 7,
@@ -83,7 +83,7 @@ LMDB_OPTS: dict[str, Any] = {
     "readahead": False,
     "max_readers": 1024,
 }
-#: Every named database of storage/store.py, for the disk measurement.
+#: Every named database of storage/lmdb/store.py, for the disk measurement.
 DB_NAMES = ("data", "touched", "ids", "expiry", "aliases", "early", "meta")
 
 
@@ -377,7 +377,7 @@ def _raw_plain(txn: lmdb.Transaction, dbs: dict[str, Any], b: Batch, sha1: bytes
 
 
 def _raw_tuned(txn: lmdb.Transaction, dbs: dict[str, Any], b: Batch, sha1: bytes, now: int) -> None:
-    """The same entries through the calls storage/ops.py uses (no check for a row to replace)."""
+    """The same entries through the calls storage/lmdb/batches.py uses (no check for a row to replace)."""
     txn.put(sha1, keys.encode_u64(now), db=dbs["touched"])
     txn.put(sha1, keys.blob_value(now, b.blob), overwrite=False, db=dbs["data"])
     rkeys = sorted(keys.row_keys(b.vins, b.request_id))

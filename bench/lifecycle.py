@@ -79,7 +79,7 @@ from plumbing import (
 from status_cost import order
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from storage.store import now_ms
+from storage.lmdb.store import now_ms
 from tests.emqx_sim import LOOPBACK, Mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent

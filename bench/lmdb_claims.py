@@ -2,7 +2,7 @@
 
 Several server processes on one host share the LMDB environment. Today each hook event for a
 VIN another process owns is forwarded to the owner over local sockets
-(`exhook_server/dispatch/peers.py`). The alternative (the claim of the first PostgreSQL design,
+(`exhook_server/backends/lmdb/peers.py`). The alternative (the claim of the first PostgreSQL design,
 `bench/pg_raw.py`, applied to LMDB): any process handles any VIN, and "at most one in flight per
 VIN" is a claim, a write transaction that
 sets an in-flight marker only if none is set, in a second LMDB environment opened without fsync
@@ -21,7 +21,7 @@ real Peers accept their links), all phases in every round, their order reversed 
     The receiver only counts: the work the owner does with an event is done in both designs.
 (b) **claims**: claim + release cycles on the nosync marker env. Claim = one write txn: get the
     VIN's marker; if none, read the vehicle's oldest row and its payload from the real store
-    (`Store.oldest`, layout built with `storage/ops.py store_batch`) and put a ~60 B marker
+    (`Store.oldest`, layout built with `storage/lmdb/batches.py store_batch`) and put a ~60 B marker
     (request id, sha1, sent-at, attempts, flags, session address). Release (the ack) = one write
     txn: get the marker, delete it if it names that row. 1 process, then 2 (or `--procs`) at once
     on disjoint VIN slices: their only contention is LMDB's process-shared writer mutex. Also
@@ -63,9 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout
 import lmdb
 from plumbing import Child, dec, machine_busy_s, machine_meta, make_vins, num, proc_cpu_s  # bench/ is sys.path[0]
 
-from storage import keys, ops
-from storage.keys import Row
-from storage.store import Store
+from storage.lmdb import batches, keys
+from storage.lmdb.keys import Row
+from storage.lmdb.store import Store
 
 NODE = "emqx@10.0.0.7"
 #: The marker: sha1, sent-at (ms), attempts, flags, process index, session address (IPv4 + port),
@@ -97,9 +97,9 @@ def forward_helper(args: argparse.Namespace) -> int:
     import structlog
 
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    from exhook_server.backends.lmdb.peers import Group, Peers
+    from exhook_server.backends.lmdb.pool import Dispatcher
     from exhook_server.dispatch.commands import Session
-    from exhook_server.dispatch.peers import Group, Peers
-    from exhook_server.dispatch.pool import Dispatcher
 
     index = args.fwd_index
     group = Group(index, 2, args.fwd_key, 0)
@@ -360,7 +360,7 @@ def build_store(path: Path, vins: list[str], rows_per_vin: int, blob_bytes: int)
             blob = bytes([r & 255]) * blob_bytes
             for k in range(0, len(vins), 200):  # 200-VIN batches, as the platform sends them
                 with store.write() as txn:
-                    ops.store_batch(txn, store.tables, vins[k : k + 200], request_id(r), blob, t0 + r * 1000 + k)
+                    batches.store_batch(txn, store.tables, vins[k : k + 200], request_id(r), blob, t0 + r * 1000 + k)
 
 
 class Rig:
@@ -535,7 +535,7 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Any]], meta: dict[st
     mark = statistics.mean(r["claims1"]["mark_bytes"] for r in rounds)
     lines += [
         "",
-        f"Store: {args.vins:,} VINs x {args.rows_per_vin} rows (storage/ops.py store_batch, 200-VIN batches, "
+        f"Store: {args.vins:,} VINs x {args.rows_per_vin} rows (storage/lmdb/batches.py store_batch, 200-VIN batches, "
         f"{args.blob_bytes} B payloads), the claim reads the oldest row and its payload (Store.oldest); marker "
         f"env sync=False, metasync=False, markers {mark:.0f} B under the 17-char VIN. Forwarding: window "
         f"{args.window} unconfirmed events, an even mix of heartbeat ClientEvents and Acknowledges through "

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from plumbing import dec, num  # bench/ is sys.path[0] when run as a script
 
-from storage.store import Store
+from storage.lmdb.store import Store
 from tests.harness import ExHookClient, SubprocessServer
 
 

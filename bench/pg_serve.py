@@ -101,8 +101,8 @@ from plumbing import (
 
 from exhook_server._proto import exhook_v3_pb2 as pb
 from exhook_server.config import Config
-from storage.pg import migrate
-from storage.store import Store
+from storage.lmdb.store import Store
+from storage.postgres import migrate
 from tests.emqx_sim import Mosquitto
 from tests.harness import ExHookClient, SubprocessServer
 from tests.pg_cluster import PgCluster

@@ -21,7 +21,7 @@ is one round's pair.
    to 0 rows, and CPU per message of each process.
 3. Disk per outcome, in this process on a fresh store: N rows stored (200-VIN batches, a
    request id each: a generation per 200 outcomes, the most generations per outcome an
-   ingest makes), then every one delivered through `ops.delete_row_if` (100 per commit, VINs
+   ingest makes), then every one delivered through `batches.delete_row_if` (100 per commit, VINs
    shuffled per request round, as an online fleet acks them). LMDB pages of `outcomes` and
    `outcome_expiry` after vs before the deliveries, plus the whole `gens` table, over N.
 
@@ -69,8 +69,8 @@ from plumbing import (
     unpack_tree,
 )
 
-from storage import ops
-from storage.store import Store, now_ms
+from storage.lmdb import batches
+from storage.lmdb.store import Store, now_ms
 from tests.emqx_sim import Mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -314,8 +314,8 @@ def outcome_disk(n: int, tmp: Path, seed: int) -> dict[str, Any]:
             for j in range(0, len(fleet), BATCH_VINS):
                 vins, rid, blob = fleet[j : j + BATCH_VINS], f"task_ota_{k}_{j // BATCH_VINS}", rng.randbytes(256)
                 with store.write() as txn:
-                    ops.store_batch(txn, t, vins, rid, blob, now_ms())
-                mine.update((v, (rid, ops.sha1_of(blob))) for v in vins)
+                    batches.store_batch(txn, t, vins, rid, blob, now_ms())
+                mine.update((v, (rid, batches.sha1_of(blob))) for v in vins)
             rows.append(mine)
         before, psize = table_pages(store)
         for k in range(REQUESTS_PER_VIN):
@@ -325,7 +325,7 @@ def outcome_disk(n: int, tmp: Path, seed: int) -> dict[str, Any]:
                 with store.write() as txn:
                     for vin in acked[j : j + ACKS_PER_COMMIT]:
                         rid, sha1 = rows[k][vin]
-                        if not ops.delete_row_if(txn, t, vin, rid, sha1, now_ms(), attempts=1):
+                        if not batches.delete_row_if(txn, t, vin, rid, sha1, now_ms(), attempts=1):
                             raise RuntimeError(f"row {vin}/{rid} not delivered")
         after, _ = table_pages(store)
         with store.read() as txn:

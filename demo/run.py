@@ -82,7 +82,7 @@ from demo.platform import (
     check_responses,
 )
 from exhook_server.config import Config
-from storage.store import Store
+from storage.lmdb.store import Store
 from tests.emqx_real import EmqxError
 from tests.emqx_sim import LOOPBACK
 

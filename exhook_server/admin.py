@@ -26,7 +26,7 @@ from exhook_server.dispatch.port import Dispatch
 from exhook_server.errors import BatchRejected, StorageError
 from exhook_server.housekeeping import run_gc
 from exhook_server.ingest import Ingestor
-from storage import outcomes
+from storage.lmdb import outcomes
 from storage.port import Reads
 
 SERVICE_NAME = "sdv.fanout.v1.Admin"

@@ -298,7 +298,7 @@ def _with_store(
     with no committer, or through a group committer, as a server writes it, when `writable`."""
     import asyncio
 
-    from storage.store import Store
+    from storage.lmdb.store import Store
 
     async def on_postgresql() -> T:
         import asyncpg
@@ -317,7 +317,7 @@ def _with_store(
     if not writable:
         with Store(cfg.data_dir, readonly=True) as store:
             return asyncio.run(work(on_lmdb(store, None)))
-    from storage.writer import GroupCommitter
+    from storage.lmdb.writer import GroupCommitter
 
     with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
         committer = GroupCommitter(store)
@@ -330,8 +330,8 @@ def _with_store(
 def _on_store(cfg: Config, read: Callable[[Reads], Coroutine[Any, Any, T]], *, writable: bool = False) -> T:
     """`read(reads)` on the store in force; the LMDB data dir opened read-only unless `writable`
     (GC deletes through a group committer)."""
-    from storage.lmdb_reads import LmdbReads
-    from storage.pg.reads import PgReads
+    from storage.lmdb.reads import LmdbReads
+    from storage.postgres.reads import PgReads
 
     def on_pg(pool: Any) -> Reads:
         return PgReads(pool, _CLI_READ_TIMEOUT_S)
@@ -344,8 +344,8 @@ def _on_store(cfg: Config, read: Callable[[Reads], Coroutine[Any, Any, T]], *, w
 
 def _on_store_writes(cfg: Config, work: Callable[[Writes], Coroutine[Any, Any, T]]) -> T:
     """`work(writes)` on the store in force, as a server writes it."""
-    from storage.lmdb_writes import LmdbWrites
-    from storage.pg.writes import PgWrites
+    from storage.lmdb.writes import LmdbWrites
+    from storage.postgres.writes import PgWrites
 
     def on_pg(pool: Any) -> Writes:
         return PgWrites(pool, _CLI_READ_TIMEOUT_S)
@@ -532,8 +532,8 @@ def _cmd_request(args: argparse.Namespace) -> int:
 def _cmd_cancel(args: argparse.Namespace) -> int:
     from exhook_server.batch import BatchParser, Cancel, Kind
     from exhook_server.errors import BatchRejected
-    from storage.cancel import run_cancel
     from storage.model import now_ms
+    from storage.port import run_cancel
 
     cfg = _load(args)
     doc: dict[str, Any] = {"request_id": args.request_id}
@@ -581,7 +581,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 def _cmd_db(args: argparse.Namespace) -> int:
     import asyncio
 
-    from storage.pg.migrate import migrate, schema_version
+    from storage.postgres.migrate import migrate, schema_version
 
     cfg = _load(args)
     if not cfg.store_url:
@@ -675,8 +675,9 @@ def _progress(total: int | None, unit: str) -> Any:
 def _cmd_gc(args: argparse.Namespace) -> int:
     from exhook_server.housekeeping import run_gc
     from storage import plan
-    from storage.store import Store
-    from storage.writer import GroupCommitter
+    from storage.lmdb import plan as lmdb_plan
+    from storage.lmdb.store import Store
+    from storage.lmdb.writer import GroupCommitter
 
     cfg = _load(args)
     if args.gc_command == "run":
@@ -697,7 +698,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             committer = GroupCommitter(store)
             try:
                 with _progress(plan.plan_size(path), "candidates") as bar:
-                    report = plan.apply_plan(store, committer.submit, path, dry_run=args.dry_run, progress=bar.update)
+                    report = lmdb_plan.apply_plan(
+                        store, committer.submit, path, dry_run=args.dry_run, progress=bar.update
+                    )
             finally:
                 committer.close()
     _print_report(report.as_dict(), args.json)
@@ -705,13 +708,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _apply_plan_pg(store_url: str, path: Path, dry_run: bool) -> ApplyReport:
-    """`gc apply` on the PostgreSQL store at `store_url` (storage/pg/plan.py), one connection."""
+    """`gc apply` on the PostgreSQL store at `store_url` (storage/postgres/plan.py), one connection."""
     import asyncio
 
     import asyncpg
 
     from storage import plan
-    from storage.pg.plan import PgTarget
+    from storage.postgres.plan import PgTarget
 
     loop = asyncio.new_event_loop()
     try:
@@ -731,8 +734,8 @@ def _apply_plan_pg(store_url: str, path: Path, dry_run: bool) -> ApplyReport:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from storage.export import export
-    from storage.store import Store
+    from storage.lmdb.export import export
+    from storage.lmdb.store import Store
 
     cfg = _load(args)
     if cfg.store_url:
@@ -747,13 +750,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_pg(store_url: str, out: str) -> dict[str, Any]:
-    """`export` from the PostgreSQL store at `store_url` (storage/pg/export.py); the manifest."""
+    """`export` from the PostgreSQL store at `store_url` (storage/postgres/export.py); the manifest."""
     import asyncio
 
     async def run() -> dict[str, Any]:
         import asyncpg
 
-        from storage.pg import export
+        from storage.postgres import export
 
         try:
             conn = await asyncpg.connect(store_url, timeout=10)

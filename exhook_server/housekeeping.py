@@ -17,8 +17,8 @@ from exhook_server.config import Config
 from exhook_server.dispatch.port import Dispatch
 from exhook_server.ingest import report_expired_early
 from exhook_server.status import StatusPublisher
-from storage import gc
 from storage.errors import StorageError
+from storage.lmdb import gc
 from storage.model import now_ms
 from storage.port import GcSettings, Reads
 
@@ -106,7 +106,7 @@ BACKLOG_GAUGE_INTERVAL_S = 60.0
 async def backlog_gauge_loop(cfg: Config, reads: Reads, interval_s: float = BACKLOG_GAUGE_INTERVAL_S) -> None:
     """Every minute: count the vehicles at max_pending_per_vehicle (their new rows are refused).
     A pass over the per-vehicle counts (LMDB, in a thread: O(vehicles with pending rows)) or, on
-    PostgreSQL, over the vehicles listed at half the bound (storage/pg/bound.sql; a bound of 64
+    PostgreSQL, over the vehicles listed at half the bound (storage/postgres/bound.sql; a bound of 64
     or less: over the rows)."""
     if not cfg.max_pending_per_vehicle:
         return

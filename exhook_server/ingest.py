@@ -38,9 +38,9 @@ from exhook_server.config import Config
 from exhook_server.errors import BatchRejected, EarlyTriggersFull, Reason, StorageError, StorageFull
 from exhook_server.status import StatusPublisher
 from exhook_server.topics import is_level
-from storage import cancel as cancelling
-from storage import ops
 from storage.errors import CommitTimeout, LockTimeout
+from storage.lmdb import batches
+from storage.lmdb import cancel as cancelling
 from storage.model import Outcome, now_ms
 from storage.port import Writes
 
@@ -104,7 +104,7 @@ def bounded_detail(detail: str) -> str:
     return detail if len(detail) <= MAX_DETAIL_CHARS else detail[: MAX_DETAIL_CHARS - 3] + "..."
 
 
-def report_expired_early(expired: list[ops.EarlyExpired], status: StatusPublisher | None = None) -> None:
+def report_expired_early(expired: list[batches.EarlyExpired], status: StatusPublisher | None = None) -> None:
     """One log line, one count and one `rejected` receipt per early trigger whose data never
     came (sweeper and GC alike)."""
     for e in expired:
@@ -204,7 +204,7 @@ class Ingestor:
             written = await self._writes.store_batch(
                 parsed.vins, parsed.request_id, parsed.blob, now, parsed.tags.batch_id, self._spec(parsed.life)
             )
-            if isinstance(written, ops.Duplicate):
+            if isinstance(written, batches.Duplicate):
                 self._duplicate(written, parsed.tags)
                 return
             self._stored(written, "batch", tags=parsed.tags)
@@ -245,7 +245,7 @@ class Ingestor:
                 raise BatchRejected(
                     Reason.EARLY_TRIGGERS_FULL, str(exc), data_id=trig.data_id, request_id=trig.request_id
                 ) from None
-            if isinstance(result, ops.Duplicate):
+            if isinstance(result, batches.Duplicate):
                 self._duplicate(result, trig.tags)
             elif result.batch is None:
                 metrics.EARLY_PARKED.inc()
@@ -253,10 +253,10 @@ class Ingestor:
             else:
                 self._stored(result.batch, "trigger", tags=trig.tags, data_id=trig.data_id)
 
-    def _spec(self, life: Lifecycle) -> ops.RowSpec:
-        return ops.RowSpec(life.expires_ms, life.flags, self._cfg.max_pending_per_vehicle)
+    def _spec(self, life: Lifecycle) -> batches.RowSpec:
+        return batches.RowSpec(life.expires_ms, life.flags, self._cfg.max_pending_per_vehicle)
 
-    def _stored(self, written: ops.BatchWritten, fmt: str, tags: Tags | None = None, **fields: Any) -> None:
+    def _stored(self, written: batches.BatchWritten, fmt: str, tags: Tags | None = None, **fields: Any) -> None:
         metrics.BATCHES_STORED.labels(fmt).inc()
         metrics.ROWS_STORED.inc(written.rows)
         metrics.ROWS_REPLACED.inc(written.replaced)
@@ -293,7 +293,7 @@ class Ingestor:
             # for dispatch to sort 200 VINs onto its workers; call_soon keeps the batches' order.
             asyncio.get_running_loop().call_soon(self._notify, written.vins, written.request_id)
 
-    def _duplicate(self, dup: ops.Duplicate, tags: Tags) -> None:
+    def _duplicate(self, dup: batches.Duplicate, tags: Tags) -> None:
         """A retry of a batch_id already stored: nothing written, the first receipt again."""
         metrics.BATCHES_DUPLICATE.inc()
         log.info("batch_duplicate", batch_id=dup.batch_id, request_id=dup.request_id, parked=dup.sha1 is None)
@@ -343,7 +343,7 @@ class Ingestor:
             listener(vins, request_id)
 
     def _completed(
-        self, data_id: str, completed: tuple[ops.BatchWritten, ...], expired: tuple[ops.EarlyExpired, ...] = ()
+        self, data_id: str, completed: tuple[batches.BatchWritten, ...], expired: tuple[batches.EarlyExpired, ...] = ()
     ) -> None:
         for done in completed:
             metrics.EARLY_COMPLETED.inc()
@@ -528,7 +528,7 @@ class Ingestor:
             self.complete_waiting(data_id)
         return found
 
-    async def sweep_early(self) -> list[ops.EarlyExpired]:
+    async def sweep_early(self) -> list[batches.EarlyExpired]:
         """Drop early triggers whose data never came, each with a logged reason."""
         expired = await self._writes.expire_early(
             self._clock(), int(self._cfg.early_ttl_s * 1000), self._cfg.early_max_count

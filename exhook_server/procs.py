@@ -20,8 +20,6 @@ import contextlib
 import ctypes
 import dataclasses
 import fcntl
-import json
-import mmap
 import os
 import secrets
 import select
@@ -40,6 +38,7 @@ import structlog
 from exhook_server import memory, preflight
 from exhook_server.config import Config, join_host_port, loopback, split_host_port
 from exhook_server.errors import ConfigError
+from exhook_server.group import write_ready_file
 
 log = structlog.get_logger("sdv_fanout.procs")
 
@@ -47,9 +46,6 @@ _PR_SET_PDEATHSIG = 1
 #: How long the children may take to report ready before the parent gives up.
 _START_TIMEOUT_S = 60.0
 _LOCK_NAME = "server.lock"
-#: One byte every server process of the group sees (an anonymous shared mapping made before the
-#: fork): 1 once EMQX loaded any of them or their hook list was confirmed (`hookset`).
-HOOK_SET_CONFIRMED = mmap.mmap(-1, 1)
 
 
 def serve_main(cfg: Config, ready_file: str | None) -> int:
@@ -69,13 +65,6 @@ def serve_main(cfg: Config, ready_file: str | None) -> int:
     finally:
         if lock is not None:
             lock.close()
-
-
-def write_ready_file(path: str, info: dict[str, Any]) -> None:
-    """Atomically publish `info` as JSON: whoever polls the file sees all of it or nothing."""
-    tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)
 
 
 def _lock_data_dir(cfg: Config) -> Any:
@@ -141,7 +130,7 @@ class _Supervisor:
         admin_listen = join_host_port(split_host_port(self.cfg.admin_listen)[0], admin_port) if admin_sock else ""
         child_cfg = dataclasses.replace(self.cfg, metrics_listen="", admin_listen=admin_listen)
         key = f"{os.getpid()}-{secrets.token_hex(4)}"
-        from exhook_server.dispatch.peers import Group
+        from exhook_server.backends.lmdb.peers import Group
 
         ready_r, ready_w = os.pipe()
         parent = os.getpid()

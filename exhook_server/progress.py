@@ -18,8 +18,8 @@ import asyncio
 import structlog
 
 from exhook_server.status import StatusPublisher
-from storage import outcomes
 from storage.errors import StorageError
+from storage.lmdb import outcomes
 from storage.port import Reads
 
 log = structlog.get_logger("sdv_fanout.progress")

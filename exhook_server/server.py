@@ -22,31 +22,32 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from exhook_server import acks, admin, catchup, emqx_sync, hooks, housekeeping, memory, pgmode
+from exhook_server import acks, admin, catchup, emqx_sync, hooks, housekeeping, memory
 from exhook_server.aio import cancel_all, in_daemon_thread
+from exhook_server.backends.lmdb.peers import Group, Peers
+from exhook_server.backends.lmdb.pool import Dispatcher
+from exhook_server.backends.lmdb.rows import StoreRows
+from exhook_server.backends.postgres import pgmode
+from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
-from exhook_server.dispatch.peers import Group, Peers
-from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.dispatch.port import Dispatch
-from exhook_server.dispatch.rows import StoreRows
-from exhook_server.dispatch.shared import SharedDispatcher
 from exhook_server.errors import ConfigError
+from exhook_server.group import HOOK_SET_CONFIRMED, write_ready_file
 from exhook_server.health import HealthStates
 from exhook_server.hookset import HookSetWatch
 from exhook_server.ingest import Ingestor
 from exhook_server.preflight import bind_error
-from exhook_server.procs import HOOK_SET_CONFIRMED, write_ready_file
 from exhook_server.progress import ProgressReporter
 from exhook_server.status import StatusPublisher, answer_fields
-from storage.lmdb_reads import LmdbReads
-from storage.lmdb_writes import LmdbWrites
+from storage.lmdb.reads import LmdbReads
+from storage.lmdb.store import Store
+from storage.lmdb.writer import GroupCommitter
+from storage.lmdb.writes import LmdbWrites
 from storage.model import Outcome, now_ms
-from storage.pg.reads import PgReads
-from storage.pg.writes import PgWrites
 from storage.port import Reads, Writes
-from storage.store import Store
-from storage.writer import GroupCommitter
+from storage.postgres.reads import PgReads
+from storage.postgres.writes import PgWrites
 
 log = structlog.get_logger("sdv_fanout.server")
 

@@ -21,7 +21,7 @@ EXPORT_FORMAT = "sdv-fanout-export"
 #: columns below; a version-1 export reads as one without expiries, awaited answers or responses.
 EXPORT_FORMAT_VERSIONS = (1, 2)
 
-#: The export's tables (storage/export.py), read with these schemas rather than inferred ones. A column
+#: The export's tables (storage/lmdb/export.py), read with these schemas rather than inferred ones. A column
 #: an older export lacks reads as null (Parquet with a given schema), then as EXPORT_DEFAULTS says.
 EXPORT_SCHEMAS = {
     "rows": "vin string, request_id string, ts_ms long, sha1 binary, size long, expires_at_ms long, "

@@ -1,4 +1,4 @@
-"""GC plan over an export: the rules of storage/gc.py, as of the export's snapshot, for `sdv-fanout gc apply`.
+"""GC plan over an export: the rules of storage/lmdb/gc.py, as of the export's snapshot, for `sdv-fanout gc apply`.
 
     spark-submit spark/gc_job.py --export OUT --plan PLAN --retention 7d --grace 1h
     python -m spark.gc_job --export OUT --plan PLAN --retention 7d --grace 1h [--master local[4]]

@@ -1,7 +1,7 @@
 """The Parquet export format both stores write: table schemas, format version, batch sizes.
 
-The Spark jobs in spark/ read it, never a live store; the LMDB export (storage/export.py) and the
-PostgreSQL one (storage/pg/export.py) write the same tables, so a job never knows which store
+The Spark jobs in spark/ read it, never a live store; the LMDB export (storage/lmdb/export.py) and the
+PostgreSQL one (storage/postgres/export.py) write the same tables, so a job never knows which store
 made an export. Imports neither `lmdb` nor `asyncpg`.
 """
 

@@ -121,6 +121,11 @@ class OutcomeRecord:
 PageKey = tuple[int, bytes]
 
 
+def generation_key(request_id: str, sha1: bytes) -> bytes:
+    """A generation's name in one key: request id, NUL, sha1 (LMDB's `gens` key, both stores' page tokens)."""
+    return request_id.encode() + b"\x00" + sha1
+
+
 # -- results of writes -------------------------------------------------------------------
 
 

@@ -6,13 +6,13 @@ an alias only if not rewritten, and a blob only if it was not created or referen
 `snapshot - grace` (a row written after the export that reuses the blob touched it). Re-running is
 harmless: what is gone is skipped, so an interrupted apply simply runs again.
 
-`apply_plan_to` walks a plan over a `PlanTarget`, the three deletes of one store: `LmdbTarget`
-here, `storage.pg.plan.PgTarget` for PostgreSQL (the Spark jobs read either store's export).
+`apply_plan_to` walks a plan over a `PlanTarget`, the three deletes of one store:
+`storage.lmdb.plan.LmdbTarget` or `storage.postgres.plan.PgTarget` (the Spark jobs read either
+store's export).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -20,12 +20,11 @@ from typing import Any, Protocol
 
 import pyarrow.dataset as ds
 
-from storage import gc
 from storage.errors import PlanError
-from storage.store import Store
+from storage.model import BLOB_CHUNK, ROW_CHUNK, ApplyReport
 
 PLAN_FORMAT = "sdv-fanout-gc-plan"
-_CHUNK = {"expired_rows": gc.ROW_CHUNK, "expired_aliases": gc.ROW_CHUNK, "garbage_blobs": gc.BLOB_CHUNK}
+_CHUNK = {"expired_rows": ROW_CHUNK, "expired_aliases": ROW_CHUNK, "garbage_blobs": BLOB_CHUNK}
 
 
 def read_summary(plan: Path) -> dict[str, Any]:
@@ -68,40 +67,14 @@ class PlanTarget(Protocol):
         ...
 
 
-class LmdbTarget:
-    """The LMDB store's deletes, through its group committer's `submit`."""
-
-    def __init__(self, store: Store, submit: gc.Submit) -> None:
-        self._t, self._submit = store.tables, submit
-
-    def delete_rows(self, planned: Sequence[tuple[str, str, int]]) -> tuple[int, int]:
-        deleted, kept = self._submit(functools.partial(gc.delete_planned_rows, t=self._t, planned=planned)).result()
-        return int(deleted), int(kept)
-
-    def delete_aliases(self, planned: Sequence[tuple[str, int]]) -> int:
-        return int(self._submit(functools.partial(gc.delete_planned_aliases, t=self._t, planned=planned)).result())
-
-    def delete_blobs(self, sha1s: Sequence[bytes], cutoff_ms: int) -> tuple[int, int, int]:
-        job = functools.partial(gc.delete_blobs, t=self._t, candidates=sha1s, cutoff_ms=cutoff_ms)
-        d, f, k = self._submit(job).result()
-        return int(d), int(f), int(k)
-
-
-def apply_plan(
-    store: Store, submit: gc.Submit, plan: Path, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
-) -> gc.ApplyReport:
-    """`apply_plan_to` the LMDB store."""
-    return apply_plan_to(LmdbTarget(store, submit), plan, dry_run=dry_run, progress=progress)
-
-
 def apply_plan_to(
     target: PlanTarget, plan: Path, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
-) -> gc.ApplyReport:
+) -> ApplyReport:
     """Delete the plan's candidates that are still garbage; rows, then aliases, then blobs."""
     summary = read_summary(plan)
     blob_cutoff = int(summary["snapshot_ms"]) - int(summary["grace_ms"])
     tick = progress or (lambda n: None)
-    report = gc.ApplyReport(dry_run=dry_run)
+    report = ApplyReport(dry_run=dry_run)
     for chunk in _chunks(plan, "expired_rows", ["vin", "request_id", "ts_ms"]):
         if dry_run:
             report.rows_deleted += len(chunk)

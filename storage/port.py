@@ -2,8 +2,8 @@
 
 Ingest, cancel and the expiry sweep (exhook_server/ingest.py) go through `Writes` only; the Admin
 API, progress reporting and housekeeping (GC, level gauges) through `Reads`. So the embedded LMDB
-store (`storage/lmdb_writes.py`, `storage/lmdb_reads.py`) and the shared PostgreSQL store (issue
-14, `storage/pg/writes.py`, `storage/pg/reads.py`) are interchangeable behind them. Every write
+store (`storage/lmdb/writes.py`, `storage/lmdb/reads.py`) and the shared PostgreSQL store (issue
+14, `storage/postgres/writes.py`, `storage/postgres/reads.py`) are interchangeable behind them. Every write
 returns once its change is durable (or raises StorageError, CommitTimeout included, having stored
 nothing or possibly landing later); results are the values of storage/model.py, so a caller
 never knows which engine answered.
@@ -124,8 +124,8 @@ class Writes(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class GcSettings:
-    """One GC pass's clock and limits (times in ms); the fields are `storage.gc.collect`'s and
-    `storage.pg.gc.collect`'s keyword arguments of the same names."""
+    """One GC pass's clock and limits (times in ms); the fields are `storage.lmdb.gc.collect`'s and
+    `storage.postgres.gc.collect`'s keyword arguments of the same names."""
 
     now_ms: int
     #: Rows, aliases and batch ids stored before now_ms - retention_ms go.
@@ -177,7 +177,7 @@ class Reads(Protocol):
         ...
 
     async def gc(self, settings: GcSettings, *, dry_run: bool = False) -> GcReport:
-        """One GC pass (`storage.gc.collect`'s steps, order and report) in short transactions,
+        """One GC pass (`storage.lmdb.gc.collect`'s steps, order and report) in short transactions,
         so ingest and dispatch keep going while it runs; `dry_run` counts and changes nothing.
         Not bounded by a read deadline: a pass takes as long as the store is large."""
         ...
@@ -195,3 +195,15 @@ class Reads(Protocol):
     async def vehicles_at(self, bound: int) -> int:
         """Vehicles with at least `bound` pending rows (their new rows are refused)."""
         ...
+
+
+async def run_cancel(writes: Writes, request_id: str, vins: Sequence[str] | None, now_ms: int, max_rows: int) -> int:
+    """A whole cancel in this process through either store's `Writes`, one transaction per chunk
+    (`sdv-fanout cancel` without a server; LMDB serialises it with a running server's writer,
+    PostgreSQL with every instance's). Returns the rows cancelled."""
+    if vins is not None:
+        return (await writes.cancel_vins(request_id, vins, now_ms)).total
+    chunk = await writes.start_cancel_all(request_id, now_ms, max_rows)
+    while chunk.more:
+        chunk = await writes.cancel_chunk(request_id, now_ms, max_rows)
+    return chunk.total

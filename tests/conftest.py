@@ -12,7 +12,7 @@ import pytest
 
 from exhook_server import log
 from exhook_server.config import Config
-from storage.store import now_ms
+from storage.lmdb.store import now_ms
 from tests.harness import ExHookClient, InProcessServer
 from tests.pg_cluster import PgCluster, find_bindir
 

@@ -2,7 +2,7 @@
 
 Used by the rule tests and the randomized simulation; the integration tests use
 the real LMDB store and a real broker instead. `MemoryRows` keeps the store's
-lifecycle rules too (storage/ops.py, pending.py, cancel.py, outcomes.py): one outcome
+lifecycle rules too (storage/lmdb/batches.py, pending.py, cancel.py, outcomes.py): one outcome
 per (VIN, request_id, sha1) pair, superseded on replacement, cancels of named VINs and
 of every vehicle (a cut, then chunks), expiry, and the amendment of a cancelled pair by
 its delivery's later PUBACK or answer.
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from exhook_server.dispatch.commands import Session
 from exhook_server.dispatch.worker import NOTHING_KEPT, Kept
-from storage.keys import FLAG_AWAIT_RESPONSE, Row
-from storage.outcomes import Outcome
+from storage.lmdb.keys import FLAG_AWAIT_RESPONSE, Row
+from storage.lmdb.outcomes import Outcome
 
 Pair = tuple[str, str, bytes]  # (VIN, request_id, sha1)
 

@@ -18,15 +18,15 @@ from typing import Any, Protocol
 import asyncpg
 import pytest
 
-from exhook_server.dispatch import shared
-from exhook_server.dispatch.pool import Dispatcher
+from exhook_server.backends.lmdb.pool import Dispatcher
+from exhook_server.backends.postgres import dispatch as shared
+from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.dispatch.port import Dispatch
-from exhook_server.dispatch.shared import SharedDispatcher
 from exhook_server.dispatch.worker import Publisher
-from storage.keys import FLAG_AWAIT_RESPONSE
-from storage.ops import BatchWritten, RowSpec
-from storage.outcomes import Outcome
-from storage.pg import expiry, ingest, migrate
+from storage.lmdb.batches import BatchWritten, RowSpec
+from storage.lmdb.keys import FLAG_AWAIT_RESPONSE
+from storage.lmdb.outcomes import Outcome
+from storage.postgres import batches, expiry, migrate
 from tests.dispatch_fakes import AckCall, CancelJob, Ended, MemoryRows, Pair, Pending
 
 #: Workers (memory) or lanes (PostgreSQL): vehicles' events run on several at once.
@@ -321,7 +321,7 @@ class PgStore:
     ) -> Chunk:
         spec = RowSpec(expires_ms=expires_ms, flags=FLAG_AWAIT_RESPONSE if await_response else 0)
         now_ms = self._write_ms()
-        written = await ingest.store_batch(self._conn, vins, request_id, payload, now_ms, spec=spec)
+        written = await batches.store_batch(self._conn, vins, request_id, payload, now_ms, spec=spec)
         assert isinstance(written, BatchWritten)
         self.view.taken.update((vin, request_id, written.sha1) for vin in written.vins)
         # As ops.put_rows: a replaced row a cancel in progress had taken ends cancelled (stamped
@@ -337,14 +337,14 @@ class PgStore:
         return [(r["vin"], bytes(r["sha1"])) for r in taken]
 
     async def cancel_vins(self, request_id: str, vins: list[str]) -> Chunk:
-        return list((await ingest.cancel_vins(self._conn, request_id, vins, self._write_ms())).cancelled)
+        return list((await batches.cancel_vins(self._conn, request_id, vins, self._write_ms())).cancelled)
 
     async def start_cancel_all(self, request_id: str, max_rows: int) -> Chunk:
-        chunk = await ingest.start_cancel_all(self._conn, request_id, self._write_ms(), max_rows)
+        chunk = await batches.start_cancel_all(self._conn, request_id, self._write_ms(), max_rows)
         return list(chunk.cancelled)
 
     async def cancel_chunk(self, request_id: str, max_rows: int) -> Chunk:
-        return list((await ingest.cancel_chunk(self._conn, request_id, self._write_ms(), max_rows)).cancelled)
+        return list((await batches.cancel_chunk(self._conn, request_id, self._write_ms(), max_rows)).cancelled)
 
     async def cancels_in_progress(self) -> list[str]:
         return [r["request_id"] for r in await self._conn.fetch("SELECT request_id FROM cancels ORDER BY request_id")]

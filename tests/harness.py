@@ -25,7 +25,7 @@ import grpc
 from exhook_server._proto import exhook_v3_pb2 as pb
 from exhook_server.config import Config
 from exhook_server.server import FanoutServer
-from storage.store import now_ms
+from storage.lmdb.store import now_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -219,16 +219,16 @@ class InProcessServer:
         assert self.server is not None
         stored = {(g.request_id, g.sha1): g.counts for g in self.run(self.server.reads.all_generations())}
         if self.server.store is not None:
-            from storage import outcomes
+            from storage.lmdb import outcomes
 
             with self.server.store.read() as txn:
                 return stored, outcomes.recount(txn, self.server.store.tables)
 
         async def pg_recount() -> Any:
-            from storage.pg import counts
+            from storage.postgres import outcomes as pg_outcomes
 
             async with self.server.pool.acquire() as conn:  # type: ignore[union-attr]
-                return await counts.recount(conn)
+                return await pg_outcomes.recount(conn)
 
         return stored, self.run(pg_recount())
 
@@ -354,8 +354,8 @@ def put(writer: Any, store: Any, vins: list[str], rid: str, blob: bytes, at: int
     """Store one seed-format batch directly (no gRPC), committed, with row timestamp `at` (ms)."""
     import functools
 
-    from storage import ops
+    from storage.lmdb import batches
 
     writer.submit(
-        functools.partial(ops.store_batch, t=store.tables, vins=vins, request_id=rid, blob=blob, now_ms=at)
+        functools.partial(batches.store_batch, t=store.tables, vins=vins, request_id=rid, blob=blob, now_ms=at)
     ).result()

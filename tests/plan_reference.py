@@ -1,4 +1,4 @@
-"""A pure-Python GC plan over an export: the rules of storage/gc.py, written a second way.
+"""A pure-Python GC plan over an export: the rules of storage/lmdb/gc.py, written a second way.
 
 Tests use it to check `gc apply` without Spark, and to check the Spark job against it.
 """

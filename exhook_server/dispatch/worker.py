@@ -204,7 +204,7 @@ class Worker:
 
     def restore(self, vin: str, state: VehicleState) -> None:
         """Put a vehicle's state in place: a store that keeps it outside the process (PostgreSQL,
-        exhook_server/dispatch/shared.py) runs these same rules on it one event at a time."""
+        exhook_server/backends/postgres/dispatch.py) runs these same rules on it one event at a time."""
         presence, entry, voided = state
         _put(self.presence, vin, presence)
         _put(self.inflight, vin, entry)

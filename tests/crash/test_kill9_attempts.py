@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from storage import outcomes
-from storage.ops import sha1_of
-from storage.outcomes import Outcome
-from storage.store import Store
+from storage.lmdb import outcomes
+from storage.lmdb.batches import sha1_of
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import Store
 from tests.emqx_sim import FakeEmqx, Mosquitto, Vehicle
 from tests.harness import SubprocessServer, poll
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from storage import keys, ops
-from storage.store import Store, now_ms
-from storage.writer import GroupCommitter
+from storage.lmdb import batches, keys
+from storage.lmdb.store import Store, now_ms
+from storage.lmdb.writer import GroupCommitter
 from tests.harness import BIN, poll
 
 SEED = int(os.environ.get("KILL9_SEED", "4242"))
@@ -33,7 +33,7 @@ def fill(path: Path) -> None:
         blob = f"blob {rng.randrange(2000)}".encode() * 20
         writer.submit(
             functools.partial(
-                ops.store_batch,
+                batches.store_batch,
                 t=store.tables,
                 vins=[f"V{n}_{k}" for k in range(50)],
                 request_id=f"task_a_{n % 9}",

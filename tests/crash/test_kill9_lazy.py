@@ -13,17 +13,17 @@ import sys
 import textwrap
 from pathlib import Path
 
-from storage import ops
-from storage.store import Store
-from storage.writer import GroupCommitter
+from storage.lmdb import batches
+from storage.lmdb.store import Store
+from storage.lmdb.writer import GroupCommitter
 from tests.harness import ROOT
 
 CHILD = textwrap.dedent(
     """
     import functools, hashlib, sys, threading
-    from storage import ops
-    from storage.store import Store
-    from storage.writer import GroupCommitter
+    from storage.lmdb import batches
+    from storage.lmdb.store import Store
+    from storage.lmdb.writer import GroupCommitter
 
     store = Store(sys.argv[1])
     writer = GroupCommitter(store, lazy_delay_s=3600)  # lazy ops wait for company, never for time
@@ -31,13 +31,13 @@ CHILD = textwrap.dedent(
     t = store.tables
 
     def delete(vin):
-        return functools.partial(ops.delete_row_if, t=t, vin=vin, request_id="task_a_1", sha1=sha1)
+        return functools.partial(batches.delete_row_if, t=t, vin=vin, request_id="task_a_1", sha1=sha1)
 
     for i in range(100):  # acked: deletes parked
         writer.submit(delete(f"V{i}"), lazy=True)
     if sys.argv[2] == "with-durable":  # a batch commits: the parked deletes ride along
         writer.submit(
-            functools.partial(ops.store_batch, t=t, vins=["NEW"], request_id="task_b_1", blob=b"x", now_ms=2)
+            functools.partial(batches.store_batch, t=t, vins=["NEW"], request_id="task_b_1", blob=b"x", now_ms=2)
         ).result(10)
     for i in range(100, 200):  # acked after that commit: parked again
         writer.submit(delete(f"V{i}"), lazy=True)
@@ -65,7 +65,7 @@ def fill(db: Path) -> None:
         vins = [f"V{i}" for i in range(200)]
         writer.submit(
             functools.partial(
-                ops.store_batch, t=store.tables, vins=vins, request_id="task_a_1", blob=b"payload", now_ms=1
+                batches.store_batch, t=store.tables, vins=vins, request_id="task_a_1", blob=b"payload", now_ms=1
             )
         ).result(10)
         writer.close()

@@ -28,10 +28,10 @@ import pytest
 
 from exhook_server._proto import admin_pb2
 from exhook_server._proto import exhook_v3_pb2 as pb
-from storage import keys, outcomes, pending
-from storage.ops import sha1_of
-from storage.outcomes import Outcome
-from storage.store import Store
+from storage.lmdb import keys, outcomes, queue
+from storage.lmdb.batches import sha1_of
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import Store
 from tests.crash.test_kill9_outcomes import emqx_for
 from tests.emqx_sim import FakeEmqx, Mosquitto, Vehicle
 from tests.harness import SubprocessServer, poll
@@ -147,7 +147,7 @@ def audit(data_dir: Path) -> Snapshot:
         rows = {(r.vin, r.request_id): r for r in (keys.decode_row(k, v) for k, v in txn.cursor(t.ids))}
         ended = {keys.split_outcome_key(k): Outcome(keys.decode_outcome(v)[3]) for k, v in txn.cursor(t.outcomes)}
         responses = {keys.split_outcome_key(k): keys.outcome_response(v) for k, v in txn.cursor(t.outcomes)}
-        backlogs = {bytes(k).decode(): pending.decode_count(v) for k, v in txn.cursor(t.backlogs)}
+        backlogs = {bytes(k).decode(): queue.decode_count(v) for k, v in txn.cursor(t.backlogs)}
         by_request = {bytes(k) for k in txn.cursor(t.by_request).iternext(keys=True, values=False)}
         deadlines = {bytes(k) for k in txn.cursor(t.deadlines).iternext(keys=True, values=False)}
         jobs = [bytes(k).decode() for k in txn.cursor(t.cancels).iternext(keys=True, values=False)]
@@ -158,7 +158,7 @@ def audit(data_dir: Path) -> Snapshot:
             snap.errors.append(f"{where}: stored {stored_counts.get(gen)}, recount {recounted.get(gen)}")
     per_vin = Counter(vin for vin, _ in rows)
     for vin in sorted(per_vin.keys() | backlogs.keys()):
-        counted = per_vin[vin] if per_vin[vin] >= pending.COUNTED_FROM else 0  # only long queues are counted
+        counted = per_vin[vin] if per_vin[vin] >= queue.COUNTED_FROM else 0  # only long queues are counted
         if backlogs.get(vin, 0) != counted:
             snap.errors.append(f"{vin}: backlogs says {backlogs.get(vin, 0)}, it has {per_vin[vin]} rows")
     want_index = {keys.request_index_key(vin, rid) for vin, rid in rows}

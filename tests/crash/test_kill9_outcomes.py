@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from storage import keys, outcomes
-from storage.ops import sha1_of
-from storage.store import Store
+from storage.lmdb import keys, outcomes
+from storage.lmdb.batches import sha1_of
+from storage.lmdb.store import Store
 from tests.emqx_sim import FakeEmqx, Mosquitto
 from tests.harness import SubprocessServer, poll
 from tests.integration.test_status_topic import Platform

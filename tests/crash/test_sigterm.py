@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from storage.store import Store
+from storage.lmdb.store import Store
 from tests.emqx_sim import FakeEmqx, Mosquitto
 from tests.harness import ExHookClient, SubprocessServer, poll
 

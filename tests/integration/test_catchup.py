@@ -24,7 +24,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from storage.store import Store
+from storage.lmdb.store import Store
 from tests.emqx_real import EmqxApiError, EmqxBroker, Fleet, Platform, Vehicle, find_release, running_emqx, where_looked
 from tests.emqx_sim import free_port
 from tests.harness import SubprocessServer, poll

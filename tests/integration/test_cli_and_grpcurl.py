@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.store import SCHEMA_VERSION
+from storage.lmdb.store import SCHEMA_VERSION
 from tests.harness import BIN, ExHookClient, SubprocessServer
 
 GRPCURL = str(BIN / "grpcurl")

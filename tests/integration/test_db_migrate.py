@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from exhook_server.config import Config
-from storage.pg import migrate
+from storage.postgres import migrate
 from tests.harness import BIN, InProcessServer
 from tests.pg_cluster import PgCluster
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from storage import outcomes
-from storage.outcomes import Outcome
+from storage.lmdb import outcomes
+from storage.lmdb.outcomes import Outcome
 from tests.emqx_sim import Mosquitto
 from tests.harness import poll, put
 from tests.integration.test_delivery_e2e import Rig, make_rig

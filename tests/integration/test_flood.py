@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from storage.store import Store
+from storage.lmdb.store import Store
 from tests.flood import RssSampler, flood, hwm_bytes, rss_bytes
 from tests.harness import ROOT, SubprocessServer, alive, poll
 

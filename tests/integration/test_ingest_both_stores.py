@@ -22,12 +22,12 @@ from exhook_server.batch import Kind
 from exhook_server.config import Config
 from exhook_server.ingest import Ingestor
 from exhook_server.status import StatusPublisher
-from storage.lmdb_writes import LmdbWrites
-from storage.pg import migrate
-from storage.pg.writes import PgWrites
+from storage.lmdb.store import Store
+from storage.lmdb.writer import GroupCommitter
+from storage.lmdb.writes import LmdbWrites
 from storage.port import Writes
-from storage.store import Store
-from storage.writer import GroupCommitter
+from storage.postgres import migrate
+from storage.postgres.writes import PgWrites
 from tests.pg_cluster import PgCluster
 
 _names = itertools.count()

@@ -19,8 +19,8 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from exhook_server import metrics
-from storage import outcomes
-from storage.ops import sha1_of
+from storage.lmdb import outcomes
+from storage.lmdb.batches import sha1_of
 from tests.harness import StepClock, poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
 from tests.integration.test_status_topic import Platform

@@ -44,8 +44,8 @@ import grpc
 import pytest
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from storage.outcomes import Outcome
-from storage.pg import dispatch as pgd
+from storage.lmdb.outcomes import Outcome
+from storage.postgres import dispatch as pgd
 from tests.emqx_sim import Acked, FakeEmqx, Mosquitto, Received, Vehicle
 from tests.exhook_pool import Routing
 from tests.harness import SubprocessServer, poll

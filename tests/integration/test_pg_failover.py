@@ -8,7 +8,7 @@ The last two tests reduce a bug this scenario found to its deterministic core (a
 message read by an idle pool connection, as each backend sends one when its postmaster is killed):
 asyncpg then raises InternalClientError, which the store's error translation let through, so the
 hook answered UNKNOWN instead of UNAVAILABLE and the store watcher could die. Fixed
-(storage/pg/errors.FAILURES); they keep it fixed."""
+(storage/postgres/errors.FAILURES); they keep it fixed."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ import asyncpg
 import grpc
 import pytest
 
-from exhook_server import pgmode
+from exhook_server.backends.postgres import pgmode
 from storage.errors import StorageError
-from storage.pg import migrate
-from storage.pg.writes import PgWrites
-from storage.store import now_ms
+from storage.lmdb.store import now_ms
+from storage.postgres import migrate
+from storage.postgres.writes import PgWrites
 from tests.harness import poll
 from tests.pg_cluster import PgCluster, find_bindir
 from tests.pg_failover import (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.store import Store
+from storage.lmdb.store import Store
 from tests.emqx_sim import FakeEmqx, Mosquitto
 from tests.harness import ExHookClient, SubprocessServer, alive, poll
 

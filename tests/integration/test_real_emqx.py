@@ -24,9 +24,9 @@ from typing import Any
 import asyncpg
 import pytest
 
-from storage.ops import sha1_of
-from storage.outcomes import Outcome
-from storage.store import Store
+from storage.lmdb.batches import sha1_of
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import Store
 from tests.emqx_real import (
     EmqxBroker,
     Fleet,

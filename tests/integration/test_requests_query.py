@@ -19,9 +19,9 @@ import grpc
 import pytest
 
 from exhook_server._proto import admin_pb2 as apb
-from storage import ops
-from storage.outcomes import Outcome
-from storage.store import now_ms
+from storage.lmdb import batches
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import now_ms
 from tests.certs import make_pki
 from tests.harness import BIN, ExHookClient, InProcessServer, poll, put
 from tests.integration.test_tls import sdv_fanout as cli
@@ -63,7 +63,7 @@ def tell_story(srv: InProcessServer) -> Story:
         # What dispatch does on RQ1's PUBACK: delete the row if still A, recording `delivered`.
         done = srv.server.committer.submit(
             functools.partial(
-                ops.delete_row_if,
+                batches.delete_row_if,
                 t=srv.store.tables,
                 vin="RQ1",
                 request_id=RID,

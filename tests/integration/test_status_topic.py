@@ -16,7 +16,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from storage.ops import sha1_of
+from storage.lmdb.batches import sha1_of
 from tests.harness import poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
 from tests.integration.test_ingest import REJECTIONS

@@ -1,4 +1,4 @@
-"""Write exports in storage/export.py's layout with pyarrow, for the Spark job tests."""
+"""Write exports in storage/lmdb/export.py's layout with pyarrow, for the Spark job tests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.export import (
+from storage.lmdb.export import (
     ALIASES_SCHEMA,
     BLOBS_SCHEMA,
     FORMAT_VERSION,

@@ -25,10 +25,10 @@ from spark.campaign_job import (
     build_report,
     check,
 )
-from storage import cancel, keys, ops, outcomes, pending
-from storage.export import export
-from storage.outcomes import Outcome
-from storage.store import Store
+from storage.lmdb import batches, cancel, keys, outcomes, queue
+from storage.lmdb.export import export
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import Store
 from tests.spark.export_fixture import write_export
 
 H = 3_600_000
@@ -189,31 +189,33 @@ def test_campaign_report_equals_a_python_reference(spark: Any, tmp_path: Path) -
 
 
 def test_export_round_trip_of_outcomes_and_generations(tmp_path: Path) -> None:
-    """What storage.ops records (supersede, deliver, fail) comes out of `export` as the store holds it."""
+    """What storage.lmdb.batches records (supersede, deliver, fail) comes out of `export` as the store holds it."""
     with Store(tmp_path / "lmdb") as store:
 
         def run(op: Any, **kw: Any) -> Any:
             with store.write() as txn:
                 return op(txn, t=store.tables, **kw)
 
-        run(ops.store_batch, vins=["V1", "V2", "V3"], request_id="task_ota_1", blob=b"fw1", now_ms=1_000)
-        run(ops.store_batch, vins=["V2"], request_id="task_ota_1", blob=b"fw2", now_ms=1_500)
-        run(ops.store_batch, vins=["V9"], request_id="manual", blob=b"x", now_ms=1_200)
-        awaited = ops.RowSpec(expires_ms=5_000, flags=keys.FLAG_AWAIT_RESPONSE)
+        run(batches.store_batch, vins=["V1", "V2", "V3"], request_id="task_ota_1", blob=b"fw1", now_ms=1_000)
+        run(batches.store_batch, vins=["V2"], request_id="task_ota_1", blob=b"fw2", now_ms=1_500)
+        run(batches.store_batch, vins=["V9"], request_id="manual", blob=b"x", now_ms=1_200)
+        awaited = batches.RowSpec(expires_ms=5_000, flags=keys.FLAG_AWAIT_RESPONSE)
         run(
-            ops.store_batch,
+            batches.store_batch,
             vins=["V1", "V4", "V5"],
             request_id="task_unlock_1",
             blob=b"open",
             now_ms=1_800,
             spec=awaited,
         )
-        awaited_later = ops.RowSpec(expires_ms=9_000, flags=keys.FLAG_AWAIT_RESPONSE)
-        run(ops.store_batch, vins=["V6"], request_id="task_unlock_2", blob=b"lock", now_ms=1_900, spec=awaited_later)
-        fw1, opened = ops.sha1_of(b"fw1"), ops.sha1_of(b"open")
+        awaited_later = batches.RowSpec(expires_ms=9_000, flags=keys.FLAG_AWAIT_RESPONSE)
+        run(
+            batches.store_batch, vins=["V6"], request_id="task_unlock_2", blob=b"lock", now_ms=1_900, spec=awaited_later
+        )
+        fw1, opened = batches.sha1_of(b"fw1"), batches.sha1_of(b"open")
         for vin, outcome, attempts in (("V1", Outcome.DELIVERED, 2), ("V3", Outcome.FAILED, 3)):
             assert run(
-                ops.delete_row_if,
+                batches.delete_row_if,
                 vin=vin,
                 request_id="task_ota_1",
                 sha1=fw1,
@@ -223,7 +225,7 @@ def test_export_round_trip_of_outcomes_and_generations(tmp_path: Path) -> None:
             )
         answer = b"unlocked \xff"  # not UTF-8: the export keeps bytes as they came
         assert run(
-            ops.delete_row_if,
+            batches.delete_row_if,
             vin="V1",
             request_id="task_unlock_1",
             sha1=opened,
@@ -233,7 +235,7 @@ def test_export_round_trip_of_outcomes_and_generations(tmp_path: Path) -> None:
             response=answer,
         )
         assert run(cancel.cancel_vins, request_id="task_unlock_1", vins=["V4"], now_ms=2_200).total == 1
-        assert len(run(pending.expire_due, now_ms=5_000, limit=10)) == 1  # V5; V6 expires at 9_000
+        assert len(run(queue.expire_due, now_ms=5_000, limit=10)) == 1  # V5; V6 expires at 9_000
         manifest = export(store, tmp_path / "export")
         with store.read() as txn:
             held = outcomes.all_generations(txn, store.tables)
@@ -287,17 +289,17 @@ def test_export_batches_are_bounded_by_the_answers_they_hold(tmp_path: Path, mon
 
     monkeypatch.setattr(export_module, "BATCH_BYTES", 10_000)
     with Store(tmp_path / "lmdb") as store:
-        spec = ops.RowSpec(flags=keys.FLAG_AWAIT_RESPONSE)
+        spec = batches.RowSpec(flags=keys.FLAG_AWAIT_RESPONSE)
         vins = [f"V{n:02d}" for n in range(12)]
         with store.write() as txn:
-            ops.store_batch(txn, store.tables, vins, "task_unlock_1", b"open", now_ms=1_000, spec=spec)
+            batches.store_batch(txn, store.tables, vins, "task_unlock_1", b"open", now_ms=1_000, spec=spec)
             for vin in vins:
-                ops.delete_row_if(
+                batches.delete_row_if(
                     txn,
                     store.tables,
                     vin,
                     "task_unlock_1",
-                    ops.sha1_of(b"open"),
+                    batches.sha1_of(b"open"),
                     2_000,
                     Outcome.RESPONDED,
                     1,
@@ -323,21 +325,21 @@ def test_report_on_a_real_store_finds_its_counts_consistent(spark: Any, tmp_path
             with store.write() as txn:
                 roll = rng.random()
                 if roll < (0.55 if n < 300 else 0):  # the last 100 steps only end rows (a re-store revives them)
-                    spec = ops.RowSpec(
+                    spec = batches.RowSpec(
                         expires_ms=rng.choice([0, now + rng.randrange(1, 60) * 60_000]),
                         flags=rng.choice([0, keys.FLAG_AWAIT_RESPONSE]),
                         max_pending=8,
                     )
-                    ops.store_batch(txn, t, vins, rid, blob, now_ms=now, spec=spec)
+                    batches.store_batch(txn, t, vins, rid, blob, now_ms=now, spec=spec)
                 elif roll < 0.9:
                     # What dispatch ends rows with (a cancelled pair's is amended); the others below.
                     outcome = rng.choice([Outcome.DELIVERED, Outcome.FAILED, Outcome.RESPONDED])
                     answer = rng.randbytes(3) if outcome is Outcome.RESPONDED else b""
-                    ops.delete_row_if(txn, t, vins[0], rid, ops.sha1_of(blob), now + 5, outcome, 1, answer)
+                    batches.delete_row_if(txn, t, vins[0], rid, batches.sha1_of(blob), now + 5, outcome, 1, answer)
                 elif roll < 0.95:
                     cancel.cancel_vins(txn, t, rid, vins, now + 5)
                 else:
-                    pending.expire_due(txn, t, now + 5, limit=100)
+                    queue.expire_due(txn, t, now + 5, limit=100)
         export(store, tmp_path / "export")
         with store.read() as txn:
             held = outcomes.all_generations(txn, store.tables)

@@ -1,4 +1,4 @@
-"""spark/gc_job.py: the GC plan over an export follows storage/gc.py's rules, as of the snapshot."""
+"""spark/gc_job.py: the GC plan over an export follows storage/lmdb/gc.py's rules, as of the snapshot."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_durations_parse_to_milliseconds() -> None:
 
 
 def test_plan_on_a_hand_built_export(spark: Any, tmp_path: Path) -> None:
-    """Boundaries, alias, grace and touch rules each decide one row, alias or blob as storage/gc.py would."""
+    """Boundaries, alias, grace and touch rules each decide one row, alias or blob as storage/lmdb/gc.py would."""
     rows = [
         ("VIN1", "task_ota_1", CUTOFF - 1, sha(1), 100),  # expired; its blob only has expired rows → garbage
         ("VIN1", "task_ota_2", CUTOFF, sha(2), 200),  # exactly at the cutoff: kept

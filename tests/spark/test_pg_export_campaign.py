@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from spark.campaign_job import CHECK_MISMATCH, build_report
-from storage.export import export as export_lmdb
-from storage.pg import export as pg_export
+from storage.lmdb.export import export as export_lmdb
+from storage.postgres import export as pg_export
 from tests.unit import test_pg_export as pg_exports
 from tests.unit import test_store_parity as parity
 from tests.unit import test_store_parity_more as more

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from spark.gc_job import build_plan
-from storage import gc, keys, ops
-from storage.export import export
-from storage.plan import apply_plan
-from storage.store import Store, now_ms
-from storage.writer import GroupCommitter
+from storage.lmdb import batches, gc, keys
+from storage.lmdb.export import export
+from storage.lmdb.plan import apply_plan
+from storage.lmdb.store import Store, now_ms
+from storage.lmdb.writer import GroupCommitter
 
 HOUR = 3_600_000
 DAY = 24 * HOUR
@@ -41,13 +41,18 @@ def test_spark_plan_applied_equals_embedded_gc(spark: Any, tmp_path: Path) -> No
         at = now - rng.randrange(10 * DAY)
         writer.submit(
             functools.partial(
-                ops.store_batch, t=store.tables, vins=vins, request_id=f"task_t{n % 5}_{n % 3}", blob=blob, now_ms=at
+                batches.store_batch,
+                t=store.tables,
+                vins=vins,
+                request_id=f"task_t{n % 5}_{n % 3}",
+                blob=blob,
+                now_ms=at,
             )
         ).result()
         if n % 40 == 0:
             writer.submit(
                 functools.partial(
-                    ops.store_data, t=store.tables, data_id=f"d{n}", blob=blob, now_ms=now - rng.randrange(10 * DAY)
+                    batches.store_data, t=store.tables, data_id=f"d{n}", blob=blob, now_ms=now - rng.randrange(10 * DAY)
                 )
             ).result()
     writer.close()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from storage.store import Store
-from storage.writer import GroupCommitter
+from storage.lmdb.store import Store
+from storage.lmdb.writer import GroupCommitter
 
 
 @pytest.fixture

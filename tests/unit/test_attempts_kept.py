@@ -14,15 +14,15 @@ from typing import Any
 import lmdb
 import pytest
 
+from exhook_server.backends.lmdb.pool import Dispatcher
+from exhook_server.backends.lmdb.rows import StoreRows
 from exhook_server.dispatch.commands import Acknowledge, MaybeSend, Responded, Session, Sweep, Trigger
-from exhook_server.dispatch.pool import Dispatcher
-from exhook_server.dispatch.rows import StoreRows
 from exhook_server.dispatch.worker import NOTHING_KEPT, Worker
-from storage import keys, ops
 from storage.errors import StorageError
-from storage.outcomes import Outcome
-from storage.store import SCHEMA_VERSION, Store
-from storage.writer import GroupCommitter
+from storage.lmdb import batches, keys
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import SCHEMA_VERSION, Store
+from storage.lmdb.writer import GroupCommitter
 from tests.dispatch_fakes import ManualClock, MemoryRows, RecordingPublisher, sha1
 from tests.harness import poll
 
@@ -186,8 +186,8 @@ def _commit(writer: GroupCommitter) -> None:
 
 
 def _put(store: Store, writer: GroupCommitter, vin: str, rid: str, blob: bytes, *, awaits: bool = False) -> None:
-    spec = ops.RowSpec(flags=keys.FLAG_AWAIT_RESPONSE if awaits else 0)
-    writer.submit(lambda txn: ops.store_batch(txn, store.tables, [vin], rid, blob, 1, spec=spec)).result(5)
+    spec = batches.RowSpec(flags=keys.FLAG_AWAIT_RESPONSE if awaits else 0)
+    writer.submit(lambda txn: batches.store_batch(txn, store.tables, [vin], rid, blob, 1, spec=spec)).result(5)
 
 
 def test_store_rows_keep_attempts_with_a_later_commit_and_forget_them_with_the_row(
@@ -231,7 +231,7 @@ def test_a_record_for_a_row_ended_first_is_dropped(lmdb_rows: tuple[Store, Group
     _put(store, writer, VIN, "task_a", b"a")
     row = store.row(VIN, "task_a")
     assert row is not None
-    writer.submit(lambda txn: ops.delete_row_if(txn, store.tables, VIN, "task_a", row.sha1, 2)).result(5)
+    writer.submit(lambda txn: batches.delete_row_if(txn, store.tables, VIN, "task_a", row.sha1, 2)).result(5)
     rows.sent(VIN, row, 1)
     _commit(writer)
     assert store.counts()["tries"] == 0
@@ -283,7 +283,7 @@ def test_a_schema_3_store_opens_and_keeps_attempts(tmp_path: Path) -> None:
 
 def _put_plain(store: Store, vin: str, rid: str, blob: bytes) -> None:
     with store.write() as txn:
-        ops.store_batch(txn, store.tables, [vin], rid, blob, 1)
+        batches.store_batch(txn, store.tables, [vin], rid, blob, 1)
 
 
 class _FailsFirst:

@@ -10,10 +10,10 @@ from typing import Any
 
 import asyncpg
 
-from exhook_server import pgmode
 from exhook_server.aio import cancel_all
+from exhook_server.backends.postgres import pgmode
 from storage.errors import StorageError
-from storage.pg.errors import as_storage_error
+from storage.postgres.errors import as_storage_error
 from tests.pg_cluster import APP_DB, APP_USER, PgCluster
 
 

@@ -8,6 +8,7 @@ import tracemalloc
 
 import pytest
 
+from exhook_server.backends.lmdb.pool import Dispatcher
 from exhook_server.dispatch.commands import (
     Acknowledge,
     BrokerBack,
@@ -20,7 +21,6 @@ from exhook_server.dispatch.commands import (
     Sweep,
     Trigger,
 )
-from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.dispatch.worker import Worker
 from tests.dispatch_fakes import ManualClock, MemoryRows, RecordingPublisher, sha1
 

@@ -41,7 +41,7 @@ import pytest
 import structlog.testing
 
 from exhook_server.dispatch.commands import EndReason, Session
-from storage.outcomes import Outcome
+from storage.lmdb.outcomes import Outcome
 from tests.dispatch_fakes import MemoryRows, Pair, sha1
 from tests.dispatch_stores import OpenStore, SimStore, Wiring, open_memory, open_postgresql
 from tests.pg_cluster import PgCluster

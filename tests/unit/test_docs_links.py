@@ -20,7 +20,13 @@ SOURCES = ("*.py", "*.md", "*.sql", "*.yaml", "*.conf", "*.toml")
 #: The background notes beside the repository (spelled so this file does not match itself).
 OUTSIDE = "/".join(("shared", "docs"))
 #: What the README's project layout lists one line each.
-MODULES = ("exhook_server/*.py", "exhook_server/dispatch/*.py", "storage/*.py", "storage/pg/*.py", "storage/pg/*.sql")
+MODULES = (
+    "exhook_server/*.py",
+    "exhook_server/dispatch/*.py",
+    "storage/*.py",
+    "storage/postgres/*.py",
+    "storage/postgres/*.sql",
+)
 SKIP_DIRS = {".git", ".venv", "node_modules", "var", "__pycache__"}
 
 

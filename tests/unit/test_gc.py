@@ -7,9 +7,9 @@ import hashlib
 import random
 import threading
 
-from storage import gc, keys, ops
-from storage.store import Store
-from storage.writer import GroupCommitter
+from storage.lmdb import batches, gc, keys
+from storage.lmdb.store import Store
+from storage.lmdb.writer import GroupCommitter
 from tests.harness import put
 
 HOUR = 3_600_000
@@ -62,7 +62,7 @@ def test_unreferenced_blob_within_grace_is_kept(env: tuple[Store, GroupCommitter
     put(writer, store, ["A"], "task_a_1", b"acked-recently", NOW - 10 * 60_000)
     digest = hashlib.sha1(b"acked-recently").digest()
     writer.submit(
-        functools.partial(ops.delete_row_if, t=store.tables, vin="A", request_id="task_a_1", sha1=digest)
+        functools.partial(batches.delete_row_if, t=store.tables, vin="A", request_id="task_a_1", sha1=digest)
     ).result()
     assert run(store, writer).blobs_kept_recent == 1
     assert store.blob(digest) is not None
@@ -88,7 +88,7 @@ def test_alias_keeps_its_blob_until_it_expires(env: tuple[Store, GroupCommitter]
     """Plugin-format data waiting for triggers is kept while its alias lives."""
     store, writer = env
     writer.submit(
-        functools.partial(ops.store_data, t=store.tables, data_id="d1", blob=b"data", now_ms=NOW - 2 * DAY)
+        functools.partial(batches.store_data, t=store.tables, data_id="d1", blob=b"data", now_ms=NOW - 2 * DAY)
     ).result()
     assert run(store, writer).blobs_deleted == 0
     report = run(store, writer, now=NOW + 6 * DAY)

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from storage import cancel, gc, keys, ops, outcomes, pending
-from storage.ops import RowSpec, sha1_of
-from storage.outcomes import Outcome
-from storage.store import SCHEMA_VERSION, Store
+from storage.lmdb import batches, cancel, gc, keys, outcomes, queue
+from storage.lmdb.batches import RowSpec, sha1_of
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import SCHEMA_VERSION, Store
 
 
 @pytest.fixture
@@ -32,9 +32,9 @@ def run(store: Store, op: Any, **kw: Any) -> Any:
         return op(txn, t=store.tables, **kw)
 
 
-def batch(store: Store, vins: list[str], rid: str, blob: bytes, now: int, **spec: Any) -> ops.BatchWritten:
+def batch(store: Store, vins: list[str], rid: str, blob: bytes, now: int, **spec: Any) -> batches.BatchWritten:
     return run(  # type: ignore[no-any-return]
-        store, ops.store_batch, vins=vins, request_id=rid, blob=blob, now_ms=now, spec=RowSpec(**spec)
+        store, batches.store_batch, vins=vins, request_id=rid, blob=blob, now_ms=now, spec=RowSpec(**spec)
     )
 
 
@@ -45,7 +45,7 @@ def assert_consistent(store: Store) -> None:
         rows = [keys.decode_row(k, v) for k, v in txn.cursor(t.ids)]
         by_request = {bytes(k) for k in txn.cursor(t.by_request).iternext(values=False)}
         deadlines = {bytes(k) for k in txn.cursor(t.deadlines).iternext(values=False)}
-        backlogs = {bytes(k).decode(): pending.decode_count(v) for k, v in txn.cursor(t.backlogs)}
+        backlogs = {bytes(k).decode(): queue.decode_count(v) for k, v in txn.cursor(t.backlogs)}
         expiry = {bytes(k) for k in txn.cursor(t.expiry).iternext(values=False)}
         recounted = outcomes.recount(txn, t)
         stored = {(g.request_id, g.sha1): g.counts for g in outcomes.all_generations(txn, t)}
@@ -53,10 +53,10 @@ def assert_consistent(store: Store) -> None:
     assert deadlines == {keys.deadline_key(r.expires_ms, r.vin, r.request_id) for r in rows if r.expires_ms}
     assert expiry == {keys.expiry_key(r.ts_ms, keys.row_key(r.vin, r.request_id)) for r in rows}
     # A count for each vehicle with at least COUNTED_FROM rows, none for the others.
-    assert backlogs == {v: n for v, n in Counter(r.vin for r in rows).items() if n >= pending.COUNTED_FROM}
+    assert backlogs == {v: n for v, n in Counter(r.vin for r in rows).items() if n >= queue.COUNTED_FROM}
     for vin, n in Counter(r.vin for r in rows).items():
         with store.read() as txn:
-            assert pending.backlog(txn, t, vin.encode()) == n
+            assert queue.backlog(txn, t, vin.encode()) == n
     assert {k: v for k, v in stored.items() if v["total"]} == recounted
 
 
@@ -76,7 +76,15 @@ def test_random_work_keeps_every_index_exact(store: Store) -> None:
             batch(store, vins, rid, blob, now, expires_ms=expires, flags=rng.randrange(2), max_pending=4)
         elif roll < 0.65:
             outcome = rng.choice([Outcome.DELIVERED, Outcome.RESPONDED, Outcome.FAILED])
-            run(store, ops.delete_row_if, vin=vins[0], request_id=rid, sha1=sha1_of(blob), now_ms=now, outcome=outcome)
+            run(
+                store,
+                batches.delete_row_if,
+                vin=vins[0],
+                request_id=rid,
+                sha1=sha1_of(blob),
+                now_ms=now,
+                outcome=outcome,
+            )
         elif roll < 0.75:
             run(store, cancel.cancel_vins, request_id=rid, vins=vins, now_ms=now)
         elif roll < 0.82:
@@ -84,7 +92,7 @@ def test_random_work_keeps_every_index_exact(store: Store) -> None:
             while chunk.more and rng.random() < 0.8:  # sometimes left half done, as by a crash
                 chunk = run(store, cancel.cancel_chunk, request_id=rid, now_ms=now, max_rows=3)
         elif roll < 0.95:
-            run(store, pending.expire_due, now_ms=now, limit=rng.randint(1, 10))
+            run(store, queue.expire_due, now_ms=now, limit=rng.randint(1, 10))
         else:
             run(store, gc.expire_rows, cutoff_ms=now - 2_000, limit=50)
         if step % 50 == 0:
@@ -114,7 +122,7 @@ def test_an_expiring_row_is_invisible_to_the_queue_once_past(store: Store) -> No
     past = batch(store, ["V2"], "task_b_1", b"b", 1_000, expires_ms=1_001)
     assert past.rows == 1
     assert store.oldest("V2") == (None, 0)
-    ended = run(store, pending.expire_due, now_ms=2_000, limit=10)
+    ended = run(store, queue.expire_due, now_ms=2_000, limit=10)
     assert ended == [("V2", "task_b_1", sha1_of(b"b"))]
     assert_consistent(store)
 
@@ -144,10 +152,10 @@ def test_a_puback_of_a_cancelled_delivery_amends_its_outcome(store: Store) -> No
     batch(store, ["V1"], "task_a_1", b"a", 1_000)
     run(store, cancel.cancel_vins, request_id="task_a_1", vins=["V1"], now_ms=1_001)
     assert store.outcome("V1", "task_a_1", sha1_of(b"a")) is Outcome.CANCELLED
-    assert run(store, ops.delete_row_if, vin="V1", request_id="task_a_1", sha1=sha1_of(b"a"), now_ms=1_002)
+    assert run(store, batches.delete_row_if, vin="V1", request_id="task_a_1", sha1=sha1_of(b"a"), now_ms=1_002)
     assert store.outcome("V1", "task_a_1", sha1_of(b"a")) is Outcome.DELIVERED
     # A second PUBACK changes nothing more.
-    assert not run(store, ops.delete_row_if, vin="V1", request_id="task_a_1", sha1=sha1_of(b"a"), now_ms=1_003)
+    assert not run(store, batches.delete_row_if, vin="V1", request_id="task_a_1", sha1=sha1_of(b"a"), now_ms=1_003)
     assert_consistent(store)
 
 
@@ -173,21 +181,21 @@ def test_cancelling_a_cancelled_pair_again_changes_no_count(store: Store) -> Non
     batch(store, ["V1"], "task_a_1", b"a", 1_000)
     run(store, cancel.cancel_vins, request_id="task_a_1", vins=["V1"], now_ms=1_001)
     args = {"vin": "V1", "request_id": "task_a_1", "sha1": sha1_of(b"a"), "now_ms": 1_002}
-    assert not run(store, ops.delete_row_if, outcome=Outcome.CANCELLED, **args)
+    assert not run(store, batches.delete_row_if, outcome=Outcome.CANCELLED, **args)
     assert_consistent(store)
 
 
 def test_a_long_queue_is_counted_from_counted_from_on_and_bounded_exactly(store: Store) -> None:
     """Below COUNTED_FROM a vehicle's rows are counted where they lie; from it on in `backlogs`;
     the bound holds either way, and the count goes away again as the queue drains."""
-    n = pending.COUNTED_FROM
+    n = queue.COUNTED_FROM
     for i in range(n + 8):
         written = batch(store, ["V1", "V2"], f"task_t_{i}", b"x", 1_000 + i, max_pending=n + 5)
         assert written.refused == (("V1", "V2") if i >= n + 5 else ())
     assert store.backlog("V1") == n + 5 and store.vehicles_at(n + 5) == 2 and store.vehicles_at(3) == 2
     assert_consistent(store)
     for i in range(10):
-        run(store, ops.delete_row_if, vin="V1", request_id=f"task_t_{i}", sha1=sha1_of(b"x"), now_ms=5_000)
+        run(store, batches.delete_row_if, vin="V1", request_id=f"task_t_{i}", sha1=sha1_of(b"x"), now_ms=5_000)
     assert store.backlog("V1") == n - 5
     with store.read() as txn:
         assert txn.get(b"V1", db=store.tables.backlogs) is None  # below COUNTED_FROM: no entry

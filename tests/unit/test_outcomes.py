@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from storage import gc, keys, ops, outcomes
-from storage.ops import sha1_of
-from storage.outcomes import Outcome
-from storage.store import SCHEMA_VERSION, Store
+from storage.lmdb import batches, gc, keys, outcomes
+from storage.lmdb.batches import sha1_of
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import SCHEMA_VERSION, Store
 
 
 @pytest.fixture
@@ -26,8 +26,8 @@ def run(store: Store, op: Any, **kw: Any) -> Any:
         return op(txn, t=store.tables, **kw)
 
 
-def batch(store: Store, vins: list[str], rid: str, blob: bytes, now: int = 1_000) -> ops.BatchWritten:
-    return run(store, ops.store_batch, vins=vins, request_id=rid, blob=blob, now_ms=now)  # type: ignore[no-any-return]
+def batch(store: Store, vins: list[str], rid: str, blob: bytes, now: int = 1_000) -> batches.BatchWritten:
+    return run(store, batches.store_batch, vins=vins, request_id=rid, blob=blob, now_ms=now)  # type: ignore[no-any-return]
 
 
 def counts(store: Store, rid: str, blob: bytes) -> dict[str, int]:
@@ -38,7 +38,7 @@ def counts(store: Store, rid: str, blob: bytes) -> dict[str, int]:
 
 
 def end(store: Store, vin: str, rid: str, blob: bytes, outcome: Outcome = Outcome.DELIVERED) -> bool:
-    return run(store, ops.delete_row_if, vin=vin, request_id=rid, sha1=sha1_of(blob), now_ms=2_000, outcome=outcome)  # type: ignore[no-any-return]
+    return run(store, batches.delete_row_if, vin=vin, request_id=rid, sha1=sha1_of(blob), now_ms=2_000, outcome=outcome)  # type: ignore[no-any-return]
 
 
 def assert_recount(store: Store) -> None:
@@ -75,7 +75,9 @@ def test_an_ack_ends_the_pair_delivered_with_its_record(store: Store) -> None:
     """The row goes; the outcome record says delivered, when and after how many attempts."""
     batch(store, ["V1", "V2"], "task_ota_1", b"fw1")
     with store.write() as txn:
-        assert ops.delete_row_if(txn, store.tables, "V1", "task_ota_1", sha1_of(b"fw1"), 2_000, Outcome.DELIVERED, 3)
+        assert batches.delete_row_if(
+            txn, store.tables, "V1", "task_ota_1", sha1_of(b"fw1"), 2_000, Outcome.DELIVERED, 3
+        )
     assert counts(store, "task_ota_1", b"fw1") == {"total": 2, "pending": 1, "delivered": 1}
     with store.read() as txn:
         [record] = outcomes.vehicle_outcomes(txn, store.tables, "V1")

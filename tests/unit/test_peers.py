@@ -10,7 +10,7 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
-from exhook_server.dispatch.peers import Group, Peers
+from exhook_server.backends.lmdb.peers import Group, Peers
 from tests.harness import poll
 
 

@@ -1,4 +1,4 @@
-"""A batch on PostgreSQL is one statement (storage/pg/batch.sql, schema 5; batch6.sql writes the new
+"""A batch on PostgreSQL is one statement (storage/postgres/batch.sql, schema 5; batch6.sql writes the new
 rows first), whatever it carries; concurrent batches racing for the same rows still leave counts
 that equal a recount; a row ended between the batch's insert and its lock makes the function raise
 serialization_failure, and the statement runs again."""
@@ -13,10 +13,10 @@ from typing import Any
 import asyncpg
 import pytest
 
-from exhook_server import pgmode
+from exhook_server.backends.postgres import pgmode
 from exhook_server.config import Config
-from storage.ops import Duplicate, RowSpec, sha1_of
-from storage.pg import counts, ingest, migrate
+from storage.lmdb.batches import Duplicate, RowSpec, sha1_of
+from storage.postgres import batches, migrate, outcomes
 from tests.pg_cluster import SUPERUSER, PgCluster
 
 _names = itertools.count()
@@ -36,7 +36,7 @@ def test_a_batch_is_one_statement_with_its_id_bound_replacements_and_duplicate(d
         try:
             await migrate.migrate(conn)
             vins = [f"V{n:03d}" for n in range(50)]
-            await ingest.store_batch(conn, vins, "task_warm_1", b"w", 1_000)  # types introspected once
+            await batches.store_batch(conn, vins, "task_warm_1", b"w", 1_000)  # types introspected once
             seen: list[str] = []
             conn.add_query_logger(lambda q: seen.append(q.query))
             per_batch = []
@@ -44,11 +44,11 @@ def test_a_batch_is_one_statement_with_its_id_bound_replacements_and_duplicate(d
             spec = RowSpec(0, 0, 10)
             for blob, batch_id in ((b"fw1", None), (b"fw2", "b-2"), (b"fw2", "b-2")):
                 seen.clear()
-                answers.append(await ingest.store_batch(conn, vins, "task_ota_1", blob, 2_000, batch_id, spec))
+                answers.append(await batches.store_batch(conn, vins, "task_ota_1", blob, 2_000, batch_id, spec))
                 await asyncio.sleep(0)  # asyncpg hands each logged query to call_soon: run those
                 per_batch.append(list(seen))
             assert [type(a) is Duplicate for a in answers] == [False, False, True]
-            stored, recount = await counts.all_generations(conn), await counts.recount(conn)
+            stored, recount = await outcomes.all_generations(conn), await outcomes.recount(conn)
             assert {(g.request_id, g.sha1): g.counts for g in stored} == recount
             fw1 = recount[("task_ota_1", sha1_of(b"fw1"))]
             assert (fw1["superseded"], fw1["pending"]) == (50, 0)
@@ -74,12 +74,12 @@ def test_batches_racing_for_the_same_rows_keep_counts_exact(dsn: str) -> None:
             async def writer(k: int, conn: Any) -> None:
                 for round_ in range(6):  # a new request each round: its rows are created by whoever is first
                     rid = f"task_race_{round_}"
-                    await ingest.store_batch(conn, vins, rid, f"p{k}-{round_}".encode(), 1_000 + round_)
+                    await batches.store_batch(conn, vins, rid, f"p{k}-{round_}".encode(), 1_000 + round_)
 
             await asyncio.gather(*(writer(k, c) for k, c in enumerate(conns)))
-            stored = {(g.request_id, g.sha1): g.counts for g in await counts.all_generations(conns[0])}
+            stored = {(g.request_id, g.sha1): g.counts for g in await outcomes.all_generations(conns[0])}
             rows = int(await conns[0].fetchval("SELECT count(*) FROM rows"))
-            return stored, await counts.recount(conns[0]), rows
+            return stored, await outcomes.recount(conns[0]), rows
         finally:
             for c in conns:
                 await c.close()
@@ -99,13 +99,13 @@ def test_a_row_ended_between_insert_and_lock_makes_the_batch_start_over(dsn: str
         holder, writer, watcher = [await asyncpg.connect(dsn) for _ in range(3)]
         try:
             await migrate.migrate(holder)
-            await ingest.store_batch(holder, ["V1"], "task_a_1", b"old", 1_000)
+            await batches.store_batch(holder, ["V1"], "task_a_1", b"old", 1_000)
             tx = holder.transaction()
             await tx.start()
             await holder.execute("SELECT 1 FROM rows WHERE vin = 'V1' AND request_id = 'task_a_1' FOR UPDATE")
             failed: list[BaseException] = []
             writer.add_query_logger(lambda q: failed.append(q.exception) if q.exception else None)
-            batch = asyncio.ensure_future(ingest.store_batch(writer, ["V1", "V2"], "task_a_1", b"new", 2_000))
+            batch = asyncio.ensure_future(batches.store_batch(writer, ["V1", "V2"], "task_a_1", b"new", 2_000))
             waiting = (
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
             )
@@ -138,11 +138,11 @@ def test_a_later_pair_that_exists_undoes_the_plain_insert_and_replaces_it(dsn: s
         conn = await asyncpg.connect(dsn)
         try:
             await migrate.migrate(conn)
-            await ingest.store_batch(conn, ["V3"], "task_a_1", b"old", 1_000)
-            written = await ingest.store_batch(conn, ["V3", "V1", "V2"], "task_a_1", b"new", 2_000)
-            stored = {(g.request_id, g.sha1): g.counts for g in await counts.all_generations(conn)}
+            await batches.store_batch(conn, ["V3"], "task_a_1", b"old", 1_000)
+            written = await batches.store_batch(conn, ["V3", "V1", "V2"], "task_a_1", b"new", 2_000)
+            stored = {(g.request_id, g.sha1): g.counts for g in await outcomes.all_generations(conn)}
             rows = int(await conn.fetchval("SELECT count(*) FROM rows WHERE sha1 = $1", sha1_of(b"new")))
-            return written, stored, await counts.recount(conn), rows
+            return written, stored, await outcomes.recount(conn), rows
         finally:
             await conn.close()
 
@@ -178,7 +178,7 @@ def test_no_jit_for_the_instance_nor_for_a_batch_whoever_calls(pg_cluster: PgClu
             await eager.execute("SET auto_explain.log_level = 'notice'")
             notes: list[str] = []
             eager.add_log_listener(lambda _c, msg: notes.append(msg.message))
-            await ingest.store_batch(
+            await batches.store_batch(
                 eager, [f"V{n}" for n in range(20)], "task_jit_1", b"p", 1_000, None, RowSpec(0, 0, 5)
             )
             await eager.execute("SELECT 1")  # after the batch's notices have arrived

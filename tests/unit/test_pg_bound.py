@@ -1,4 +1,4 @@
-"""The backlog bound on PostgreSQL (storage/pg/bound.sql, schema 8): a bound above 64 counts the
+"""The backlog bound on PostgreSQL (storage/postgres/bound.sql, schema 8): a bound above 64 counts the
 vehicles listed in `crowded` on every new row and the others on a random sample of rows, so a
 vehicle is listed on its way up from half the bound and refused exactly once listed; a bound of 64
 or less counts every vehicle's queue on every new row. The vehicles-at-bound gauge counts the listed
@@ -15,8 +15,8 @@ from typing import TypeVar
 import asyncpg
 import pytest
 
-from storage.ops import BatchWritten, RowSpec
-from storage.pg import ingest, migrate, reads
+from storage.lmdb.batches import BatchWritten, RowSpec
+from storage.postgres import batches, migrate, reads
 from tests.pg_cluster import PgCluster
 
 T = TypeVar("T")
@@ -43,7 +43,7 @@ def _with_conn(dsn: str, body: Callable[[asyncpg.Connection], Awaitable[T]]) -> 
 
 async def _put(conn: asyncpg.Connection, vins: list[str], request_id: str, max_pending: int) -> tuple[str, ...]:
     """One batch of `vins`; the VINs it refused."""
-    out = await ingest.store_batch(conn, vins, request_id, b"p", 1_000, None, RowSpec(0, 0, max_pending))
+    out = await batches.store_batch(conn, vins, request_id, b"p", 1_000, None, RowSpec(0, 0, max_pending))
     assert isinstance(out, BatchWritten)
     return out.refused
 

@@ -1,4 +1,4 @@
-"""`storage.pg.export` writes what `storage.export` writes: the same data on LMDB and on PostgreSQL
+"""`storage.postgres.export` writes what `storage.lmdb.export` writes: the same data on LMDB and on PostgreSQL
 (the sides of the store parity tests) exports to the same Parquet tables, types and manifest.
 
 The PostgreSQL side runs on the session's throwaway cluster, in this module's migrated database.
@@ -22,16 +22,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import storage.export as lmdb_export
 import storage.export_format as export_format
-from storage import keys
+import storage.lmdb.export as lmdb_export
 from storage.errors import StorageError
-from storage.export import export as export_lmdb
-from storage.ops import sha1_of
-from storage.outcomes import Outcome
-from storage.pg import export as pg_export
-from storage.pg.migrate import SCHEMA_VERSION as PG_SCHEMA_VERSION
-from storage.store import SCHEMA_VERSION as LMDB_SCHEMA_VERSION
+from storage.lmdb import keys
+from storage.lmdb.batches import sha1_of
+from storage.lmdb.export import export as export_lmdb
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import SCHEMA_VERSION as LMDB_SCHEMA_VERSION
+from storage.postgres import export as pg_export
+from storage.postgres.migrate import SCHEMA_VERSION as PG_SCHEMA_VERSION
 from tests.harness import BIN
 from tests.pg_cluster import PgCluster
 from tests.unit import test_store_parity as parity
@@ -172,7 +172,7 @@ def test_both_stores_export_the_same_tables_and_manifest(
 def test_random_work_exports_alike(sides: tuple[more.LmdbSide, more.PgSide], tmp_path: Path) -> None:
     """The parity tests' random work (batches, acks, answers, cancels of some and of all) on both:
     the same export. Blobs' touched_ms aside: its steps are milliseconds apart, and PostgreSQL
-    rewrites a touch at most once a second (storage.pg.ingest.TOUCH_EVERY_MS)."""
+    rewrites a touch at most once a second (storage.postgres.batches.TOUCH_EVERY_MS)."""
     lmdb_side, pg_side = sides
     for _ in zip(
         parity._random_work(lmdb_side, random.Random(5), 300),
@@ -370,7 +370,7 @@ def test_a_gc_plan_skips_a_row_another_session_holds(sides: tuple[more.LmdbSide,
     """A planned row whose vehicle's rows another session holds (FOR UPDATE) is kept and counted,
     not waited for: the chunk finishes at once with the other rows ended `expired`, and its locks
     never make other vehicles' writes wait behind the locked one."""
-    from storage.pg import plan as pg_plan
+    from storage.postgres import plan as pg_plan
 
     _, pg_side = sides
     pg_side.batch(["V1", "V2", "V3"], "task_old_1", b"old", 1_000)

@@ -9,7 +9,7 @@ import itertools
 import asyncpg
 import pytest
 
-from storage.pg import migrate
+from storage.postgres import migrate
 from tests.pg_cluster import PgCluster
 
 _names = itertools.count()

@@ -16,9 +16,9 @@ from exhook_server.batch import Kind
 from exhook_server.config import Config
 from exhook_server.ingest import MAX_DETAIL_CHARS, Ingestor
 from exhook_server.status import StatusPublisher
-from storage.lmdb_writes import LmdbWrites
-from storage.store import Store
-from storage.writer import GroupCommitter
+from storage.lmdb.store import Store
+from storage.lmdb.writer import GroupCommitter
+from storage.lmdb.writes import LmdbWrites
 
 TOPIC = "$SDV-FANOUT"
 

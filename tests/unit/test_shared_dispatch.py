@@ -1,4 +1,4 @@
-"""Dispatch over a real PostgreSQL (exhook_server/dispatch/shared.py): the worker's rules on state
+"""Dispatch over a real PostgreSQL (exhook_server/backends/postgres/dispatch.py): the worker's rules on state
 kept in the database, and several instances sharing one database (issue 14)."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from typing import Any
 import asyncpg
 import pytest
 
-from exhook_server import pgmode
 from exhook_server.aio import cancel_all
+from exhook_server.backends.postgres import pgmode
+from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.config import Config
 from exhook_server.dispatch.commands import EndReason, Session
-from exhook_server.dispatch.shared import SharedDispatcher
-from storage.ops import RowSpec, sha1_of
-from storage.outcomes import Outcome
-from storage.pg import counts, ingest, migrate
-from storage.pg import dispatch as pgd
+from storage.lmdb.batches import RowSpec, sha1_of
+from storage.lmdb.outcomes import Outcome
+from storage.postgres import batches, migrate, outcomes
+from storage.postgres import dispatch as pgd
 from tests.pg_cluster import PgCluster
 
 _names = itertools.count()
@@ -103,7 +103,7 @@ class Rig:
 
     async def batch(self, vins: list[str], rid: str, data: bytes, spec: RowSpec | None = None) -> None:
         kwargs = {} if spec is None else {"spec": spec}
-        await ingest.store_batch(self.conn, vins, rid, data, int(time.time() * 1000), **kwargs)
+        await batches.store_batch(self.conn, vins, rid, data, int(time.time() * 1000), **kwargs)
         self.instances[0].new_batch(vins)
 
     def sent_to(self, vin: str) -> list[str]:
@@ -143,7 +143,7 @@ def test_online_vehicle_gets_oldest_first_one_at_a_time(dsn: str) -> None:
             await rig.until(lambda: rig.sent_to("V1") == ["task_a_1", "task_a_2"], "second delivery")
             d.acked(S("V1"), "V1", "task_a_2", sha1_of(b"two"))
             await rig.until(lambda: len(rig.outcomes) == 2, "two outcomes")
-            assert await counts.outcome_of(rig.conn, "V1", "task_a_1", sha1_of(b"one")) is Outcome.DELIVERED
+            assert await outcomes.outcome_of(rig.conn, "V1", "task_a_1", sha1_of(b"one")) is Outcome.DELIVERED
             assert await rig.conn.fetchval("SELECT count(*) FROM rows") == 0
 
     run(body)
@@ -275,11 +275,11 @@ def test_cancel_marks_the_delivery_out_and_its_puback_amends(dsn: str) -> None:
             a.subscribed(S("V1"), "V1")
             await rig.batch(["V1", "V2"], "task_a_1", b"one")
             await rig.until(lambda: rig.sent_to("V1") == ["task_a_1"], "delivery")
-            chunk = await ingest.cancel_vins(rig.conn, "task_a_1", ["V1", "V2"], int(time.time() * 1000))
+            chunk = await batches.cancel_vins(rig.conn, "task_a_1", ["V1", "V2"], int(time.time() * 1000))
             assert await b.cancelled("task_a_1", chunk.cancelled) == 1
             a.acked(S("V1"), "V1", "task_a_1", sha1_of(b"one"))
             await rig.until(lambda: len(rig.outcomes) == 1, "amended")
-            assert await counts.outcome_of(rig.conn, "V1", "task_a_1", sha1_of(b"one")) is Outcome.DELIVERED
+            assert await outcomes.outcome_of(rig.conn, "V1", "task_a_1", sha1_of(b"one")) is Outcome.DELIVERED
 
     run(body)
 
@@ -317,7 +317,7 @@ def test_three_instances_random_hooks_never_two_in_flight(dsn: str) -> None:
                 rnd.choice(rig.instances).subscribed(S(vin), vin)
             rids = [f"task_a_{n}" for n in range(5)]
             for rid in rids:
-                await ingest.store_batch(rig.conn, vins, rid, rid.encode(), int(time.time() * 1000))
+                await batches.store_batch(rig.conn, vins, rid, rid.encode(), int(time.time() * 1000))
                 rnd.choice(rig.instances).new_batch(vins)
             acked = 0
             seen = 0
@@ -352,7 +352,7 @@ def test_instances_triggering_the_same_vehicles_at_once_send_each_request_once(d
     async def body() -> None:
         async with Rig(dsn, 4) as rig:
             vins = [f"V{n:02d}" for n in range(30)]
-            await ingest.store_batch(rig.conn, vins, "task_ota_1", b"fw", int(time.time() * 1000))
+            await batches.store_batch(rig.conn, vins, "task_ota_1", b"fw", int(time.time() * 1000))
             for vin in vins:
                 rig.instances[0].subscribed(S(vin), vin)
             for vin in vins:
@@ -460,13 +460,13 @@ def test_a_request_lock_held_by_an_instance_stalled_inside_a_statement_is_freed(
         lock = "SELECT pg_advisory_xact_lock($1, hashtext($2))"
         try:
             await stalled.execute("BEGIN")
-            await stalled.execute(lock.replace("lock(", "lock_shared("), ingest.REQUEST_LOCK, "task_ota_1")
+            await stalled.execute(lock.replace("lock(", "lock_shared("), batches.REQUEST_LOCK, "task_ota_1")
             await stalled.prepare("SELECT 2")  # Parse, Describe, Flush: the Bind never comes
             pid = stalled.get_server_pid()
 
             async def cancel_lock_within(timeout_s: float) -> None:
                 async with asyncio.timeout(timeout_s), pool.acquire() as conn, conn.transaction():
-                    await conn.execute(lock, ingest.REQUEST_LOCK, "task_ota_1")
+                    await conn.execute(lock, batches.REQUEST_LOCK, "task_ota_1")
 
             with pytest.raises(TimeoutError):
                 await cancel_lock_within(1.0)

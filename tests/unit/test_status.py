@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from exhook_server.config import Config
 from exhook_server.progress import ProgressReporter
 from exhook_server.status import WINDOW, StatusPublisher
-from storage.outcomes import Generation
+from storage.lmdb.outcomes import Generation
 
 
 class Link:

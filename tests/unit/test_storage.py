@@ -11,10 +11,10 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from storage import ops
 from storage.errors import StorageFull
-from storage.store import SCHEMA_VERSION, Store
-from storage.writer import GroupCommitter
+from storage.lmdb import batches
+from storage.lmdb.store import SCHEMA_VERSION, Store
+from storage.lmdb.writer import GroupCommitter
 
 
 @pytest.fixture
@@ -24,8 +24,8 @@ def store(tmp_path: Path):  # type: ignore[no-untyped-def]
     s.close()
 
 
-def batch_op(store: Store, vins: list[str], rid: str, blob: bytes, now: int = 1) -> ops.Op:  # type: ignore[name-defined]
-    return functools.partial(ops.store_batch, t=store.tables, vins=vins, request_id=rid, blob=blob, now_ms=now)
+def batch_op(store: Store, vins: list[str], rid: str, blob: bytes, now: int = 1) -> batches.Op:  # type: ignore[name-defined]
+    return functools.partial(batches.store_batch, t=store.tables, vins=vins, request_id=rid, blob=blob, now_ms=now)
 
 
 def test_concurrent_ops_share_commits(store: Store) -> None:
@@ -51,7 +51,7 @@ def test_failing_op_leaves_no_trace_and_spares_the_others(store: Store) -> None:
     writer.submit(lambda txn: gate.wait(10))
 
     def half_then_fail(txn: lmdb.Transaction) -> None:
-        ops.store_batch(txn, store.tables, ["BAD1"], "task_a_1", b"half", 1)
+        batches.store_batch(txn, store.tables, ["BAD1"], "task_a_1", b"half", 1)
         raise RuntimeError("boom")
 
     good1 = writer.submit(batch_op(store, ["GOOD1"], "task_a_1", b"one"))
@@ -113,7 +113,7 @@ def test_readonly_open_of_missing_store_is_a_clear_error(tmp_path: Path) -> None
 
 def _index_matches_rows(store: Store) -> tuple[set[bytes], set[bytes]]:
     """(expiry keys, expiry keys the ids rows call for) from one snapshot."""
-    from storage import keys
+    from storage.lmdb import keys
 
     with store.read() as txn:
         index = {bytes(k) for k, _ in txn.cursor(store.tables.expiry)}
@@ -187,7 +187,7 @@ def test_acked_row_is_hidden_until_its_lazy_delete_commits(store: Store) -> None
     """StoreRows over the real store: an ack hides the row from `oldest` at once, so the next
     row is served before the delete commits; a duplicate ack starts nothing; a row replaced
     by another payload since is not hidden."""
-    from exhook_server.dispatch.rows import StoreRows
+    from exhook_server.backends.lmdb.rows import StoreRows
 
     writer = GroupCommitter(store, lazy_delay_s=60)  # nothing lazy commits before close()
     for rid, blob, ts in (("task_a_1", b"one", 1), ("task_a_2", b"two", 2), ("task_a_3", b"three", 3)):
@@ -234,7 +234,7 @@ def test_long_queue_drains_in_order_with_a_pass_per_head(store: Store) -> None:
     """A vehicle with 200 pending rows is drained oldest first with a pass over its queue per
     quarter of it, not one per delivery; rows stored meanwhile go after, a row replaced meanwhile
     goes at its new place, and a row expired meanwhile is skipped."""
-    from exhook_server.dispatch.rows import StoreRows
+    from exhook_server.backends.lmdb.rows import StoreRows
 
     writer = GroupCommitter(store, lazy_delay_s=0.0)
     for i in range(200):
@@ -253,7 +253,7 @@ def test_long_queue_drains_in_order_with_a_pass_per_head(store: Store) -> None:
             writer.submit(batch_op(store, ["VIN1"], "task_a_020", b"again", now=5001)).result(10)
             writer.submit(
                 functools.partial(
-                    ops.delete_row_if,
+                    batches.delete_row_if,
                     t=store.tables,
                     vin="VIN1",
                     request_id="task_a_030",

@@ -1,9 +1,10 @@
 """The PostgreSQL write operations give the LMDB ones' results: the same test bodies on both stores.
 
-LMDB runs `storage.ops` / `storage.cancel` in a write transaction; PostgreSQL runs `storage.pg.ingest`
-on the session's throwaway cluster (one migrated database for this module, emptied before each
-test). Both expose the same small facade, so every test below runs unchanged against each, and one
-test runs random work on both side by side and compares every answer and the final contents.
+LMDB runs `storage.lmdb.batches` / `storage.lmdb.cancel` in a write transaction; PostgreSQL runs
+`storage.postgres.batches` on the session's throwaway cluster (one migrated database for this
+module, emptied before each test). Both expose the same small facade, so every test below runs
+unchanged against each, and one test runs random work on both side by side and compares every
+answer and the final contents.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from typing import Any, Protocol, TypeVar
 import asyncpg
 import pytest
 
-from storage import cancel, keys, ops, outcomes
-from storage.cancel import CancelChunk
-from storage.ops import BatchWritten, Duplicate, RowSpec, sha1_of
-from storage.outcomes import Outcome
-from storage.pg import counts, ingest, migrate
-from storage.store import Store
+from storage.lmdb import batches, cancel, keys, outcomes
+from storage.lmdb.batches import BatchWritten, Duplicate, RowSpec, sha1_of
+from storage.lmdb.cancel import CancelChunk
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import Store
+from storage.postgres import batches as pg_batches
+from storage.postgres import migrate
+from storage.postgres import outcomes as pg_outcomes
 from tests.pg_cluster import PgCluster
 
 T = TypeVar("T")
@@ -63,7 +66,13 @@ class LmdbSide:
 
     def batch(self, vins: list[str], rid: str, blob: bytes, now: int, batch_id: str | None = None, **spec: Any) -> Any:
         return self._write(
-            ops.store_batch, vins=vins, request_id=rid, blob=blob, now_ms=now, batch_id=batch_id, spec=RowSpec(**spec)
+            batches.store_batch,
+            vins=vins,
+            request_id=rid,
+            blob=blob,
+            now_ms=now,
+            batch_id=batch_id,
+            spec=RowSpec(**spec),
         )
 
     def end(
@@ -72,7 +81,7 @@ class LmdbSide:
     ) -> bool:  # fmt: skip
         return bool(
             self._write(
-                ops.delete_row_if,
+                batches.delete_row_if,
                 vin=vin,
                 request_id=rid,
                 sha1=sha1_of(blob),
@@ -125,22 +134,22 @@ class PgSide:
         return self.loop.run_until_complete(coro)
 
     def batch(self, vins: list[str], rid: str, blob: bytes, now: int, batch_id: str | None = None, **spec: Any) -> Any:
-        return self._run(ingest.store_batch(self.conn, vins, rid, blob, now, batch_id, RowSpec(**spec)))
+        return self._run(pg_batches.store_batch(self.conn, vins, rid, blob, now, batch_id, RowSpec(**spec)))
 
     def end(
         self, vin: str, rid: str, blob: bytes, now: int, outcome: Outcome = Outcome.DELIVERED, attempts: int = 0,
         response: bytes = b"",
     ) -> bool:  # fmt: skip
-        return self._run(ingest.delete_row_if(self.conn, vin, rid, sha1_of(blob), now, outcome, attempts, response))
+        return self._run(pg_batches.delete_row_if(self.conn, vin, rid, sha1_of(blob), now, outcome, attempts, response))
 
     def cancel_vins(self, rid: str, vins: list[str], now: int) -> CancelChunk:
-        return self._run(ingest.cancel_vins(self.conn, rid, vins, now))
+        return self._run(pg_batches.cancel_vins(self.conn, rid, vins, now))
 
     def cancel_all(self, rid: str, now: int, max_rows: int) -> CancelChunk:
-        return self._run(ingest.start_cancel_all(self.conn, rid, now, max_rows))
+        return self._run(pg_batches.start_cancel_all(self.conn, rid, now, max_rows))
 
     def cancel_chunk(self, rid: str, now: int, max_rows: int) -> CancelChunk:
-        return self._run(ingest.cancel_chunk(self.conn, rid, now, max_rows))
+        return self._run(pg_batches.cancel_chunk(self.conn, rid, now, max_rows))
 
     def rows(self) -> list[keys.Row]:
         found = self._run(self.conn.fetch("SELECT vin, request_id, ts_ms, sha1, size, expires_ms, flags FROM rows"))
@@ -151,11 +160,11 @@ class PgSide:
         return {(r[0], r[1], bytes(r[2]), r[3], r[4], r[5], r[6], bytes(r[7])) for r in found}
 
     def generations(self) -> dict[tuple[str, bytes], tuple[int, int, dict[str, int]]]:
-        gens = self._run(counts.all_generations(self.conn))
+        gens = self._run(pg_outcomes.all_generations(self.conn))
         return {(g.request_id, g.sha1): (g.first_ms, g.last_ms, g.counts) for g in gens}
 
     def recount(self) -> dict[tuple[str, bytes], dict[str, int]]:
-        return self._run(counts.recount(self.conn))
+        return self._run(pg_outcomes.recount(self.conn))
 
     def close(self) -> None:
         self._run(self.conn.close())
@@ -407,16 +416,18 @@ def test_concurrent_writers_keep_counts_exact_on_postgresql(pg_dsn: str) -> None
             roll = rng.random()
             if roll < 0.6:
                 batch_id = f"b{rng.randrange(10)}" if rng.random() < 0.3 else None
-                answers.append(await ingest.store_batch(conn, vins, rid, blob, now, batch_id, RowSpec(max_pending=3)))
+                answers.append(
+                    await pg_batches.store_batch(conn, vins, rid, blob, now, batch_id, RowSpec(max_pending=3))
+                )
             elif roll < 0.85:
                 outcome = rng.choice([Outcome.DELIVERED, Outcome.FAILED, Outcome.RESPONDED])
-                answers.append(await ingest.delete_row_if(conn, vins[0], rid, sha1_of(blob), now, outcome))
+                answers.append(await pg_batches.delete_row_if(conn, vins[0], rid, sha1_of(blob), now, outcome))
             elif roll < 0.95:
-                answers.append(await ingest.cancel_vins(conn, rid, vins, now))
+                answers.append(await pg_batches.cancel_vins(conn, rid, vins, now))
             else:
-                chunk = await ingest.start_cancel_all(conn, rid, now, 2)
+                chunk = await pg_batches.start_cancel_all(conn, rid, now, 2)
                 while chunk.more:
-                    chunk = await ingest.cancel_chunk(conn, rid, now, 2)
+                    chunk = await pg_batches.cancel_chunk(conn, rid, now, 2)
                 answers.append(chunk)
         return answers
 

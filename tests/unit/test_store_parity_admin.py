@@ -20,14 +20,14 @@ from prometheus_client import REGISTRY
 
 from exhook_server import admin, housekeeping, metrics
 from exhook_server._proto import admin_pb2 as apb
+from exhook_server.backends.lmdb.pool import Dispatcher
 from exhook_server.config import Config
-from exhook_server.dispatch.pool import Dispatcher
 from exhook_server.progress import ProgressReporter
 from exhook_server.status import StatusPublisher
-from storage.ops import sha1_of as sha1
-from storage.outcomes import Outcome
+from storage.lmdb.batches import sha1_of as sha1
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import now_ms
 from storage.port import Reads
-from storage.store import now_ms
 from tests.dispatch_fakes import MemoryRows, RecordingPublisher
 from tests.integration.test_ingest_both_stores import Heard
 from tests.unit import test_store_parity as parity

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from exhook_server.cli import main
-from storage.ops import sha1_of as sha1
-from storage.outcomes import Outcome
+from storage.lmdb.batches import sha1_of as sha1
+from storage.lmdb.outcomes import Outcome
 from tests.unit import test_store_parity as parity
 from tests.unit.test_store_parity_reads import Engine, Opener, lmdb_engine, pg_engine
 

@@ -1,5 +1,5 @@
-"""One GC pass, the same test bodies on LMDB (`storage.gc.collect`) and PostgreSQL
-(`storage.pg.gc.collect`): what it deletes and keeps, the dry run, the blob re-check, and counts
+"""One GC pass, the same test bodies on LMDB (`storage.lmdb.gc.collect`) and PostgreSQL
+(`storage.postgres.gc.collect`): what it deletes and keeps, the dry run, the blob re-check, and counts
 that still equal a recount plus what GC forgot. Then both stores side by side after random work,
 and (PostgreSQL alone) two passes at once racing ingest.
 
@@ -22,15 +22,17 @@ import asyncpg
 import orjson
 import pytest
 
-from storage import gc, keys, plan
-from storage.export import export as export_lmdb
-from storage.gc import ApplyReport, GcReport
-from storage.ops import sha1_of as sha1
-from storage.outcomes import Outcome
-from storage.pg import expiry, ingest
-from storage.pg import export as pg_export
-from storage.pg import gc as pg_gc
-from storage.pg import plan as pg_plan
+from storage import plan
+from storage.lmdb import gc, keys
+from storage.lmdb import plan as lmdb_plan
+from storage.lmdb.batches import sha1_of as sha1
+from storage.lmdb.export import export as export_lmdb
+from storage.lmdb.gc import ApplyReport, GcReport
+from storage.lmdb.outcomes import Outcome
+from storage.postgres import batches, expiry
+from storage.postgres import export as pg_export
+from storage.postgres import gc as pg_gc
+from storage.postgres import plan as pg_plan
 from tests.plan_reference import reference_plan, write_plan
 from tests.unit import test_store_parity as parity
 from tests.unit import test_store_parity_more as more
@@ -70,7 +72,7 @@ class LmdbSide(more.LmdbSide):
         export_lmdb(self.store, out)
 
     def apply(self, path: Path) -> ApplyReport:
-        return plan.apply_plan(self.store, self.submit, path)
+        return lmdb_plan.apply_plan(self.store, self.submit, path)
 
     def view(self) -> View:
         t = self.store.tables
@@ -277,7 +279,7 @@ def test_both_stores_collect_alike_after_random_work(
             monkeypatch.setattr(expiry, "clock_ms", lambda now=now: now)
             before = lmdb_side.records()
             # The first pass keeps every blob: PostgreSQL records a blob's touches to the second
-            # (ingest.TOUCH_EVERY_MS), so a grace cutoff among the work's last uses could differ.
+            # (batches.TOUCH_EVERY_MS), so a grace cutoff among the work's last uses could differ.
             grace = 10 * DAY if now < end else 300
             kw = {"retention_ms": 100, "outcome_retention_ms": 1_000, "grace_ms": grace, "early_ttl_ms": 100}
             on_lmdb = lmdb_side.collect(now_ms=now, **kw)
@@ -311,7 +313,7 @@ def test_two_passes_at_once_racing_ingest_delete_each_thing_once_on_postgresql(p
     async def ingest_(conn: asyncpg.Connection, seed: int) -> None:
         rng = random.Random(seed)
         for n in range(30):
-            await ingest.store_batch(conn, [f"V{rng.randrange(20)}"], f"task_b_{n % 3}", rng.choice(blobs), NOW)
+            await batches.store_batch(conn, [f"V{rng.randrange(20)}"], f"task_b_{n % 3}", rng.choice(blobs), NOW)
 
     async def go() -> list[Any]:
         conns = [await asyncpg.connect(pg_dsn, timeout=10) for _ in range(4)]

@@ -3,7 +3,7 @@
 outcomes and queue).
 
 The sides of test_store_parity.py gain one method, `op(name, **kw)`: the LMDB op, read or `Store`
-method of that name, or its `storage.pg` twin, with the same keyword arguments.
+method of that name, or its `storage.postgres` twin, with the same keyword arguments.
 """
 
 from __future__ import annotations
@@ -16,28 +16,38 @@ from typing import Any
 import asyncpg
 import pytest
 
-from storage import gc, ops, outcomes, pending
 from storage.errors import EarlyTriggersFull
-from storage.ops import BatchWritten, DataWritten, Duplicate, EarlyCompleted, EarlyExpired, RowSpec, TriggerWritten
-from storage.ops import sha1_of as sha1
-from storage.outcomes import Outcome
-from storage.pg import counts, early, expiry, queue
-from storage.store import now_ms
+from storage.lmdb import batches, gc, outcomes, queue
+from storage.lmdb.batches import (
+    BatchWritten,
+    DataWritten,
+    Duplicate,
+    EarlyCompleted,
+    EarlyExpired,
+    RowSpec,
+    TriggerWritten,
+)
+from storage.lmdb.batches import sha1_of as sha1
+from storage.lmdb.outcomes import Outcome
+from storage.lmdb.store import now_ms
+from storage.postgres import early, expiry
+from storage.postgres import outcomes as pg_outcomes
+from storage.postgres import queue as pg_queue
 from tests.unit import test_store_parity as parity
 
 pg_dsn = parity.pg_dsn  # the module-scoped migrated database, one for this module
 
 _LMDB_WRITES: dict[str, Callable[..., Any]] = {
-    "store_data": ops.store_data,
-    "store_trigger": ops.store_trigger,
-    "complete_early": ops.complete_early,
-    "expire_early": ops.expire_early,
-    "expire_due": pending.expire_due,
+    "store_data": batches.store_data,
+    "store_trigger": batches.store_trigger,
+    "complete_early": batches.complete_early,
+    "expire_early": batches.expire_early,
+    "expire_due": queue.expire_due,
     "expire_rows": gc.expire_rows,
 }
 _LMDB_READS: dict[str, Callable[..., Any]] = {
-    "waiting_data_ids": ops.waiting_data_ids,
-    "first_deadline": pending.first_deadline,
+    "waiting_data_ids": batches.waiting_data_ids,
+    "first_deadline": queue.first_deadline,
     "generations": outcomes.generations,
     "generation": outcomes.generation,
     "all_generations": outcomes.all_generations,
@@ -52,13 +62,13 @@ _PG: dict[str, Callable[..., Any]] = {
     "expire_due": expiry.expire_due,
     "expire_rows": expiry.expire_rows,
     "first_deadline": expiry.first_deadline,
-    "generations": counts.generations,
-    "generation": counts.generation,
-    "all_generations": counts.all_generations,
-    "vehicle_outcomes": counts.vehicle_outcomes,
-    "pending": queue.pending,
-    "oldest": queue.oldest,
-    "backlog": queue.backlog,
+    "generations": pg_outcomes.generations,
+    "generation": pg_outcomes.generation,
+    "all_generations": pg_outcomes.all_generations,
+    "vehicle_outcomes": pg_outcomes.vehicle_outcomes,
+    "pending": pg_queue.pending,
+    "oldest": pg_queue.oldest,
+    "backlog": pg_queue.backlog,
 }
 
 
@@ -330,7 +340,7 @@ def test_no_trigger_stays_parked_when_its_data_races_it_on_postgresql(pg_dsn: st
                 one_parked.set()
         return parked
 
-    async def data(conn: asyncpg.Connection) -> ops.DataWritten:
+    async def data(conn: asyncpg.Connection) -> batches.DataWritten:
         await one_parked.wait()
         try:
             return await early.store_data(conn, "d1", b"fw", 1_005)

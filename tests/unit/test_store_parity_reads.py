@@ -22,20 +22,21 @@ from typing import Any
 import asyncpg
 import pytest
 
-from storage import keys, ops
 from storage.errors import StorageError
-from storage.keys import FLAG_AWAIT_RESPONSE, Row
-from storage.lmdb_reads import LmdbReads
-from storage.lmdb_writes import LmdbWrites
-from storage.ops import RowSpec
-from storage.ops import sha1_of as sha1
-from storage.outcomes import Generation, Outcome
-from storage.pg import ingest, migrate
-from storage.pg.reads import PgReads
-from storage.pg.writes import PgWrites
+from storage.lmdb import batches, keys
+from storage.lmdb.batches import RowSpec
+from storage.lmdb.batches import sha1_of as sha1
+from storage.lmdb.keys import FLAG_AWAIT_RESPONSE, Row
+from storage.lmdb.outcomes import Generation, Outcome
+from storage.lmdb.reads import LmdbReads
+from storage.lmdb.store import SCHEMA_VERSION, Store
+from storage.lmdb.writer import GroupCommitter
+from storage.lmdb.writes import LmdbWrites
 from storage.port import GcSettings, Reads, Writes
-from storage.store import SCHEMA_VERSION, Store
-from storage.writer import GroupCommitter
+from storage.postgres import batches as pg_batches
+from storage.postgres import migrate
+from storage.postgres.reads import PgReads
+from storage.postgres.writes import PgWrites
 from tests.pg_cluster import PgCluster
 from tests.unit import test_store_parity as parity
 
@@ -70,7 +71,7 @@ async def lmdb_engine(path: Path) -> AsyncIterator[Engine]:
 
     async def ack(vin: str, rid: str, digest: bytes, now: int, outcome: Outcome, attempts: int) -> bool:
         op = functools.partial(
-            ops.delete_row_if,
+            batches.delete_row_if,
             t=store.tables,
             vin=vin,
             request_id=rid,
@@ -100,7 +101,7 @@ async def pg_engine(dsn: str) -> AsyncIterator[Engine]:
 
         async def ack(vin: str, rid: str, digest: bytes, now: int, outcome: Outcome, attempts: int) -> bool:
             async with pool.acquire() as conn:
-                return await ingest.delete_row_if(conn, vin, rid, digest, now, outcome, attempts)
+                return await pg_batches.delete_row_if(conn, vin, rid, digest, now, outcome, attempts)
 
         yield Engine(
             "postgresql",

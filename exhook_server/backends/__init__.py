@@ -1,0 +1,1 @@
+"""The two stores as the server sees them: each store's dispatch adapter and process model."""

@@ -1,0 +1,239 @@
+"""The storage port of dispatch, backed by the LMDB store and its group committer.
+
+Kept narrow (oldest row, conditional delete) so that another store can stand
+in later without touching hooks, workers or delivery.
+
+An acked row's delete is committed lazily (see `writer.GroupCommitter`), so the
+vehicle's next request must not wait for it: from the ack on, the row is hidden
+from `oldest` until its delete has committed. A crash in between only brings the
+row back, to be delivered once more (QoS 1 allows it).
+
+A vehicle back online with a long queue is drained one delivery at a time; finding
+the oldest row is a pass over its whole queue, so the drain would cost O(rows²).
+For such queues the head of the queue (its first quarter, in delivery order) is
+kept between deliveries and checked row by row instead: a pass per quarter of the
+queue, not per delivery. New rows only join at the end of a queue, so the head
+stays right.
+
+Every publish, and every PUBACK of a delivery awaiting its answer, is kept in the store
+(`tries`, `awaited`) by one lazy op per commit window: it rides with the next commit that
+happens anyway, or commits alone after `lazy_delay_s`, never an fsync of its own per delivery.
+A kill -9 loses at most the records of that last window: a row published in the window may be
+published once more than `max_attempts` after the restart (never fewer), and a PUBACK of an
+awaited delivery in it makes that delivery go once more.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict, deque
+from concurrent.futures import Future
+from typing import Any
+
+import lmdb
+import structlog
+
+from exhook_server.dispatch.commands import Session
+from exhook_server.dispatch.worker import NOTHING_KEPT, Kept
+from storage.lmdb import batches, keys
+from storage.lmdb.store import Store
+from storage.lmdb.writer import GroupCommitter
+from storage.model import Outcome, Row, now_ms
+
+log = structlog.get_logger("sdv_fanout.dispatch")
+
+#: A queue longer than this keeps its head: a quarter of its rows, at most _HEAD_MAX_ROWS.
+_HEAD_ROWS = 32
+_HEAD_MAX_ROWS = 256
+#: Heads kept at most (least recently used go): ~300 B per row, so at most ~40 MB.
+_HEADS_MAX = 512
+
+
+class StoreRows:
+    """RowSource over a Store: reads in the caller's thread, deletes through group commit."""
+
+    def __init__(self, store: Store, committer: GroupCommitter) -> None:
+        self._store = store
+        self._committer = committer
+        #: vin → request_id → sha1 of acked rows whose delete is not committed yet. Written by
+        #: the dispatch loop, cleared by the writer thread's completion callback.
+        self._deleting: dict[str, dict[str, bytes]] = {}
+        self._lock = threading.Lock()
+        #: vin → the rows at the head of its long queue, in delivery order (dispatch loop only).
+        self._heads: OrderedDict[str, deque[Row]] = OrderedDict()  # (also its first row, until acked)
+        #: Rows read by passes over queues, for tests and benchmarks.
+        self.rows_scanned = 0
+        #: Publishes and PUBACKs to keep, in order, not yet taken by a commit (see `_Tries`).
+        self._tries: list[batches.TryRecord] = []
+        self._tries_lock = threading.Lock()
+        #: Rows stored since are known to dispatch's memory (as they are in PostgreSQL's one
+        #: delivery per vehicle); the store's count of the older ones bridges the restart.
+        self._started_ms = now_ms()
+
+    def oldest(self, vin: str) -> tuple[Row, bytes] | None:
+        with self._lock:
+            hidden = self._deleting.get(vin)
+            hidden = dict(hidden) if hidden else None
+        head = self._heads.get(vin)
+        if head is not None:
+            self._heads.move_to_end(vin)
+            found = self._first_current(head, hidden)
+            if found is not None:
+                return found
+            del self._heads[vin]  # used up: read the next head
+        found, count = self._store.oldest(vin, hidden)
+        self.rows_scanned += count
+        if count > _HEAD_ROWS:  # a long queue: keep its head for the next deliveries
+            rows, count = self._store.queue_head(vin, min(_HEAD_MAX_ROWS, count // 4), hidden)
+            self.rows_scanned += count
+            self._heads[vin] = deque(rows)
+            if len(self._heads) > _HEADS_MAX:
+                self._heads.popitem(last=False)
+        return found
+
+    def _first_current(self, head: deque[Row], hidden: dict[str, bytes] | None) -> tuple[Row, bytes] | None:
+        """The first row of `head` still pending as read and not hidden; rows before it are
+        dropped from `head` (delivered, expired, replaced, or without their blob)."""
+        while head:
+            row = head[0]
+            if not (hidden and hidden.get(row.request_id) == row.sha1):
+                payload = self._store.payload_if_current(row)
+                if payload is not None:
+                    return row, payload
+            head.popleft()
+        return None
+
+    def ack(
+        self,
+        vin: str,
+        request_id: str,
+        sha1: bytes,
+        *,
+        outcome: Outcome = Outcome.DELIVERED,
+        attempts: int = 1,
+        response: bytes = b"",
+    ) -> bool:
+        with self._lock:
+            if self._deleting.get(vin, {}).get(request_id) == sha1:
+                return False  # a duplicate PUBACK: its delete is already on its way
+        row = self._store.row(vin, request_id)
+        if (row is None or row.sha1 != sha1) and self._store.outcome(vin, request_id, sha1) is not Outcome.CANCELLED:
+            # Nothing of ours to end (a duplicate PUBACK, or the row was replaced since), and no
+            # cancelled delivery to amend: no write at all. The op re-checks inside its
+            # transaction, so this read only ever saves work, it never decides.
+            return False
+        with self._lock:
+            self._deleting.setdefault(vin, {})[request_id] = sha1
+        future = self._committer.submit(
+            functools.partial(
+                batches.delete_row_if,
+                t=self._store.tables,
+                vin=vin,
+                request_id=request_id,
+                sha1=sha1,
+                now_ms=now_ms(),
+                outcome=outcome,
+                attempts=attempts,
+                response=response,
+            ),
+            lazy=True,
+        )
+        future.add_done_callback(functools.partial(self._deleted, vin, request_id, sha1))
+        return True
+
+    def _deleted(self, vin: str, request_id: str, sha1: bytes, future: Future[bool]) -> None:
+        with self._lock:
+            mine = self._deleting.get(vin)
+            if mine is not None and mine.get(request_id) == sha1:
+                del mine[request_id]
+                if not mine:
+                    del self._deleting[vin]
+        if future.exception() is not None:
+            # The row stays and is visible again: the next trigger delivers it once more.
+            log.error("ack_delete_failed", vin=vin, request_id=request_id, error=repr(future.exception()))
+
+    def acking(self, vin: str, request_id: str, sha1: bytes) -> bool:
+        with self._lock:
+            return self._deleting.get(vin, {}).get(request_id) == sha1
+
+    # -- attempts kept across restarts ------------------------------------------------
+    def tried(self, vin: str, request_id: str, sha1: bytes, stored_ms: int = -1) -> Kept:
+        if stored_ms >= self._started_ms:
+            return NOTHING_KEPT  # stored since the start: dispatch's memory knows it all
+        if self.acking(vin, request_id, sha1):
+            return NOTHING_KEPT  # ended, its delete on its way: nothing to resume (no read either)
+        rkey = keys.row_key(vin, request_id)
+        with self._tries_lock:  # not committed yet: the newest word
+            waiting = [r for r in self._tries if r[0] == rkey and r[1] == sha1] if self._tries else None
+        kept = self._store.tried(vin, request_id, sha1, self._started_ms)
+        attempts, acked_ms, session = kept.attempts, kept.acked_ms, kept.session
+        for _, _, n, ms, who in waiting or ():
+            attempts = max(attempts, n)
+            acked_ms, session = (ms, who) if who is not None else (0, None)
+        if not attempts and not kept.awaits:
+            return NOTHING_KEPT
+        if session is None:
+            return Kept(attempts, kept.awaits)
+        age = max(0.0, (now_ms() - acked_ms) / 1000)
+        return Kept(attempts, kept.awaits, age, Session(*session))
+
+    def sent(self, vin: str, row: Row, attempts: int) -> None:
+        self._keep((keys.row_key(vin, row.request_id), row.sha1, attempts, 0, None))
+
+    def awaiting(self, vin: str, request_id: str, sha1: bytes, attempts: int, session: Session) -> None:
+        who = session.__reduce__()[1]
+        self._keep((keys.row_key(vin, request_id), sha1, attempts, now_ms(), who))
+
+    def _keep(self, record: batches.TryRecord) -> None:
+        with self._tries_lock:
+            self._tries.append(record)
+            first = len(self._tries) == 1
+        if first:  # one op per commit window takes every record queued until it runs
+            op = _Tries(self)
+            future = self._committer.submit(op, lazy=True)
+            future.add_done_callback(op.done)
+
+    def take_tries(self) -> list[batches.TryRecord]:
+        with self._tries_lock:
+            taken, self._tries = self._tries, []
+        return taken
+
+    def awaited(self) -> list[tuple[str, str, bytes, Kept]]:
+        """Deliveries PUBACKed before this start whose answer is still awaited: (VIN, request
+        id, sha1, what is kept of it)."""
+        now = now_ms()
+        return [
+            (vin, rid, sha1, Kept(attempts, True, max(0.0, (now - acked_ms) / 1000), Session(*session)))
+            for vin, rid, sha1, attempts, acked_ms, session in self._store.awaited()
+        ]
+
+    def deleting(self) -> int:
+        """Vehicles with an acked row whose delete is not committed yet."""
+        return len(self._deleting)
+
+
+class _Tries:
+    """The lazy op keeping queued attempt records: takes them when it first runs, and writes the
+    same ones again if the committer replays its group."""
+
+    __slots__ = ("_records", "_rows")
+
+    def __init__(self, rows: StoreRows) -> None:
+        self._rows = rows
+        self._records: list[batches.TryRecord] | None = None
+
+    def __call__(self, txn: lmdb.Transaction) -> int:
+        if self._records is None:
+            self._records = self._rows.take_tries()
+        return batches.record_tries(txn, self._rows._store.tables, self._records)
+
+    def done(self, future: Future[Any]) -> None:
+        """A failed op's records count as never published (at worst one more delivery of those
+        rows). One that failed before it ran (store closed or full) drops the records it would
+        have taken: else they would stay queued, and no later record would submit an op again."""
+        if future.exception() is None:
+            return
+        if self._records is None:
+            self._records = self._rows.take_tries()
+        log.error("attempts_not_kept", error=repr(future.exception()), records=len(self._records))

@@ -1,0 +1,474 @@
+"""Write operations, each run inside a write transaction the group committer owns.
+
+An op either writes everything it means to, or raises before its first write
+(capacity checks come first). The committer aborts and replays the group
+without an op that raised anyway, so a half-done op never reaches the disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lmdb
+import orjson
+
+from storage.errors import EarlyTriggersFull
+from storage.lmdb import cancel, keys, outcomes, queue
+from storage.lmdb.tables import Tables
+from storage.model import PLAIN as PLAIN
+from storage.model import BatchWritten as BatchWritten
+from storage.model import DataWritten as DataWritten
+from storage.model import Duplicate as Duplicate
+from storage.model import EarlyCompleted as EarlyCompleted
+from storage.model import EarlyExpired as EarlyExpired
+from storage.model import Outcome
+from storage.model import RowSpec as RowSpec
+from storage.model import RowsPut as RowsPut
+from storage.model import TriggerWritten as TriggerWritten
+from storage.model import sha1_of as sha1_of
+
+_EARLY_SEQ = b"early_seq"
+#: Rows named by the parked triggers, kept with them so a new trigger is checked in O(1).
+_EARLY_ROWS = b"early_rows"
+
+
+def _duplicate(txn: lmdb.Transaction, t: Tables, batch_id: str | None) -> Duplicate | None:
+    if batch_id is None:
+        return None
+    raw = txn.get(batch_id.encode(), db=t.batches)
+    if raw is None:
+        return None
+    doc = orjson.loads(raw)
+    sha1 = bytes.fromhex(doc["sha1"]) if doc["sha1"] else None
+    return Duplicate(batch_id, doc["request_id"], sha1, doc["rows"], doc["ts"], tuple(doc.get("refused", ())))
+
+
+def _record_batch(
+    txn: lmdb.Transaction,
+    t: Tables,
+    batch_id: str | None,
+    request_id: str,
+    sha1: bytes | None,
+    rows: int,
+    now_ms: int,
+    refused: Sequence[str] = (),
+) -> None:
+    """Remember what a batch_id stored (for `retention_s`, see gc), so a retry stores nothing."""
+    if batch_id is None:
+        return
+    key = batch_id.encode()
+    old = txn.get(key, db=t.batches)
+    ts = now_ms if old is None else int(orjson.loads(old)["ts"])
+    doc: dict[str, Any] = {"request_id": request_id, "sha1": sha1.hex() if sha1 else None, "rows": rows, "ts": ts}
+    if refused:
+        doc["refused"] = list(refused)
+    txn.put(key, orjson.dumps(doc), db=t.batches)
+    if old is None:
+        txn.put(keys.timed_key(ts, key), b"", db=t.batch_expiry)
+
+
+def forget_batch(txn: lmdb.Transaction, t: Tables, batch_id: str) -> None:
+    key = batch_id.encode()
+    raw = txn.get(key, db=t.batches)
+    if raw is not None:
+        ts = int(orjson.loads(raw)["ts"])
+        txn.delete(key, db=t.batches)
+        txn.delete(keys.timed_key(ts, key), db=t.batch_expiry)
+
+
+def touch_blob(txn: lmdb.Transaction, t: Tables, sha1: bytes, now_ms: int) -> None:
+    """Record that a write referenced `sha1` now: GC keeps blobs touched within its grace period,
+    which closes the race of a batch reusing a blob between GC's mark and its delete."""
+    txn.put(sha1, keys.encode_u64(now_ms), db=t.touched)
+
+
+def put_blob(txn: lmdb.Transaction, t: Tables, sha1: bytes, blob: bytes, now_ms: int) -> bool:
+    """Store `blob` under its sha1 unless it is there already; True when written."""
+    touch_blob(txn, t, sha1, now_ms)
+    # One B-tree descent instead of get-then-put; a present blob keeps its created-at.
+    return bool(txn.put(sha1, keys.blob_value(now_ms, blob), overwrite=False, db=t.data))
+
+
+def put_rows(
+    txn: lmdb.Transaction,
+    t: Tables,
+    vins: Sequence[str],
+    request_id: str,
+    sha1: bytes,
+    size: int,
+    now_ms: int,
+    spec: RowSpec = PLAIN,
+) -> RowsPut:
+    """One row per VIN; a row for the same (VIN, request_id) is replaced (its generation, if
+    another, counts it superseded). A VIN whose backlog is full gets no new row (a replacement
+    is fine: it adds nothing). Counts and indexes change in the same transaction.
+
+    This is the ingest hot loop (one call per 200-VIN batch, inside the single
+    writer): keys go in sorted through one cursor per table, so each put lands
+    next to the previous one in the tree, and `replace` inserts a new row in one
+    descent (a plain get would cost a second one for every row that is new).
+    """
+    pairs = sorted(zip(keys.row_keys(vins, request_id), vins, strict=True))
+    if not pairs:
+        return RowsPut(0, frozenset())
+    cut = cancel.cut_for(txn, t, request_id)
+    if cut is not None and cut >= now_ms:
+        now_ms = cut + 1  # a cancel in progress takes the rows stored up to its cut, not these
+    known = outcomes.generation_exists(txn, t, request_id, sha1)
+    replaced = 0
+    taken = 0
+    superseded: set[bytes] = set()
+    refused: list[str] = []
+    stored: list[bytes] = []
+    stored_vins: list[str] = []
+    # Rows that did not hold this generation before; the common case is every row.
+    newly: list[bytes] = []
+    value = keys.row_value(now_ms, sha1, size, spec.expires_ms, spec.flags)
+    rows = txn.cursor(t.ids)
+    counter = txn.cursor(t.ids)
+    backlogs = txn.cursor(t.backlogs)
+    for rkey, vin in pairs:
+        old = rows.replace(rkey, value)
+        if old is None:
+            vin_key = vin.encode()
+            raw = backlogs.get(vin_key)
+            if raw is not None:
+                before = queue.decode_count(raw)
+            else:  # fewer than COUNTED_FROM before this one: count them where they lie
+                before = queue.count_rows(counter, vin_key, queue.COUNTED_FROM) - 1
+            if spec.max_pending and before >= spec.max_pending:
+                txn.delete(rkey, db=t.ids)
+                refused.append(vin)
+                continue
+            if raw is not None or before + 1 >= queue.COUNTED_FROM:
+                backlogs.put(vin_key, queue.encode_count(before + 1))
+            newly.append(rkey)
+        else:
+            txn.delete(keys.expiry_key(keys.row_ts(old), rkey), db=t.expiry)
+            if old_expires := keys.row_expires(old):
+                txn.delete(keys.deadline_key(old_expires, vin, request_id), db=t.deadlines)
+            replaced += 1
+            old_sha1 = keys.row_sha1(old)
+            if old_sha1 != sha1:
+                queue.forget_tries(txn, t, rkey, keys.row_awaits(old))
+                old_ts = keys.row_ts(old)
+                if cut is not None and old_ts <= cut:
+                    # A cancel in progress took it already (its walk had not come this far).
+                    outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.CANCELLED, now_ms, old_ts)
+                    taken += 1
+                else:
+                    outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.SUPERSEDED, now_ms, old_ts)
+                    superseded.add(old_sha1)
+                newly.append(rkey)
+        stored.append(rkey)
+        stored_vins.append(vin)
+    if taken:
+        cancel.count_taken(txn, t, request_id, taken)
+    if not stored:
+        return RowsPut(replaced, frozenset(superseded), tuple(refused))
+    outcomes.rows_pending(txn, t, newly, request_id, sha1, now_ms, known=known)
+    expiry = txn.cursor(t.expiry)
+    entries = keys.expiry_entries(now_ms, stored)
+    # Rows are stamped with the wall clock, so the new expiry keys almost always sort after
+    # every existing one: then LMDB appends them (fills pages instead of splitting them in two).
+    # A clock step back or a same-ms batch with larger keys takes the ordinary path. (In append
+    # mode LMDB skips a key not above the last one; sorted, only a repeated VIN's twin is.)
+    append = not expiry.last() or bytes(expiry.key()) < entries[0][0]
+    expiry.putmulti(entries, append=append)
+    txn.cursor(t.by_request).putmulti(keys.request_index_entries(request_id, stored_vins))
+    if spec.expires_ms:
+        txn.cursor(t.deadlines).putmulti(keys.deadline_entries(spec.expires_ms, request_id, stored_vins))
+    return RowsPut(replaced, frozenset(superseded), tuple(refused))
+
+
+def store_batch(
+    txn: lmdb.Transaction,
+    t: Tables,
+    vins: Sequence[str],
+    request_id: str,
+    blob: bytes,
+    now_ms: int,
+    batch_id: str | None = None,
+    spec: RowSpec = PLAIN,
+) -> BatchWritten | Duplicate:
+    """Seed-000 batch: the blob once, then one row per VIN; nothing if `batch_id` was stored."""
+    if (dup := _duplicate(txn, t, batch_id)) is not None:
+        return dup
+    sha1 = sha1_of(blob)
+    new_blob = put_blob(txn, t, sha1, blob, now_ms)
+    put = put_rows(txn, t, vins, request_id, sha1, len(blob), now_ms, spec)
+    stored = len(vins) - len(put.refused)
+    _record_batch(txn, t, batch_id, request_id, sha1, stored, now_ms, put.refused)
+    return BatchWritten(
+        request_id, sha1, _stored_vins(vins, put.refused), put.replaced, new_blob, put.superseded, refused=put.refused
+    )
+
+
+def _stored_vins(vins: Sequence[str], refused: tuple[str, ...]) -> tuple[str, ...]:
+    if not refused:
+        return tuple(vins)
+    gone = set(refused)
+    return tuple(v for v in vins if v not in gone)
+
+
+def store_data(
+    txn: lmdb.Transaction,
+    t: Tables,
+    data_id: str,
+    blob: bytes,
+    now_ms: int,
+    max_rows: int = 10_000,
+    max_pending: int = 0,
+) -> DataWritten:
+    """Plugin-format data message: blob, alias, and the triggers waiting for it, up to `max_rows`
+    rows (`more` says some still wait: the caller completes them in further chunks)."""
+    sha1 = sha1_of(blob)
+    new_blob = put_blob(txn, t, sha1, blob, now_ms)
+    txn.put(data_id.encode(), keys.alias_value(sha1, now_ms), db=t.aliases)
+    done = _complete(txn, t, data_id, sha1, len(blob), now_ms, max_rows, max_pending)
+    return DataWritten(data_id, sha1, new_blob, done.completed, done.more, done.expired)
+
+
+def complete_early(
+    txn: lmdb.Transaction, t: Tables, data_id: str, now_ms: int, max_rows: int, max_pending: int = 0
+) -> EarlyCompleted:
+    """One more chunk of the triggers waiting for `data_id`, whose data has arrived: oldest
+    first, at most `max_rows` rows (but always at least one trigger)."""
+    alias = txn.get(data_id.encode(), db=t.aliases)
+    blob = None if alias is None else txn.get(keys.decode_alias(alias)[0], db=t.data)
+    if alias is None or blob is None:
+        return EarlyCompleted((), False)  # expired or collected meanwhile: the sweeper drops them
+    sha1, _ = keys.decode_alias(alias)
+    touch_blob(txn, t, sha1, now_ms)
+    return _complete(txn, t, data_id, sha1, len(blob) - keys.BLOB_HEAD_SIZE, now_ms, max_rows, max_pending)
+
+
+def _complete(
+    txn: lmdb.Transaction,
+    t: Tables,
+    data_id: str,
+    sha1: bytes,
+    size: int,
+    now_ms: int,
+    max_rows: int,
+    max_pending: int,
+) -> EarlyCompleted:
+    prefix = keys.early_prefix(data_id)
+    cur = txn.cursor(t.early)
+    waiting: list[tuple[bytes, dict[str, Any]]] = []
+    rows = 0
+    more = False
+    if cur.set_range(prefix):
+        for key, value in cur:
+            if not bytes(key).startswith(prefix):
+                break
+            trig = orjson.loads(value)
+            if waiting and rows + len(trig["ids"]) > max_rows:
+                more = True
+                break
+            rows += len(trig["ids"])
+            waiting.append((bytes(key), trig))
+    completed = []
+    expired = []
+    for key, trig in waiting:
+        txn.delete(key, db=t.early)
+        batch_id = trig.get("batch_id")
+        expires_ms = int(trig.get("expires_at", 0))
+        if 0 < expires_ms <= now_ms:  # its data came too late for it
+            if batch_id is not None:
+                forget_batch(txn, t, batch_id)
+            expired.append(
+                EarlyExpired(
+                    data_id,
+                    trig["request_id"],
+                    len(trig["ids"]),
+                    now_ms - int(trig["ts"]),
+                    batch_id,
+                    trig.get("correlation_id"),
+                    reason="expired",
+                )
+            )
+            continue
+        spec = RowSpec(expires_ms, int(trig.get("flags", 0)), max_pending)
+        put = put_rows(txn, t, trig["ids"], trig["request_id"], sha1, size, now_ms, spec)
+        stored = len(trig["ids"]) - len(put.refused)
+        _record_batch(txn, t, batch_id, trig["request_id"], sha1, stored, now_ms, put.refused)
+        completed.append(
+            BatchWritten(
+                trig["request_id"],
+                sha1,
+                _stored_vins(trig["ids"], put.refused),
+                put.replaced,
+                False,
+                put.superseded,
+                batch_id,
+                trig.get("correlation_id"),
+                put.refused,
+            )
+        )
+    _count_early_rows(txn, t, -rows)
+    return EarlyCompleted(tuple(completed), more, tuple(expired))
+
+
+def _count_early_rows(txn: lmdb.Transaction, t: Tables, delta: int) -> int:
+    """Add `delta` to the parked-row count and return it (never below 0: a store written by an
+    older release starts uncounted)."""
+    raw = txn.get(_EARLY_ROWS, db=t.meta)
+    count = max(0, (0 if raw is None else keys.decode_u64(raw)) + delta)
+    if delta:
+        txn.put(_EARLY_ROWS, keys.encode_u64(count), db=t.meta)
+    return count
+
+
+def waiting_data_ids(txn: lmdb.Transaction, t: Tables) -> list[str]:
+    """data_ids that parked triggers wait for although their data is stored: what a crash left
+    between two completion chunks (keys only, one alias lookup per data_id)."""
+    found: list[str] = []
+    cur = txn.cursor(t.early)
+    if not cur.first():
+        return found
+    while True:
+        data_id = keys.early_data_id(bytes(cur.key()))
+        if txn.get(data_id.encode(), db=t.aliases) is not None:
+            found.append(data_id)
+        # Jump past every trigger of this data_id.
+        if not cur.set_range(keys.early_prefix(data_id) + b"\xff" * 9):
+            return found
+
+
+def store_trigger(
+    txn: lmdb.Transaction,
+    t: Tables,
+    data_id: str,
+    vins: Sequence[str],
+    request_id: str,
+    now_ms: int,
+    early_max: int,
+    early_max_rows: int = 1_000_000,
+    batch_id: str | None = None,
+    correlation_id: str | None = None,
+    spec: RowSpec = PLAIN,
+) -> TriggerWritten | Duplicate:
+    """Plugin-format trigger: rows now if the data is known, else park it (bounded in triggers
+    and in the rows they name); nothing if `batch_id` was stored (or parked) before."""
+    if (dup := _duplicate(txn, t, batch_id)) is not None:
+        return dup
+    alias = txn.get(data_id.encode(), db=t.aliases)
+    if alias is not None:
+        sha1, _ = keys.decode_alias(alias)
+        blob = txn.get(sha1, db=t.data)
+        if blob is not None:
+            size = len(blob) - keys.BLOB_HEAD_SIZE
+            touch_blob(txn, t, sha1, now_ms)
+            put = put_rows(txn, t, vins, request_id, sha1, size, now_ms, spec)
+            _record_batch(txn, t, batch_id, request_id, sha1, len(vins) - len(put.refused), now_ms, put.refused)
+            written = BatchWritten(
+                request_id,
+                sha1,
+                _stored_vins(vins, put.refused),
+                put.replaced,
+                False,
+                put.superseded,
+                refused=put.refused,
+            )
+            return TriggerWritten(data_id, request_id, written, False)
+    if int(txn.stat(t.early)["entries"]) >= early_max:
+        raise EarlyTriggersFull(f"{early_max} triggers already wait for their data")
+    parked = _count_early_rows(txn, t, 0)
+    if parked + len(vins) > early_max_rows:
+        raise EarlyTriggersFull(f"{parked} rows already wait for their data (early_max_rows {early_max_rows})")
+    _count_early_rows(txn, t, len(vins))
+    raw_seq = txn.get(_EARLY_SEQ, db=t.meta)
+    seq = 0 if raw_seq is None else keys.decode_u64(raw_seq) + 1
+    txn.put(_EARLY_SEQ, keys.encode_u64(seq), db=t.meta)
+    doc: dict[str, Any] = {"ids": list(vins), "request_id": request_id, "ts": now_ms}
+    if batch_id is not None:
+        doc["batch_id"] = batch_id
+    if correlation_id is not None:
+        doc["correlation_id"] = correlation_id
+    if spec.expires_ms:
+        doc["expires_at"] = spec.expires_ms
+    if spec.flags:
+        doc["flags"] = spec.flags
+    txn.put(keys.early_key(data_id, seq), orjson.dumps(doc), db=t.early)
+    _record_batch(txn, t, batch_id, request_id, None, 0, now_ms)
+    return TriggerWritten(data_id, request_id, None, True)
+
+
+def expire_early(txn: lmdb.Transaction, t: Tables, now_ms: int, ttl_ms: int, limit: int) -> list[EarlyExpired]:
+    """Delete up to `limit` early triggers older than `ttl_ms`; the table is small and bounded."""
+    expired: list[EarlyExpired] = []
+    doomed = []
+    for key, value in txn.cursor(t.early):
+        trig = orjson.loads(value)
+        age = now_ms - int(trig["ts"])
+        if age >= ttl_ms:
+            doomed.append(bytes(key))
+            expired.append(
+                EarlyExpired(
+                    keys.early_data_id(bytes(key)),
+                    trig["request_id"],
+                    len(trig["ids"]),
+                    age,
+                    trig.get("batch_id"),
+                    trig.get("correlation_id"),
+                )
+            )
+            if len(doomed) >= limit:
+                break
+    for key in doomed:
+        txn.delete(key, db=t.early)
+    for e in expired:
+        if e.batch_id is not None:  # a retry after the expiry is a new trigger, not a duplicate
+            forget_batch(txn, t, e.batch_id)
+    _count_early_rows(txn, t, -sum(e.vins for e in expired))
+    return expired
+
+
+def delete_row_if(
+    txn: lmdb.Transaction,
+    t: Tables,
+    vin: str,
+    request_id: str,
+    sha1: bytes,
+    now_ms: int = 0,
+    outcome: Outcome = Outcome.DELIVERED,
+    attempts: int = 0,
+    response: bytes = b"",
+) -> bool:
+    """End the (vin, request_id) row with `outcome`, only if it still refers to `sha1` (not
+    replaced since): the row goes, its outcome is recorded and counted. A pair cancelled while
+    its delivery was in flight gets the outcome of that delivery instead of `cancelled`."""
+    rkey = keys.row_key(vin, request_id)
+    value = txn.get(rkey, db=t.ids)
+    if value is None or keys.row_sha1(value) != sha1:
+        return outcomes.amend_cancelled(txn, t, vin, request_id, sha1, outcome, now_ms, attempts, response)
+    value = bytes(value)  # a memoryview into the page the delete frees
+    queue.end_row(txn, t, rkey, value, outcome, now_ms or keys.row_ts(value), attempts, response)
+    return True
+
+
+#: One record of `record_tries`: (ids key, sha1, attempts, then for a PUBACK awaiting its answer:
+#: when (ms) and the session (node, clientid, host, port); else 0 and None).
+TryRecord = tuple[bytes, bytes, int, int, tuple[str, str, str, int] | None]
+
+
+def record_tries(txn: lmdb.Transaction, t: Tables, records: Sequence[TryRecord]) -> int:
+    """Keep how often rows were published, and which were PUBACKed and await their answer, in
+    record order. A record for a row gone or holding another payload since is passed over (an
+    end committed first must not leave an entry behind). Returns the records written."""
+    written = 0
+    for rkey, sha1, attempts, acked_ms, session in records:
+        value = txn.get(rkey, db=t.ids)
+        if value is None or keys.row_sha1(value) != sha1:
+            continue
+        if session is None:  # published (again): not PUBACKed yet
+            awaits = keys.row_awaits(value)
+            txn.put(rkey, keys.tries_value(sha1, attempts), db=t.tries)
+            if awaits:
+                txn.delete(rkey, db=t.awaited)
+        else:
+            txn.put(rkey, keys.awaited_value(sha1, attempts, acked_ms, session), db=t.awaited)
+        written += 1
+    return written

@@ -1,0 +1,72 @@
+"""The named databases of one LMDB environment and the schema version they make up.
+
+`keys` describes what each table holds byte by byte; `store` opens them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: 2 added the outcome tables (gens, outcomes, outcome_expiry, batches, batch_expiry); 3 the
+#: lifecycle ones (deadlines, backlogs, by_request, cancels), longer rows for expires_at and
+#: flags, and the `responded` count; 4 the delivery attempts (tries, awaited), so that they
+#: outlive a restart. An older store is upgraded when a writer opens it.
+SCHEMA_VERSION = 4
+DB_NAMES = (
+    "data",
+    "touched",
+    "ids",
+    "expiry",
+    "aliases",
+    "early",
+    "meta",
+    "gens",
+    "outcomes",
+    "outcome_expiry",
+    "batches",
+    "batch_expiry",
+    "deadlines",
+    "backlogs",
+    "by_request",
+    "cancels",
+    "tries",
+    "awaited",
+)
+#: Tables each schema version added, for a clear error when a reader opens an older store.
+ADDED_IN = {name: (2 if i < 12 else 3 if i < 16 else 4) for i, name in enumerate(DB_NAMES) if i >= 7}
+
+
+@dataclass(frozen=True, slots=True)
+class Tables:
+    """Handles of the named databases of one environment."""
+
+    data: Any
+    touched: Any
+    ids: Any
+    expiry: Any
+    aliases: Any
+    early: Any
+    meta: Any
+    #: request_id \0 sha1 → counts per state (storage/lmdb/outcomes.py).
+    gens: Any
+    #: VIN \0 request_id \0 sha1 → how that pair ended.
+    outcomes: Any
+    #: ts + outcomes key: GC walks outcomes oldest first.
+    outcome_expiry: Any
+    #: batch_id → the receipt of the batch stored under it (idempotent retries).
+    batches: Any
+    #: ts + batch_id: GC walks batch ids oldest first.
+    batch_expiry: Any
+    #: expires_at + ids key: the expiry sweep walks rows in the order they expire.
+    deadlines: Any
+    #: VIN → its pending rows (max_pending_per_vehicle).
+    backlogs: Any
+    #: request_id \0 VIN → empty: a request's pending VINs (cancel of every vehicle).
+    by_request: Any
+    #: request_id → a cancel of every vehicle still in progress (its chunks resume after a crash).
+    cancels: Any
+    #: ids key → sha1 and how often that row was published (written with the next commit).
+    tries: Any
+    #: ids key → a delivery the vehicle PUBACKed whose answer is awaited (await_response rows).
+    awaited: Any

@@ -1,0 +1,116 @@
+"""`Writes` over PostgreSQL: the functions of storage/postgres/ on a bounded asyncpg pool, each within
+the same deadline LMDB's commits get (a write that outlives it may still land, as with LMDB);
+database failures come out as StorageError, as LMDB's do (the hook answers UNAVAILABLE)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from storage.model import (
+    PLAIN,
+    BatchWritten,
+    CancelChunk,
+    DataWritten,
+    Duplicate,
+    EarlyCompleted,
+    EarlyExpired,
+    RowSpec,
+    TriggerWritten,
+)
+from storage.port import Writes, durable_within
+from storage.postgres import batches, early, expiry
+from storage.postgres.errors import as_storage_error
+
+T = TypeVar("T")
+
+
+class PgWrites:
+    """The PostgreSQL store's `Writes` (storage/port.py)."""
+
+    def __init__(self, pool: Any, timeout_s: float) -> None:
+        self._pool = pool
+        self._timeout_s = timeout_s
+
+    async def _run(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kw: Any) -> T:
+        async def on_a_connection() -> T:
+            async with self._pool.acquire() as conn:
+                return await fn(conn, *args, **kw)
+
+        return await durable_within(asyncio.ensure_future(as_storage_error(on_a_connection())), self._timeout_s)
+
+    async def store_batch(
+        self,
+        vins: Sequence[str],
+        request_id: str,
+        blob: bytes,
+        now_ms: int,
+        batch_id: str | None = None,
+        spec: RowSpec = PLAIN,
+    ) -> BatchWritten | Duplicate:
+        return await self._run(batches.store_batch, vins, request_id, blob, now_ms, batch_id, spec)
+
+    async def store_data(self, data_id: str, blob: bytes, now_ms: int, max_rows: int, max_pending: int) -> DataWritten:
+        return await self._run(early.store_data, data_id, blob, now_ms, max_rows, max_pending)
+
+    async def store_trigger(
+        self,
+        data_id: str,
+        vins: Sequence[str],
+        request_id: str,
+        now_ms: int,
+        early_max: int,
+        early_max_rows: int,
+        batch_id: str | None = None,
+        correlation_id: str | None = None,
+        spec: RowSpec = PLAIN,
+    ) -> TriggerWritten | Duplicate:
+        return await self._run(
+            early.store_trigger,
+            data_id,
+            vins,
+            request_id,
+            now_ms,
+            early_max,
+            early_max_rows,
+            batch_id,
+            correlation_id,
+            spec,
+        )
+
+    async def complete_early(self, data_id: str, now_ms: int, max_rows: int, max_pending: int) -> EarlyCompleted:
+        return await self._run(early.complete_early, data_id, now_ms, max_rows, max_pending)
+
+    async def expire_early(self, now_ms: int, ttl_ms: int, limit: int) -> list[EarlyExpired]:
+        return await self._run(early.expire_early, now_ms, ttl_ms, limit)
+
+    async def waiting_data_ids(self) -> list[str]:
+        return await self._run(early.waiting_data_ids)
+
+    async def cancel_vins(self, request_id: str, vins: Sequence[str], now_ms: int) -> CancelChunk:
+        return await self._run(batches.cancel_vins, request_id, vins, now_ms)
+
+    async def start_cancel_all(
+        self, request_id: str, now_ms: int, max_rows: int, correlation_id: str | None = None
+    ) -> CancelChunk:
+        return await self._run(batches.start_cancel_all, request_id, now_ms, max_rows, correlation_id)
+
+    async def cancel_chunk(self, request_id: str, now_ms: int, max_rows: int) -> CancelChunk:
+        return await self._run(batches.cancel_chunk, request_id, now_ms, max_rows)
+
+    async def cancels_in_progress(self) -> list[str]:
+        async def read(conn: Any) -> list[str]:
+            return [r["request_id"] for r in await conn.fetch("SELECT request_id FROM cancels ORDER BY request_id")]
+
+        return await self._run(read)
+
+    async def first_deadline(self) -> int | None:
+        return await self._run(expiry.first_deadline)
+
+    async def expire_due(self, now_ms: int, limit: int) -> list[tuple[str, str, bytes]]:
+        return await self._run(expiry.expire_due, now_ms, limit)
+
+
+if TYPE_CHECKING:  # mypy checks that PgWrites is a storage.port.Writes
+    _is_writes: Writes = PgWrites(None, 0.0)
