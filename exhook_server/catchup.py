@@ -1,20 +1,11 @@
 """The catch-up session: batches EMQX routed while no hook call of ours answered reach the store.
 
-EMQX's failed_action cannot stop a publish: while this server's hooks do not answer (a restart,
-a crash, a stopped process, a call past EMQX's request_timeout) a batch is PUBACKed to the
-platform and routed to subscribers. This module is that subscriber: one persistent MQTT 5 session
-(clean_start false, Session Expiry catchup_session_expiry_s, the deployment's one client id
-`catchup_session_clientid`) subscribed at QoS 1 to the batch topics, so EMQX queues for it what
-arrives while nobody holds it.
-
-Promises: every message is handed to `Ingestor.ingest`, the hook's own path (validation,
-idempotent batch_id, receipts), one at a time in arrival order, and PUBACKed only once stored or
-rejected, so a crash before that has EMQX send it again; a storage failure is retried until it
-stores (any other failure is logged and left unacknowledged: EMQX sends it again on the next
-connection). A message both paths saw is stored once (`ingest.implied_batch_id`). At most
-`RECEIVE_MAXIMUM` unacknowledged messages are held. One process runs `hold` (the LMDB group's
-first process, the PostgreSQL leader); should two connect, EMQX hands the session to the later
-one and the one taken over waits `TAKEN_OVER_WAIT_S` before it asks for it again.
+EMQX's failed_action cannot stop a publish: while our hooks do not answer (a restart, a crash, a call
+past EMQX's request_timeout) a batch is PUBACKed to the platform and routed to subscribers. This is
+that subscriber: one persistent MQTT 5 session (`catchup_session_clientid`, clean_start false) at
+QoS 1 on the batch topics. Each message goes through `Ingestor.ingest` (the hook's path), one at a
+time in arrival order, and is PUBACKed only once stored or rejected; a message both paths saw is
+stored once (`ingest.implied_batch_id`). At most `RECEIVE_MAXIMUM` are held unacknowledged.
 """
 
 from __future__ import annotations
@@ -75,6 +66,12 @@ def topic_filters(cfg: Config) -> list[str]:
 
 class CatchupSession:
     """The persistent session, held while `hold` runs (cancel it to let go).
+
+    A storage failure is retried until the message stores; any other failure is logged and the
+    message left unacknowledged (EMQX sends it again on the next connection). One process runs
+    `hold` (the LMDB group's first process, the PostgreSQL leader); should two connect, EMQX hands
+    the session to the later one, and the one taken over waits `TAKEN_OVER_WAIT_S` before it asks
+    for it again.
 
     paho runs in a thread of its own (catch-up traffic is small and rare): it connects, reads and
     sends PUBACKs; the ingest runs on the event loop of `hold`.

@@ -1,26 +1,11 @@
-"""Publishes deliveries to the broker over MQTT 5 (paho-mqtt 2.x); the only module that speaks MQTT.
+"""Publishes deliveries to the broker over MQTT 5 (paho-mqtt 2.x); the only publisher of deliveries.
 
-paho's socket lives on the server's event loop rather than in a thread of its
-own: publishes of one loop iteration are written right after it and PUBACKs are
-read as they come, with no thread hand-off per message. Only the blocking part
-of (re)connecting (TCP and TLS handshakes) runs in a worker thread, retried with
-backoff until the broker answers. Connection changes reach dispatch through
-`on_state`, which voids in-flight state on loss and sends again when the link is
-back. `publish` never blocks: a delivery beyond the in-flight window (kept small:
-large windows collapse throughput) waits in our queue until a PUBACK frees a place.
-
-One delivery the broker refuses must not cost every other vehicle its link. Each
-connection gets a fresh paho client (paho would otherwise re-send its unacked
-messages first after every reconnect, the refused one included). A PUBACK
-reason >= 0x80, or the link dropping while a delivery was unacknowledged, blames
-that delivery (`on_refused`); a blamed delivery is sent again only alone (nothing
-else unacknowledged meanwhile), so the next drop names the culprit exactly, and
-after `delivery_max_refusals` it is refused for good and its row ends failed.
-
-With `ack_topic_prefix` the client also receives the vehicles' PUBACKs, republished by an EMQX
-rule to `<prefix>/<its clientid>` (see `acks`): it subscribes on every connection, hands each
-message to `on_ack`, and warns when deliveries go out and no ack message comes back for
-`inflight_timeout_s` (the rule is missing or broken).
+paho's socket lives on the server's event loop (only the blocking part of connecting runs in a
+thread, retried with backoff until the broker answers); `publish` never blocks: beyond the in-flight
+window a delivery waits in our queue. Connection changes reach dispatch through `on_state`. A
+delivery the broker refuses (PUBACK reason >= 0x80, or the link dropping while it was unacknowledged)
+is sent again only alone, and after `delivery_max_refusals` its row ends failed, so one delivery
+cannot cost every vehicle its link. With `ack_topic_prefix` it also receives the vehicles' PUBACKs.
 """
 
 from __future__ import annotations
@@ -181,6 +166,20 @@ class _Client(paho_tls.Client):
 
 class MqttDelivery:
     """The delivery client: one MQTT connection, QoS 1 publishes on the request topics.
+
+    Publishes of one loop iteration are written right after it and PUBACKs are read as they come,
+    with no thread hand-off per message. `on_state` voids in-flight state on loss and sends again
+    when the link is back. The in-flight window is kept small: large windows collapse throughput.
+
+    Each connection gets a fresh paho client (paho would otherwise re-send its unacked messages
+    first after every reconnect, the refused one included). A refused delivery is blamed
+    (`on_refused`) and sent again only with nothing else unacknowledged, so the next drop names the
+    culprit exactly.
+
+    With `ack_topic_prefix` the client subscribes to `<prefix>/<its clientid>` (where the EMQX rule
+    republishes the vehicles' PUBACKs, see `acks`) on every connection, hands each message to
+    `on_ack`, and warns when deliveries go out and no ack message comes back for
+    `inflight_timeout_s` (the rule is missing or broken).
 
     Built, started and published to on the event loop's thread; `stop` is called from
     another thread while the loop runs.

@@ -1,14 +1,11 @@
 """`sdv-fanout emqx sync|check`: make a running EMQX match this server's settings, or say where not.
 
-What this server needs from EMQX, computed from `Config` alone (no server running): its ExHook
-entry (URL, pool, timeouts, failed action, TLS), the hooks and topic filters `OnProviderLoaded`
-answers (`hooks.hook_specs`), and the ack rule (`acks.rule_body`) exactly when ack_topic_prefix is
-set. `plan` reads EMQX through its REST API and lists the differences; `apply` removes them:
-the entry is created or updated in place (an update makes EMQX load the server again, so it gets
-the current hook list), the entry is reloaded alone when only the hook list EMQX holds differs
-(EMQX keeps the list it loaded until then, a restart of ours does not change it), and the rule is
-created, updated or deleted. Nothing differing means no write at all. The ack rule goes in before
-the hook list loses `message.acked` and out after it regains it, so acks always have a path.
+What this server needs from EMQX is computed from `Config` alone (no server running): its ExHook
+entry, the hooks and topic filters `OnProviderLoaded` answers (`hooks.hook_specs`), and the ack rule
+(`acks.rule_body`) exactly when ack_topic_prefix is set. `plan` reads EMQX through its REST API and
+lists the differences; `apply` removes them, and writes nothing when nothing differs. The ack rule
+goes in before the hook list loses `message.acked` and out after it regains it, so acks always have
+a path.
 """
 
 from __future__ import annotations
@@ -301,7 +298,13 @@ def authorization_warnings(api: EmqxApi) -> list[str]:
 
 def apply(cfg: Config, api: EmqxApi, found: Plan, *, on_change: Callable[[Change], None] | None = None) -> list[str]:
     """Make each change of `found`; returns problems left afterwards (e.g. the server EMQX loaded
-    answered another hook list: it runs other settings)."""
+    answered another hook list: it runs other settings).
+
+    The entry is created or updated in place (an update makes EMQX load the server again, so it
+    gets the current hook list); it is reloaded alone when only the hook list EMQX holds differs
+    (EMQX keeps the list it loaded until then: a restart of ours does not change it); the rule is
+    created, updated or deleted.
+    """
     name = api.quote(found.exhook_name)
     left: list[str] = []
     deletes = [c for c in found.changes if c.kind == "rule-delete"]

@@ -2,14 +2,10 @@
 
     FanoutError
     ├── ConfigError           settings that cannot work; raised at start-up only
-    ├── BatchRejected(reason) a batch message we will not store; `reason` is a Reason
+    └── BatchRejected(reason) a batch message we will not store; `reason` is a Reason
 
-    storage.errors.StorageError    (from the storage layer, re-exported here)
-    ├── StorageFull                the map reached map_max_bytes
-    └── EarlyTriggersFull          too many triggers wait for their data
-
-A reason code is the same string in the log event (`reason=`), the metric label
-and the tests, so an operator can grep for it and alert on it.
+`storage.errors.StorageError` and its subclasses are re-exported here. A reason code is the same
+string in the log event (`reason=`), the metric label and the tests, so operators can alert on it.
 """
 
 from __future__ import annotations

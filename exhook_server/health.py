@@ -1,14 +1,10 @@
 """What the ExHook port's gRPC health service (grpc.health.v1) answers, per service name.
 
-- `""`, the server as a whole, and the hook services (`emqx.exhook.v2/v3.HookProvider`): batches
-  can be stored now. LMDB: the environment is open (from start until shutdown). PostgreSQL: the
-  database answered within `store_down_grace_s`. Readiness asks for `""`.
-- `sdv_fanout.Delivery`: the delivery client's broker link is up. NOT_SERVING while it is down,
-  and always with `mqtt_url = ""` (store only: nothing is delivered). For alerts, not readiness:
-  batches are still stored and wait for the link.
+- `""` and the hook services (`emqx.exhook.v2/v3.HookProvider`): batches can be stored now (LMDB: the
+  environment is open; PostgreSQL: the database answered within `store_down_grace_s`). Readiness.
+- `sdv_fanout.Delivery`: the broker link is up (never with `mqtt_url = ""`). For alerts, not readiness.
 - `sdv_fanout.Process`: the process serves. Startup and liveness ask for it: an outage of the
   database or of the broker must not restart the pods.
-
 Every service turns NOT_SERVING when shutdown begins.
 """
 

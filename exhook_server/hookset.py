@@ -1,12 +1,11 @@
 """Noticing, at run time, that EMQX holds another hook list than this server asks for.
 
-EMQX reads a server's hooks and topic filters once, when it loads it (`OnProviderLoaded`), and
-keeps them when the server restarts with other settings. So a call for a hook this server did not
-ask for, or on a topic outside its filters, is logged (`hook_set_mismatch`, once a minute per hook
-at most) and counted (`sdv_fanout_hook_set_mismatch_total{hook}`). A missing hook sends no call at
-all: a server that was not loaded within `hook_set_confirm_s` of its start compares EMQX's list
-through the REST API when emqx_api_url is set (`emqx_sync`), else says it cannot confirm it
-(`hook_set_unconfirmed`). The confirmation is shared by a group's processes (`procs`).
+EMQX reads a server's hooks and topic filters once, when it loads it, and keeps them across our
+restarts. A call for a hook we did not ask for, or on a topic outside our filters, is logged
+(`hook_set_mismatch`, at most once a minute per hook) and counted. A missing hook sends no call: a
+server not loaded within `hook_set_confirm_s` of its start compares EMQX's list through the REST API
+when emqx_api_url is set (`emqx_sync`), else logs `hook_set_unconfirmed`. A group's processes share
+the confirmation (`procs`).
 """
 
 from __future__ import annotations

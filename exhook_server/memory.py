@@ -1,10 +1,9 @@
 """Keeping glibc's malloc from holding on to the memory of a burst of large batches.
 
 Python and gRPC free a batch's buffers when its call ends, but glibc keeps freed pages in its
-arenas for reuse, one arena per allocating thread up to 8 per core: after 2 x 500 concurrent
-1 MB batch calls a server held 1.2 GiB, for good. Two arenas per process (`limit_arenas`) cut
-the peak of that flood by a sixth at no measured throughput cost, and `malloc_trim(0)` once
-ingest is quiet after a burst (`trim_after_bursts`) returns the rest. Not glibc: both do nothing.
+arenas for reuse (one arena per allocating thread, up to 8 per core). Two arenas per process
+(`limit_arenas`) lower the peak of such a flood, and `malloc_trim(0)` once ingest is quiet after
+a burst (`trim_after_bursts`) returns the rest. Not glibc: both do nothing.
 """
 
 from __future__ import annotations

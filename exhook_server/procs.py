@@ -1,16 +1,11 @@
 """`sdv-fanout serve` with one or several server processes, and the parent that supervises them.
 
-A Python process answers hooks on one core. To use every core, the parent forks N children
-before anything creates a gRPC object (gRPC does not survive a fork), and each child runs a
-whole server on the same port (SO_REUSEPORT: the kernel spreads EMQX's pool connections over
-them) and the same LMDB environment (LMDB serialises writers across processes; every commit is
-still fsynced before its hook answers). Dispatch spans the children (`dispatch.peers`).
-
-The parent holds the port (so port 0 means one port for all), and the admin port the same way
-(each child serves the Admin API on it; any of them answers for the group), serves /metrics for the whole
-group (prometheus-client's multiprocess mode), forwards SIGTERM, and stops the group with exit
-code 1 when a child dies: a half group would leave some VINs without an owner. The children die
-with the parent (PR_SET_PDEATHSIG), so `kill -9` of the parent leaves nothing serving.
+The parent forks N children before anything creates a gRPC object (gRPC does not survive a fork);
+each runs a whole server on the same port (SO_REUSEPORT) and LMDB environment (every commit still
+fsynced before its hook answers); dispatch spans them (`backends.lmdb.peers`). The parent holds the
+ports (port 0: one port for all), serves /metrics for the group, forwards SIGTERM, and stops the group
+with exit code 1 when a child dies (a half group would leave VINs without an owner). The children
+die with the parent (PR_SET_PDEATHSIG), so `kill -9` of the parent leaves nothing serving.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Campaign progress on the status topic: a generation's counts while they change, then `completed`.
 
-One server process (the one that runs store-wide housekeeping) reads the generation counts
-every `progress_interval_s` and reports each generation whose counts changed since the last
-look: `progress` with the counts, and `completed` once nothing of it is pending. The counts
-live in the store with the rows (read through its `Reads` port, LMDB or PostgreSQL), so every
-process's work is seen and a message never says more than the store does. A generation that
-changes and completes between two looks reports both. After a restart, only changes since the
-start are reported (the queries know the rest). A `progress` report still waiting for the broker
-is replaced by the next one of its generation, and gives way to every other status message when
-the queue is full (see `status`); `completed` is kept like a receipt.
+One process (the one running store-wide housekeeping) reads the generation counts from the store
+(`Reads`) every `progress_interval_s` and reports each generation whose counts changed: `progress`
+with the counts, `completed` once nothing of it is pending (both, if it changes and completes
+between two looks), never more than the store says. After a restart only changes since the start
+are reported. A waiting `progress` is replaced by its generation's next one and gives way to every
+other status message when the queue is full; `completed` is kept like a receipt.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """The status topic: what the server tells the platform about its requests.
 
-Every message about request R is one JSON object published QoS 1 by the delivery client
-to `<status_topic_prefix>/<R>` (a rejection without a usable request id goes to
-`<status_topic_prefix>/_rejected`, and one about an id no topic may hold to
-`<status_topic_prefix>/_unroutable`); each carries `event`, `request_id`, `ts_ms`, and the
-batch's `correlation_id` when it had one.
-
-A message is kept until the broker PUBACKs it. At most `WINDOW` are written and unacknowledged
-at once; when the link drops they go back to the head of the queue and are written again, in
-order, on the next connection (each connection is a fresh MQTT client, so nothing else would
-resend them): the platform may hear a message twice, never lose one uncounted. One that was
-unacknowledged when the link dropped goes again only alone, and after `delivery_max_refusals`
-such drops (or a PUBACK refusing it) it is dropped, so one message cannot keep breaking the link.
-The queue is bounded in messages (`status_queue_max`) and bytes (`status_queue_max_bytes`). A
-`progress` report replaces the waiting one of its generation; when the queue is full, progress
-reports are dropped first and never push out anything else, then the oldest other messages.
-Every drop is counted: `sdv_fanout_status_dropped_total{kind=<event>, reason}`. The topic is how
-the platform hears first; the Admin queries are the truth it can always ask for.
+Each message about request R is one JSON object (`event`, `request_id`, `ts_ms`, the batch's
+`correlation_id`) published QoS 1 to `<status_topic_prefix>/<R>` (`.../_rejected`: a rejection without
+a usable request id; `.../_unroutable`: an id no topic may hold). A message is kept until the broker
+PUBACKs it and written again in order after a reconnect: the platform may hear one twice, never lose
+one uncounted. The queue is bounded (`status_queue_max`, `status_queue_max_bytes`), progress reports
+drop first, every drop is counted (`sdv_fanout_status_dropped_total`). The Admin queries are the truth.
 """
 
 from __future__ import annotations
@@ -86,6 +75,14 @@ class _Message:
 
 class StatusPublisher:
     """Formats status events and publishes them in order, keeping each until the broker has it.
+
+    At most `WINDOW` messages are written and unacknowledged at once; when the link drops they go
+    back to the head of the queue and are written again, in order, on the next connection (each
+    connection is a fresh MQTT client, so nothing else would resend them). One that was
+    unacknowledged when the link dropped goes again only alone, and after `delivery_max_refusals`
+    such drops (or a PUBACK refusing it) it is dropped, so one message cannot keep breaking the
+    link. A `progress` report replaces the waiting one of its generation; when the queue is full,
+    progress reports are dropped first and never push out anything else, then the oldest others.
 
     Event-loop thread only. `link` is asked for at each send: the delivery client may not
     exist yet (or at all, with `mqtt_url = ""`: then messages wait until the queue is full and

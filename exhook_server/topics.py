@@ -1,12 +1,10 @@
 """Topic names: what MQTT brokers accept in one, and templates with one `{VIN}` level.
 
-The rules are the strictest of MQTT 5 (§1.5.4 UTF-8 strings, §4.7.3 topic names)
-and the brokers we deliver through: mosquitto refuses control characters
-U+0001-U+001F and U+007F-U+009F and Unicode non-characters by dropping the
-publisher's connection; EMQX refuses NUL, wildcards and invalid UTF-8. A request
-id or VIN that breaks them would break the delivery link every vehicle shares,
-so ingest refuses them with a reason code (`level_problem`) and the settings
-refuse templates that break them (`template_problem`).
+The rules are the strictest of MQTT 5 (§1.5.4 UTF-8 strings, §4.7.3 topic names) and of the brokers
+we deliver through: mosquitto drops a publisher that sends control characters (U+0001-U+001F,
+U+007F-U+009F) or Unicode non-characters; EMQX refuses NUL, wildcards and invalid UTF-8. Such a
+request id or VIN would break the delivery link every vehicle shares, so ingest refuses it
+(`level_problem`) and the settings refuse templates that break them (`template_problem`).
 """
 
 from __future__ import annotations

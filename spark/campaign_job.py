@@ -3,17 +3,9 @@
     spark-submit spark/campaign_job.py --export OUT --out REPORT [--bucket 1h]
     python -m spark.campaign_job --export OUT --out REPORT [--bucket 1h] [--master local[4]]
 
-A generation is one (request_id, payload sha1): request ids are reused, so each payload sent under an
-id is followed on its own. Reads the export's generations (the counts the server keeps), outcomes
-(one record per ended (VIN, generation)) and rows (what is still pending), and writes into REPORT:
-  generations.csv             per generation: the count of each state, the oldest pending row, time from
-                              store to delivery and to the vehicle's answer p50/p95/p99 (exact), and the
-                              check of the counts against a recount
-  by_task_type.csv            the same per task type (`task_<type>_<n>` → <type>, anything else "other")
-  delivered_over_time.csv     deliveries and answers per time bucket and their running totals
-  delivered_by_task_type.csv  the same per task type
-  count_check.csv             generations whose counts differ from the recount, stored and recounted
-  report.png (the two series as charts), report.json (all of it), README.md
+A generation is one (request_id, payload sha1). REPORT gets generations.csv, by_task_type.csv,
+delivered_over_time.csv, delivered_by_task_type.csv, count_check.csv (counts that differ from a
+recount), report.png, report.json and README.md; spark/README.md describes each.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
-"""GC plan over an export: the rules of storage/lmdb/gc.py, as of the export's snapshot, for `sdv-fanout gc apply`.
+"""GC plan over an export: the rules of storage/lmdb/gc.py as of the export's snapshot, for `sdv-fanout gc apply`.
 
     spark-submit spark/gc_job.py --export OUT --plan PLAN --retention 7d --grace 1h
     python -m spark.gc_job --export OUT --plan PLAN --retention 7d --grace 1h [--master local[4]]
 
-With cutoff = snapshot_ms - retention and blob cutoff = snapshot_ms - grace:
-  expired_rows     rows with ts_ms < cutoff
-  expired_aliases  aliases with ts_ms < cutoff
-  garbage_blobs    blobs no row and no alias with ts_ms >= cutoff refers to (anti-join), and
-                   max(created_ms, touched_ms) < blob cutoff
-The plan lists candidates only: apply re-checks each one against the live store in its write transaction.
-summary.json is written last, so a plan without it is incomplete.
+PLAN lists candidates only (expired_rows, expired_aliases, garbage_blobs; spark/README.md): apply
+re-checks each one against the live store in its write transaction. summary.json is written last,
+so a plan without it is incomplete.
 """
 
 from __future__ import annotations

@@ -3,14 +3,9 @@
     spark-submit spark/report_job.py --export OUT --out REPORT [--max-pending-per-vehicle 1000]
     python -m spark.report_job --export OUT --out REPORT [--master local[4]]
 
-Every row of an export is a request not yet acknowledged by its vehicle ("pending"). Writes, each table
-as REPORT/parquet/<table>/ and REPORT/csv/<table>/ (one file each, CSV with a header):
-  by_task_type       request ids `task_<type>_<n>` grouped by <type> (anything else: "other")
-  age_histogram      pending rows by age at the snapshot: <1h, 1-6h, 6-24h, 1-3d, 3-7d, >7d
-  top_vins           the 20 vehicles with the most pending requests
-  at_bound           vehicles at the backlog bound (max_pending_per_vehicle), the 20 waiting longest
-  expiring_requests  requests with pending rows that carry an expires_at, the 50 expiring soonest
-plus REPORT/report.png (the first three as charts), REPORT/report.json and REPORT/README.md.
+Every row of an export is a request its vehicle has not acknowledged ("pending"). REPORT gets the
+tables by_task_type, age_histogram, top_vins, at_bound and expiring_requests (Parquet and CSV),
+report.png, report.json and README.md; spark/README.md describes each.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Errors of both stores; the hook layer maps them to answers and reason codes.
+"""Errors of both stores (importing neither engine); the hook layer maps them to answers and reason codes.
 
 StorageError            the store could not do what was asked; nothing was committed
 ├── StorageFull         LMDB: the map reached map_max_bytes and cannot grow
@@ -6,8 +6,6 @@ StorageError            the store could not do what was asked; nothing was commi
 ├── EarlyTriggersFull   too many triggers are waiting for their data
 ├── PlanError           the directory is not a GC plan this build can apply
 └── CommitTimeout       a write did not commit within its deadline (it may still land later)
-
-Imports neither `lmdb` nor `asyncpg`.
 """
 
 

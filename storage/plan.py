@@ -1,14 +1,10 @@
 """Apply a GC plan computed by spark/gc_job.py over an export, re-checking every candidate.
 
-The plan is a list of candidates as of the export snapshot; the store has moved on since. Inside
-each write transaction a row is deleted only if it still has the planned timestamp (not replaced),
-an alias only if not rewritten, and a blob only if it was not created or referenced since
-`snapshot - grace` (a row written after the export that reuses the blob touched it). Re-running is
-harmless: what is gone is skipped, so an interrupted apply simply runs again.
-
-`apply_plan_to` walks a plan over a `PlanTarget`, the three deletes of one store:
-`storage.lmdb.plan.LmdbTarget` or `storage.postgres.plan.PgTarget` (the Spark jobs read either
-store's export).
+The plan lists candidates as of the export snapshot; inside each write transaction a row is deleted
+only if it still has the planned timestamp, an alias only if not rewritten, and a blob only if not
+created or referenced since `snapshot - grace`. Re-running is harmless: an interrupted apply simply
+runs again. `apply_plan_to` walks a plan over a `PlanTarget`, one store's three deletes
+(`storage.lmdb.plan.LmdbTarget`, `storage.postgres.plan.PgTarget`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""What the server asks of a store: one interface per side, whichever engine is behind it.
+"""What the server asks of a store: `Writes` and `Reads`, whichever engine is behind them.
 
-Ingest, cancel and the expiry sweep (exhook_server/ingest.py) go through `Writes` only; the Admin
-API, progress reporting and housekeeping (GC, level gauges) through `Reads`. So the embedded LMDB
-store (`storage/lmdb/writes.py`, `storage/lmdb/reads.py`) and the shared PostgreSQL store (issue
-14, `storage/postgres/writes.py`, `storage/postgres/reads.py`) are interchangeable behind them. Every write
-returns once its change is durable (or raises StorageError, CommitTimeout included, having stored
-nothing or possibly landing later); results are the values of storage/model.py, so a caller
-never knows which engine answered.
+Ingest, cancel and the expiry sweep go through `Writes` only; the Admin API, progress reporting and
+housekeeping (GC, level gauges) through `Reads`. LMDB (`storage/lmdb/writes.py`, `reads.py`) and
+PostgreSQL (`storage/postgres/writes.py`, `reads.py`) implement both. Every write returns once its
+change is durable, or raises StorageError (CommitTimeout: it may still land later); results are the
+values of storage/model.py, so a caller never knows which engine answered.
 """
 
 from __future__ import annotations

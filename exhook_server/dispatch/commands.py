@@ -1,7 +1,7 @@
 """What the hooks tell the dispatch workers: plain, immutable, picklable values.
 
-A command names one VIN, so it can be routed to the worker that owns it (today
-an asyncio task, later possibly another process).
+A command names one VIN, so it can be routed to the worker that owns it, in this process or in
+another of its group.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """What hooks, acks, the Admin API and housekeeping ask of dispatch, whichever store is behind it.
 
-Two implementations: `pool.Dispatcher` (LMDB: each vehicle's state in the memory of the worker
-that owns it, events forwarded between the processes of one host) and `shared.SharedDispatcher`
-(PostgreSQL: the state in the database, any instance handles any vehicle). Both run the same
-rules (`worker.Worker`); callers never know which one answers.
+Two implementations: `backends.lmdb.pool.Dispatcher` (LMDB: each vehicle's state in the memory of
+the worker that owns it, events forwarded between the processes of one host) and
+`backends.postgres.dispatch.SharedDispatcher` (PostgreSQL: the state in the database, any instance
+handles any vehicle). Both run the same rules (`worker.Worker`); callers never know which answers.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """One dispatch worker: the presence and in-flight state of the VINs it owns, and the send rules.
 
-All commands of a VIN reach the same worker in order, so its state needs no
-locks. `handle` never waits: reads are short LMDB read transactions, publishes
-are queued by the MQTT client, and an ack's row delete is committed behind it
-(the row source hides the acked row meanwhile, so the next one goes at once).
-
-Rules (docs/architecture.md): nothing is sent to a VIN without a live session;
-at most one delivery per VIN is in flight; the oldest pending row goes first;
-`session_resumed` re-points the in-flight entry (the broker session redelivers
-it) instead of sending again; an entry older than the in-flight timeout, or
-owned by a connection that is gone, is sent again; a PUBACK counts only when it comes from
-the vehicle's own client (the one the delivery went to, or the one it is online with).
-
-Lifecycle rules: a row is published at most `max_attempts` times, then it ends `failed` and
-the next one goes; a row awaiting the vehicle's answer keeps the slot after its PUBACK until
-the answer (outcome `responded`) or `response_timeout_s` (then `failed`); rows past their
-expires_at or being cancelled are never offered by the row source; a delivery whose row was
-cancelled while out keeps the slot, and its outcome follows what the vehicle does with it.
-
-Attempts and the answer-awaited state outlive the process: the worker tells the row source of
-every publish and of every PUBACK of a delivery awaiting its answer (`sent`, `awaiting`), and
-asks it (`tried`) about a row it holds nothing of, so a restart resumes the count and the wait.
+All commands of a VIN reach the same worker in order, so its state needs no locks; `handle` never
+waits. The rules (docs/architecture.md; in full on `Worker`): nothing is sent to a VIN without a
+live session; at most one delivery per VIN is in flight; the oldest pending row goes first; a row is
+published at most `max_attempts` times; a PUBACK counts only from the vehicle's own client; a row
+awaiting the vehicle's answer keeps the slot until the answer or `response_timeout_s`. Attempts and
+the awaited state outlive the process: the row source keeps them.
 """
 
 from __future__ import annotations
@@ -167,7 +152,28 @@ def _put(table: dict[str, V], vin: str, value: V | None) -> None:
 
 
 class Worker:
-    """State and rules for the VINs one worker owns."""
+    """State and rules for the VINs one worker owns.
+
+    `handle` never waits: reads are short LMDB read transactions, publishes are queued by the MQTT
+    client, and an ack's row delete is committed behind it (the row source hides the acked row
+    meanwhile, so the next one goes at once).
+
+    Send rules: nothing is sent to a VIN without a live session; at most one delivery per VIN is in
+    flight; the oldest pending row goes first; `session_resumed` re-points the in-flight entry (the
+    broker session redelivers it) instead of sending again; an entry older than the in-flight
+    timeout, or owned by a connection that is gone, is sent again; a PUBACK counts only when it
+    comes from the vehicle's own client (the one the delivery went to, or the one it is online with).
+
+    Lifecycle rules: a row is published at most `max_attempts` times, then it ends `failed` and the
+    next one goes; a row awaiting the vehicle's answer keeps the slot after its PUBACK until the
+    answer (outcome `responded`) or `response_timeout_s` (then `failed`); rows past their expires_at
+    or being cancelled are never offered by the row source; a delivery whose row was cancelled while
+    out keeps the slot, and its outcome follows what the vehicle does with it.
+
+    Attempts and the answer-awaited state outlive the process: the worker tells the row source of
+    every publish and of every PUBACK of a delivery awaiting its answer (`sent`, `awaiting`), and
+    asks it (`tried`) about a row it holds nothing of, so a restart resumes the count and the wait.
+    """
 
     def __init__(
         self,

@@ -1,17 +1,11 @@
-"""Cancelling a request: its pending rows end `cancelled`, in transactions of bounded size.
+"""LMDB: cancelling a request: its pending rows end `cancelled`, in transactions of bounded size.
 
-A cancel that names VINs (at most max_ids_per_batch, so at most max_rows_per_commit rows)
-is one transaction. A cancel of every vehicle may name a million rows: its first
-transaction records a job (`cancels`: request id → cut, resume position, count so far) and
-cancels the first chunk; further chunks follow behind the hook's answer, and after a crash
-at start-up. From the job's commit on, rows stored up to its cut are never sent
-(`Store._visible_rows` skips them), so the cancel takes effect at once however long the
-chunks take. A batch of the same request stored after the cancel is stamped past the cut
-(`ops.put_rows`), so it is never taken by it: whichever commits first wins, cleanly.
-
-A delivery already in flight cannot be recalled: its row is cancelled like the others, and
-when the vehicle's PUBACK (or answer) still comes, the outcome is amended to what happened
-(`outcomes.amend_cancelled`).
+A cancel naming VINs is one transaction (at most max_rows_per_commit rows). A cancel of every vehicle
+records a job (`cancels`: request id → cut, resume position, count) with its first chunk; further
+chunks follow behind the hook's answer, and after a crash at start-up. From the job's commit on, rows
+stored up to its cut are never sent, so the cancel takes effect at once; a batch of the request stored
+later is stamped past the cut and never taken by it. A delivery already in flight cannot be recalled:
+its outcome is amended to what the vehicle does with it (`outcomes.amend_cancelled`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""Retention and garbage collection, in short chunks so ingest and dispatch never wait long.
+"""LMDB: retention and garbage collection, in short chunks so ingest and dispatch never wait long.
 
-What goes, and why it is safe:
-
-* rows older than the retention period, walked oldest first through the `expiry` index; a row
-  replaced since its expiry entry was read is left alone (its timestamp no longer matches);
-* aliases (platform data_ids) older than the retention period;
-* blobs that no row and no alias refers to (the mark, from one read snapshot) and that nothing
-  created or touched within the grace period. Every write that refers to a blob touches it, so a
-  batch that reuses a "garbage" blob after the mark keeps it alive: the delete re-checks the touch
-  time inside its own write transaction (the race that bit git and Gitaly cannot happen);
-* early triggers whose data never came (their own, shorter TTL).
-
-`plan_*` functions only read; `apply_*` functions are write ops for the group committer.
+What goes: rows older than the retention period (oldest first through the `expiry` index; a row
+replaced since its expiry entry was read is left alone), aliases older than it, blobs that no row and
+no alias refers to (one read snapshot's mark) and nothing created or touched within the grace period,
+and early triggers past their own TTL. Every write that refers to a blob touches it and the delete
+re-checks the touch time in its own write transaction, so a batch reusing a blob after the mark keeps
+it. `plan_*` functions only read; `apply_*` functions are write ops for the group committer.
 """
 
 from __future__ import annotations

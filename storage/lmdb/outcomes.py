@@ -1,14 +1,11 @@
-"""How a request ends, per vehicle, and the counts per generation: kept in the row's transaction.
+"""LMDB: how a request ends, per vehicle, and the counts per generation, kept in the row's transaction.
 
-A generation is one (request_id, blob sha1): the platform reuses request ids, so a newer
-payload under the same id is counted apart. Every (VIN, generation) the store has taken is
-either pending (a row holds it) or has exactly one outcome record; a generation's counts are
-how many of its pairs are in each state, and `total` is how many pairs it has. Every change
-of state happens in the transaction that changes the row, so the counts equal a recount from
-rows and outcomes after any crash.
-
-GC removes outcome records older than `outcome_retention_s` (the counts keep them) and the
-counts of generations with nothing pending whose last change is that old.
+A generation is one (request_id, blob sha1): request ids are reused, so a newer payload under an id is
+counted apart. Every (VIN, generation) taken is either pending (a row holds it) or has exactly one
+outcome record, and every change of state happens in the transaction that changes the row, so the
+counts equal a recount from rows and outcomes after any crash. GC removes outcome records older than
+`outcome_retention_s` (the counts keep them) and the counts of generations with nothing pending whose
+last change is that old.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""Group commit: many concurrent write ops, one transaction, one fsync.
+"""LMDB: group commit: many concurrent write ops, one transaction, one fsync.
 
-Callers submit an op (a function of a write transaction) and get a future
-that completes only after the transaction holding it is committed to disk.
-One thread does all writing: while one commit's fsync runs, new ops queue up
-and go into the next transaction together, so fsyncs per second stay bounded
-while throughput grows with concurrency.
-
-Housekeeping chunks (a cancel's) are `solo`: such an op starts a group of its own and never joins
-one others started, so a batch queued before it is never held back by the chunk's work.
-
-Some writes need not be durable at once: a row delete after a vehicle's PUBACK
-that a crash loses only causes one duplicate delivery, which QoS 1 allows
-(docs/architecture.md, "A request's life"). Such ops are submitted `lazy`: they ride along with the
-next durable group, or are committed on their own once the oldest has waited
-`lazy_delay_s`. Under a steady ack stream that is one commit per delay instead
-of one per few acks.
+A submitted op (a function of a write transaction) gets a future that completes only once its
+transaction is on disk. One thread writes: ops queued during an fsync go into the next transaction
+together, so fsyncs per second stay bounded as concurrency grows. `solo` ops (a cancel's chunks)
+never join a group others started. `lazy` ops (a row delete after a PUBACK: losing it in a crash
+only causes one duplicate delivery, which QoS 1 allows) ride with the next durable group, or commit
+alone once the oldest has waited `lazy_delay_s`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""A vehicle's dispatch state on PostgreSQL: read under its lock, written back, filtered in bulk.
+"""PostgreSQL: a vehicle's dispatch state, read under its lock, written back, filtered in bulk.
 
-On LMDB one process owns a vehicle and keeps its presence and delivery in memory
-(exhook_server/dispatch/worker.py). With several instances on one database any instance may get
-any hook of any vehicle, so that state lives in `presence` and `vin_state` (dispatch.sql), and an
-event runs the worker's own rules on it inside one transaction: `load` takes the vehicle's
-advisory lock and reads the state (one round trip), the rules decide, `save` writes back what
-changed. The lock serialises one vehicle's events across instances, so "at most one delivery in
-flight per vehicle" holds between them exactly as it holds inside one worker.
-
-The bulk filters (`heartbeats`, `present_wanting`) answer in one statement which of many vehicles
-need such an event at all: most heartbeats come from vehicles that are busy or have nothing
-pending, and cost no lock and no write.
+Any instance may get any hook of any vehicle, so presence and delivery state live in the database
+(`presence`, `vin_state`) and an event's transaction runs the worker's rules on it: `load` takes the
+vehicle's advisory lock and reads the state (one round trip), `save` writes back what changed. The
+lock serialises one vehicle's events across instances, so at most one delivery is in flight per
+vehicle. The bulk filters (`heartbeats`, `present_wanting`) answer in one statement which of many
+vehicles need an event at all, so most heartbeats cost no lock and no write.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""PostgreSQL → Parquet export: the same tables, columns, types and manifest as `storage.lmdb.export`
-(the LMDB export), so the Spark jobs in spark/ read either without knowing which store wrote it.
+"""PostgreSQL: the Parquet export, with the LMDB export's tables, columns, types, order and manifest,
+so the Spark jobs read either store's.
 
-One consistent snapshot: every table is read in one `REPEATABLE READ READ ONLY` transaction, so the
-generation counts and the rows and outcomes they count are of the same instant (a reader never
-blocks the writers; it only holds back vacuum while it lasts). Each table streams through a
-server-side cursor (`FETCH_ROWS` records at a time) into Parquet record batches bounded as the
-LMDB export's are (`storage.export_format.BATCH_ROWS` rows, or fewer holding `BATCH_BYTES` of answers),
-so memory stays bounded however large the store. Answers longer than `INLINE_ANSWER_BYTES` do not
-ride in the cursor: each batch reads its long answers by key in the same transaction, so one fetch
-holds at most FETCH_ROWS short answers whatever `max_response_bytes` is.
-
-Records come out in primary key order, which is LMDB's key order (text keys are `COLLATE "C"` and
-LMDB keys join their parts with NUL, which sorts first), so both stores' exports list the same
-records in the same order.
+One `REPEATABLE READ READ ONLY` transaction reads every table, so counts, rows and outcomes are of one
+instant (writers are never blocked). Each table streams through a server-side cursor (`FETCH_ROWS`
+records a fetch) into record batches bounded as the LMDB export's; answers longer than
+`INLINE_ANSWER_BYTES` are read by key per batch, so memory stays bounded. Primary key order is LMDB's
+key order (text keys are `COLLATE "C"`; LMDB joins key parts with NUL, which sorts first).
 """
 
 from __future__ import annotations

@@ -1,37 +1,11 @@
-"""Retention and garbage collection on PostgreSQL: one pass does what `storage.lmdb.gc.collect` does,
-in the same order, and returns the same `GcReport`.
+"""PostgreSQL: retention and GC; one pass does what `storage.lmdb.gc.collect` does, in the same order
+(rows, outcome records, generations, batch ids, aliases, blobs, parked triggers), returns the same
+`GcReport`, and works in transactions of at most `limit` rows (`blob_limit` blobs).
 
-The steps, each in transactions of at most `limit` rows (`blob_limit` blobs):
-
-1. rows stored before the retention cutoff end `expired` (`expiry.expire_rows`);
-2. outcome records that ended before the outcome cutoff;
-3. generations with nothing pending and no change since the outcome cutoff;
-4. batch ids first stored before the retention cutoff;
-5. aliases written before the retention cutoff;
-6. blobs no row and no alias refers to (the mark, one statement, so one snapshot), deleted only if
-   nothing created or touched them within the grace period, re-checked in the deleting statement;
-7. parked triggers past their TTL, one chunk of `early_limit` (`early.expire_early`).
-
-Several instances may run passes at once. Every delete picks its victims `FOR UPDATE SKIP LOCKED`
-and deletes only those it locked, so two passes never delete the same row twice (each reports what
-it deleted) and never wait for each other. The other choice, an advisory-lock leader, would need a
-session-level lock held on one pooled connection for the whole pass (minutes for the mark), lost
-silently with that connection; SKIP LOCKED is needed anyway so that GC never queues behind ingest's
-row locks (an alias being rewritten, a generation row of a busy campaign, a blob being touched):
-such rows are passed over and left to the next pass, so a chunk may come back short while more is
-due, as the expiry sweeps do. The cost of running passes at once is the mark, a scan of `rows`
-and `aliases` per pass; stagger the passes rather than lock them.
-
-Why the blob delete is safe against a batch reusing a blob after the mark: the delete locks the
-blob and re-evaluates `greatest(created_ms, touched_ms) < cutoff` on the newest committed version
-(PostgreSQL re-checks a locked row's WHERE clause), so a touch committed first keeps the blob; a
-touch in progress holds the row lock and the blob is skipped; a touch that comes after the delete
-finds the blob gone and its batch retries and writes it again (`ingest.touch_blob`, `Raced`). A
-reuse within `ingest.TOUCH_EVERY_MS` of the last touch does not update the row, so the grace period
-must stay well above that second (plus clock skew between instances).
-
-`dry_run` reports what the LMDB dry run reports (rows, aliases, blobs; zero for the rest) from one
-repeatable-read snapshot, and writes nothing.
+Instances may run passes at once: every delete picks its victims `FOR UPDATE SKIP LOCKED`, so no row
+is deleted twice and GC never waits for ingest (a locked row is left to the next pass). A blob goes
+only if nothing created or touched it within the grace period, re-checked on the locked row
+(`delete_blobs`). `dry_run` reports what the LMDB dry run reports and writes nothing.
 """
 
 from __future__ import annotations
@@ -140,7 +114,16 @@ async def unreferenced_blobs(conn: Any, expired_before_ms: int = 0) -> list[byte
 
 async def delete_blobs(conn: Any, candidates: Sequence[bytes], cutoff_ms: int) -> tuple[int, int, int]:
     """Delete candidate blobs not created or touched since `cutoff_ms` (re-checked on the locked
-    row); (deleted, bytes freed, kept because recently used), as `gc.delete_blobs`."""
+    row); (deleted, bytes freed, kept because recently used), as `gc.delete_blobs`.
+
+    Safe against a batch reusing a blob after the mark: the delete locks the blob and re-evaluates
+    `greatest(created_ms, touched_ms) < cutoff` on the newest committed version (PostgreSQL
+    re-checks a locked row's WHERE clause), so a touch committed first keeps the blob; a touch in
+    progress holds the row lock and the blob is skipped; a touch that comes after the delete finds
+    the blob gone and its batch retries and writes it again (`batches.touch_blob`, `Raced`). A reuse
+    within `batches.TOUCH_EVERY_MS` of the last touch does not update the row, so the grace period
+    must stay well above that second (plus clock skew between instances).
+    """
     async with conn.transaction():
         gone = await conn.fetchrow(_DELETE_BLOBS, list(candidates), cutoff_ms)
         kept = await conn.fetchval(_RECENT_BLOBS, list(candidates), cutoff_ms)
@@ -183,7 +166,20 @@ async def collect(
     blob_limit: int = BLOB_CHUNK,
 ) -> GcReport:
     """One full GC pass on the asyncpg connection `conn` (`storage.lmdb.gc.collect`'s arguments; `limit`
-    rows and `blob_limit` blobs per transaction)."""
+    rows and `blob_limit` blobs per transaction).
+
+    The steps: rows stored before the retention cutoff end `expired` (`expiry.expire_rows`); outcome
+    records that ended before the outcome cutoff; generations with nothing pending and no change
+    since then; batch ids and aliases older than the retention cutoff; blobs no row and no alias
+    refers to (the mark, one statement, so one snapshot) unless created or touched within the grace
+    period; parked triggers past their TTL, one chunk of `early_limit` (`early.expire_early`).
+
+    SKIP LOCKED rather than an advisory-lock leader: that would need a session-level lock held on
+    one pooled connection for the whole pass (minutes for the mark), lost silently with that
+    connection, and SKIP LOCKED is needed anyway so that GC never queues behind ingest's row locks
+    (an alias being rewritten, a generation row of a busy campaign, a blob being touched). A chunk
+    may so come back short while more is due, as the expiry sweeps do. Running passes at once costs
+    one mark (a scan of `rows` and `aliases`) each: stagger the passes rather than lock them."""
     started = time.monotonic()
     report = GcReport(dry_run=dry_run)
     cutoff = now_ms - retention_ms

@@ -1,16 +1,11 @@
-"""A GC plan of spark/gc_job.py applied to the PostgreSQL store (`storage.plan.apply_plan_to`).
+"""PostgreSQL: applying a Spark GC plan (`storage.plan.apply_plan_to`) with LMDB's rules.
 
-The Spark job reads an export of either store; `sdv-fanout gc apply PLAN` with `store_url` set
-applies its candidates here with LMDB's rules (storage/lmdb/gc.py): a row is deleted only if it still
-carries the planned ts, and ends `expired` with its outcome record and counts, as retention ends
-it; an alias only if not rewritten since; a blob only if not created or touched since the plan's
-snapshot minus its grace (`storage.postgres.gc.delete_blobs`, the embedded GC's sweep). Each chunk is one
-transaction; rows are locked in key order, and one another transaction holds (an ack, a batch,
-anyone's lock on a vehicle's rows) is skipped, never waited for: it is kept and counted with the
-rows changed since the export (the next plan looks at it again), and the chunk's own locks never
-make other vehicles' writes wait behind a locked one.
-
-`PgTarget` is synchronous, as the plan walk is: it runs each delete on its own event loop.
+A row is deleted only if it still carries the planned ts, and ends `expired` with its outcome record
+and counts, as retention ends it; an alias only if not rewritten since; a blob only if not created or
+touched since the plan's snapshot minus its grace (`storage.postgres.gc.delete_blobs`). Each chunk is
+one transaction locking rows in key order; a row another transaction holds is skipped, never waited
+for, and counted as kept (the next plan looks at it again). `PgTarget` is synchronous, as the plan
+walk is: it runs each delete on its own event loop.
 """
 
 from __future__ import annotations

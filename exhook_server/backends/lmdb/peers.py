@@ -1,13 +1,11 @@
-"""Local IPC between the server processes of one host: dispatch items travel to the process
+"""LMDB: local IPC between the server processes of one host: dispatch items travel to the process
 that owns their VIN (or client).
 
-Each process listens on an abstract Unix socket (Linux: no file to clean up, gone with the
-process). Items for one peer go over one connection in the order they were sent, batched into
-length-prefixed pickle frames. Pickle is only trusted from the group itself: abstract sockets
-have no file permissions, so any local process could connect, and a link is accepted only from
-a process of our user that is this process or a sibling (same parent), checked with
-SO_PEERCRED before anything is read. Until a peer answers (it may still be starting), its items
-wait in memory.
+Each process listens on an abstract Unix socket (no file to clean up). Items for one peer go over
+one connection in send order, as length-prefixed pickle frames, and wait in memory until the peer
+answers. Pickle is trusted only from the group: abstract sockets have no file permissions, so a
+link is accepted only from a process of our user that is this process or a sibling (same parent),
+checked with SO_PEERCRED before anything is read.
 """
 
 from __future__ import annotations

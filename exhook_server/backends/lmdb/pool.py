@@ -1,13 +1,10 @@
-"""The worker pool: routes each event to the worker that owns its VIN, on a hash ring.
+"""LMDB: the worker pool, routing each event to the worker that owns its VIN on a hash ring.
 
-Hook handlers call the event methods here and return at once; the work runs
-behind the answer on the workers' queues. The pool also keeps which VINs each
-MQTT client stands for, because disconnect and resume hooks carry only the
-client, not the VIN.
-
-With several server processes the ring spans all of their workers: an event
-for a VIN (or client) another process owns is forwarded to it over local IPC
-(`peers.Peers`), so each VIN still has exactly one owner, whose state needs no locks.
+Hook handlers call the event methods here and return at once; the work runs behind the answer on
+the workers' queues. The pool also keeps which VINs each MQTT client stands for (disconnect and
+resume hooks carry only the client). With several server processes the ring spans all of their
+workers: an event for a VIN (or client) another process owns is forwarded to it (`peers.Peers`),
+so each VIN has exactly one owner, whose state needs no locks.
 """
 
 from __future__ import annotations
@@ -63,8 +60,8 @@ class Dispatcher:
     """N workers; a VIN's commands always go to the same worker, in order.
 
     Commands of this process's workers wait in one FIFO, drained by a loop callback: workers
-    never await, so a task and an asyncio.Queue per worker only added a future, a wake-up and
-    a task step per command (measured: about a fifth of an ack hook's CPU).
+    never await, so a task and an asyncio.Queue per worker would only add a future, a wake-up and
+    a task step per command.
     """
 
     def __init__(

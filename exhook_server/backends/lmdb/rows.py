@@ -1,26 +1,11 @@
-"""The storage port of dispatch, backed by the LMDB store and its group committer.
+"""LMDB: the rows dispatch reads and deletes (a `RowSource` over the store and its group committer).
 
-Kept narrow (oldest row, conditional delete) so that another store can stand
-in later without touching hooks, workers or delivery.
-
-An acked row's delete is committed lazily (see `writer.GroupCommitter`), so the
-vehicle's next request must not wait for it: from the ack on, the row is hidden
-from `oldest` until its delete has committed. A crash in between only brings the
-row back, to be delivered once more (QoS 1 allows it).
-
-A vehicle back online with a long queue is drained one delivery at a time; finding
-the oldest row is a pass over its whole queue, so the drain would cost O(rows²).
-For such queues the head of the queue (its first quarter, in delivery order) is
-kept between deliveries and checked row by row instead: a pass per quarter of the
-queue, not per delivery. New rows only join at the end of a queue, so the head
-stays right.
-
-Every publish, and every PUBACK of a delivery awaiting its answer, is kept in the store
-(`tries`, `awaited`) by one lazy op per commit window: it rides with the next commit that
-happens anyway, or commits alone after `lazy_delay_s`, never an fsync of its own per delivery.
-A kill -9 loses at most the records of that last window: a row published in the window may be
-published once more than `max_attempts` after the restart (never fewer), and a PUBACK of an
-awaited delivery in it makes that delivery go once more.
+An acked row's delete is committed lazily, so the vehicle's next request need not wait for it: from
+the ack on, the row is hidden from `oldest` until its delete has committed; a crash in between only
+brings the row back for one more delivery (QoS 1 allows it). Publishes and PUBACKs of awaited
+deliveries are kept (`tries`, `awaited`) by one lazy op per commit window, never an fsync of their
+own: a kill -9 loses at most that window's records (a row may then be published once more than
+`max_attempts`, never fewer; an awaited delivery may go once more).
 """
 
 from __future__ import annotations
@@ -51,7 +36,14 @@ _HEADS_MAX = 512
 
 
 class StoreRows:
-    """RowSource over a Store: reads in the caller's thread, deletes through group commit."""
+    """RowSource over a Store: reads in the caller's thread, deletes through group commit.
+
+    A vehicle back online with a long queue is drained one delivery at a time, and finding the
+    oldest row is a pass over its whole queue, so the drain would cost O(rows²). For such queues the
+    head of the queue (its first quarter, in delivery order) is kept between deliveries and checked
+    row by row instead: a pass per quarter of the queue, not per delivery. New rows only join at the
+    end of a queue, so the head stays right.
+    """
 
     def __init__(self, store: Store, committer: GroupCommitter) -> None:
         self._store = store

@@ -1,24 +1,11 @@
-"""Dispatch over PostgreSQL: any instance handles any hook of any vehicle (issue 14).
+"""PostgreSQL: dispatch where any instance handles any hook of any vehicle.
 
-The rules are the worker's (`worker.Worker`), not a second copy: each vehicle event runs them on
-the vehicle's state as the database holds it. In one transaction the event takes the vehicle's
-lock and reads its presence, its delivery out and its first deliverable rows
-(`storage.postgres.dispatch.load`), hands them to a worker built for this one event, lets the worker
-handle the command, writes back what changed, and ends the rows the worker ended. Only after the
-commit does it publish what the worker sent and report outcomes. The lock serialises a vehicle's
-events across instances, so at most one delivery is in flight per vehicle whichever instance gets
-which hook; a crash between commit and publish leaves a delivery recorded as out, sent again
-after the in-flight timeout (QoS 1 allows the duplicate).
-
-Inside one instance a vehicle's events keep their order: each goes to the lane its VIN hashes to,
-and a lane runs one event at a time (lanes run concurrently, one pool connection each).
-
-Most hooks never need a vehicle's lock. Heartbeats are gathered for `heartbeat_window_ms` and
-asked about in one statement (`storage.postgres.dispatch.heartbeats`): only a vehicle whose recorded
-connection changed or that has work and a free slot gets an event. A new batch asks the same of
-its VINs (`present_wanting`). The timeout sweep and a broker reconnect page through the vehicles
-concerned. Everything queued is bounded (`max_queued`); an event that cannot be queued is
-dropped with a warning and a metric, and the vehicle's next heartbeat or the sweep recovers it.
+Each vehicle event runs the worker's rules (`worker.Worker`, not a second copy) on the vehicle's
+state as the database holds it, in one transaction under the vehicle's lock, and publishes and
+reports only after the commit: at most one delivery is in flight per vehicle whichever instance gets
+which hook, and a crash between commit and publish means one more send after the in-flight timeout
+(QoS 1 allows it). Inside an instance a vehicle's events keep their order. Everything queued is
+bounded (`max_queued`): an event that cannot be queued is logged, counted and recovered later.
 """
 
 from __future__ import annotations
@@ -218,7 +205,21 @@ class _Lane:
 
 class SharedDispatcher:
     """The Dispatcher of an instance whose vehicles' state is in PostgreSQL (pool.Dispatcher's
-    interface, so hooks, acks, the Admin API and housekeeping use either)."""
+    interface, so hooks, acks, the Admin API and housekeeping use either).
+
+    In one transaction an event takes the vehicle's lock and reads its presence, its delivery out
+    and its first deliverable rows (`storage.postgres.dispatch.load`), hands them to a worker built
+    for this one event, lets the worker handle the command, writes back what changed, and ends the
+    rows the worker ended. Each event goes to the lane its VIN hashes to, and a lane runs one event
+    at a time (lanes run concurrently, one pool connection each).
+
+    Most hooks never need a vehicle's lock. Heartbeats are gathered for `heartbeat_window_ms` and
+    asked about in one statement (`storage.postgres.dispatch.heartbeats`): only a vehicle whose
+    recorded connection changed or that has work and a free slot gets an event. A new batch asks the
+    same of its VINs (`present_wanting`). The timeout sweep and a broker reconnect page through the
+    vehicles concerned. An event that cannot be queued (`max_queued`) is dropped with a warning and a
+    metric, and the vehicle's next heartbeat or the sweep recovers it.
+    """
 
     def __init__(
         self,

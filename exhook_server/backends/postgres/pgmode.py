@@ -1,9 +1,9 @@
-"""What a server instance needs around the PostgreSQL store: its connection pool, the schema at
+"""PostgreSQL: what a server instance needs around the store: its connection pool, the schema at
 start, a watch on the database's reachability, and the one-instance jobs.
 
 Connections are asyncpg's pool: a connection the database dropped (restart, failover) is
 replaced on the next acquire, so an instance reconnects by itself; a multi-host `store_url` with
-`target_session_attrs=read-write` lands on whichever host is the primary now. Every connection
+`target_session_attrs=read-write` lands on whichever host is the primary. Every connection
 runs with `synchronous_commit = on`: a commit returns once the synchronous standby has the WAL,
 so a batch whose hook answered survives the loss of the primary.
 """
