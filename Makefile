@@ -46,7 +46,7 @@ proto: $(STAMP)
 
 ## bench: every benchmark in bench/ (~6 min on 2 cores), writes docs/BENCHMARKS.md and docs/bench_*.png (not part of `make test`)
 bench: $(STAMP)
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python -m bench.run_all
 
 clean:
 	rm -rf $(VENV) build *.egg-info var

@@ -9,7 +9,7 @@ round each rig runs e2e.py's `run_ours` once (B batches, each naming all N VINs;
 warm-up each. Reported: deliveries/s and the server's CPU µs per delivery, min / median / max,
 and the paired ratios this / base.
 
-    .venv/bin/python bench/attempts_cost.py [--base 2d572fd] [--rounds 7] [--vehicles 500] [--batches 10]
+    .venv/bin/python -m bench.attempts_cost [--base 2d572fd] [--rounds 7] [--vehicles 500] [--batches 10]
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ ROOT = HERE.parent
 
 def serve_rig(args: argparse.Namespace) -> int:
     """Child: one rig of this process's checkout; runs `run_ours` on each {"cmd": "run"}."""
-    sys.path.insert(0, str(HERE))
-    import e2e  # this checkout's: e2e puts its own checkout first on sys.path
+    from bench import e2e
 
     rig_args = argparse.Namespace(
         vehicles=args.vehicles,
@@ -88,8 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.serve_rig:
         return serve_rig(args)
-    sys.path[:0] = [str(HERE), str(ROOT)]
-    from plumbing import Child, machine_meta, unpack_tree
+    from testkit.plumbing import Child, machine_meta, unpack_tree
 
     load_before, wall0 = os.getloadavg()[0], time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="sdv-bench-attempts-"))

@@ -15,15 +15,15 @@ Sides differ in one setting, `cancel_chunk_rows` (rows one cancel transaction en
 * chunked: the default.
 The order alternates round by round. Markdown to stdout, progress to stderr, --json for numbers.
 
---store postgresql runs the same on a throwaway PostgreSQL (tests/pg_cluster.py, a database per
+--store postgresql runs the same on a throwaway PostgreSQL (testkit/pg_cluster.py, a database per
 side and round); there a chunk holds the cancel's job row and its rows' locks until it commits, and
 --trickle-request big sends the trickle's batches (new VINs) to the request being cancelled, so
 each of them waits for the chunk in progress (with `own`, the default, each batch has a request id
 of its own and shares only the machine with the walk).
 
-    .venv/bin/python bench/cancel_wait.py [--rounds 2] [--rows 200000] [--clients 4] [--json F]
-    .venv/bin/python bench/cancel_wait.py --store postgresql --trickle-request big
-    .venv/bin/python bench/cancel_wait.py --rounds 1 --rows 20000          # smoke, ~20 s
+    .venv/bin/python -m bench.cancel_wait [--rounds 2] [--rows 200000] [--clients 4] [--json F]
+    .venv/bin/python -m bench.cancel_wait --store postgresql --trickle-request big
+    .venv/bin/python -m bench.cancel_wait --rounds 1 --rows 20000          # smoke, ~20 s
 """
 
 from __future__ import annotations
@@ -43,12 +43,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from exhook_server.config import Config
+from testkit.harness import ExHookClient, SubprocessServer, poll
+from testkit.plumbing import machine_meta, pct, stop_server
 
-from bench.plumbing import machine_meta, pct, stop_server  # noqa: E402
-from exhook_server.config import Config  # noqa: E402
-from tests.harness import ExHookClient, SubprocessServer, poll  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BIG = "task_big_1"
 FILL_VINS = 1_000
@@ -233,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster: Any = None
     try:
         if args.store == "postgresql":
-            from tests.pg_cluster import PgCluster
+            from testkit.pg_cluster import PgCluster
 
             cluster = PgCluster.create(name="cancelwait")
         for r in range(args.rounds):

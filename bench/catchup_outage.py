@@ -1,9 +1,9 @@
 """Batches published while every server instance is down, caught by the catch-up session: per
 EMQX version and store, how many were published, stored afterwards, and delivered exactly once.
 
-Per (broker version, store): one EMQX node (tests/emqx_real.py), `sdv-fanout serve` with two
+Per (broker version, store): one EMQX node (testkit/emqx_real.py), `sdv-fanout serve` with two
 processes (LMDB: a group sharing one environment; PostgreSQL: two instances on a throwaway
-cluster from tests/pg_cluster.py) registered as its ExHook (request_timeout 1 s), and V real paho
+cluster from testkit/pg_cluster.py) registered as its ExHook (request_timeout 1 s), and V real paho
 vehicles online. One batch goes through the hook first (the fleet is known). Then every server
 process is killed (kill -9), or stopped (`--how sigstop`), and for `--outage-s` seconds the
 platform publishes `--rate` seed-format batches a second, each to every vehicle, waiting for each
@@ -20,7 +20,7 @@ once / never, and the seconds from the restart until every batch was stored and 
 delivered. Markdown to stdout, progress to stderr, --json PATH for the numbers. About 2.5 min per
 (version, store) with the defaults.
 
-    .venv/bin/python bench/catchup_outage.py [--versions 5.1.6,5.8.9,5.9.1] [--stores lmdb,postgresql]
+    .venv/bin/python -m bench.catchup_outage [--versions 5.1.6,5.8.9,5.9.1] [--stores lmdb,postgresql]
         [--outage-s 60] [--rate 5] [--vehicles 10] [--how kill|sigstop] [--json PATH]
 """
 
@@ -36,16 +36,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
-
 import structlog
 
-from tests.emqx_real import EmqxError, Fleet, Platform, find_release, running_emqx
-from tests.harness import poll
+from testkit.emqx_real import EmqxError, Fleet, Platform, find_release, running_emqx
+from testkit.harness import poll
+from testkit.pg_cluster import PgCluster
 from tests.integration.test_catchup import Rig, batch, hold_acks, hooks_reach, release_acks
 from tests.integration.test_multi_instance import signal_all
 from tests.integration.test_real_emqx import Throttle
-from tests.pg_cluster import PgCluster
 
 #: How long the catch-up and the deliveries may take after the restart.
 DEADLINE_S = 300.0

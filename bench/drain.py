@@ -7,7 +7,7 @@ the same code with no head kept (`_HEADS_MAX = 0`: a pass over the whole queue p
 the ratio shows what keeping a long queue's head saves; the per-delivery time across queue
 lengths shows whether the drain stays linear.
 
-    .venv/bin/python bench/drain.py [--lengths 1,4,100,1000] [--rows 2000] [--repeats 3] [--json F]
+    .venv/bin/python -m bench.drain [--lengths 1,4,100,1000] [--rows 2000] [--repeats 3] [--json F]
 
 Markdown to stdout. Best of `--repeats` per cell (the machine is noisy; the best is the least
 disturbed). About 30 s on the 2-core VM.
@@ -25,8 +25,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import exhook_server.backends.lmdb.rows as rows_mod
 from storage.lmdb import batches

@@ -4,7 +4,7 @@ One mosquitto 2 broker and one `sdv-fanout serve` subprocess (delivery to that
 broker) live for the whole run. Fleets are helper processes (bench/e2e_fleet.py,
 about 250 paho clients each):
 
-* sim fleets: N vehicles of tests/emqx_sim.py, connected and subscribed to
+* sim fleets: N vehicles of testkit/emqx_sim.py, connected and subscribed to
   `agent/<VIN>/proxy/request/+`; their driver calls our ExHook RPCs as EMQX would
   (presence hooks, then one `message.acked` per PUBACK);
 * raw fleets: N plain paho subscribers on `refer/<VIN>/proxy/request/+`, PUBACK on
@@ -39,9 +39,9 @@ bench/pg_serve.py uses this rig on a throwaway cluster). CPU use of every
 process is sampled per phase (/proc), to tell what limited the throughput.
 Markdown tables to stdout, progress to stderr, --json for the numbers.
 
-    .venv/bin/python bench/e2e.py [--vehicles 1000] [--batches 20] [--rounds 3] [--json F]
-    .venv/bin/python bench/e2e.py --presence-only [--presence-sessions 1000000]
-    .venv/bin/python bench/e2e.py --store-url postgresql://sdv@127.0.0.1:5432/sdv   # on PostgreSQL
+    .venv/bin/python -m bench.e2e [--vehicles 1000] [--batches 20] [--rounds 3] [--json F]
+    .venv/bin/python -m bench.e2e --presence-only [--presence-sessions 1000000]
+    .venv/bin/python -m bench.e2e --store-url postgresql://sdv@127.0.0.1:5432/sdv   # on PostgreSQL
 """
 
 from __future__ import annotations
@@ -66,9 +66,11 @@ import asyncpg
 import grpc
 import paho.mqtt
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
-
-from plumbing import (  # bench/ is sys.path[0] when run as a script
+from exhook_server._proto import exhook_v3_pb2 as pb
+from storage.lmdb.store import Store
+from testkit.emqx_sim import FakeEmqx, Mosquitto
+from testkit.harness import ExHookClient, SubprocessServer
+from testkit.plumbing import (
     Child,
     CpuMeter,
     arm_fleets,
@@ -88,15 +90,9 @@ from plumbing import (  # bench/ is sys.path[0] when run as a script
     share,
     stop_server,
 )
-from plumbing import min_med_max as _mmm
+from testkit.plumbing import min_med_max as _mmm
 
-from exhook_server._proto import exhook_v3_pb2 as pb
-from storage.lmdb.store import Store
-from tests.emqx_sim import FakeEmqx, Mosquitto
-from tests.harness import ExHookClient, SubprocessServer
-
-HERE = Path(__file__).resolve().parent
-FLEET = HERE / "e2e_fleet.py"
+FLEET = [sys.executable, "-m", "bench.e2e_fleet"]
 MAX_PER_PROC = 300  # paho's select() loop: about 330 clients per process
 SUBSCRIBED = "/emqx.exhook.v3.HookProvider/OnSessionSubscribed"
 #: Loopback only, and no clash with another server on the default metrics port.
@@ -194,7 +190,7 @@ class Rig:
             self.store = Store(self.tmp / "lmdb", readonly=True)
 
     def _spawn(self, role: str, k: int, vins: list[str], *extra: str) -> Child:
-        argv = [sys.executable, str(FLEET), "--role", role, "--mqtt-port", str(self.broker.port)]
+        argv = [*FLEET, "--role", role, "--mqtt-port", str(self.broker.port)]
         argv += ["--vins", ",".join(vins), "--timeout-s", str(self.args.deadline_s), *extra]
         child = Child(f"{role}{k}", argv, self.tmp / f"{role}{k}.log")
         self.children.append(child)

@@ -1,7 +1,7 @@
 """End to end through a real EMQX: sdv-fanout's deliveries/s next to the broker's own QoS 1 with one
 message in flight per vehicle, same fleet, same broker, same run; EMQX 5.8.9 (ExHook v2) and 5.9.1 (v3).
 
-Per broker version: one EMQX node (tests/emqx_real.py), one `sdv-fanout serve` (delivery to that
+Per broker version: one EMQX node (testkit/emqx_real.py), one `sdv-fanout serve` (delivery to that
 broker) registered on it as ExHook server (pool_size 8, as deploy/emqx has it), and one fleet of N
 paho MQTT 5 vehicles (clientid = VIN, in bench/e2e_fleet.py processes) on a listener of their own
 whose zone sets `mqtt.max_inflight = 1`, each subscribed to `agent/<VIN>/proxy/request/+` and
@@ -41,7 +41,7 @@ CPU of every process group is sampled per measurement. `--profile PATH` then sam
 py-spy during one more ours run and prints its busiest functions. Markdown tables to stdout, progress
 to stderr, --json for the numbers.
 
-    .venv/bin/python bench/e2e_emqx.py [--versions 5.8.9,5.9.1] [--vehicles 500] [--requests 5] [--rounds 3]
+    .venv/bin/python -m bench.e2e_emqx [--versions 5.8.9,5.9.1] [--vehicles 500] [--requests 5] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -68,9 +68,13 @@ import paho.mqtt.client as mqtt
 import structlog
 from paho.mqtt.enums import CallbackAPIVersion
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
-
-from plumbing import (  # bench/ is sys.path[0] when run as a script
+from exhook_server.acks import rule_body
+from exhook_server.config import Config
+from storage.lmdb.store import Store
+from testkit.emqx_real import EmqxBroker, EmqxError, find_release
+from testkit.emqx_sim import LOOPBACK, free_port
+from testkit.harness import SubprocessServer
+from testkit.plumbing import (
     Child,
     CpuMeter,
     arm_fleets,
@@ -88,14 +92,7 @@ from plumbing import (  # bench/ is sys.path[0] when run as a script
     stop_server,
 )
 
-from exhook_server.acks import rule_body
-from exhook_server.config import Config
-from storage.lmdb.store import Store
-from tests.emqx_real import EmqxBroker, EmqxError, find_release
-from tests.emqx_sim import LOOPBACK, free_port
-from tests.harness import SubprocessServer
-
-FLEET = Path(__file__).resolve().parent / "e2e_fleet.py"
+FLEET = [sys.executable, "-m", "bench.e2e_fleet"]
 MAX_PER_PROC = 300  # paho's select() loop: about 330 clients per process
 EXHOOK = "sdv-fanout"
 OURS_PREFIX = "agent"  # the hook-acks server's request_topic_prefix
@@ -235,7 +232,7 @@ class Rig:
         say(f"{len(self.vins)} vehicles subscribed in {procs} fleet processes")
 
     def _spawn(self, name: str, role: str, port: int, vins: list[str], *extra: str) -> Child:
-        argv = [sys.executable, str(FLEET), "--role", role, "--mqtt-port", str(port), "--vins", ",".join(vins)]
+        argv = [*FLEET, "--role", role, "--mqtt-port", str(port), "--vins", ",".join(vins)]
         argv += ["--ack-prefix", RAW_ACK_PREFIX, "--timeout-s", str(self.args.deadline_s), *extra]
         child = Child(name, argv, self.tmp / f"{name}.log")
         self.children.append(child)
@@ -422,7 +419,7 @@ def run_version(
 
 def run_profile(rig: Rig, side: str, out: Path, say: Callable[[str], None]) -> str:
     """py-spy on one server (all its processes) during one more run of its side, 4 x --requests."""
-    from hooks import top_functions  # the collapsed-stack reader of bench/hooks.py --profile
+    from bench.hooks import top_functions
 
     server = rig.servers[side]
     spy = Path(sys.executable).parent / "py-spy"

@@ -5,7 +5,7 @@ spreads the fleet over several of these. Roles:
 
 * `sim`: vehicles driven by tests/emqx_sim.FakeEmqx (real paho MQTT 5 clients on
   mosquitto; the driver calls our ExHook RPCs as EMQX would: connect, subscribe,
-  and one `message.acked` per PUBACK). Like tests/fleet_proc.py, but long-lived and
+  and one `message.acked` per PUBACK). Like testkit/fleet_proc.py, but long-lived and
   phase by phase, reporting every receive time.
 * `raw`: plain paho MQTT 5 subscribers (clientid `<clientid-prefix><VIN>`) on
   `<prefix>/<VIN>/proxy/request/+` for each of the comma-separated `--prefix`es, QoS 1,
@@ -32,16 +32,13 @@ import random
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.emqx_sim
-
-from tests.emqx_sim import LOOPBACK, FakeEmqx
+from testkit.emqx_sim import LOOPBACK, FakeEmqx
 
 POLL_S = 0.1  # progress polls with a deadline; the timings come from receive stamps, not from these
 
@@ -149,7 +146,7 @@ class _Stamped(list):  # type: ignore[type-arg]
 
 
 class SimFleet(Fleet):
-    """Vehicles of tests/emqx_sim.py: our hooks are called as EMQX would call them."""
+    """Vehicles of testkit/emqx_sim.py: our hooks are called as EMQX would call them."""
 
     def __init__(self, vins: list[str], exhook_port: int, mqtt_port: int, delivery_clientid: str) -> None:
         super().__init__(vins)

@@ -1,7 +1,7 @@
 """Memory under a flood of large batch calls: peak and settled RSS of a real `sdv-fanout serve`.
 
-    .venv/bin/python bench/flood.py                          # 2 channels x 500 calls x 1 MB, 1 process
-    .venv/bin/python bench/flood.py --processes 2 --settle 3
+    .venv/bin/python -m bench.flood                          # 2 channels x 500 calls x 1 MB, 1 process
+    .venv/bin/python -m bench.flood --processes 2 --settle 3
 
 Prints the server's RSS before, at its peak (sampled every 20 ms, and the processes' VmHWM), and
 `--settle` seconds after the last answer, with what the calls were answered. One run per
@@ -18,13 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from testkit.flood import RssSampler, flood, hwm_bytes, rss_bytes
+from testkit.harness import SubprocessServer
+from testkit.plumbing import descendants, mib, stop_server
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from plumbing import descendants, mib, stop_server  # noqa: E402  - bench/ is sys.path[0] when run as a script
-
-from tests.flood import RssSampler, flood, hwm_bytes, rss_bytes  # noqa: E402
-from tests.harness import SubprocessServer  # noqa: E402
 
 
 def main() -> int:

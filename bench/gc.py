@@ -1,8 +1,8 @@
 """Retention/GC pipeline at scale: export rows/s, Spark plan wall time, embedded GC rows/s, apply
 rows/s, and the peak RSS of each step (every step runs in its own process and reports its own ru_maxrss).
 
-    .venv/bin/python bench/gc.py                 # 1M rows (half expired), local[2] Spark
-    .venv/bin/python bench/gc.py --rows 100000   # smoke
+    .venv/bin/python -m bench.gc                 # 1M rows (half expired), local[2] Spark
+    .venv/bin/python -m bench.gc --rows 100000   # smoke
 
 The store is filled directly through storage.lmdb.batches (no gRPC: this measures the GC pipeline, not
 ingest). Two identical copies are made: one for export → Spark plan → apply, one for the embedded
@@ -23,12 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from storage.lmdb import batches
+from storage.lmdb.store import Store, now_ms
+from storage.lmdb.writer import GroupCommitter
 
-from storage.lmdb import batches  # noqa: E402
-from storage.lmdb.store import Store, now_ms  # noqa: E402
-from storage.lmdb.writer import GroupCommitter  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DAY = 86_400_000
 BIN = Path(sys.executable).parent

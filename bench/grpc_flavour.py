@@ -11,7 +11,7 @@ both flavours for both hooks, the flavour order alternating; R rounds.
 Reports RPC/s, p50/p99 latency, server CPU per RPC and the paired ratio
 aio/sync (RPC/s) as a markdown table; optionally JSON.
 
-    .venv/bin/python bench/grpc_flavour.py [--rounds 5] [--duration 3] [--clients 8] [--client-procs 1] [--json F]
+    .venv/bin/python -m bench.grpc_flavour [--rounds 5] [--duration 3] [--clients 8] [--client-procs 1] [--json F]
 
 The client is grpc.aio in this process (pre-serialised requests, no client-side
 protobuf); --client-procs N spreads the channels over N spawned processes.
@@ -39,11 +39,9 @@ from typing import Any
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for exhook_server
-
 from exhook_server._proto import exhook_v3_pb2 as pb
+from testkit.harness import ROOT
 
-HERE = Path(__file__).resolve().parent
 FLAVOURS = ("aio", "sync")
 SERVICE = "/emqx.exhook.v3.HookProvider/"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -119,9 +117,10 @@ class NoopServer:
         self.log_path = tmp / f"{flavour}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "noop_server.py"), "--flavour", flavour, "--ready-file", str(ready)],
+            [sys.executable, "-m", "bench.noop_server", "--flavour", flavour, "--ready-file", str(ready)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            cwd=ROOT,
         )
         info = wait_ready(self.proc, ready, self.log_path, self._log, f"{flavour} server", self.stop)
         self.port: int = info["port"]

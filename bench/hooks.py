@@ -29,9 +29,9 @@ ours and on noop -> p50/p99 latency. Server CPU per RPC counts the server proces
 Scale: ours with 1k, 10k and 100k distinct VINs (presence map prefilled with one heartbeat per VIN),
 closed loop, RPC/s and CPU per RPC per level, cost ratio vs the first level, paired per round.
 
-    .venv/bin/python bench/hooks.py [--rounds 5 --duration 2 --clients 8 --vins 10000 --json F]
-    .venv/bin/python bench/hooks.py --smoke          # ~15 s
-    .venv/bin/python bench/hooks.py --profile /tmp/hooks.txt   # py-spy on ours under load, top functions
+    .venv/bin/python -m bench.hooks [--rounds 5 --duration 2 --clients 8 --vins 10000 --json F]
+    .venv/bin/python -m bench.hooks --smoke          # ~15 s
+    .venv/bin/python -m bench.hooks --profile /tmp/hooks.txt   # py-spy on ours under load, top functions
 
 Markdown to stdout, progress to stderr.
 """
@@ -61,13 +61,10 @@ from typing import IO, Any
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for exhook_server
-
-from grpc_flavour import NoopServer, own_cpu_s, proc_cpu_s, wait_ready  # bench/ is sys.path[0] when run as a script
-from plumbing import descendants
-
+from bench.grpc_flavour import NoopServer, own_cpu_s, proc_cpu_s, wait_ready
 from exhook_server._proto import admin_pb2
 from exhook_server._proto import exhook_v3_pb2 as pb
+from testkit.plumbing import descendants
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

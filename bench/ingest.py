@@ -30,8 +30,8 @@ row stays flat as the work (and the store) grows 10x and 100x.
 
 Prints a markdown table (min / median / max over rounds) and optionally JSON.
 
-    .venv/bin/python bench/ingest.py [--rounds 5] [--batches 300] [--clients 8] [--vins 200] [--scale 1] [--json F]
-    .venv/bin/python bench/ingest.py --levels 1,10,100 [--level-batches 30]    # + the scale run (~1 min)
+    .venv/bin/python -m bench.ingest [--rounds 5] [--batches 300] [--clients 8] [--vins 200] [--scale 1] [--json F]
+    .venv/bin/python -m bench.ingest --levels 1,10,100 [--level-batches 30]    # + the scale run (~1 min)
 """
 
 from __future__ import annotations
@@ -61,14 +61,10 @@ from typing import Any
 import grpc
 import lmdb
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.harness
-
-# bench/ is sys.path[0] when run as a script; plumbing.py has the /proc helpers and number formats.
-from plumbing import dec, descendants, machine_busy_s, num, share
-
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage.lmdb import keys
-from tests.harness import SubprocessServer
+from testkit.harness import SubprocessServer
+from testkit.plumbing import dec, descendants, machine_busy_s, num, share
 
 METHOD = "/emqx.exhook.v3.HookProvider/OnMessagePublish"
 BATCH_TOPIC = "$SDV-FANOUT"
@@ -103,7 +99,7 @@ def _vin(rng: random.Random) -> str:
 
 
 def _publish_request(rng: random.Random, payload: bytes, topic: str = BATCH_TOPIC) -> bytes:
-    """OnMessagePublish as EMQX sends it (as tests/harness.py ExHookClient.publish builds it)."""
+    """OnMessagePublish as EMQX sends it (as testkit/harness.py ExHookClient.publish builds it)."""
     msg = pb.Message(
         node="emqx@127.0.0.1",
         id=rng.randbytes(16).hex().upper(),

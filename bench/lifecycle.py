@@ -33,8 +33,8 @@ report gives medians and min-max of those ratios).
 
 Markdown to stdout, progress to stderr, --json for the numbers.
 
-    .venv/bin/python bench/lifecycle.py [--rounds 6] [--ingest-batches 1200] [--vehicles 500] [--requests 8] [--json F]
-    .venv/bin/python bench/lifecycle.py --rounds 2 --ingest-batches 150 --vehicles 100 --requests 3   # smoke, ~1 min
+    .venv/bin/python -m bench.lifecycle [--rounds 6] [--ingest-batches 1200] [--vehicles 500] [--requests 8] [--json F]
+    .venv/bin/python -m bench.lifecycle --rounds 2 --ingest-batches 150 --vehicles 100 --requests 3   # smoke, ~1 min
 """
 
 from __future__ import annotations
@@ -59,11 +59,12 @@ from typing import Any
 import lmdb
 from paho.mqtt.enums import MQTTErrorCode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
-
-import e2e  # bench/ is sys.path[0] when run as a script
-import ingest
-from plumbing import (
+from bench import e2e, ingest
+from bench.status_cost import order
+from exhook_server._proto import exhook_v3_pb2 as pb
+from storage.lmdb.store import now_ms
+from testkit.emqx_sim import LOOPBACK, Mosquitto
+from testkit.plumbing import (
     Child,
     CpuMeter,
     cycle_stats,
@@ -76,14 +77,8 @@ from plumbing import (
     serve_status_counts,
     share,
 )
-from status_cost import order
-
-from exhook_server._proto import exhook_v3_pb2 as pb
-from storage.lmdb.store import now_ms
-from tests.emqx_sim import LOOPBACK, Mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = Path(__file__).resolve()
 STATUS_PREFIX = "$SDV-FANOUT/status"  # status_topic_prefix's default
 RESPONSE_PREFIX = "agent/{VIN}/proxy/response"  # response_topic_prefix's default
 MODES = ("puback", "response")
@@ -253,7 +248,7 @@ def run_ingest(args: argparse.Namespace, tmp: Path, say: Callable[[str], None]) 
 def fleet_main(argv: list[str]) -> int:
     """Helper process: bench/e2e_fleet.py's sim fleet whose vehicles, in a phase with
     `"respond": true`, publish an answer after each PUBACK (same JSON-lines protocol)."""
-    import e2e_fleet
+    from bench import e2e_fleet
 
     p = argparse.ArgumentParser()
     p.add_argument("--mqtt-port", type=int, required=True)
@@ -334,7 +329,7 @@ class Rig(e2e.Rig):
     def start_sims(self) -> None:
         assert self.server is not None
         for k, vins in enumerate(self.slices()):
-            argv = [sys.executable, str(HERE), "--sim-fleet", "--mqtt-port", str(self.broker.port),
+            argv = [sys.executable, "-m", "bench.lifecycle", "--sim-fleet", "--mqtt-port", str(self.broker.port),
                     "--exhook-port", str(self.server.port), "--delivery-clientid", self.delivery_clientid,
                     "--vins", ",".join(vins), "--response-bytes", str(self.args.response_bytes)]  # fmt: skip
             child = Child(f"sim{k}", argv, self.tmp / f"sim{k}.log")
@@ -383,7 +378,7 @@ def platform_main(port: int) -> int:
 
 class Platform:
     def __init__(self, port: int, log_dir: Path) -> None:
-        argv = [sys.executable, str(HERE), "--platform-port", str(port)]
+        argv = [sys.executable, "-m", "bench.lifecycle", "--platform-port", str(port)]
         self.child = Child("platform", argv, log_dir / "platform.log")
         try:
             self.child.recv(15)

@@ -32,7 +32,7 @@ real Peers accept their links), all phases in every round, their order reversed 
     env), two lookups in two read txns; reads/s and CPU per read with 1 and 2 processes.
     Reference: `Store.oldest` alone (the row read today's owner does per delivery, lock-free).
 
-    .venv/bin/python bench/lmdb_claims.py [--rounds 5 --duration 1.5 --vins 10000 --rows-per-vin 4
+    .venv/bin/python -m bench.lmdb_claims [--rounds 5 --duration 1.5 --vins 10000 --rows-per-vin 4
                                            --bursts 1,8 --procs 1,2 --json F]
 
 Markdown to stdout, progress to stderr. Not part of `make bench` / run_all.py. About 65 s with the
@@ -58,14 +58,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout
-
 import lmdb
-from plumbing import Child, dec, machine_busy_s, machine_meta, make_vins, num, proc_cpu_s  # bench/ is sys.path[0]
 
 from storage.lmdb import batches, keys
 from storage.lmdb.keys import Row
 from storage.lmdb.store import Store
+from testkit.plumbing import Child, dec, machine_busy_s, machine_meta, make_vins, num, proc_cpu_s
 
 NODE = "emqx@10.0.0.7"
 #: The marker: sha1, sent-at (ms), attempts, flags, process index, session address (IPv4 + port),
@@ -370,7 +368,7 @@ class Rig:
         self.args = args
         self.tmp = tmp
         self.children: list[Child] = []
-        me = [sys.executable, str(Path(__file__).resolve())]
+        me = [sys.executable, "-m", "bench.lmdb_claims"]
         key = f"bench-{os.getpid()}-{random.Random().getrandbits(32):08x}"
         common = ["--seed", str(args.seed), "--vins", str(args.vins)]
         self.fwd = [

@@ -5,7 +5,7 @@ RPC parses its request with the project's generated v3 classes and answers like
 a provider without an opinion (IGNORE for valued hooks, EmptySuccess for the
 rest, an empty hook list for OnProviderLoaded). No storage, no logging.
 
-    python bench/noop_server.py --flavour aio|sync --ready-file FILE [--listen 127.0.0.1:0]
+    python -m bench.noop_server --flavour aio|sync --ready-file FILE [--listen 127.0.0.1:0]
 
 Writes {"port", "pid", "flavour"} to the ready file once serving; stops on SIGTERM/SIGINT.
 """
@@ -26,8 +26,6 @@ from typing import Any
 
 import grpc
 from google.protobuf import message_factory
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exhook_server._proto import exhook_v3_pb2 as pb
 

@@ -12,7 +12,7 @@ batches waited (hook call latency) while the parked rows were being completed.
 
 Sides alternate by round; ratio = one-txn worst wait / chunked worst wait (paired per round).
 
-    .venv/bin/python bench/parked_wait.py [--triggers 50 --vins 10000 --rounds 3 --json F]
+    .venv/bin/python -m bench.parked_wait [--triggers 50 --vins 10000 --rounds 3 --json F]
 """
 
 from __future__ import annotations
@@ -27,12 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from plumbing import dec, num  # bench/ is sys.path[0] when run as a script
-
 from storage.lmdb.store import Store
-from tests.harness import ExHookClient, SubprocessServer
+from testkit.harness import ExHookClient, SubprocessServer
+from testkit.plumbing import dec, num
 
 
 def one_side(max_rows: int, triggers: int, vins: int) -> dict[str, Any]:

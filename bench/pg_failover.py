@@ -1,7 +1,7 @@
 """PostgreSQL failover under ingest (issue 14 item 4): what a kill -9 of the primary costs.
 
-Each round starts afresh (tests/pg_failover.py, the rig of tests/integration/test_pg_failover.py):
-a primary with a synchronous standby (tests/pg_cluster.py: 127.0.0.1, fsync and synchronous_commit
+Each round starts afresh (testkit/pg_failover.py, the rig of tests/integration/test_pg_failover.py):
+a primary with a synchronous standby (testkit/pg_cluster.py: 127.0.0.1, fsync and synchronous_commit
 on), `--instances` 2 `sdv-fanout serve` (one process each, the server's defaults: ingest_timeout_s
 4 s, store_down_grace_s 10 s) on the multi-host store_url with target_session_attrs=read-write, and
 `--threads` 2 driver threads per instance, each on its own gRPC channel, sending 200-VIN batches
@@ -19,7 +19,7 @@ answered UNAVAILABLE, timed out (no answer within the client's 10 s deadline) or
 slowest error answer (against ingest_timeout_s); retried batches stored exactly once (the retry
 stored it, or found the first attempt's receipt); whether a hook service reported NOT_SERVING.
 
-    .venv/bin/python bench/pg_failover.py [--rounds 3 --instances 2 --threads 2 --hold-s 0 --json F]
+    .venv/bin/python -m bench.pg_failover [--rounds 3 --instances 2 --threads 2 --hold-s 0 --json F]
 
 Markdown to stdout, progress to stderr. About 15 s per round on the 2-core VM.
 """
@@ -41,11 +41,7 @@ from typing import Any
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
-
-from plumbing import dec, min_med_max, num  # bench/ is sys.path[0]
-
-from tests.pg_failover import (
+from testkit.pg_failover import (
     HOOK_SERVICE,
     Driver,
     FailoverRig,
@@ -57,6 +53,7 @@ from tests.pg_failover import (
     never_acked,
     wait_acked,
 )
+from testkit.plumbing import dec, min_med_max, num
 
 #: Waiting for a phase (warm-up, recovery) longer than this fails the round: something is wrong.
 PHASE_DEADLINE_S = 120.0
@@ -202,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rounds.append(one_round(r, args, Path(tmp)))
             print(f"round {r}: {json.dumps(rounds[-1])}", file=sys.stderr)
     meta = {
-        "command": shlex.join([".venv/bin/python", "bench/pg_failover.py", *sys.argv[1:]]),
+        "command": shlex.join([".venv/bin/python", "-m", "bench.pg_failover", *sys.argv[1:]]),
         "cpus": os.cpu_count(),
         "load_before": load_before,
         "load_after": os.getloadavg()[0],

@@ -1,6 +1,6 @@
 """Raw PostgreSQL limits for issue 14's design: ingest, claim and heartbeat filter, asyncpg alone.
 
-Not the product: bare statements on a throwaway cluster (tests/pg_cluster.py: 127.0.0.1, fsync and
+Not the product: bare statements on a throwaway cluster (testkit/pg_cluster.py: 127.0.0.1, fsync and
 synchronous_commit on, run as an unprivileged user), from one asyncio process with 1, 4 and 8
 connections. (a) VIN-rows/s writing 200-row batches into the `rows` table of the first PostgreSQL
 design (below) three ways: `executemany` of an upsert, one `INSERT ... SELECT FROM unnest(arrays)` upsert, COPY into a
@@ -9,7 +9,7 @@ temp table + merge; one commit per batch, so concurrent connections share WAL fl
 statement on VINs already in flight (a miss). (c) the batched heartbeat filter: which of N VINs have
 something pending and nothing in flight, one `vin = ANY($1)` statement.
 
-    .venv/bin/python bench/pg_raw.py [--rounds 3 --conns 1,4,8 --batches 100 --claims 2000
+    .venv/bin/python -m bench.pg_raw [--rounds 3 --conns 1,4,8 --batches 100 --claims 2000
                                       --filter-sizes 100,1000 --filters 300 --fleet 100000 --json F]
 
 Markdown to stdout (medians over rounds, min-max for the rates), progress to stderr. Cells run in
@@ -38,11 +38,8 @@ from typing import Any
 
 import asyncpg
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
-
-from plumbing import dec, descendants, make_vins, min_med_max, num, pct  # bench/ is sys.path[0]
-
-from tests.pg_cluster import SUPERUSER, PgCluster
+from testkit.pg_cluster import SUPERUSER, PgCluster
+from testkit.plumbing import dec, descendants, make_vins, min_med_max, num, pct
 
 BATCH_VINS = 200
 SCHEMA = """
@@ -468,7 +465,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         claim = await part_claim(cluster, args, conns_levels, fleet) if "claim" in only else []
         filt = await part_filter(cluster, args, conns_levels, fleet) if "filter" in only else []
         meta = {
-            "command": shlex.join([".venv/bin/python", "bench/pg_raw.py", *sys.argv[1:]]),
+            "command": shlex.join([".venv/bin/python", "-m", "bench.pg_raw", *sys.argv[1:]]),
             **settings,
             "asyncpg": asyncpg.__version__,
             "cpus": os.cpu_count(),

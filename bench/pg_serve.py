@@ -1,6 +1,6 @@
 """`sdv-fanout serve` on PostgreSQL (issue 14's closing numbers), side by side in one run.
 
-Four parts on one throwaway cluster (tests/pg_cluster.py: 127.0.0.1, fsync and synchronous_commit
+Four parts on one throwaway cluster (testkit/pg_cluster.py: 127.0.0.1, fsync and synchronous_commit
 on, run as an unprivileged user), each in paired rounds whose order changes round by round
 (`--rounds` 3; the ingest part `--ingest-rounds` 5):
 
@@ -45,10 +45,10 @@ on, run as an unprivileged user), each in paired rounds whose order changes roun
 4. e2e: deliveries/s through bench/e2e.py's rig (mosquitto, sim fleet calling our hooks as EMQX
    would), one rig on PostgreSQL and one on LMDB.
 
-    .venv/bin/python bench/pg_serve.py [--rounds 3 --only ingest,instances,heartbeat,e2e --json F]
-    .venv/bin/python bench/pg_serve.py --layouts shared --inst-rate 0 --inst-rate-per-instance 0  # closed loops only
-    .venv/bin/python bench/pg_serve.py --quick          # about a minute
-    .venv/bin/python bench/pg_serve.py --statements     # + each part's busiest statements
+    .venv/bin/python -m bench.pg_serve [--rounds 3 --only ingest,instances,heartbeat,e2e --json F]
+    .venv/bin/python -m bench.pg_serve --layouts shared --inst-rate 0 --inst-rate-per-instance 0  # closed loops only
+    .venv/bin/python -m bench.pg_serve --quick          # about a minute
+    .venv/bin/python -m bench.pg_serve --statements     # + each part's busiest statements
 
 Markdown to stdout, progress to stderr. About 7 minutes with the defaults on the 2-core VM.
 """
@@ -78,13 +78,17 @@ from typing import Any
 import asyncpg
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.* and storage.*
-
-# bench/ is sys.path[0] when run as a script: the other scenarios' workloads and drivers.
-import e2e
-from hooks import _open as open_loop
-from ingest import Batch, _batch, _drive, _vin, group_cpu_s, make_workload, own_cpu_s
-from plumbing import (
+from bench import e2e
+from bench.hooks import _open as open_loop
+from bench.ingest import Batch, _batch, _drive, _vin, group_cpu_s, make_workload, own_cpu_s
+from exhook_server._proto import exhook_v3_pb2 as pb
+from exhook_server.config import Config
+from storage.lmdb.store import Store
+from storage.postgres import migrate
+from testkit.emqx_sim import Mosquitto
+from testkit.harness import ExHookClient, SubprocessServer
+from testkit.pg_cluster import PgCluster
+from testkit.plumbing import (
     CLK_TCK,
     dec,
     descendants,
@@ -98,14 +102,6 @@ from plumbing import (
     share,
     stop_server,
 )
-
-from exhook_server._proto import exhook_v3_pb2 as pb
-from exhook_server.config import Config
-from storage.lmdb.store import Store
-from storage.postgres import migrate
-from tests.emqx_sim import Mosquitto
-from tests.harness import ExHookClient, SubprocessServer
-from tests.pg_cluster import PgCluster
 
 BATCH_VINS = 200
 NODE = "emqx@127.0.0.1"
@@ -1964,7 +1960,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         db.stop()
     out["meta"] = {
-        "command": shlex.join([".venv/bin/python", "bench/pg_serve.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": shlex.join(
+            [".venv/bin/python", "-m", "bench.pg_serve", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "pg_version": version,
         "asyncpg": asyncpg.__version__,
         "grpc": grpc.__version__,

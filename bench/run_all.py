@@ -1,7 +1,7 @@
 """Run every benchmark in bench/ with moderate settings and write docs/BENCHMARKS.md + PNG charts.
 
-    .venv/bin/python bench/run_all.py            # what `make bench` runs (~5 min on 2 cores)
-    .venv/bin/python bench/run_all.py --only e2e_emqx   # one scenario, spliced into the existing report
+    .venv/bin/python -m bench.run_all            # what `make bench` runs (~5 min on 2 cores)
+    .venv/bin/python -m bench.run_all --only e2e_emqx   # one scenario, spliced into the existing report
 
 Each script runs as its own subprocess, one after the other (never in parallel: they share the
 machine's CPUs), with --json into a tmp dir. The summary table is built from those JSON files;
@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for its defaults
 
 from exhook_server.config import Config
 
@@ -144,8 +142,9 @@ def verdict(s: dict[str, float] | None, target: float, higher_is_better: bool = 
 
 def run_script(name: str, script: str, args: list[str], tmp: Path) -> dict[str, Any]:
     json_path = tmp / f"{name}.json"
-    cmd = [sys.executable, script, *args, "--json", str(json_path)]
-    shown = " ".join(shlex.quote(c) for c in [".venv/bin/python", script, *args, "--json", f"{name}.json"])
+    module = script.removesuffix(".py").replace("/", ".")
+    cmd = [sys.executable, "-m", module, *args, "--json", str(json_path)]
+    shown = " ".join(shlex.quote(c) for c in [".venv/bin/python", "-m", module, *args, "--json", f"{name}.json"])
     print(f"== {shown}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     # stderr (progress) goes straight to the terminal; stdout is the markdown we keep.
@@ -1068,8 +1067,9 @@ def splice(report: str, res: dict[str, dict[str, Any]], started: dt.datetime) ->
     if len(fence) != 2:
         raise SystemExit("the report has no commands block: run the whole `make bench` first")
     for r in res.values():
-        script = r["cmd"].split()[1]
-        at = next((i for i in range(fence[0] + 1, fence[1]) if lines[i].split()[1:2] == [script]), None)
+        module = r["cmd"].split()[2]  # ".venv/bin/python -m bench.x ...", or bench/x.py in an older report
+        mine = (module, module.replace(".", "/") + ".py")
+        at = next((i for i in range(fence[0] + 1, fence[1]) if set(lines[i].split()[1:3]) & set(mine)), None)
         if at is None:
             lines.insert(fence[1], r["cmd"])
             fence[1] += 1

@@ -29,8 +29,8 @@ A platform subscriber (paho, in this process, QoS 1) on each broker counts the s
 by event, so a receipt counts as published only once the platform has it. Markdown to stdout,
 progress to stderr, --json for the numbers.
 
-    .venv/bin/python bench/status_cost.py [--before 7fd2d64] [--rounds 6] [--json F]
-    .venv/bin/python bench/status_cost.py --ingest-batches 100 --vehicles 100 --batches 3 --rounds 2 --disk-n 2000
+    .venv/bin/python -m bench.status_cost [--before 7fd2d64] [--rounds 6] [--json F]
+    .venv/bin/python -m bench.status_cost --ingest-batches 100 --vehicles 100 --batches 3 --rounds 2 --disk-n 2000
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.*
-
-import e2e  # bench/ is sys.path[0] when run as a script
-import ingest
-from plumbing import (
+from bench import e2e, ingest
+from storage.lmdb import batches
+from storage.lmdb.store import Store, now_ms
+from testkit.emqx_sim import Mosquitto
+from testkit.plumbing import (
     Child,
     dec,
     machine_meta,
@@ -68,10 +68,6 @@ from plumbing import (
     share,
     unpack_tree,
 )
-
-from storage.lmdb import batches
-from storage.lmdb.store import Store, now_ms
-from tests.emqx_sim import Mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
 #: status_topic_prefix's default: what "on" publishes to.
@@ -104,7 +100,7 @@ class StatusListener:
     its work never holds this process's GIL (the ingest driver's, FakeEmqx's)."""
 
     def __init__(self, port: int, name: str, log_dir: Path, timeout_s: float = 15.0) -> None:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--platform-port", str(port), "--platform-name", name]
+        argv = [sys.executable, "-m", "bench.status_cost", "--platform-port", str(port), "--platform-name", name]
         self.child = Child(f"platform-{name}", argv, log_dir / f"platform-{name}.log")
         try:
             self.child.recv(timeout_s)  # {"ready": true}: subscribed

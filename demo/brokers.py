@@ -24,7 +24,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.reasoncodes import ReasonCode
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from tests.emqx_real import (
+from testkit.emqx_real import (
     EmqxBroker,
     EmqxError,
     EmqxUnavailable,
@@ -33,7 +33,7 @@ from tests.emqx_real import (
     missing_libraries,
     where_looked,
 )
-from tests.emqx_sim import LOOPBACK, FakeEmqx, Mosquitto
+from testkit.emqx_sim import LOOPBACK, FakeEmqx, Mosquitto
 
 BATCH_TOPIC = "$SDV-FANOUT"
 #: The server's default `cancel_topic`: `{"request_id": R}` ends every pending row of R `cancelled`.
@@ -151,7 +151,7 @@ def choose(mode: str, version: str | None = None) -> Choice:
 
 
 class SimBroker:
-    """mosquitto carries the MQTT; `tests/emqx_sim.py` (`FakeEmqx`) plays EMQX's ExHook side, here
+    """mosquitto carries the MQTT; `testkit/emqx_sim.py` (`FakeEmqx`) plays EMQX's ExHook side, here
     for the platform's batches and in every fleet process for its vehicles."""
 
     kind = "sim"
@@ -174,7 +174,7 @@ class SimBroker:
 
     def describe(self) -> list[str]:
         return [
-            f"mosquitto {self.url} (real MQTT), EMQX's ExHook side simulated by tests/emqx_sim.py",
+            f"mosquitto {self.url} (real MQTT), EMQX's ExHook side simulated by testkit/emqx_sim.py",
             f"log {self.mosquitto.log_path}",
         ]
 
@@ -218,7 +218,7 @@ class SimBroker:
 
 
 class EmqxSetup:
-    """A real EMQX node (tests/emqx_real.py) on loopback: vehicles and the platform are its MQTT
+    """A real EMQX node (testkit/emqx_real.py) on loopback: vehicles and the platform are its MQTT
     clients, and it calls the server's hooks itself over ExHook."""
 
     kind = "emqx"

@@ -5,7 +5,7 @@ paho's select() loop caps a process at about 330 clients, so `demo.run` starts s
 final report on stdout. A worker ignores SIGINT (the demo stops it in order) and ends when told.
 
 Two kinds of vehicle, one behaviour: with the real EMQX a vehicle is a plain paho client of the
-broker (EMQX calls the server's hooks itself); with the simulator it is `tests.emqx_sim.Vehicle`,
+broker (EMQX calls the server's hooks itself); with the simulator it is `testkit.emqx_sim.Vehicle`,
 connected to mosquitto, whose hooks `FakeEmqx` calls as EMQX would. A vehicle that answers
 publishes its answer to a request awaiting one on `agent/<VIN>/proxy/response/<request_id>`
 (QoS 1) after its PUBACK; the others never answer.
@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import IO, Any
 
 import paho.mqtt.client as mqtt
@@ -33,11 +32,8 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-# `python demo/fleet.py` works too, not only `python -m demo.fleet`
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from exhook_server._proto import exhook_v3_pb2 as pb
-from tests.emqx_sim import LOOPBACK, FakeEmqx, Received, Vehicle
+from testkit.emqx_sim import LOOPBACK, FakeEmqx, Received, Vehicle
 
 REQUEST_PREFIX = "agent/{VIN}/proxy/request"
 #: The server's default `response_topic_prefix`: a vehicle answers on `<prefix>/<request_id>`.

@@ -30,7 +30,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from exhook_server.config import Config
-from tests.emqx_sim import LOOPBACK
+from testkit.emqx_sim import LOOPBACK
 
 #: The server's default `status_topic_prefix` (the demo's server runs with the defaults).
 STATUS_PREFIX = str(next(f.default for f in dataclasses.fields(Config) if f.name == "status_topic_prefix"))

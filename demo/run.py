@@ -3,7 +3,7 @@
 What runs (all on 127.0.0.1, all stopped at the end, also on Ctrl-C):
 
 * a broker (demo/brokers.py): the real **EMQX** when a release is at hand (5.8.9 first), which
-  calls the server's hooks itself; else a real **mosquitto** with tests/emqx_sim.py playing
+  calls the server's hooks itself; else a real **mosquitto** with testkit/emqx_sim.py playing
   EMQX's ExHook side. `--broker auto|emqx|sim` chooses; the first lines say which runs;
 * the real server, `sdv-fanout serve` (`--processes`, default one per CPU), as a child process
   with delivery enabled to that broker;
@@ -61,9 +61,6 @@ from typing import IO, Any
 
 import structlog
 
-# `python demo/run.py` works too, not only `python -m demo.run`
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from demo.brokers import BATCH_TOPIC, CANCEL_TOPIC, Broker, Choice, batch_payload, cancel_payload, choose, make_broker
 from demo.fleet import REQUEST_PREFIX, RESPONSE_PREFIX, sha16
 from demo.platform import (
@@ -83,8 +80,8 @@ from demo.platform import (
 )
 from exhook_server.config import Config
 from storage.lmdb.store import Store
-from tests.emqx_real import EmqxError
-from tests.emqx_sim import LOOPBACK
+from testkit.emqx_real import EmqxError
+from testkit.emqx_sim import LOOPBACK
 
 ROOT = Path(__file__).resolve().parent.parent
 VIN_FORMAT = "SDVDEMO{:010d}"  # 17 characters, like a real VIN
@@ -605,7 +602,7 @@ class Demo:
         if choice.kind == "emqx":
             print(f"  broker    the real EMQX {choice.version} ({choice.why}); starting it...", flush=True)
         else:
-            print(f"  broker    the simulator: mosquitto + tests/emqx_sim.py ({choice.why})", flush=True)
+            print(f"  broker    the simulator: mosquitto + testkit/emqx_sim.py ({choice.why})", flush=True)
         broker = self.start_broker(choice)
         for line in broker.describe():
             print(f"            {line}")
@@ -619,7 +616,7 @@ class Demo:
         if broker.kind == "emqx":
             print(f"  ExHook    EMQX registered and connected the server, which asked for {len(hooks)} hooks:")
         else:
-            print(f"  ExHook    tests/emqx_sim.py loaded the provider, which asked for {len(hooks)} hooks:")
+            print(f"  ExHook    testkit/emqx_sim.py loaded the provider, which asked for {len(hooks)} hooks:")
         print(f"            {', '.join(hooks)}")
         self.feed = StatusFeed(broker.mqtt_port)
         self.feed.start()
@@ -1287,7 +1284,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    # tests/emqx_real.py reports through structlog: keep its info lines out of the demo's output.
+    # testkit/emqx_real.py reports through structlog: keep its info lines out of the demo's output.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     demo = Demo(args)
     code = 1

@@ -13,8 +13,8 @@ import pytest
 from exhook_server import log
 from exhook_server.config import Config
 from storage.lmdb.store import now_ms
-from tests.harness import ExHookClient, InProcessServer
-from tests.pg_cluster import PgCluster, find_bindir
+from testkit.harness import ExHookClient, InProcessServer
+from testkit.pg_cluster import PgCluster, find_bindir
 
 log.configure("console", "warning", cache=False)
 

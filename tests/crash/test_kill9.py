@@ -32,7 +32,7 @@ import pytest
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage.lmdb import keys
 from storage.lmdb.store import Store
-from tests.harness import ExHookClient, SubprocessServer
+from testkit.harness import ExHookClient, SubprocessServer
 
 SEED = int(os.environ.get("KILL9_SEED", "20240917"))
 ROUNDS = 30

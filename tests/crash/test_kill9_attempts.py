@@ -1,7 +1,7 @@
 """kill -9 against the attempt limit and the answer-awaited state on LMDB.
 
 A real `sdv-fanout serve` subprocess per server lifetime on one data dir, a real mosquitto, and
-vehicles played by tests/emqx_sim.py. A vehicle that takes its command and never PUBACKs it,
+vehicles played by testkit/emqx_sim.py. A vehicle that takes its command and never PUBACKs it,
 reconnecting after every restart, is counted at the vehicle: the command is delivered exactly
 max_attempts times over five kill -9 restarts, ends failed, and the next request goes. The same
 for a command awaiting the vehicle's answer: PUBACKed once, never delivered again across the
@@ -23,8 +23,8 @@ from storage.lmdb import outcomes
 from storage.lmdb.batches import sha1_of
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import Store
-from tests.emqx_sim import FakeEmqx, Mosquitto, Vehicle
-from tests.harness import SubprocessServer, poll
+from testkit.emqx_sim import FakeEmqx, Mosquitto, Vehicle
+from testkit.harness import SubprocessServer, poll
 
 pytestmark = pytest.mark.slow
 

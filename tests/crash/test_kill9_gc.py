@@ -16,7 +16,7 @@ import pytest
 from storage.lmdb import batches, keys
 from storage.lmdb.store import Store, now_ms
 from storage.lmdb.writer import GroupCommitter
-from tests.harness import BIN, poll
+from testkit.harness import BIN, poll
 
 SEED = int(os.environ.get("KILL9_SEED", "4242"))
 DAY = 86_400_000

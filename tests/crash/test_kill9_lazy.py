@@ -16,7 +16,7 @@ from pathlib import Path
 from storage.lmdb import batches
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 CHILD = textwrap.dedent(
     """

@@ -1,7 +1,7 @@
 """kill -9 in each lifecycle state of issue 13: nothing pending is lost, nothing is sent twice beyond QoS 1.
 
 Real `sdv-fanout serve` subprocesses on one data dir, a real mosquitto, vehicles played by
-tests/emqx_sim.py. Each test SIGKILLs the server in one state (a cancel of every vehicle
+testkit/emqx_sim.py. Each test SIGKILLs the server in one state (a cancel of every vehicle
 half done, rows with an expires_at pending, a PUBACKed delivery awaiting its answer, a
 random mix of all of them), reads the LMDB files as the crash left them, and restarts on
 the same data dir. After every kill the stored counts equal a recount from rows and outcome
@@ -32,9 +32,9 @@ from storage.lmdb import keys, outcomes, queue
 from storage.lmdb.batches import sha1_of
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import Store
+from testkit.emqx_sim import FakeEmqx, Mosquitto, Vehicle
+from testkit.harness import SubprocessServer, poll
 from tests.crash.test_kill9_outcomes import emqx_for
-from tests.emqx_sim import FakeEmqx, Mosquitto, Vehicle
-from tests.harness import SubprocessServer, poll
 from tests.integration.test_status_topic import Platform
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """kill -9 against the status loop (issue 12): generation counts stay exact, a retried batch_id is delivered once.
 
 Real `sdv-fanout serve` subprocesses on one data dir, a real mosquitto, vehicles played by
-tests/emqx_sim.py that PUBACK what they get. After each SIGKILL the LMDB files are read
+testkit/emqx_sim.py that PUBACK what they get. After each SIGKILL the LMDB files are read
 as the crash left them: the counts stored per generation must equal a recount from rows
 and outcome records, and every batch whose hook call returned must still be accounted for.
 Set KILL9_SEED to replay a seed.
@@ -24,8 +24,8 @@ from exhook_server._proto import exhook_v3_pb2 as pb
 from storage.lmdb import keys, outcomes
 from storage.lmdb.batches import sha1_of
 from storage.lmdb.store import Store
-from tests.emqx_sim import FakeEmqx, Mosquitto
-from tests.harness import SubprocessServer, poll
+from testkit.emqx_sim import FakeEmqx, Mosquitto
+from testkit.harness import SubprocessServer, poll
 from tests.integration.test_status_topic import Platform
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from storage.lmdb.store import Store
-from tests.emqx_sim import FakeEmqx, Mosquitto
-from tests.harness import ExHookClient, SubprocessServer, poll
+from testkit.emqx_sim import FakeEmqx, Mosquitto
+from testkit.harness import ExHookClient, SubprocessServer, poll
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.harness import ExHookClient, SubprocessServer, admin_stats
+from testkit.harness import ExHookClient, SubprocessServer, admin_stats
 
 
 def get_stats(port: int) -> Any:

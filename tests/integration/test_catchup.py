@@ -25,9 +25,18 @@ import asyncpg
 import pytest
 
 from storage.lmdb.store import Store
-from tests.emqx_real import EmqxApiError, EmqxBroker, Fleet, Platform, Vehicle, find_release, running_emqx, where_looked
-from tests.emqx_sim import free_port
-from tests.harness import SubprocessServer, poll
+from testkit.emqx_real import (
+    EmqxApiError,
+    EmqxBroker,
+    Fleet,
+    Platform,
+    Vehicle,
+    find_release,
+    running_emqx,
+    where_looked,
+)
+from testkit.emqx_sim import free_port
+from testkit.harness import SubprocessServer, poll
 from tests.integration.test_multi_instance import metric, signal_all, stop
 from tests.integration.test_real_emqx import Throttle
 

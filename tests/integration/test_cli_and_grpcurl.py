@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from storage.lmdb.store import SCHEMA_VERSION
-from tests.harness import BIN, ExHookClient, SubprocessServer
+from testkit.harness import BIN, ExHookClient, SubprocessServer
 
 GRPCURL = str(BIN / "grpcurl")
 

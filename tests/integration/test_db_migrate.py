@@ -8,8 +8,8 @@ from pathlib import Path
 
 from exhook_server.config import Config
 from storage.postgres import migrate
-from tests.harness import BIN, InProcessServer
-from tests.pg_cluster import PgCluster
+from testkit.harness import BIN, InProcessServer
+from testkit.pg_cluster import PgCluster
 
 
 def sdv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -1,5 +1,5 @@
 """End to end: the real server delivers through a real mosquitto to real paho vehicles,
-while tests/emqx_sim.py calls our hooks as EMQX would."""
+while testkit/emqx_sim.py calls our hooks as EMQX would."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.emqx_sim import FakeEmqx, Mosquitto, Vehicle
-from tests.harness import ROOT, InProcessServer, poll
+from testkit.emqx_sim import FakeEmqx, Mosquitto, Vehicle
+from testkit.harness import ROOT, InProcessServer, poll
 
 
 @dataclass
@@ -224,7 +224,8 @@ def test_thousand_vehicles_twenty_batches_all_delivered(rig: Rig) -> None:
         subprocess.Popen(
             [
                 sys.executable,
-                str(ROOT / "tests" / "fleet_proc.py"),
+                "-m",
+                "testkit.fleet_proc",
                 "--exhook-port",
                 str(rig.srv.port),
                 "--mqtt-port",
@@ -240,6 +241,7 @@ def test_thousand_vehicles_twenty_batches_all_delivered(rig: Rig) -> None:
             ],
             stdout=subprocess.PIPE,
             text=True,
+            cwd=ROOT,
         )
         for k in range(4)
     ]

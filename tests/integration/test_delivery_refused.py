@@ -1,6 +1,6 @@
 """A delivery the broker refuses costs that row an attempt, never the other vehicles their link.
 
-Real mosquitto, real server, real paho vehicles (hooks played by tests/emqx_sim.py). The
+Real mosquitto, real server, real paho vehicles (hooks played by testkit/emqx_sim.py). The
 poison rows are written straight into LMDB, past ingest validation, as a row from an older
 release or a broker stricter than our rules would be.
 """
@@ -19,8 +19,8 @@ from prometheus_client import REGISTRY
 
 from storage.lmdb import outcomes
 from storage.lmdb.outcomes import Outcome
-from tests.emqx_sim import Mosquitto
-from tests.harness import poll, put
+from testkit.emqx_sim import Mosquitto
+from testkit.harness import poll, put
 from tests.integration.test_delivery_e2e import Rig, make_rig
 
 #: Mosquitto drops a client that publishes this (a C1 control in the topic, MQTT 5 §1.5.4).

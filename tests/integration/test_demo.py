@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from demo.brokers import choose
-from tests.emqx_real import EmqxUnavailable
-from tests.harness import ROOT
+from testkit.emqx_real import EmqxUnavailable
+from testkit.harness import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.harness import ExHookClient, poll
+from testkit.harness import ExHookClient, poll
 
 
 def test_late_data_completes_every_parked_row_in_chunks(make_server: Any) -> None:

@@ -20,9 +20,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.emqx_real import EmqxBroker, available_versions, file_authorization, running_emqx, where_looked
-from tests.emqx_sim import release_paho
-from tests.harness import ROOT, poll
+from testkit.emqx_real import EmqxBroker, available_versions, file_authorization, running_emqx, where_looked
+from testkit.emqx_sim import release_paho
+from testkit.harness import ROOT, poll
 
 pytestmark = pytest.mark.slow
 if not available_versions():

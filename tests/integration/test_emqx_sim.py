@@ -1,4 +1,4 @@
-"""The EMQX simulation harness (tests/emqx_sim.py) itself, against a real mosquitto and a recording
+"""The EMQX simulation harness (testkit/emqx_sim.py) itself, against a real mosquitto and a recording
 HookProvider: the hook orders and fields must be those EMQX sends (docs/exhook-interface.md §6)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from tests.emqx_sim import FakeEmqx, Mosquitto, running_mosquitto, topic_matches
-from tests.harness import poll
+from testkit.emqx_sim import FakeEmqx, Mosquitto, running_mosquitto, topic_matches
+from testkit.harness import poll
 
 SERVICE = "emqx.exhook.v3.HookProvider"
 ALL_BUT_AUTH: dict[str, list[str]] = {

@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from exhook_server import cli, emqx_sync
 from exhook_server.config import Config
 from exhook_server.emqx_api import EmqxApi
+from testkit.emqx_real import EmqxBroker, EmqxError, available_versions, where_looked
+from testkit.emqx_sim import free_port, release_paho
+from testkit.harness import SubprocessServer, poll
 from tests.certs import make_pki
-from tests.emqx_real import EmqxBroker, EmqxError, available_versions, where_looked
-from tests.emqx_sim import free_port, release_paho
-from tests.harness import SubprocessServer, poll
 
 pytestmark = pytest.mark.slow
 if not available_versions():

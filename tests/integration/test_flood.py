@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from storage.lmdb.store import Store
-from tests.flood import RssSampler, flood, hwm_bytes, rss_bytes
-from tests.harness import ROOT, SubprocessServer, alive, poll
+from testkit.flood import RssSampler, flood, hwm_bytes, rss_bytes
+from testkit.harness import ROOT, SubprocessServer, alive, poll
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from exhook_server import hooks
 from exhook_server.health import DELIVERY_SERVICE, PROCESS_SERVICE
-from tests.emqx_sim import Mosquitto, free_port
-from tests.harness import InProcessServer, poll
-from tests.pg_cluster import PgCluster, find_bindir
+from testkit.emqx_sim import Mosquitto, free_port
+from testkit.harness import InProcessServer, poll
+from testkit.pg_cluster import PgCluster, find_bindir
 
 STORE = ("", *hooks.SERVICE_NAMES)
 

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from tests.harness import ExHookClient, InProcessServer, StepClock
+from testkit.harness import ExHookClient, InProcessServer, StepClock
 
 STOP = pb.ValuedResponse.STOP_AND_RETURN
 

@@ -28,7 +28,7 @@ from storage.lmdb.writes import LmdbWrites
 from storage.port import Writes
 from storage.postgres import migrate
 from storage.postgres.writes import PgWrites
-from tests.pg_cluster import PgCluster
+from testkit.pg_cluster import PgCluster
 
 _names = itertools.count()
 

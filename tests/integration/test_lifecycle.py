@@ -21,7 +21,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from exhook_server import metrics
 from storage.lmdb import outcomes
 from storage.lmdb.batches import sha1_of
-from tests.harness import StepClock, poll
+from testkit.harness import StepClock, poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
 from tests.integration.test_status_topic import Platform
 

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from exhook_server._proto import exhook_v3_pb2 as pb
 from exhook_server.server import receive_limit_bytes
-from tests.harness import ExHookClient, InProcessServer, poll
+from testkit.harness import ExHookClient, InProcessServer, poll
 from tests.wire import LEN, encode
 
 STOP = pb.ValuedResponse.STOP_AND_RETURN

@@ -46,10 +46,10 @@ import pytest
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage.lmdb.outcomes import Outcome
 from storage.postgres import dispatch as pgd
-from tests.emqx_sim import Acked, FakeEmqx, Mosquitto, Received, Vehicle
-from tests.exhook_pool import Routing
-from tests.harness import SubprocessServer, poll
-from tests.pg_cluster import PgCluster
+from testkit.emqx_sim import Acked, FakeEmqx, Mosquitto, Received, Vehicle
+from testkit.exhook_pool import Routing
+from testkit.harness import SubprocessServer, poll
+from testkit.pg_cluster import PgCluster
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The throwaway PostgreSQL of tests/pg_cluster.py: reachable through asyncpg, durable settings, never
+"""The throwaway PostgreSQL of testkit/pg_cluster.py: reachable through asyncpg, durable settings, never
 root, and a synchronous standby that holds every acknowledged commit and takes over when promoted."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from tests.harness import poll
-from tests.pg_cluster import PgCluster, find_bindir, pid_alive
+from testkit.harness import poll
+from testkit.pg_cluster import PgCluster, find_bindir, pid_alive
 
 
 def _fetch(dsn: str, sql: str, *args: object) -> list[tuple[object, ...]]:

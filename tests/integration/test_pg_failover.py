@@ -28,9 +28,9 @@ from storage.errors import StorageError
 from storage.lmdb.store import now_ms
 from storage.postgres import migrate
 from storage.postgres.writes import PgWrites
-from tests.harness import poll
-from tests.pg_cluster import PgCluster, find_bindir
-from tests.pg_failover import (
+from testkit.harness import poll
+from testkit.pg_cluster import PgCluster, find_bindir
+from testkit.pg_failover import (
     HOOK_SERVICE,
     PROCESS_SERVICE,
     Batch,

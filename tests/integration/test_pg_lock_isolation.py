@@ -22,7 +22,7 @@ import asyncpg
 import grpc
 import pytest
 
-from tests.harness import ExHookClient, InProcessServer, poll
+from testkit.harness import ExHookClient, InProcessServer, poll
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from storage.lmdb.store import Store
-from tests.emqx_sim import FakeEmqx, Mosquitto
-from tests.harness import ExHookClient, SubprocessServer, alive, poll
+from testkit.emqx_sim import FakeEmqx, Mosquitto
+from testkit.harness import ExHookClient, SubprocessServer, alive, poll
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +185,7 @@ def test_a_taken_metrics_port_stops_the_group_cleanly(tmp_path: Path) -> None:
     import socket
     import subprocess
 
-    from tests.harness import BIN
+    from testkit.harness import BIN
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -27,7 +27,7 @@ import pytest
 from storage.lmdb.batches import sha1_of
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import Store
-from tests.emqx_real import (
+from testkit.emqx_real import (
     EmqxBroker,
     Fleet,
     Platform,
@@ -36,8 +36,8 @@ from tests.emqx_real import (
     running_emqx,
     where_looked,
 )
-from tests.emqx_sim import free_port
-from tests.harness import BIN, SubprocessServer, poll
+from testkit.emqx_sim import free_port
+from testkit.harness import BIN, SubprocessServer, poll
 
 pytestmark = pytest.mark.slow
 if not available_versions():  # one line in the summary, saying where releases were looked for

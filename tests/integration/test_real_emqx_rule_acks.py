@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exhook_server.acks import rule_body
 from exhook_server.config import Config
-from tests.emqx_real import EmqxBroker, Fleet, Platform, Vehicle, find_release, running_emqx, where_looked
-from tests.harness import ROOT, SubprocessServer, poll
+from testkit.emqx_real import EmqxBroker, Fleet, Platform, Vehicle, find_release, running_emqx, where_looked
+from testkit.harness import ROOT, SubprocessServer, poll
 from tests.integration import test_real_emqx
 from tests.integration.test_real_emqx import (
     DEADLINE_S,

@@ -22,8 +22,8 @@ from exhook_server._proto import admin_pb2 as apb
 from storage.lmdb import batches
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import now_ms
+from testkit.harness import BIN, ExHookClient, InProcessServer, poll, put
 from tests.certs import make_pki
-from tests.harness import BIN, ExHookClient, InProcessServer, poll, put
 from tests.integration.test_tls import sdv_fanout as cli
 
 GRPCURL = str(BIN / "grpcurl")

@@ -23,9 +23,9 @@ import grpc
 import pytest
 
 from exhook_server.hooks import MESSAGE_HOOKS
-from tests.emqx_real import EmqxBroker, Platform, Vehicle, available_versions, running_emqx, where_looked
-from tests.emqx_sim import HOOK_RPC, FakeEmqx, Mosquitto
-from tests.harness import InProcessServer, poll
+from testkit.emqx_real import EmqxBroker, Platform, Vehicle, available_versions, running_emqx, where_looked
+from testkit.emqx_sim import HOOK_RPC, FakeEmqx, Mosquitto
+from testkit.harness import InProcessServer, poll
 
 pytestmark = pytest.mark.slow
 if not available_versions():  # one line in the summary, saying where releases were looked for
@@ -392,7 +392,7 @@ class KnownDivergence(Exception):
 
 
 #: (EMQX version, scenario) -> (how FakeEmqx differs, the calls it makes that the broker does not).
-#: tests/emqx_sim.py is not ours to change; the product does not need the missing call (a
+#: testkit/emqx_sim.py is not ours to change; the product does not need the missing call (a
 #: `takenover` disconnect changes nothing), so the simulator's extra call is harmless but untrue.
 DIVERGENCES = {
     (version, "resume"): (

@@ -1,7 +1,7 @@
 """The shortest path through the product: one batch in, rows out."""
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from tests.harness import ExHookClient, InProcessServer
+from testkit.harness import ExHookClient, InProcessServer
 
 
 def test_batch_is_stored_and_stopped(server: InProcessServer, client: ExHookClient) -> None:

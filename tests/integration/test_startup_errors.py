@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import BIN
+from testkit.harness import BIN
 
 #: An existing directory even root cannot create files in (sysfs), for the unwritable case.
 UNWRITABLE = Path("/sys/kernel")

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from testkit.emqx_sim import Mosquitto, running_mosquitto
+from testkit.harness import ExHookClient, poll
 from tests.blackhole import BlackholeProxy
-from tests.emqx_sim import Mosquitto, running_mosquitto
-from tests.harness import ExHookClient, poll
 from tests.integration.test_status_topic import Platform
 
 RECEIPTS = 200

@@ -1,6 +1,6 @@
 """The platform hears back: receipts, duplicates, rejections and progress on the status topic.
 
-Real mosquitto, real server, real paho vehicles (hooks played by tests/emqx_sim.py), and a
+Real mosquitto, real server, real paho vehicles (hooks played by testkit/emqx_sim.py), and a
 platform client subscribed to `$SDV-FANOUT/status/#` as a platform would be.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from storage.lmdb.batches import sha1_of
-from tests.harness import poll
+from testkit.harness import poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
 from tests.integration.test_ingest import REJECTIONS
 

@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from exhook_server._proto import exhook_v3_pb2 as pb
+from testkit.emqx_sim import Mosquitto, free_port
+from testkit.harness import BIN, admin_stats, poll
 from tests.certs import Pki, make_pki
-from tests.emqx_sim import Mosquitto, free_port
-from tests.harness import BIN, admin_stats, poll
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import pytest
 
+from testkit.harness import InProcessServer
 from tests import wire
-from tests.harness import InProcessServer
 
 PACKAGES = ("v2", "v3")
 

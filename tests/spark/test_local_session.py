@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from tests.harness import ROOT
+from testkit.harness import ROOT
 from tests.spark.conftest import _need_java
 
 

@@ -8,7 +8,7 @@ import re
 from exhook_server.acks import rule_body
 from exhook_server.catchup import topic_filters
 from exhook_server.config import Config
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 ACL = (ROOT / "deploy" / "emqx" / "acl.conf").read_text()
 #: The rules, comments left out: one rule per line, each ending in a dot.

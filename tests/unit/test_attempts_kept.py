@@ -23,8 +23,8 @@ from storage.lmdb import batches, keys
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import SCHEMA_VERSION, Store
 from storage.lmdb.writer import GroupCommitter
+from testkit.harness import poll
 from tests.dispatch_fakes import ManualClock, MemoryRows, RecordingPublisher, sha1
-from tests.harness import poll
 
 VIN = "VIN1"
 MAX_ATTEMPTS = 4

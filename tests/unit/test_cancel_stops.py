@@ -14,7 +14,7 @@ from exhook_server.aio import cancel_all
 from exhook_server.backends.postgres import pgmode
 from storage.errors import StorageError
 from storage.postgres.errors import as_storage_error
-from tests.pg_cluster import APP_DB, APP_USER, PgCluster
+from testkit.pg_cluster import APP_DB, APP_USER, PgCluster
 
 
 async def _query_that_fails_when_interrupted() -> None:

@@ -21,7 +21,7 @@ from exhook_server import metrics
 from exhook_server.config import Config, load
 from exhook_server.errors import ConfigError
 from exhook_server.health import PROCESS_SERVICE
-from tests.harness import BIN, ROOT, SubprocessServer
+from testkit.harness import BIN, ROOT, SubprocessServer
 
 K8S = ROOT / "deploy" / "k8s"
 PG = K8S / "postgresql"

@@ -42,9 +42,9 @@ import structlog.testing
 
 from exhook_server.dispatch.commands import EndReason, Session
 from storage.lmdb.outcomes import Outcome
+from testkit.pg_cluster import PgCluster
 from tests.dispatch_fakes import MemoryRows, Pair, sha1
 from tests.dispatch_stores import OpenStore, SimStore, Wiring, open_memory, open_postgresql
-from tests.pg_cluster import PgCluster
 
 SEEDS = [1, 2, 3, 4, 5, 6]
 VEHICLES = 120

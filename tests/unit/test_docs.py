@@ -8,7 +8,7 @@ import re
 
 from exhook_server.config import Config
 from exhook_server.errors import Reason
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 README = (ROOT / "README.md").read_text()
 

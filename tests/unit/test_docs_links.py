@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: Top-level folders whose paths the docs cite in `code font`.

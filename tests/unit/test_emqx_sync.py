@@ -17,7 +17,7 @@ from exhook_server.config import Config
 from exhook_server.errors import ConfigError
 from exhook_server.hookset import HookSetWatch, hook_of
 from exhook_server.topics import filter_matches
-from tests.emqx_sim import free_port
+from testkit.emqx_sim import free_port
 
 #: `GET /api/v5/exhooks/<name>` of EMQX 5.8.9 for what `wanted_exhook(Config())` registers.
 HELD_ENTRY = {
@@ -262,7 +262,7 @@ def test_start_up_calls_run_in_a_daemon_thread_that_does_not_hold_up_the_exit() 
     import threading
 
     from exhook_server.aio import in_daemon_thread
-    from tests.harness import poll
+    from testkit.harness import poll
 
     async def ok() -> int:
         return await in_daemon_thread(lambda: 41 + 1)

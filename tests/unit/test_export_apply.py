@@ -17,7 +17,7 @@ from storage.lmdb.export import export
 from storage.lmdb.plan import apply_plan
 from storage.lmdb.store import SCHEMA_VERSION, Store, now_ms
 from storage.lmdb.writer import GroupCommitter
-from tests.harness import BIN, put
+from testkit.harness import BIN, put
 from tests.plan_reference import read, reference_plan, write_plan
 
 HOUR = 3_600_000

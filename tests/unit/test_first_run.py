@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 from exhook_server.config import Config, split_host_port
-from tests.harness import ROOT
+from testkit.harness import ROOT
 from tests.unit.test_deploy import K8S, PG, by_kind
 
 DEV_ONLY = ("pyspark", "pytest", "ruff", "mypy", "grpcio-tools", "matplotlib", "hadolint", "kubernetes-validate")

@@ -10,7 +10,7 @@ import threading
 from storage.lmdb import batches, gc, keys
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
-from tests.harness import put
+from testkit.harness import put
 
 HOUR = 3_600_000
 DAY = 24 * HOUR

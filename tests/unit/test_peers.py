@@ -11,7 +11,7 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from exhook_server.backends.lmdb.peers import Group, Peers
-from tests.harness import poll
+from testkit.harness import poll
 
 
 class _PeerThread(threading.Thread):

@@ -17,7 +17,7 @@ from exhook_server.backends.postgres import pgmode
 from exhook_server.config import Config
 from storage.lmdb.batches import Duplicate, RowSpec, sha1_of
 from storage.postgres import batches, migrate, outcomes
-from tests.pg_cluster import SUPERUSER, PgCluster
+from testkit.pg_cluster import SUPERUSER, PgCluster
 
 _names = itertools.count()
 

@@ -17,7 +17,7 @@ import pytest
 
 from storage.lmdb.batches import BatchWritten, RowSpec
 from storage.postgres import batches, migrate, reads
-from tests.pg_cluster import PgCluster
+from testkit.pg_cluster import PgCluster
 
 T = TypeVar("T")
 _names = itertools.count()

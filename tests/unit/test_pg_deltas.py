@@ -13,7 +13,7 @@ import pytest
 from storage.lmdb.batches import sha1_of
 from storage.lmdb.outcomes import Outcome
 from storage.postgres import batches, migrate, outcomes
-from tests.pg_cluster import PgCluster
+from testkit.pg_cluster import PgCluster
 
 _names = itertools.count()
 

@@ -32,8 +32,8 @@ from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import SCHEMA_VERSION as LMDB_SCHEMA_VERSION
 from storage.postgres import export as pg_export
 from storage.postgres.migrate import SCHEMA_VERSION as PG_SCHEMA_VERSION
-from tests.harness import BIN
-from tests.pg_cluster import PgCluster
+from testkit.harness import BIN
+from testkit.pg_cluster import PgCluster
 from tests.unit import test_store_parity as parity
 from tests.unit import test_store_parity_more as more
 

@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from storage.postgres import migrate
-from tests.pg_cluster import PgCluster
+from testkit.pg_cluster import PgCluster
 
 _names = itertools.count()
 

@@ -15,7 +15,7 @@ from exhook_server.dispatch.commands import Session
 from exhook_server.errors import ConfigError
 from exhook_server.hooks import hook_specs
 from exhook_server.topics import RequestTopics
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 TOPICS = RequestTopics("agent/{VIN}/proxy/request")
 SHA1 = hashlib.sha1(b"payload").hexdigest()

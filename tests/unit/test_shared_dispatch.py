@@ -22,7 +22,7 @@ from storage.lmdb.batches import RowSpec, sha1_of
 from storage.lmdb.outcomes import Outcome
 from storage.postgres import batches, migrate, outcomes
 from storage.postgres import dispatch as pgd
-from tests.pg_cluster import PgCluster
+from testkit.pg_cluster import PgCluster
 
 _names = itertools.count()
 

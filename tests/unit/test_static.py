@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.harness import BIN, ROOT
+from testkit.harness import BIN, ROOT
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -27,7 +27,7 @@ from storage.lmdb.store import Store
 from storage.postgres import batches as pg_batches
 from storage.postgres import migrate
 from storage.postgres import outcomes as pg_outcomes
-from tests.pg_cluster import PgCluster
+from testkit.pg_cluster import PgCluster
 
 T = TypeVar("T")
 #: A stored pair's outcome record: (vin, request_id, sha1, ended ms, stored ms, attempts, code, response).

@@ -37,7 +37,7 @@ from storage.postgres import batches as pg_batches
 from storage.postgres import migrate
 from storage.postgres.reads import PgReads
 from storage.postgres.writes import PgWrites
-from tests.pg_cluster import PgCluster
+from testkit.pg_cluster import PgCluster
 from tests.unit import test_store_parity as parity
 
 pg_dsn = parity.pg_dsn  # the module-scoped migrated database, one for this module

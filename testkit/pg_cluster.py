@@ -21,8 +21,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.emqx_sim import LOOPBACK, free_port
-from tests.harness import poll
+from testkit.emqx_sim import LOOPBACK, free_port
+from testkit.harness import poll
 
 #: The OS user the servers run as when the tests run as root (a system user without a home or shell).
 PG_OS_USER = "sdv-pgtest"

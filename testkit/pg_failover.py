@@ -28,8 +28,8 @@ import asyncpg
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.harness import ExHookClient, SubprocessServer, poll
-from tests.pg_cluster import PgCluster, PgError, multi_host_dsn
+from testkit.harness import ExHookClient, SubprocessServer, poll
+from testkit.pg_cluster import PgCluster, PgError, multi_host_dsn
 
 #: A hook service: like "" (what readiness asks), it says whether batches can be stored now.
 HOOK_SERVICE = "emqx.exhook.v3.HookProvider"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from storage.lmdb.store import Store
-from tests.harness import SubprocessServer
+from testkit.harness import ROOT, SubprocessServer
 
 VIN_CHARS = "ABCDEFGHJKLMNPRSTUVWXYZ" + string.digits  # no I, O, Q, as in real VINs
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -39,7 +39,7 @@ def unpack_tree(rev: str, dest: Path, packages: Sequence[str] = ("exhook_server"
     """`packages` of this repository as of git revision `rev`, unpacked into `dest` (for PYTHONPATH):
     a rig of an older server measured beside this checkout's."""
     tar = subprocess.run(
-        ["git", "-C", str(Path(__file__).resolve().parent.parent), "archive", "--format=tar", rev, *packages],
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, *packages],
         capture_output=True,
         check=True,
     ).stdout
@@ -107,7 +107,7 @@ class Child:
         self.log_path = log_path
         self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1, cwd=ROOT
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, name=f"read-{name}", daemon=True).start()

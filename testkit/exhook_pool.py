@@ -32,7 +32,7 @@ from typing import Any, Literal, NamedTuple
 import grpc
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from tests.harness import ExHookClient
+from testkit.harness import ExHookClient
 
 Routing = Literal["per_client", "random"]
 ROUTINGS: tuple[Routing, ...] = ("per_client", "random")

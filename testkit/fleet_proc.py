@@ -12,11 +12,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.emqx_sim import FakeEmqx
+from testkit.emqx_sim import FakeEmqx
 
 
 def main() -> int:

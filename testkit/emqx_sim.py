@@ -24,7 +24,7 @@ What is EMQX-like on purpose:
   picked by clientid as EMQX's `key_dispatch` does: one client's calls share one connection.
   Given several exhook ports (instances behind one Service), each connection is on one instance,
   or (routing="random") each call goes to a random one; an instance found down or hung fails
-  that call and is left for the others (tests/exhook_pool.py).
+  that call and is left for the others (testkit/exhook_pool.py).
 * A failed RPC does not stop the MQTT side (EMQX logs it and goes on): it is stored in
   `FakeEmqx.rpc_errors`, and `close()` fails the test for it unless `strict_rpc=False`.
 * Everything the harness itself gets wrong (an exception in a paho callback or in a hook job, or a
@@ -82,8 +82,8 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from tests.exhook_pool import ExHookPool, Routing, accepts_tcp
-from tests.harness import ExHookClient, poll
+from testkit.exhook_pool import ExHookPool, Routing, accepts_tcp
+from testkit.harness import ExHookClient, poll
 
 MOSQUITTO_BIN = "/usr/sbin/mosquitto"
 LOOPBACK = "127.0.0.1"

@@ -39,10 +39,10 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from tests.emqx_sim import LOOPBACK, Acker, free_port, free_ports, release_paho
-from tests.harness import ROOT, poll
+from testkit.emqx_sim import LOOPBACK, Acker, free_port, free_ports, release_paho
+from testkit.harness import ROOT, poll
 
-log = structlog.get_logger("sdv_fanout.tests.emqx_real")
+log = structlog.get_logger("sdv_fanout.testkit.emqx_real")
 
 #: EMQX version -> the tarball built for these tests (see /work/shared/emqx/README.md).
 RELEASES: dict[str, str] = {
