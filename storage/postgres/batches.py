@@ -10,7 +10,7 @@ records and generation counts change in the same transaction as the rows.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import asyncpg
 
@@ -18,6 +18,7 @@ from storage.errors import StorageError
 from storage.model import PLAIN, BatchWritten, CancelChunk, Duplicate, Outcome, RowSpec, RowsPut, sha1_of
 from storage.postgres import outcomes
 from storage.postgres.outcomes import Bumps, Ended
+from storage.postgres.types import Connection, Record, fetch_one
 
 T = TypeVar("T")
 
@@ -38,7 +39,7 @@ class Raced(Exception):
     """A concurrent transaction created a row this one had read as absent: retry from the start."""
 
 
-async def retrying(conn: Any, what: str, body: Callable[[], Awaitable[T]]) -> T:
+async def retrying(conn: Connection, what: str, body: Callable[[], Awaitable[T]]) -> T:
     """Run `body` in a transaction of `conn`, again from the start as `retrying_call` says."""
 
     async def in_a_transaction() -> T:
@@ -62,7 +63,7 @@ async def retrying_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
 
 
 async def store_batch(
-    conn: Any,
+    conn: Connection,
     vins: Sequence[str],
     request_id: str,
     blob: bytes,
@@ -75,7 +76,7 @@ async def store_batch(
     (batch.sql) is the whole transaction."""
     sha1 = sha1_of(blob)
     args = (list(vins), request_id, blob, sha1, now_ms, batch_id, spec.expires_ms, spec.flags, spec.max_pending)
-    out = await retrying_call(f"batch of {request_id}", lambda: conn.fetchrow(_STORE_BATCH, *args, TOUCH_EVERY_MS))
+    out = await retrying_call(f"batch of {request_id}", lambda: fetch_one(conn, _STORE_BATCH, *args, TOUCH_EVERY_MS))
     if batch_id is not None and not out["taken"]:
         return _duplicate(batch_id, out)
     refused = tuple(out["refused"])
@@ -91,34 +92,34 @@ SELECT * FROM sdv_store_batch($1::text[], $2::text, $3::bytea, $4::bytea, $5::in
 """
 
 
-def _duplicate(batch_id: str, first: Any) -> Duplicate:
+def _duplicate(batch_id: str, first: Record) -> Duplicate:
     sha1 = None if first["first_sha1"] is None else bytes(first["first_sha1"])
     return Duplicate(
         batch_id, first["first_request_id"], sha1, first["first_rows"], first["first_ts"], tuple(first["first_refused"])
     )
 
 
-async def claim_batch_id(conn: Any, batch_id: str, request_id: str, now_ms: int) -> Duplicate | None:
+async def claim_batch_id(conn: Connection, batch_id: str, request_id: str, now_ms: int) -> Duplicate | None:
     """Take `batch_id` for this transaction, or the receipt of whoever took it first
     (`sdv_claim_batch_id`)."""
-    out = await conn.fetchrow("SELECT * FROM sdv_claim_batch_id($1, $2, $3)", batch_id, request_id, now_ms)
+    out = await fetch_one(conn, "SELECT * FROM sdv_claim_batch_id($1, $2, $3)", batch_id, request_id, now_ms)
     return None if out["taken"] else _duplicate(batch_id, out)
 
 
-async def put_blob(conn: Any, sha1: bytes, blob: bytes, now_ms: int) -> bool:
+async def put_blob(conn: Connection, sha1: bytes, blob: bytes, now_ms: int) -> bool:
     """Store `blob` under its sha1 unless it is there; True when written (`sdv_put_blob`: a
     present blob is touched, for GC)."""
     return bool(await conn.fetchval("SELECT sdv_put_blob($1, $2, $3, $4)", sha1, blob, now_ms, TOUCH_EVERY_MS))
 
 
-async def touch_blob(conn: Any, sha1: bytes, now_ms: int) -> bool:
+async def touch_blob(conn: Connection, sha1: bytes, now_ms: int) -> bool:
     """Record that a write refers to the blob `sha1` now, for GC's grace period (`sdv_touch_blob`);
     False when the blob is gone."""
     return bool(await conn.fetchval("SELECT sdv_touch_blob($1, $2, $3)", sha1, now_ms, TOUCH_EVERY_MS))
 
 
 async def put_rows(
-    conn: Any,
+    conn: Connection,
     vins: Sequence[str],
     request_id: str,
     sha1: bytes,
@@ -129,7 +130,8 @@ async def put_rows(
     """`ops.put_rows` in the caller's transaction (`sdv_put_rows`): a row per VIN; one of another
     generation ends superseded (or cancelled, when a cancel of every vehicle in progress had taken
     it); a VIN at the bound is refused."""
-    out = await conn.fetchrow(
+    out = await fetch_one(
+        conn,
         "SELECT * FROM sdv_put_rows($1::text[], $2, $3, $4, $5, $6, $7::int2, $8)",
         list(vins),
         request_id,
@@ -145,7 +147,7 @@ async def put_rows(
 
 
 async def delete_row_if(
-    conn: Any,
+    conn: Connection,
     vin: str,
     request_id: str,
     sha1: bytes,
@@ -164,7 +166,9 @@ async def delete_row_if(
 _END_ROW = "SELECT sdv_end_row($1::text, $2::text, $3::bytea, $4::int8, $5::int2, $6::int4, $7::bytea)"
 
 
-async def _cancel_rows(conn: Any, request_id: str, vins: Sequence[str], now_ms: int, cut: int | None) -> list[Ended]:
+async def _cancel_rows(
+    conn: Connection, request_id: str, vins: Sequence[str], now_ms: int, cut: int | None
+) -> list[Ended]:
     """End `cancelled` the pending rows of `request_id` for `vins` (stored by `cut`, if given)."""
     if not vins:
         return []
@@ -185,7 +189,7 @@ async def _cancel_rows(conn: Any, request_id: str, vins: Sequence[str], now_ms: 
     return ended
 
 
-async def cancel_vins(conn: Any, request_id: str, vins: Sequence[str], now_ms: int) -> CancelChunk:
+async def cancel_vins(conn: Connection, request_id: str, vins: Sequence[str], now_ms: int) -> CancelChunk:
     """Cancel `request_id` for these VINs, in one transaction (`cancel.cancel_vins`)."""
     ended = await retrying(conn, f"cancel of {request_id}", lambda: _cancel_rows(conn, request_id, vins, now_ms, None))
     by_vin = {e.vin: e.sha1 for e in ended}
@@ -194,7 +198,7 @@ async def cancel_vins(conn: Any, request_id: str, vins: Sequence[str], now_ms: i
 
 
 async def start_cancel_all(
-    conn: Any, request_id: str, now_ms: int, max_rows: int, correlation_id: str | None = None
+    conn: Connection, request_id: str, now_ms: int, max_rows: int, correlation_id: str | None = None
 ) -> CancelChunk:
     """Record a cancel of every vehicle of `request_id` and run its first chunk
     (`cancel.start_cancel_all`); a second one while the first runs moves the cut to now and starts
@@ -217,13 +221,13 @@ async def start_cancel_all(
     return await retrying(conn, f"cancel of {request_id}", body)
 
 
-async def cancel_chunk(conn: Any, request_id: str, now_ms: int, max_rows: int) -> CancelChunk:
+async def cancel_chunk(conn: Connection, request_id: str, now_ms: int, max_rows: int) -> CancelChunk:
     """The next chunk of a cancel of every vehicle (`cancel.cancel_chunk`): up to `max_rows` of
     the request's pending VINs in VIN order past where the last chunk stopped."""
     return await retrying(conn, f"cancel of {request_id}", lambda: _cancel_chunk(conn, request_id, now_ms, max_rows))
 
 
-async def _cancel_chunk(conn: Any, request_id: str, now_ms: int, max_rows: int) -> CancelChunk:
+async def _cancel_chunk(conn: Connection, request_id: str, now_ms: int, max_rows: int) -> CancelChunk:
     job = await conn.fetchrow(
         "SELECT cut_ms, after_vin, done, correlation_id FROM cancels WHERE request_id = $1 FOR UPDATE", request_id
     )

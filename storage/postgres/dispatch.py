@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from storage import model
 from storage.model import Outcome
 from storage.postgres.outcomes import MAX_ATTEMPTS
+from storage.postgres.types import Connection, fetch_one
 
 #: Advisory lock class of a vehicle (with hashtext(vin)): `sdv_vin_load` (dispatch.sql) takes it for
 #: each event, so one vehicle's events run one at a time across instances.
@@ -50,7 +50,7 @@ class Loaded:
     rows: list[tuple[model.Row, bytes]]
 
 
-async def load(conn: Any, vin: str, now_ms: int, rows: int) -> Loaded:
+async def load(conn: Connection, vin: str, now_ms: int, rows: int) -> Loaded:
     """Lock the vehicle until the end of the transaction of `conn` and read its state with its
     first `rows` deliverable rows (one round trip)."""
     presence: str | None = None
@@ -79,7 +79,7 @@ async def load(conn: Any, vin: str, now_ms: int, rows: int) -> Loaded:
 
 
 async def save(
-    conn: Any,
+    conn: Connection,
     vin: str,
     now_ms: int,
     *,
@@ -174,7 +174,7 @@ class Timeouts:
 
 
 async def heartbeats(
-    conn: Any, vins: Sequence[str], now_ms: int, timeouts: Timeouts
+    conn: Connection, vins: Sequence[str], now_ms: int, timeouts: Timeouts
 ) -> list[tuple[str, str | None, bool]]:
     """For heartbeats gathered over a few milliseconds: each vehicle's recorded session and
     whether it has work and a free slot (one statement, no lock)."""
@@ -182,12 +182,12 @@ async def heartbeats(
     return [(r["vin"], r["session"], r["wanting"]) for r in found]
 
 
-async def has_work(conn: Any, vin: str, now_ms: int) -> bool:
+async def has_work(conn: Connection, vin: str, now_ms: int) -> bool:
     """Whether the vehicle has a deliverable row (the queue's rule)."""
     return bool(await conn.fetchval(f"SELECT {_HAS_WORK} FROM (SELECT $1::text AS vin) v", vin, now_ms))
 
 
-async def present_wanting(conn: Any, vins: Sequence[str], now_ms: int, timeouts: Timeouts) -> list[str]:
+async def present_wanting(conn: Connection, vins: Sequence[str], now_ms: int, timeouts: Timeouts) -> list[str]:
     """Of `vins` (a new batch's), those online with work and a free slot: the only ones a new
     batch can cause a send to."""
     found = await conn.fetch(_PRESENT_WANTING, list(vins), now_ms, timeouts.inflight_ms, timeouts.response_ms)
@@ -195,7 +195,7 @@ async def present_wanting(conn: Any, vins: Sequence[str], now_ms: int, timeouts:
 
 
 async def online_wanting(
-    conn: Any, after: str, limit: int, now_ms: int, timeouts: Timeouts
+    conn: Connection, after: str, limit: int, now_ms: int, timeouts: Timeouts
 ) -> tuple[list[str], str | None]:
     """One page (`limit` online vehicles after `after`, in VIN order) of the online vehicles
     with work and a free slot, and where the next page starts (None: done)."""
@@ -206,7 +206,7 @@ async def online_wanting(
     return [r["vin"] for r in found], (page[-1] if len(page) == limit else None)
 
 
-async def overdue(conn: Any, now_ms: int, timeouts: Timeouts, limit: int) -> list[str]:
+async def overdue(conn: Connection, now_ms: int, timeouts: Timeouts, limit: int) -> list[str]:
     """Vehicles whose delivery is past the in-flight timeout (not acked) or past the response
     timeout (acked, no answer): what the timeout sweep looks at, oldest first."""
     found = await conn.fetch(
@@ -222,7 +222,7 @@ async def overdue(conn: Any, now_ms: int, timeouts: Timeouts, limit: int) -> lis
     return [r["vin"] for r in found]
 
 
-async def sent_by(conn: Any, sender: str, after: str, limit: int) -> list[str]:
+async def sent_by(conn: Connection, sender: str, after: str, limit: int) -> list[str]:
     """Vehicles with a delivery out that `sender`'s MQTT client published (lost with its link)."""
     found = await conn.fetch(
         """SELECT vin FROM vin_state WHERE sender = $1 AND request_id IS NOT NULL AND NOT voided AND vin > $2
@@ -234,7 +234,7 @@ async def sent_by(conn: Any, sender: str, after: str, limit: int) -> list[str]:
     return [r["vin"] for r in found]
 
 
-async def with_marker_of(conn: Any, request_id: str, vins: Sequence[str]) -> list[str]:
+async def with_marker_of(conn: Connection, request_id: str, vins: Sequence[str]) -> list[str]:
     """Of `vins`, those whose recorded delivery is of `request_id` (a cancel's candidates)."""
     found = await conn.fetch(
         "SELECT vin FROM vin_state WHERE request_id = $1 AND vin = ANY($2::text[])", request_id, list(vins)
@@ -242,17 +242,18 @@ async def with_marker_of(conn: Any, request_id: str, vins: Sequence[str]) -> lis
     return [r["vin"] for r in found]
 
 
-async def totals(conn: Any) -> tuple[int, int, int]:
+async def totals(conn: Connection) -> tuple[int, int, int]:
     """(vehicles online, deliveries out, of which PUBACKed and awaiting their answer), everywhere."""
-    r = await conn.fetchrow(
+    r = await fetch_one(
+        conn,
         """SELECT (SELECT count(*) FROM presence) AS online,
                   (SELECT count(*) FROM vin_state WHERE request_id IS NOT NULL AND NOT voided) AS out,
-                  (SELECT count(*) FROM vin_state WHERE acked_ms IS NOT NULL) AS awaiting"""
+                  (SELECT count(*) FROM vin_state WHERE acked_ms IS NOT NULL) AS awaiting""",
     )
     return int(r["online"]), int(r["out"]), int(r["awaiting"])
 
 
-async def online_page(conn: Any, after: str, limit: int) -> list[str]:
+async def online_page(conn: Connection, after: str, limit: int) -> list[str]:
     """Online vehicles after `after`, in VIN order."""
     found = await conn.fetch("SELECT vin FROM presence WHERE vin > $1 ORDER BY vin LIMIT $2", after, limit)
     return [r["vin"] for r in found]

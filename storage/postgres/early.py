@@ -10,7 +10,6 @@ transaction looks for parked triggers: none is left waiting for data that is the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from storage.errors import EarlyTriggersFull
 from storage.model import (
@@ -25,6 +24,7 @@ from storage.model import (
     sha1_of,
 )
 from storage.postgres import batches
+from storage.postgres.types import Connection, Record, fetch_one
 
 #: Advisory lock class of a data_id (with hashtext(data_id)).
 DATA_LOCK = 0x5345
@@ -40,7 +40,7 @@ ON CONFLICT (batch_id) DO UPDATE SET request_id = EXCLUDED.request_id, sha1 = EX
 _TRIGGER_COLUMNS = "seq, request_id, vins, ts_ms, batch_id, correlation_id, expires_ms, flags"
 
 
-async def _lock_data(conn: Any, data_id: str, *, shared: bool) -> None:
+async def _lock_data(conn: Connection, data_id: str, *, shared: bool) -> None:
     fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
     await conn.execute(f"SELECT {fn}($1, hashtext($2))", DATA_LOCK, data_id)
 
@@ -51,7 +51,7 @@ def _stored(vins: Sequence[str], refused: tuple[str, ...]) -> tuple[str, ...]:
 
 
 async def store_data(
-    conn: Any, data_id: str, blob: bytes, now_ms: int, max_rows: int = 10_000, max_pending: int = 0
+    conn: Connection, data_id: str, blob: bytes, now_ms: int, max_rows: int = 10_000, max_pending: int = 0
 ) -> DataWritten:
     """A `$SDV-FANOUT/data/<data_id>` payload: the blob, the alias, and the triggers waiting for it
     up to `max_rows` rows (`more`: some still wait, see `complete_early`), as `ops.store_data`."""
@@ -73,7 +73,9 @@ async def store_data(
     return await batches.retrying(conn, f"data {data_id}", body)
 
 
-async def complete_early(conn: Any, data_id: str, now_ms: int, max_rows: int, max_pending: int = 0) -> EarlyCompleted:
+async def complete_early(
+    conn: Connection, data_id: str, now_ms: int, max_rows: int, max_pending: int = 0
+) -> EarlyCompleted:
     """One more chunk of the triggers waiting for `data_id`, whose data has arrived: oldest first,
     at most `max_rows` rows but at least one trigger (`ops.complete_early`)."""
 
@@ -91,7 +93,7 @@ async def complete_early(conn: Any, data_id: str, now_ms: int, max_rows: int, ma
 
 
 async def _complete(
-    conn: Any, data_id: str, sha1: bytes, size: int, now_ms: int, max_rows: int, max_pending: int
+    conn: Connection, data_id: str, sha1: bytes, size: int, now_ms: int, max_rows: int, max_pending: int
 ) -> EarlyCompleted:
     sizes = await conn.fetch(
         "SELECT seq, cardinality(vins) AS n FROM early_triggers WHERE data_id = $1 ORDER BY seq FOR UPDATE", data_id
@@ -147,7 +149,7 @@ async def _complete(
     return EarlyCompleted(tuple(completed), more, tuple(expired))
 
 
-async def _lock_ahead(conn: Any, triggers: Sequence[Any]) -> None:
+async def _lock_ahead(conn: Connection, triggers: Sequence[Record]) -> None:
     """Take, up front and in the store's lock order, what completing `triggers` one after another
     would lock in trigger order: the request locks, cancel jobs (request order), then the rows
     (VIN order). Two triggers of a chunk may name the same VINs in other orders."""
@@ -168,7 +170,7 @@ async def _lock_ahead(conn: Any, triggers: Sequence[Any]) -> None:
 
 
 async def store_trigger(
-    conn: Any,
+    conn: Connection,
     data_id: str,
     vins: Sequence[str],
     request_id: str,
@@ -207,7 +209,7 @@ async def store_trigger(
 
 
 async def _park(
-    conn: Any,
+    conn: Connection,
     data_id: str,
     vins: Sequence[str],
     request_id: str,
@@ -219,8 +221,8 @@ async def _park(
     spec: RowSpec,
 ) -> None:
     """Park a trigger (its batch_id was claimed with no sha1: the receipt of a parked trigger)."""
-    parked, parked_rows = await conn.fetchrow(
-        "SELECT count(*), coalesce(sum(cardinality(vins)), 0) FROM early_triggers"
+    parked, parked_rows = await fetch_one(
+        conn, "SELECT count(*), coalesce(sum(cardinality(vins)), 0) FROM early_triggers"
     )
     if parked >= early_max:
         raise EarlyTriggersFull(f"{early_max} triggers already wait for their data")
@@ -240,7 +242,7 @@ async def _park(
     )
 
 
-async def expire_early(conn: Any, now_ms: int, ttl_ms: int, limit: int) -> list[EarlyExpired]:
+async def expire_early(conn: Connection, now_ms: int, ttl_ms: int, limit: int) -> list[EarlyExpired]:
     """Drop up to `limit` parked triggers at least `ttl_ms` old, in (data_id, arrival) order, and
     forget their batch ids (`ops.expire_early`). Triggers another transaction is completing are
     passed over (SKIP LOCKED), so several instances may sweep at once."""
@@ -266,7 +268,7 @@ async def expire_early(conn: Any, now_ms: int, ttl_ms: int, limit: int) -> list[
     ]
 
 
-async def waiting_data_ids(conn: Any) -> list[str]:
+async def waiting_data_ids(conn: Connection) -> list[str]:
     """data_ids that parked triggers wait for although their data is stored: what a crash left
     between two completion chunks (`ops.waiting_data_ids`)."""
     found = await conn.fetch(

@@ -8,12 +8,11 @@ so several instances may sweep at once without waiting on each other or on inges
 
 from __future__ import annotations
 
-from typing import Any
-
 from storage.model import Outcome
 from storage.model import now_ms as clock_ms
 from storage.postgres import batches, outcomes
 from storage.postgres.outcomes import Bumps, Ended
+from storage.postgres.types import Connection, Record
 
 _EXPIRE_DUE = """
 WITH due AS (
@@ -31,7 +30,7 @@ RETURNING r.vin, r.request_id, r.sha1, r.ts_ms
 """
 
 
-async def end_expired(conn: Any, deleted: list[Any], now_ms: int) -> None:
+async def end_expired(conn: Connection, deleted: list[Record], now_ms: int) -> None:
     """Outcome records and counts for rows just deleted as `expired` (records with vin,
     request_id, sha1, ts_ms), in the caller's transaction."""
     ended = [Ended(r["vin"], r["request_id"], bytes(r["sha1"]), r["ts_ms"], Outcome.EXPIRED) for r in deleted]
@@ -40,12 +39,12 @@ async def end_expired(conn: Any, deleted: list[Any], now_ms: int) -> None:
     await bumps.write(conn, now_ms)
 
 
-async def expire_due(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str, bytes]]:
+async def expire_due(conn: Connection, now_ms: int, limit: int) -> list[tuple[str, str, bytes]]:
     """End `expired` up to `limit` rows whose expires_at is at or before `now_ms`, soonest first
     (then request id, VIN); (VIN, request id, sha1) of each, in that order."""
 
-    async def body() -> list[Any]:
-        found: list[Any] = await conn.fetch(_EXPIRE_DUE, now_ms, limit)
+    async def body() -> list[Record]:
+        found = await conn.fetch(_EXPIRE_DUE, now_ms, limit)
         await end_expired(conn, found, now_ms)
         return found
 
@@ -54,13 +53,13 @@ async def expire_due(conn: Any, now_ms: int, limit: int) -> list[tuple[str, str,
     return [(r["vin"], r["request_id"], bytes(r["sha1"])) for r in deleted]
 
 
-async def first_deadline(conn: Any) -> int | None:
+async def first_deadline(conn: Connection) -> int | None:
     """The soonest expires_at of any row (ms), None when no row has one."""
     found = await conn.fetchval("SELECT min(expires_ms) FROM rows WHERE expires_ms > 0")
     return None if found is None else int(found)
 
 
-async def expire_rows(conn: Any, cutoff_ms: int, limit: int, now_ms: int | None = None) -> int:
+async def expire_rows(conn: Connection, cutoff_ms: int, limit: int, now_ms: int | None = None) -> int:
     """Retention: end `expired` up to `limit` rows stored before `cutoff_ms`, oldest first; how
     many. Their outcomes are stamped with the wall clock, as `gc.expire_rows` does (`now_ms`
     overrides it)."""

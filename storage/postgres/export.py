@@ -24,6 +24,7 @@ from storage.errors import StorageError
 from storage.model import Outcome, now_ms
 from storage.postgres.migrate import SCHEMA_VERSION as PG_SCHEMA_VERSION
 from storage.postgres.migrate import schema_version
+from storage.postgres.types import Connection
 
 Progress = Callable[[int], None]
 
@@ -65,13 +66,13 @@ WHERE oid = ANY(ARRAY['rows', 'blobs', 'aliases', 'outcomes', 'generations']::re
 """
 
 
-async def estimated_records(conn: Any) -> int | None:
+async def estimated_records(conn: Connection) -> int | None:
     """About how many records an export of this database writes (planner statistics, no scan);
     None when the tables were never analysed."""
     return int(await conn.fetchval(_ESTIMATES)) or None
 
 
-async def _cursor(conn: Any, sql: str, *args: Any) -> AsyncIterator[tuple[Any, ...]]:
+async def _cursor(conn: Connection, sql: str, *args: object) -> AsyncIterator[tuple[Any, ...]]:
     async for record in conn.cursor(sql, *args, prefetch=FETCH_ROWS):
         yield tuple(record)
 
@@ -116,7 +117,7 @@ def _answer_weight(item: tuple[Any, ...]) -> int:
     return int(item[-1] or 0)  # response_bytes; null for every outcome but `responded`
 
 
-async def _outcomes(conn: Any) -> AsyncIterator[list[tuple[Any, ...]]]:
+async def _outcomes(conn: Connection) -> AsyncIterator[list[tuple[Any, ...]]]:
     """Outcome records in batches, each with its long answers read by key in the same snapshot."""
     responded = int(Outcome.RESPONDED)
 
@@ -138,7 +139,7 @@ async def _outcomes(conn: Any) -> AsyncIterator[list[tuple[Any, ...]]]:
         ]
 
 
-async def export(conn: Any, out: str | os.PathLike[str], progress: Progress | None = None) -> dict[str, Any]:
+async def export(conn: Connection, out: str | os.PathLike[str], progress: Progress | None = None) -> dict[str, Any]:
     """Write OUT/{rows,blobs,aliases,outcomes,generations}/part-00000.parquet from the database of
     `conn` (an asyncpg connection, outside any transaction), then OUT/manifest.json (last: an
     export without it is incomplete); returns the manifest, the LMDB export's to the key."""

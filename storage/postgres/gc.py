@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 from storage.model import BLOB_CHUNK, ROW_CHUNK, GcReport
 from storage.postgres import early, expiry, outcomes
+from storage.postgres.types import Connection, fetch_one
 
 _EXPIRE_OUTCOMES = """
 WITH doomed AS (
@@ -70,28 +70,28 @@ def _deleted(status: str) -> int:
     return int(status.rsplit(" ", 1)[1])
 
 
-async def _delete_old(conn: Any, statement: str, cutoff_ms: int, limit: int) -> int:
+async def _delete_old(conn: Connection, statement: str, cutoff_ms: int, limit: int) -> int:
     """One chunk of a time-ordered delete, its own transaction; how many rows it deleted."""
     return _deleted(await conn.execute(statement, cutoff_ms, limit))
 
 
-async def expire_outcomes(conn: Any, cutoff_ms: int, limit: int) -> int:
+async def expire_outcomes(conn: Connection, cutoff_ms: int, limit: int) -> int:
     """Up to `limit` outcome records that ended before `cutoff_ms`, oldest first (the counts of
     their generation keep them)."""
     return await _delete_old(conn, _EXPIRE_OUTCOMES, cutoff_ms, limit)
 
 
-async def expire_generations(conn: Any, cutoff_ms: int, limit: int) -> int:
+async def expire_generations(conn: Connection, cutoff_ms: int, limit: int) -> int:
     """Up to `limit` generations with nothing pending and no change since `cutoff_ms`."""
     return await _delete_old(conn, _EXPIRE_GENERATIONS, cutoff_ms, limit)
 
 
-async def expire_batch_ids(conn: Any, cutoff_ms: int, limit: int) -> int:
+async def expire_batch_ids(conn: Connection, cutoff_ms: int, limit: int) -> int:
     """Up to `limit` batch ids first stored before `cutoff_ms`: a retry after that is a new batch."""
     return await _delete_old(conn, _EXPIRE_BATCH_IDS, cutoff_ms, limit)
 
 
-async def expire_aliases(conn: Any, cutoff_ms: int, limit: int) -> int:
+async def expire_aliases(conn: Connection, cutoff_ms: int, limit: int) -> int:
     """Up to `limit` aliases (platform data_ids) written before `cutoff_ms`."""
     return await _delete_old(conn, _EXPIRE_ALIASES, cutoff_ms, limit)
 
@@ -106,13 +106,13 @@ async def drain(chunk: Callable[[int], Awaitable[int]], limit: int) -> int:
             return total
 
 
-async def unreferenced_blobs(conn: Any, expired_before_ms: int = 0) -> list[bytes]:
+async def unreferenced_blobs(conn: Connection, expired_before_ms: int = 0) -> list[bytes]:
     """The mark: sha1s of blobs no row and no alias refers to, in sha1 order (rows and aliases
     older than `expired_before_ms` count as gone, as in `gc.unreferenced_blobs`)."""
     return [bytes(r[0]) for r in await conn.fetch(_UNREFERENCED, expired_before_ms)]
 
 
-async def delete_blobs(conn: Any, candidates: Sequence[bytes], cutoff_ms: int) -> tuple[int, int, int]:
+async def delete_blobs(conn: Connection, candidates: Sequence[bytes], cutoff_ms: int) -> tuple[int, int, int]:
     """Delete candidate blobs not created or touched since `cutoff_ms` (re-checked on the locked
     row); (deleted, bytes freed, kept because recently used), as `gc.delete_blobs`.
 
@@ -125,7 +125,7 @@ async def delete_blobs(conn: Any, candidates: Sequence[bytes], cutoff_ms: int) -
     must stay well above that second (plus clock skew between instances).
     """
     async with conn.transaction():
-        gone = await conn.fetchrow(_DELETE_BLOBS, list(candidates), cutoff_ms)
+        gone = await fetch_one(conn, _DELETE_BLOBS, list(candidates), cutoff_ms)
         kept = await conn.fetchval(_RECENT_BLOBS, list(candidates), cutoff_ms)
     return int(gone["n"]), int(gone["freed"]), int(kept)
 
@@ -134,7 +134,7 @@ def _chunks(items: Sequence[bytes], size: int) -> list[Sequence[bytes]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-async def _collect_blobs(conn: Any, report: GcReport, cutoff_ms: int, limit: int) -> None:
+async def _collect_blobs(conn: Connection, report: GcReport, cutoff_ms: int, limit: int) -> None:
     for chunk in _chunks(await unreferenced_blobs(conn), limit):
         deleted, freed, kept = await delete_blobs(conn, chunk, cutoff_ms)
         report.blobs_deleted += deleted
@@ -142,18 +142,18 @@ async def _collect_blobs(conn: Any, report: GcReport, cutoff_ms: int, limit: int
         report.blobs_kept_recent += kept
 
 
-async def _predict(conn: Any, report: GcReport, cutoff_ms: int, blob_cutoff_ms: int) -> None:
+async def _predict(conn: Connection, report: GcReport, cutoff_ms: int, blob_cutoff_ms: int) -> None:
     """The dry run: what the pass would delete, read from one snapshot."""
     async with conn.transaction(isolation="repeatable_read", readonly=True):
         report.rows_expired = await conn.fetchval("SELECT count(*) FROM rows WHERE ts_ms < $1", cutoff_ms)
         report.aliases_expired = await conn.fetchval("SELECT count(*) FROM aliases WHERE ts_ms < $1", cutoff_ms)
         candidates = await unreferenced_blobs(conn, cutoff_ms)
-        found = await conn.fetchrow(_PREDICT_BLOBS, candidates, blob_cutoff_ms)
+        found = await fetch_one(conn, _PREDICT_BLOBS, candidates, blob_cutoff_ms)
     report.blobs_deleted, report.blob_bytes_freed, report.blobs_kept_recent = found["n"], found["freed"], found["kept"]
 
 
 async def collect(
-    conn: Any,
+    conn: Connection,
     *,
     now_ms: int,
     retention_ms: int,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 from importlib import resources
-from typing import Any
 
 from storage.errors import StorageError
+from storage.postgres.types import Connection
 
 #: The advisory lock every schema change holds ("SDVFANOU" as a bigint): one fixed key, so the
 #: lock means the same to every version of this code.
@@ -47,7 +47,7 @@ def migration_sql(name: str) -> str:
     return resources.files("storage.postgres").joinpath(name).read_text(encoding="utf-8")
 
 
-async def schema_version(conn: Any) -> int:
+async def schema_version(conn: Connection) -> int:
     """The version the database is at (0: no schema yet)."""
     exists = await conn.fetchval("SELECT to_regclass('schema_version') IS NOT NULL")
     if not exists:
@@ -55,7 +55,7 @@ async def schema_version(conn: Any) -> int:
     return int(await conn.fetchval("SELECT coalesce(max(version), 0) FROM schema_version"))
 
 
-async def migrate(conn: Any) -> list[int]:
+async def migrate(conn: Connection) -> list[int]:
     """Bring the database of `conn` (an asyncpg connection) to SCHEMA_VERSION; the versions this
     call applied (empty when it was there already)."""
     applied: list[int] = []

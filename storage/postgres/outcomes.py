@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from storage import model
 from storage.model import Generation, Outcome, OutcomeRecord
+from storage.postgres.types import Connection, Record
 
 TOTAL = 0
 PENDING = 1
@@ -68,7 +68,7 @@ class Bumps:
         counts = self._deltas.setdefault((request_id, sha1), [0] * len(model.COUNT_NAMES))
         counts[slot] += delta
 
-    async def write(self, conn: Any, now_ms: int) -> None:
+    async def write(self, conn: Connection, now_ms: int) -> None:
         """Apply the changes to their generation rows (locked until the commit)."""
         if self._deltas:
             args = [(rid, sha1, now_ms, *counts) for (rid, sha1), counts in sorted(self._deltas.items())]
@@ -90,7 +90,7 @@ class Ended:
     response: bytes = b""
 
 
-async def end_pairs(conn: Any, ended: Sequence[Ended], now_ms: int, bumps: Bumps) -> None:
+async def end_pairs(conn: Connection, ended: Sequence[Ended], now_ms: int, bumps: Bumps) -> None:
     """Record how each pair ended (at `now_ms`) and count it: pending -1, its outcome +1."""
     if not ended:
         return
@@ -112,7 +112,7 @@ async def end_pairs(conn: Any, ended: Sequence[Ended], now_ms: int, bumps: Bumps
 
 
 async def rows_pending(
-    conn: Any, vins: Sequence[str], request_id: str, sha1: bytes, bumps: Bumps, *, known: bool
+    conn: Connection, vins: Sequence[str], request_id: str, sha1: bytes, bumps: Bumps, *, known: bool
 ) -> None:
     """The rows of `vins` now hold (request_id, sha1), which they did not hold before (as
     `storage.lmdb.outcomes.rows_pending`): a pair that had ended (delivered, then sent the same again)
@@ -136,7 +136,7 @@ async def rows_pending(
         bumps.add(request_id, sha1, code, -n)
 
 
-async def fold(conn: Any, limit: int = 10_000) -> int:
+async def fold(conn: Connection, limit: int = 10_000) -> int:
     """Move up to `limit` appended count changes into their generation rows (one transaction);
     how many were folded. Safe beside other folds and every other writer."""
     return int(await conn.fetchval(_FOLD, limit))
@@ -144,26 +144,26 @@ async def fold(conn: Any, limit: int = 10_000) -> int:
 
 # -- reads ------------------------------------------------------------------------------------
 # Readers see `generation_counts`: the folded counts plus the changes appended since.
-def generation_of(record: Any) -> Generation:
+def generation_of(record: Record) -> Generation:
     """A generation from a row of `generation_counts`."""
     counts = {name: int(record[name]) for name in model.COUNT_NAMES}
     return Generation(record["request_id"], bytes(record["sha1"]), record["first_ms"], record["last_ms"], counts)
 
 
-async def generation(conn: Any, request_id: str, sha1: bytes) -> Generation | None:
+async def generation(conn: Connection, request_id: str, sha1: bytes) -> Generation | None:
     record = await conn.fetchrow(
         "SELECT * FROM generation_counts WHERE request_id = $1 AND sha1 = $2", request_id, sha1
     )
     return None if record is None else generation_of(record)
 
 
-async def all_generations(conn: Any) -> list[Generation]:
+async def all_generations(conn: Connection) -> list[Generation]:
     """Every generation, newest first by last change (as `storage.lmdb.outcomes.all_generations`)."""
     records = await conn.fetch("SELECT * FROM generation_counts ORDER BY last_ms DESC, request_id DESC, sha1")
     return [generation_of(r) for r in records]
 
 
-async def outcome_of(conn: Any, vin: str, request_id: str, sha1: bytes) -> Outcome | None:
+async def outcome_of(conn: Connection, vin: str, request_id: str, sha1: bytes) -> Outcome | None:
     code = await conn.fetchval(
         "SELECT code FROM outcomes WHERE vin = $1 AND request_id = $2 AND sha1 = $3", vin, request_id, sha1
     )
@@ -177,7 +177,7 @@ SELECT request_id, sha1, code, count(*) FROM outcomes GROUP BY request_id, sha1,
 """
 
 
-async def recount(conn: Any) -> dict[tuple[str, bytes], dict[str, int]]:
+async def recount(conn: Connection) -> dict[tuple[str, bytes], dict[str, int]]:
     """Counts rebuilt from rows and outcome records alone (as `storage.lmdb.outcomes.recount`)."""
     out: dict[tuple[str, bytes], dict[str, int]] = {}
     for request_id, sha1, code, n in await conn.fetch(_RECOUNT):
@@ -187,7 +187,7 @@ async def recount(conn: Any) -> dict[tuple[str, bytes], dict[str, int]]:
     return out
 
 
-async def generations(conn: Any, request_id: str) -> list[Generation]:
+async def generations(conn: Connection, request_id: str) -> list[Generation]:
     """The generations of `request_id`, newest first by first change (as
     `storage.lmdb.outcomes.generations`: ties in sha1 order)."""
     records = await conn.fetch(
@@ -196,7 +196,7 @@ async def generations(conn: Any, request_id: str) -> list[Generation]:
     return [generation_of(r) for r in records]
 
 
-async def vehicle_outcomes(conn: Any, vin: str, limit: int = 20) -> list[OutcomeRecord]:
+async def vehicle_outcomes(conn: Connection, vin: str, limit: int = 20) -> list[OutcomeRecord]:
     """The vehicle's most recent outcomes, newest first, with the stored answers (as
     `storage.lmdb.outcomes.vehicle_outcomes`: ties in (request id, sha1) order)."""
     records = await conn.fetch(

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
 
 from storage.model import now_ms as clock_ms
 from storage.postgres import batches, expiry
 from storage.postgres import gc as pg_gc
+from storage.postgres.types import Connection
 
 # The planned rows still at their planned ts, locked in key order, skipping any another
 # transaction holds; the join is re-checked on the latest version of a row changed meanwhile (READ
@@ -43,7 +43,7 @@ WHERE a.data_id = p.data_id AND a.ts_ms = p.ts
 """
 
 
-async def delete_planned_rows(conn: Any, planned: Sequence[tuple[str, str, int]]) -> tuple[int, int]:
+async def delete_planned_rows(conn: Connection, planned: Sequence[tuple[str, str, int]]) -> tuple[int, int]:
     """End `expired` the planned (VIN, request id, ts) rows still at that ts: (deleted, kept
     because replaced since or held by another transaction), as `storage.lmdb.gc.delete_planned_rows`."""
     vins, rids, tss = ([p[i] for p in planned] for i in range(3))
@@ -56,7 +56,7 @@ async def delete_planned_rows(conn: Any, planned: Sequence[tuple[str, str, int]]
     return await batches.retrying(conn, "gc apply", body)
 
 
-async def delete_planned_aliases(conn: Any, planned: Sequence[tuple[str, int]]) -> int:
+async def delete_planned_aliases(conn: Connection, planned: Sequence[tuple[str, int]]) -> int:
     """Delete the planned (data_id, ts) aliases not rewritten since; how many."""
     status = await conn.execute(_DELETE_PLANNED_ALIASES, [p[0] for p in planned], [p[1] for p in planned])
     return int(status.rsplit(" ", 1)[1])
@@ -65,7 +65,7 @@ async def delete_planned_aliases(conn: Any, planned: Sequence[tuple[str, int]]) 
 class PgTarget:
     """`storage.plan.PlanTarget` on one asyncpg connection, driven by `loop` (not running)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, conn: Any) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, conn: Connection) -> None:
         self._loop, self._conn = loop, conn
 
     def delete_rows(self, planned: Sequence[tuple[str, str, int]]) -> tuple[int, int]:

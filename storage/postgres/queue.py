@@ -9,10 +9,10 @@ took it by its cut (`Store._visible_rows`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from storage import model
 from storage.model import now_ms as clock_ms
+from storage.postgres.types import Connection, Record
 
 _COLUMNS = "r.request_id, r.ts_ms, r.sha1, r.size, r.expires_ms, r.flags"
 # Not hidden: $2/$3 are the request ids and sha1s of rows acked but not deleted yet.
@@ -37,18 +37,18 @@ ORDER BY r.ts_ms, r.request_id LIMIT 1
 """
 
 
-def _row(vin: str, r: Any) -> model.Row:
+def _row(vin: str, r: Record) -> model.Row:
     return model.Row(vin, r["request_id"], r["ts_ms"], bytes(r["sha1"]), r["size"], r["expires_ms"], r["flags"])
 
 
-async def pending(conn: Any, vin: str) -> list[model.Row]:
+async def pending(conn: Connection, vin: str) -> list[model.Row]:
     """The vehicle's pending rows in delivery order (deliverable or not)."""
     found = await conn.fetch(f"SELECT {_COLUMNS} FROM rows r WHERE r.vin = $1 ORDER BY r.ts_ms, r.request_id", vin)
     return [_row(vin, r) for r in found]
 
 
 async def oldest(
-    conn: Any, vin: str, hidden: Mapping[str, bytes] | None = None, now_ms: int | None = None
+    conn: Connection, vin: str, hidden: Mapping[str, bytes] | None = None, now_ms: int | None = None
 ) -> tuple[tuple[model.Row, bytes] | None, int]:
     """The vehicle's next deliverable row and its payload (None when there is none), and how many
     deliverable rows it has besides the `hidden` ones (request id -> sha1 of rows acked, their
@@ -68,6 +68,6 @@ async def oldest(
     return (_row(vin, first), bytes(first["data"])), count
 
 
-async def backlog(conn: Any, vin: str) -> int:
+async def backlog(conn: Connection, vin: str) -> int:
     """The vehicle's pending rows, deliverable or not."""
     return int(await conn.fetchval("SELECT count(*) FROM rows WHERE vin = $1", vin))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from storage import model
 from storage.errors import StorageError
@@ -21,8 +21,10 @@ from storage.port import GcSettings, Reads
 from storage.postgres import gc as pg_gc
 from storage.postgres import outcomes, queue
 from storage.postgres.errors import as_storage_error
+from storage.postgres.types import Connection, Pool, fetch_one
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # One statement: one snapshot even outside a transaction. length(bytea) reads the stored size
 # without detoasting the payload.
@@ -47,9 +49,9 @@ ORDER BY last_ms DESC, request_id DESC, sha1 DESC LIMIT $3
 _VEHICLES_AT = "SELECT sdv_vehicles_at($1)"
 
 
-async def stats(conn: Any) -> Stats:
+async def stats(conn: Connection) -> Stats:
     """The store's counts and sizes (as `Store.stats`); the LMDB map fields are 0: there is no map."""
-    r = await conn.fetchrow(_STATS)
+    r = await fetch_one(conn, _STATS)
     return Stats(
         rows=int(r["rows"]),
         blobs=int(r["blobs"]),
@@ -64,7 +66,7 @@ async def stats(conn: Any) -> Stats:
 
 
 async def generations_page(
-    conn: Any, limit: int, after: PageKey | None = None
+    conn: Connection, limit: int, after: PageKey | None = None
 ) -> tuple[list[Generation], PageKey | None, int]:
     """Up to `limit` generations newest first by last change, starting past `after`; the place of
     the last one when more follow, and how many there are in all (as `outcomes.generations_page`).
@@ -80,19 +82,19 @@ async def generations_page(
     return page, (page[-1].last_ms, model.generation_key(page[-1].request_id, page[-1].sha1)) if more else None, total
 
 
-async def vehicle(conn: Any, vin: str, outcomes_limit: int) -> tuple[list[model.Row], list[OutcomeRecord]]:
+async def vehicle(conn: Connection, vin: str, outcomes_limit: int) -> tuple[list[model.Row], list[OutcomeRecord]]:
     """The vehicle's pending rows in delivery order and its most recent outcomes."""
     return await queue.pending(conn, vin), await outcomes.vehicle_outcomes(conn, vin, outcomes_limit)
 
 
-async def row_count(conn: Any) -> int:
+async def row_count(conn: Connection) -> int:
     """Pending rows: the sum of the generations' pending counts, which every write of a row keeps
     in its transaction (tests: the recounts of test_pg_batch_statement and the parity suites), so
     the leader's gauge reads O(generations) every 30 s, not a pass over a table of millions."""
     return int(await conn.fetchval("SELECT coalesce(sum(pending), 0) FROM generation_counts"))
 
 
-async def vehicles_at(conn: Any, bound: int) -> int:
+async def vehicles_at(conn: Connection, bound: int) -> int:
     """Vehicles with at least `bound` pending rows (`sdv_vehicles_at`, bound.sql): above a bound
     of 64 only the vehicles listed in `crowded` are counted, as only they can be there."""
     return int(await conn.fetchval(_VEHICLES_AT, bound))
@@ -104,17 +106,17 @@ async def vehicles_at(conn: Any, bound: int) -> int:
 class PgReads:
     """The PostgreSQL store's `Reads` (storage/port.py)."""
 
-    def __init__(self, pool: Any, timeout_s: float) -> None:
+    def __init__(self, pool: Pool, timeout_s: float) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
 
-    async def _read(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+    async def _read(self, fn: Callable[Concatenate[Connection, P], Awaitable[T]], *args: P.args, **kw: P.kwargs) -> T:
         """`fn(conn, *args)` in one read-only snapshot, within the deadline (the wait for a pooled
         connection included); a read cancelled at the deadline changes nothing."""
 
         async def in_a_snapshot() -> T:
             async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
-                return await fn(conn, *args)
+                return await fn(conn, *args, **kw)
 
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -159,4 +161,6 @@ class PgReads:
 
 
 if TYPE_CHECKING:  # mypy checks that PgReads is a storage.port.Reads
-    _is_reads: Reads = PgReads(None, 0.0)
+
+    def _is_reads(pool: Pool) -> Reads:
+        return PgReads(pool, 0.0)

@@ -5,8 +5,8 @@ database failures come out as StorageError, as LMDB's do (the hook answers UNAVA
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from storage.model import (
     PLAIN,
@@ -22,18 +22,20 @@ from storage.model import (
 from storage.port import Writes, durable_within
 from storage.postgres import batches, early, expiry
 from storage.postgres.errors import as_storage_error
+from storage.postgres.types import Connection, Pool
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class PgWrites:
     """The PostgreSQL store's `Writes` (storage/port.py)."""
 
-    def __init__(self, pool: Any, timeout_s: float) -> None:
+    def __init__(self, pool: Pool, timeout_s: float) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
 
-    async def _run(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kw: Any) -> T:
+    async def _run(self, fn: Callable[Concatenate[Connection, P], Awaitable[T]], *args: P.args, **kw: P.kwargs) -> T:
         async def on_a_connection() -> T:
             async with self._pool.acquire() as conn:
                 return await fn(conn, *args, **kw)
@@ -100,7 +102,7 @@ class PgWrites:
         return await self._run(batches.cancel_chunk, request_id, now_ms, max_rows)
 
     async def cancels_in_progress(self) -> list[str]:
-        async def read(conn: Any) -> list[str]:
+        async def read(conn: Connection) -> list[str]:
             return [r["request_id"] for r in await conn.fetch("SELECT request_id FROM cancels ORDER BY request_id")]
 
         return await self._run(read)
@@ -113,4 +115,6 @@ class PgWrites:
 
 
 if TYPE_CHECKING:  # mypy checks that PgWrites is a storage.port.Writes
-    _is_writes: Writes = PgWrites(None, 0.0)
+
+    def _is_writes(pool: Pool) -> Writes:
+        return PgWrites(pool, 0.0)

@@ -54,6 +54,7 @@ from exhook_server.dispatch.worker import (
 from storage.lmdb import keys
 from storage.model import Outcome
 from storage.postgres import dispatch as pgd
+from storage.postgres.types import Pool
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
@@ -223,7 +224,7 @@ class SharedDispatcher:
 
     def __init__(
         self,
-        pool: Any,
+        pool: Pool,
         publisher: Publisher,
         *,
         lanes: int,

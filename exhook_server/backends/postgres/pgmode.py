@@ -26,6 +26,7 @@ from storage.errors import StorageError
 from storage.postgres import batches, migrate, outcomes
 from storage.postgres import dispatch as pgd
 from storage.postgres.errors import FAILURES, raise_if_cancelling
+from storage.postgres.types import Connection, Pool
 
 log = structlog.get_logger("sdv_fanout.store")
 
@@ -45,7 +46,7 @@ def stall_bound_s(cfg: Config) -> float:
     return max(cfg.ingest_timeout_s, 5.0)
 
 
-def create_pool(cfg: Config) -> Any:
+def create_pool(cfg: Config) -> Pool:
     """The instance's pool (not connected yet: `await` it, see `prepare`)."""
     return asyncpg.create_pool(
         cfg.store_url,
@@ -78,14 +79,14 @@ def create_pool(cfg: Config) -> Any:
     )
 
 
-async def _keep_session(conn: Any) -> None:
+async def _keep_session(conn: Connection) -> None:
     """The pool's reset on release, left empty: asyncpg's default (unlock advisory locks, close
     cursors, UNLISTEN, RESET ALL) is a round trip per release, and the store leaves nothing to
     reset: locks are transaction-level, cursors live inside transactions, nothing LISTENs or
     SETs outside one (the leader's session lock has a connection of its own)."""
 
 
-async def prepare(pool: Any, timeout_s: float = 60.0) -> None:
+async def prepare(pool: Pool, timeout_s: float = 60.0) -> None:
     """Connect the pool and bring the schema to this release (under the migration's advisory
     lock: instances starting together migrate once). Retries while the database is not reachable
     (it may be starting beside us), up to `timeout_s`."""
@@ -108,7 +109,7 @@ async def prepare(pool: Any, timeout_s: float = 60.0) -> None:
             delay = min(delay * 2, 5.0)
 
 
-async def probe(pool: Any) -> bool:
+async def probe(pool: Pool) -> bool:
     """One `SELECT 1` through the pool within a short deadline."""
     try:
         async with asyncio.timeout(_PROBE_TIMEOUT_S):
@@ -121,7 +122,7 @@ async def probe(pool: Any) -> bool:
 
 
 async def watch(
-    pool: Any, grace_s: float, on_change: Callable[[bool], Awaitable[None]], interval_s: float = 1.0
+    pool: Pool, grace_s: float, on_change: Callable[[bool], Awaitable[None]], interval_s: float = 1.0
 ) -> None:
     """Forever: probe the database every `interval_s`; once it has been unreachable for
     `grace_s`, report it down (health NOT_SERVING), and up again at the first good probe."""
@@ -155,7 +156,7 @@ async def lead(cfg: Config, jobs: Callable[[], list[Coroutine[Any, Any, None]]],
     once: another instance takes over within `retry_s`; a stopped one's connection is ended by
     the others (`end_stalled`) once it has been silent for `stall_bound_s`."""
     while True:
-        conn: Any = None
+        conn: Connection | None = None
         tasks: list[asyncio.Task[None]] = []
         try:
             conn = await _connect(cfg.store_url)
@@ -178,7 +179,7 @@ async def lead(cfg: Config, jobs: Callable[[], list[Coroutine[Any, Any, None]]],
         await asyncio.sleep(retry_s)
 
 
-async def _connect(url: str) -> Any:
+async def _connect(url: str) -> asyncpg.Connection[asyncpg.Record]:
     """A connection of its own, opened so that a cancel neither gets lost nor leaks it: asyncpg's
     connect, cancelled as it completes, may hand back the connection or drop it unclosed. The
     connect runs shielded; if we are cancelled meanwhile, whatever it opens is closed at once,
@@ -195,12 +196,12 @@ async def _connect(url: str) -> Any:
         raise
 
 
-def _terminate_opened(opening: asyncio.Future[Any]) -> None:
+def _terminate_opened(opening: asyncio.Future[asyncpg.Connection[asyncpg.Record]]) -> None:
     if not opening.cancelled() and opening.exception() is None:
         opening.result().terminate()
 
 
-async def fold_loop(pool: Any, interval_s: float = 1.0, limit: int = 10_000) -> None:
+async def fold_loop(pool: Pool, interval_s: float = 1.0, limit: int = 10_000) -> None:
     """Forever (in the leader): move the count changes acks appended into their generations
     (storage/postgres/deltas.sql), a chunk per transaction, so readers' sums stay short."""
     while True:
@@ -272,7 +273,7 @@ WHERE a.pid = ANY($2::int[])
 """
 
 
-async def end_stalled(pool: Any, older_than_s: float) -> list[Stalled]:
+async def end_stalled(pool: Pool, older_than_s: float) -> list[Stalled]:
     """End the sessions of stalled instances that hold a lock others wait for: one that has held
     a vehicle's lock, or a request's (a plugin-format batch's transaction: a cancel of every
     vehicle and that request's other batches wait on its locks), for longer than `older_than_s` in
@@ -302,7 +303,7 @@ async def end_stalled(pool: Any, older_than_s: float) -> list[Stalled]:
     return [Stalled(r["pid"], r["state"], r["wait"], round(r["age_s"], 1), r["query"]) for r in found if r["ended"]]
 
 
-async def end_stalled_loop(pool: Any, older_than_s: float, interval_s: float = 1.0) -> None:
+async def end_stalled_loop(pool: Pool, older_than_s: float, interval_s: float = 1.0) -> None:
     """Forever (in every instance: the stalled one may be the leader), every `interval_s`:
     `end_stalled`, so a vehicle's lock held by a stopped instance is free again within
     `older_than_s` + `interval_s`, and the lead a stopped leader held passes to another
