@@ -37,8 +37,8 @@ demo: $(STAMP)
 ## check: lint, format and type checks (also part of `make test`)
 check: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check exhook_server storage
-	$(BIN)/mypy exhook_server storage
+	$(BIN)/ruff format --check exhook_server storage spark
+	$(BIN)/mypy exhook_server storage spark
 
 ## proto: regenerate exhook_server/_proto from proto/
 proto: $(STAMP)

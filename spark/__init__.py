@@ -74,8 +74,10 @@ def submitted_master() -> str | None:
     is not yet; None when none was given (Spark then runs local[*])."""
     from pyspark import SparkContext
 
-    SparkContext._ensure_initialized()  # type: ignore[attr-defined]
-    jvm: Any = SparkContext._jvm  # type: ignore[attr-defined]
+    SparkContext._ensure_initialized()
+    jvm = SparkContext._jvm
+    if jvm is None:  # started by _ensure_initialized
+        return None
     value = jvm.java.lang.System.getProperty("spark.master")
     return str(value) if value else None
 

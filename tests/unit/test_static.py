@@ -18,6 +18,6 @@ def test_ruff_finds_nothing() -> None:
 
 
 def test_mypy_strict_on_the_packages() -> None:
-    """mypy --strict (setup.cfg) passes on exhook_server and storage."""
-    out = _run(str(BIN / "mypy"), "exhook_server", "storage")
+    """mypy --strict (setup.cfg) passes on the product: exhook_server, storage and spark."""
+    out = _run(str(BIN / "mypy"), "exhook_server", "storage", "spark")
     assert out.returncode == 0, out.stdout + out.stderr
