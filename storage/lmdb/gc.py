@@ -21,7 +21,7 @@ import lmdb
 from storage.lmdb import batches, keys, queue
 from storage.lmdb.store import Store
 from storage.lmdb.store import now_ms as clock_ms
-from storage.lmdb.tables import Tables
+from storage.lmdb.tables import Db, Tables
 from storage.model import BLOB_CHUNK as BLOB_CHUNK
 from storage.model import ROW_CHUNK as ROW_CHUNK
 from storage.model import ApplyReport as ApplyReport
@@ -55,7 +55,7 @@ def expire_rows(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: int) ->
     return len(doomed)
 
 
-def _expire_timed(txn: lmdb.Transaction, index: Any, table: Any, cutoff_ms: int, limit: int) -> int:
+def _expire_timed(txn: lmdb.Transaction, index: Db, table: Db, cutoff_ms: int, limit: int) -> int:
     """Delete up to `limit` entries of `table` whose time index entry (ts + key) is before
     `cutoff_ms`, oldest first, with their index entries."""
     cur = txn.cursor(index)

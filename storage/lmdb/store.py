@@ -14,7 +14,8 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from types import TracebackType
+from typing import NamedTuple
 
 import lmdb
 
@@ -23,7 +24,8 @@ from storage.lmdb import keys, queue
 from storage.lmdb.cancel import cut_of
 from storage.lmdb.outcomes import outcome_of
 from storage.lmdb.queue import rebuild_indexes
-from storage.lmdb.tables import ADDED_IN, DB_NAMES, SCHEMA_VERSION, Tables
+from storage.lmdb.tables import ADDED_IN, DB_NAMES, SCHEMA_VERSION, Db, Tables
+from storage.model import Outcome
 from storage.model import Stats as Stats
 from storage.model import now_ms as now_ms
 
@@ -101,7 +103,9 @@ class _Txn:
             with gate.exclusive():
                 store.env.set_mapsize(0)
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         txn, self._txn = self._txn, None
         assert txn is not None
         try:
@@ -183,7 +187,7 @@ class Store:
         self.schema_version = self._check_schema()
 
     # -- lifecycle -------------------------------------------------------------
-    def _open_db(self, name: str) -> Any:
+    def _open_db(self, name: str) -> Db:
         try:
             return self.env.open_db(name.encode(), create=not self.readonly)
         except lmdb.NotFoundError:
@@ -309,7 +313,7 @@ class Store:
             value = txn.get(rkey, db=self.tables.ids)
             return None if value is None else keys.decode_row(rkey, value)
 
-    def outcome(self, vin: str, request_id: str, sha1: bytes) -> Any:
+    def outcome(self, vin: str, request_id: str, sha1: bytes) -> Outcome | None:
         """How the pair (vin, request_id, sha1) ended (an `outcomes.Outcome`), or None."""
 
         with self.read() as txn:

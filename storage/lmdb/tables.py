@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
+
+import lmdb
 
 #: 2 added the outcome tables (gens, outcomes, outcome_expiry, batches, batch_expiry); 3 the
 #: lifecycle ones (deadlines, backlogs, by_request, cancels), longer rows for expires_at and
@@ -36,37 +38,40 @@ DB_NAMES = (
 #: Tables each schema version added, for a clear error when a reader opens an older store.
 ADDED_IN = {name: (2 if i < 12 else 3 if i < 16 else 4) for i, name in enumerate(DB_NAMES) if i >= 7}
 
+#: A named database's handle (what `txn.get(key, db=...)` takes).
+Db: TypeAlias = lmdb._Database
+
 
 @dataclass(frozen=True, slots=True)
 class Tables:
     """Handles of the named databases of one environment."""
 
-    data: Any
-    touched: Any
-    ids: Any
-    expiry: Any
-    aliases: Any
-    early: Any
-    meta: Any
+    data: Db
+    touched: Db
+    ids: Db
+    expiry: Db
+    aliases: Db
+    early: Db
+    meta: Db
     #: request_id \0 sha1 → counts per state (storage/lmdb/outcomes.py).
-    gens: Any
+    gens: Db
     #: VIN \0 request_id \0 sha1 → how that pair ended.
-    outcomes: Any
+    outcomes: Db
     #: ts + outcomes key: GC walks outcomes oldest first.
-    outcome_expiry: Any
+    outcome_expiry: Db
     #: batch_id → the receipt of the batch stored under it (idempotent retries).
-    batches: Any
+    batches: Db
     #: ts + batch_id: GC walks batch ids oldest first.
-    batch_expiry: Any
+    batch_expiry: Db
     #: expires_at + ids key: the expiry sweep walks rows in the order they expire.
-    deadlines: Any
+    deadlines: Db
     #: VIN → its pending rows (max_pending_per_vehicle).
-    backlogs: Any
+    backlogs: Db
     #: request_id \0 VIN → empty: a request's pending VINs (cancel of every vehicle).
-    by_request: Any
+    by_request: Db
     #: request_id → a cancel of every vehicle still in progress (its chunks resume after a crash).
-    cancels: Any
+    cancels: Db
     #: ids key → sha1 and how often that row was published (written with the next commit).
-    tries: Any
+    tries: Db
     #: ids key → a delivery the vehicle PUBACKed whose answer is awaited (await_response rows).
-    awaited: Any
+    awaited: Db
