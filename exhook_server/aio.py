@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
 
 import structlog
 
 log = structlog.get_logger("sdv_fanout.server")
 T = TypeVar("T")
+#: A named background job: (task name, coroutine).
+Job = tuple[str, Coroutine[Any, Any, None]]
 
 #: How long `cancel_all` waits before it cancels a loop again, and how many times it does.
 _PATIENCE_S = 1.0

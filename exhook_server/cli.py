@@ -11,6 +11,7 @@ Every setting is a flag of `serve`, `check-config` and `gc` (see `flags`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import json
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from exhook_server import __version__, flags, log
+from exhook_server.backends.backend import open_backend
 from exhook_server.config import ENV_PREFIX, SECRET_SETTINGS, Config, join_host_port, load, loopback, split_host_port
 from exhook_server.emqx_api import EmqxApiError
 from exhook_server.errors import ConfigError, StorageError
@@ -30,10 +32,6 @@ if TYPE_CHECKING:
     from storage.port import Reads, Writes
 
 T = TypeVar("T")
-P = TypeVar("P")  # a store port: Reads or Writes
-#: How long one read of the CLI may take on PostgreSQL: a scan of a large store (stats) takes a
-#: while, and the operator watching can end it sooner with Ctrl-C.
-_CLI_READ_TIMEOUT_S = 3600.0
 #: Outcomes `inspect` shows: the Admin API's default too.
 _INSPECT_OUTCOMES = 20
 
@@ -285,75 +283,25 @@ def _generation_line(g: Mapping[str, Any]) -> str:
     return f"{counts}  first {_iso(g['first_ms'])}  last {_iso(g['last_ms'])}"
 
 
-def _with_store(
-    cfg: Config,
-    on_pg: Callable[[Any], P],
-    on_lmdb: Callable[[Any, Any], P],
-    work: Callable[[P], Coroutine[Any, Any, T]],
-    *,
-    writable: bool,
-) -> T:
-    """`work(port)` on the store in force: PostgreSQL when store_url is set (a pool of one
-    connection, `on_pg(pool)`), else the LMDB data dir (`on_lmdb(store, committer)`): read-only
-    with no committer, or through a group committer, as a server writes it, when `writable`."""
-    import asyncio
-
-    from storage.lmdb.store import Store
-
-    async def on_postgresql() -> T:
-        import asyncpg
-
-        try:
-            pool = await asyncpg.create_pool(cfg.store_url, min_size=1, max_size=1, timeout=10)
-        except (OSError, asyncpg.PostgresError) as exc:
-            raise StorageError(f"cannot connect to store_url: {exc}") from None
-        try:
-            return await work(on_pg(pool))
-        finally:
-            await pool.close()
-
-    if cfg.store_url:
-        return asyncio.run(on_postgresql())
-    if not writable:
-        with Store(cfg.data_dir, readonly=True) as store:
-            return asyncio.run(work(on_lmdb(store, None)))
-    from storage.lmdb.writer import GroupCommitter
-
-    with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
-        committer = GroupCommitter(store)
-        try:
-            return asyncio.run(work(on_lmdb(store, committer)))
-        finally:
-            committer.close()
-
-
 def _on_store(cfg: Config, read: Callable[[Reads], Coroutine[Any, Any, T]], *, writable: bool = False) -> T:
     """`read(reads)` on the store in force; the LMDB data dir opened read-only unless `writable`
     (GC deletes through a group committer)."""
-    from storage.lmdb.reads import LmdbReads
-    from storage.postgres.reads import PgReads
 
-    def on_pg(pool: Any) -> Reads:
-        return PgReads(pool, _CLI_READ_TIMEOUT_S)
+    async def run() -> T:
+        async with open_backend(cfg, tool=True, readonly=not writable) as backend:
+            return await read(backend.reads)
 
-    def on_lmdb(store: Any, committer: Any) -> Reads:
-        return LmdbReads(store, committer)
-
-    return _with_store(cfg, on_pg, on_lmdb, read, writable=writable)
+    return asyncio.run(run())
 
 
 def _on_store_writes(cfg: Config, work: Callable[[Writes], Coroutine[Any, Any, T]]) -> T:
     """`work(writes)` on the store in force, as a server writes it."""
-    from storage.lmdb.writes import LmdbWrites
-    from storage.postgres.writes import PgWrites
 
-    def on_pg(pool: Any) -> Writes:
-        return PgWrites(pool, _CLI_READ_TIMEOUT_S)
+    async def run() -> T:
+        async with open_backend(cfg, tool=True) as backend:
+            return await work(backend.writes)
 
-    def on_lmdb(store: Any, committer: Any) -> Writes:
-        return LmdbWrites(store, committer, _CLI_READ_TIMEOUT_S)
-
-    return _with_store(cfg, on_pg, on_lmdb, work, writable=True)
+    return asyncio.run(run())
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -579,28 +527,9 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def _cmd_db(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from storage.postgres.migrate import migrate, schema_version
-
     cfg = _load(args)
-    if not cfg.store_url:
-        raise ConfigError("db migrate needs store_url (flag --store-url, env SDV_FANOUT_STORE_URL)")
 
-    async def run() -> tuple[list[int], int]:
-        import asyncpg
-
-        try:
-            conn = await asyncpg.connect(cfg.store_url, timeout=10)
-        except (OSError, asyncpg.PostgresError) as exc:
-            raise StorageError(f"cannot connect to store_url: {exc}") from None
-        try:
-            applied = await migrate(conn)
-            return applied, await schema_version(conn)
-        finally:
-            await conn.close()
-
-    applied, version = asyncio.run(run())
+    applied, version = asyncio.run(open_backend(cfg, tool=True).migrate())
     done = f"applied {', '.join(map(str, applied))}" if applied else "nothing to apply"
     print(f"schema version {version} ({done})")
     return 0
@@ -675,9 +604,6 @@ def _progress(total: int | None, unit: str) -> Any:
 def _cmd_gc(args: argparse.Namespace) -> int:
     from exhook_server.housekeeping import run_gc
     from storage import plan
-    from storage.lmdb import plan as lmdb_plan
-    from storage.lmdb.store import Store
-    from storage.lmdb.writer import GroupCommitter
 
     cfg = _load(args)
     if args.gc_command == "run":
@@ -687,90 +613,29 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
         _print_report(_on_store(cfg, run, writable=True).as_dict(), args.json)
         return 0
-    # A plan from spark/gc_job.py is applied to the store in force: PostgreSQL when store_url is
-    # set, else the LMDB store of data_dir.
+    # A plan from spark/gc_job.py is applied to the store in force.
     path = Path(args.plan)
     plan.read_summary(path)  # not a plan: refused before any store is opened
-    if cfg.store_url:
-        report = _apply_plan_pg(cfg.store_url, path, args.dry_run)
-    else:
-        with Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes) as store:
-            committer = GroupCommitter(store)
-            try:
-                with _progress(plan.plan_size(path), "candidates") as bar:
-                    report = lmdb_plan.apply_plan(
-                        store, committer.submit, path, dry_run=args.dry_run, progress=bar.update
-                    )
-            finally:
-                committer.close()
-    _print_report(report.as_dict(), args.json)
-    return 0
 
-
-def _apply_plan_pg(store_url: str, path: Path, dry_run: bool) -> ApplyReport:
-    """`gc apply` on the PostgreSQL store at `store_url` (storage/postgres/plan.py), one connection."""
-    import asyncio
-
-    import asyncpg
-
-    from storage import plan
-    from storage.postgres.plan import PgTarget
-
-    loop = asyncio.new_event_loop()
-    try:
-        try:
-            conn = loop.run_until_complete(asyncpg.connect(store_url, timeout=10))
-        except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
-            raise StorageError(f"cannot connect to store_url: {exc}") from None
-        try:
+    async def apply() -> ApplyReport:
+        async with open_backend(cfg, tool=True) as backend:
             with _progress(plan.plan_size(path), "candidates") as bar:
-                return plan.apply_plan_to(PgTarget(loop, conn), path, dry_run=dry_run, progress=bar.update)
-        except asyncpg.PostgresError as exc:
-            raise StorageError(f"gc apply on store_url failed: {exc}") from None
-        finally:
-            loop.run_until_complete(conn.close())
-    finally:
-        loop.close()
+                return await backend.apply_plan(path, dry_run=args.dry_run, progress=bar.update)
+
+    _print_report(asyncio.run(apply()).as_dict(), args.json)
+    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from storage.lmdb.export import export
-    from storage.lmdb.store import Store
-
-    cfg = _load(args)
-    if cfg.store_url:
-        print(json.dumps(_export_pg(cfg.store_url, args.out)))
-        return 0
-    with Store(cfg.data_dir, readonly=True) as store:  # --data-dir is the setting's flag here too
-        n = store.counts()
-        with _progress(n["ids"] + n["data"] + n["aliases"] + n["outcomes"] + n["gens"], "records") as bar:
-            manifest = export(store, args.out, progress=bar.update)
-    print(json.dumps(manifest))
-    return 0
-
-
-def _export_pg(store_url: str, out: str) -> dict[str, Any]:
-    """`export` from the PostgreSQL store at `store_url` (storage/postgres/export.py); the manifest."""
-    import asyncio
+    cfg = _load(args)  # --data-dir is the setting's flag here too
 
     async def run() -> dict[str, Any]:
-        import asyncpg
+        async with open_backend(cfg, tool=True, readonly=True) as backend:
+            with _progress(await backend.export_size(), "records") as bar:
+                return await backend.export(args.out, bar.update)
 
-        from storage.postgres import export
-
-        try:
-            conn = await asyncpg.connect(store_url, timeout=10)
-        except (OSError, asyncpg.PostgresError) as exc:
-            raise StorageError(f"cannot connect to store_url: {exc}") from None
-        try:
-            with _progress(await export.estimated_records(conn), "records") as bar:
-                return await export.export(conn, out, progress=bar.update)
-        except asyncpg.PostgresError as exc:
-            raise StorageError(f"export from store_url failed: {exc}") from None
-        finally:
-            await conn.close()
-
-    return asyncio.run(run())
+    print(json.dumps(asyncio.run(run())))
+    return 0
 
 
 def _print_report(out: dict[str, Any], as_json: bool) -> None:

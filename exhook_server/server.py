@@ -23,15 +23,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from exhook_server import acks, admin, catchup, emqx_sync, hooks, housekeeping, memory
-from exhook_server.aio import cancel_all, in_daemon_thread
-from exhook_server.backends.lmdb.peers import Group, Peers
-from exhook_server.backends.lmdb.pool import Dispatcher
-from exhook_server.backends.lmdb.rows import StoreRows
-from exhook_server.backends.postgres import pgmode
-from exhook_server.backends.postgres.dispatch import SharedDispatcher
+from exhook_server.aio import Job, cancel_all, in_daemon_thread
+from exhook_server.backends.backend import Backend, open_backend
+from exhook_server.backends.lmdb.backend import LmdbBackend
+from exhook_server.backends.lmdb.peers import Group
+from exhook_server.backends.postgres.backend import PgBackend
 from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
-from exhook_server.dispatch.port import Dispatch
+from exhook_server.dispatch.port import Dispatch, DispatchNeeds
 from exhook_server.errors import ConfigError
 from exhook_server.group import HOOK_SET_CONFIRMED, write_ready_file
 from exhook_server.health import HealthStates
@@ -40,14 +39,10 @@ from exhook_server.ingest import Ingestor
 from exhook_server.preflight import bind_error
 from exhook_server.progress import ProgressReporter
 from exhook_server.status import StatusPublisher, answer_fields
-from storage.lmdb.reads import LmdbReads
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
-from storage.lmdb.writes import LmdbWrites
 from storage.model import Outcome, now_ms
-from storage.port import Reads, Writes
-from storage.postgres.reads import PgReads
-from storage.postgres.writes import PgWrites
+from storage.port import Reads
 
 log = structlog.get_logger("sdv_fanout.server")
 
@@ -129,75 +124,24 @@ class FanoutServer:
     def __init__(self, cfg: Config, group: Group | None = None, clock: Callable[[], int] = now_ms) -> None:
         self.cfg = cfg
         self.group = group
-        #: PostgreSQL mode: the instance's connection pool (connected in start); None with LMDB.
-        self.pool: Any = None
-        self.store: Store | None = None
-        self.committer: GroupCommitter | None = None
-        writes: Writes
-        if cfg.store_url:
-            self.pool = pgmode.create_pool(cfg)
-            writes = PgWrites(self.pool, cfg.ingest_timeout_s)
-            self.reads: Reads = PgReads(self.pool, cfg.ingest_timeout_s)
-        else:
-            self.store = Store(cfg.data_dir, map_size_bytes=cfg.map_size_bytes, map_max_bytes=cfg.map_max_bytes)
-            self.committer = GroupCommitter(
-                self.store,
-                max_ops=cfg.group_commit_max_ops,
-                max_rows=cfg.max_rows_per_commit,
-                lazy_delay_s=cfg.ack_commit_delay_ms / 1000,
-            )
-            writes = LmdbWrites(self.store, self.committer, cfg.ingest_timeout_s)
-            self.reads = LmdbReads(self.store, self.committer)
+        #: The store in force and what runs over it (exhook_server/backends/).
+        self.backend: Backend = open_backend(cfg, group=group)
+        self.reads: Reads = self.backend.reads
         #: Receipts, progress and outcomes for the platform, published by the delivery client.
         self.status = StatusPublisher(cfg, lambda: self.delivery, clock)
-        self.ingestor = Ingestor(cfg, writes, status=self.status, clock=clock)
+        self.ingestor = Ingestor(cfg, self.backend.writes, status=self.status, clock=clock)
         self.delivery: MqttDelivery | None = None
         vin_re = re.compile(cfg.vin_pattern)
-        vin_from_clientid = (lambda c: vin_re.fullmatch(c) is not None) if cfg.vin_from_clientid else None
-        on_outcome = self._vehicle_outcome if cfg.status_per_vehicle else None
-        self.dispatcher: Dispatch
-        #: LMDB mode: dispatch's row source (None with PostgreSQL).
-        self._rows: StoreRows | None = None
-        self.peers: Peers | None = None
-        if self.pool is not None:
-            # Every process is an instance of its own: the database, not forwarding, decides.
-            self.dispatcher = SharedDispatcher(
-                self.pool,
-                self,  # publishes through self.delivery once it exists (see publish)
-                # Events wait on the database, not the CPU: as many lanes as connections allow
-                # (bench/pg_serve.py: 2 lanes on 2 CPUs left the server half idle).
-                lanes=max(1, cfg.store_pool_size - 2),
-                inflight_timeout_s=cfg.inflight_timeout_s,
+        self.dispatcher: Dispatch = self.backend.dispatcher(
+            DispatchNeeds(
+                publisher=self,  # publishes through self.delivery once it exists (see publish)
+                vin_from_clientid=(lambda c: vin_re.fullmatch(c) is not None) if cfg.vin_from_clientid else None,
+                on_outcome=self._vehicle_outcome if cfg.status_per_vehicle else None,
+                on_response=self._response,
                 sender=self._sender,
                 connected=lambda: self.delivery is not None and self.delivery.connected,
-                vin_from_clientid=vin_from_clientid,
-                on_outcome=on_outcome,
-                max_attempts=cfg.max_attempts,
-                response_timeout_s=cfg.response_timeout_s,
-                on_response=self._response,
-                heartbeat_window_s=cfg.heartbeat_window_ms / 1000,
-                event_timeout_s=cfg.ingest_timeout_s,
             )
-        else:
-            assert self.store is not None and self.committer is not None
-            self._rows = StoreRows(self.store, self.committer)
-            dispatcher = Dispatcher(
-                self._rows,
-                self,  # publishes through self.delivery once it exists (see publish)
-                workers=cfg.worker_count,
-                inflight_timeout_s=cfg.inflight_timeout_s,
-                vin_from_clientid=vin_from_clientid,
-                process=group.index if group else 0,
-                processes=group.size if group else 1,
-                forward=(lambda process, item: self._peers().send(process, item)) if group else None,
-                ask=(lambda process, query: self._peers().ask(process, query)) if group else None,
-                on_outcome=on_outcome,
-                max_attempts=cfg.max_attempts,
-                response_timeout_s=cfg.response_timeout_s,
-                on_response=self._response,
-            )
-            self.dispatcher = dispatcher
-            self.peers = Peers(group, dispatcher.receive, dispatcher.answer) if group else None
+        )
         self.ingestor.listeners.append(self.dispatcher.new_batch)
         self.ingestor.cancel_listener = self.dispatcher.cancelled
         if cfg.status_per_vehicle:
@@ -269,9 +213,20 @@ class FanoutServer:
             return ""
         return join_host_port(split_host_port(self.cfg.metrics_listen)[0], self.metrics_port)
 
-    def _peers(self) -> Peers:
-        assert self.peers is not None
-        return self.peers
+    @property
+    def store(self) -> Store | None:
+        """The LMDB store (tests and tools look into it); None on PostgreSQL."""
+        return self.backend.store if isinstance(self.backend, LmdbBackend) else None
+
+    @property
+    def committer(self) -> GroupCommitter | None:
+        """The LMDB store's group committer; None on PostgreSQL."""
+        return self.backend.committer if isinstance(self.backend, LmdbBackend) else None
+
+    @property
+    def pool(self) -> Any:
+        """The PostgreSQL store's connection pool; None on LMDB."""
+        return self.backend.pool if isinstance(self.backend, PgBackend) else None
 
     def _broker_connected(self, up: bool) -> None:
         self.dispatcher.broker_connected(up)
@@ -304,10 +259,10 @@ class FanoutServer:
             asyncio.create_task(self.ingestor.run_expiry_sweeper(), name="expiry-sweeper"),
         ]
 
-    def _leader_jobs(self, named: bool = False) -> Any:
+    def _leader_jobs(self) -> list[Job]:
         """The work one instance (one process of a host, or the PostgreSQL leader) does for all:
-        GC, the vehicles-at-bound gauge, progress reports, the catch-up session, and on PostgreSQL
-        folding the count changes acks append."""
+        GC, the vehicles-at-bound gauge, progress reports, the catch-up session, and the store's
+        own (`Backend.leader_jobs`: on PostgreSQL folding the count changes acks append)."""
         jobs = [
             ("backlog-gauge", housekeeping.backlog_gauge_loop(self.cfg, self.reads)),
             ("gc", housekeeping.gc_loop(self.cfg, self.reads, self.status)),
@@ -316,12 +271,7 @@ class FanoutServer:
             jobs.append(("progress", ProgressReporter(self.reads, self.status).run(self.cfg.progress_interval_s)))
         if self.cfg.catchup_active:  # the deployment's one catch-up session (docs/operations.md)
             jobs.append(("catchup", catchup.CatchupSession(self.cfg, self.ingestor).hold()))
-        if self.pool is not None:
-            jobs.append(("fold", pgmode.fold_loop(self.pool)))
-            jobs.append(("gauges", housekeeping.gauge_loop(self.dispatcher, self.reads)))
-            assert isinstance(self.dispatcher, SharedDispatcher)
-            jobs.append(("wake-idle", pgmode.wake_idle_loop(self.dispatcher, self.cfg.inflight_timeout_s)))
-        return jobs if named else [job for _, job in jobs]
+        return jobs + self.backend.leader_jobs()
 
     async def _store_up(self, up: bool) -> None:
         """The PostgreSQL store became unreachable for longer than store_down_grace_s, or reachable
@@ -333,17 +283,7 @@ class FanoutServer:
         host, port = self.cfg.host_port
         if self.group is not None:
             port = self.group.port
-        if self.peers is not None:
-            await self.peers.start()
-        if self.pool is not None:
-            await pgmode.prepare(self.pool)
-        self.dispatcher.start()
-        if self._rows is not None and isinstance(self.dispatcher, Dispatcher):
-            # Deliveries PUBACKed before this start, still awaiting their answer: the sweep ends
-            # them at their response timeout even if their vehicles stay away.
-            restored = self.dispatcher.restore_awaited(self._rows.awaited())
-            if restored:
-                log.info("answers_awaited_restored", deliveries=restored)
+        await self.backend.start()
         if self.cfg.mqtt_url:
             self.delivery = MqttDelivery(
                 self.cfg,
@@ -376,26 +316,20 @@ class FanoutServer:
                     self.dispatcher,
                     self.reads,
                     min(5.0, self.cfg.inflight_timeout_s / 4, self.cfg.response_timeout_s / 4),
-                    gauges=self.pool is None,
+                    gauges=self.backend.local_gauges,
                 ),
                 name="tick",
             )
         )
         self._tasks.append(asyncio.create_task(memory.trim_after_bursts(self.servicer.budget), name="malloc-trim"))
-        if self.pool is not None:
-            # Every instance sweeps (their statements skip what another holds) and resumes what a
-            # crash left; one instance at a time (the leader) reports progress and collects.
+        # Store-wide work: on LMDB once per data dir; on PostgreSQL every instance sweeps (their
+        # statements skip what another holds) and resumes what a crash left, and one instance at
+        # a time (the leader) reports progress and collects.
+        if self.backend.runs_store_jobs:
             await self._resume_store_work()
-            self._tasks += [
-                asyncio.create_task(pgmode.lead(self.cfg, self._leader_jobs), name="leader"),
-                asyncio.create_task(pgmode.watch(self.pool, self.cfg.store_down_grace_s, self._store_up), name="store"),
-                asyncio.create_task(
-                    pgmode.end_stalled_loop(self.pool, pgmode.stall_bound_s(self.cfg)), name="end-stalled"
-                ),
-            ]
-        elif self.group is None or self.group.index == 0:  # store-wide work: once per data dir
-            await self._resume_store_work()
-            self._tasks += [asyncio.create_task(job, name=name) for name, job in self._leader_jobs(named=True)]
+        self._tasks += [
+            asyncio.create_task(job, name=name) for name, job in self.backend.jobs(self._leader_jobs, self._store_up)
+        ]
         await self.health_states.started()
         if self.group is None or self.group.index == 0:  # once per group: EMQX loads one of us
             self._tasks.append(asyncio.create_task(self._emqx_after_start(), name="emqx-hook-set"))
@@ -408,8 +342,7 @@ class FanoutServer:
             # A process of a group: its parent serves the group's /metrics (server_group_started).
             metrics=self._metrics_address() or ("parent" if self.group else "off"),
             admin=self.admin_address or "off",
-            store="postgresql" if self.store is None else str(self.store.path),
-            stale_readers_cleared=0 if self.store is None else self.store.stale_readers_cleared,
+            **self.backend.started_fields(),
             pid=os.getpid(),
             process=f"{self.group.index + 1}/{self.group.size}" if self.group else "1/1",
         )
@@ -438,18 +371,11 @@ class FanoutServer:
             if self.delivery.connected:  # the last receipts, while the broker still answers
                 await self.status.drain(min(grace_s, _STATUS_DRAIN_S))
             await asyncio.to_thread(self.delivery.stop)
-        await self.dispatcher.stop()
-        if self.peers is not None:
-            await self.peers.stop()
+        await self.backend.stop()
         await cancel_all(self._tasks)
         await self.ingestor.stop()
         self.status.close()
-        if self.committer is not None:
-            await asyncio.to_thread(self.committer.close)
-        if self.store is not None:
-            self.store.close()
-        if self.pool is not None:
-            await self.pool.close()
+        await self.backend.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

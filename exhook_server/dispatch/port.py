@@ -1,18 +1,21 @@
 """What hooks, acks, the Admin API and housekeeping ask of dispatch, whichever store is behind it.
 
-Two implementations: `backends.lmdb.pool.Dispatcher` (LMDB: each vehicle's state in the memory of
-the worker that owns it, events forwarded between the processes of one host) and
+Two implementations, each built by its store's backend (`Backend.dispatcher`, from
+`DispatchNeeds`): `backends.lmdb.pool.Dispatcher` (LMDB: each vehicle's state in the memory of the
+worker that owns it, events forwarded between the processes of one host) and
 `backends.postgres.dispatch.SharedDispatcher` (PostgreSQL: the state in the database, any instance
 handles any vehicle). Both run the same rules (`worker.Worker`); callers never know which answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from exhook_server.dispatch.commands import EndReason, Session
 from exhook_server.dispatch.ring import HashRing
+from exhook_server.dispatch.worker import OutcomeListener, Publisher, ResponseListener
 
 
 class Dispatch(Protocol):
@@ -72,3 +75,21 @@ class Dispatch(Protocol):
     async def group_online(self) -> list[str]:
         """Every online VIN, sorted."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchNeeds:
+    """What a backend's dispatch takes from the server that runs it (`Backend.dispatcher`)."""
+
+    #: Publishes a delivery (the MQTT delivery client, once started).
+    publisher: Publisher
+    #: Whether a clientid names its vehicle (vin_from_clientid); None: never.
+    vin_from_clientid: Callable[[str], bool] | None
+    #: Told of each pair's outcome (status_per_vehicle); None: nobody.
+    on_outcome: OutcomeListener | None
+    #: Told of each answer a vehicle sends.
+    on_response: ResponseListener
+    #: Who sends this instance's deliveries (its MQTT clientid).
+    sender: Callable[[], str]
+    #: Whether the delivery client holds its broker link now.
+    connected: Callable[[], bool]

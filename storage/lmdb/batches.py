@@ -7,7 +7,7 @@ without an op that raised anyway, so a half-done op never reaches the disk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lmdb
@@ -472,3 +472,23 @@ def record_tries(txn: lmdb.Transaction, t: Tables, records: Sequence[TryRecord])
             txn.put(rkey, keys.awaited_value(sha1, attempts, acked_ms, session), db=t.awaited)
         written += 1
     return written
+
+
+class RecordTries:
+    """The lazy op of `record_tries`: takes its records (`take()`) when it first runs, and writes
+    the same ones again if the committer replays its group."""
+
+    __slots__ = ("_records", "_tables", "_take")
+
+    def __init__(self, tables: Tables, take: Callable[[], list[TryRecord]]) -> None:
+        self._tables, self._take = tables, take
+        self._records: list[TryRecord] | None = None
+
+    def __call__(self, txn: lmdb.Transaction) -> int:
+        return record_tries(txn, self._tables, self.records())
+
+    def records(self) -> list[TryRecord]:
+        """The records this op writes: taken now if it has not run yet."""
+        if self._records is None:
+            self._records = self._take()
+        return self._records

@@ -17,6 +17,10 @@ T = TypeVar("T")
 #: connection that read its backend's FATAL message (each backend sends one when its postmaster is
 #: killed) raises InternalClientError on its next use, the pool's reset on release included.
 FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError)
+#: What the database answers a statement it refuses or fails (not a lost connection).
+PostgresError = asyncpg.PostgresError
+#: A statement that waited lock_timeout for another session's lock.
+LockNotAvailable = asyncpg.exceptions.LockNotAvailableError
 
 
 async def as_storage_error(work: Awaitable[T]) -> T:
@@ -25,7 +29,7 @@ async def as_storage_error(work: Awaitable[T]) -> T:
         return await work
     except FAILURES as exc:
         raise_if_cancelling()
-        if isinstance(exc, asyncpg.exceptions.LockNotAvailableError):
+        if isinstance(exc, LockNotAvailable):
             raise LockTimeout(f"PostgreSQL: {exc}") from exc
         raise StorageError(f"PostgreSQL: {type(exc).__name__}: {exc}") from exc
 

@@ -5,18 +5,21 @@ and counts, as retention ends it; an alias only if not rewritten since; a blob o
 touched since the plan's snapshot minus its grace (`storage.postgres.gc.delete_blobs`). Each chunk is
 one transaction locking rows in key order; a row another transaction holds is skipped, never waited
 for, and counted as kept (the next plan looks at it again). `PgTarget` is synchronous, as the plan
-walk is: it runs each delete on its own event loop.
+walk is: it runs each delete on an event loop, its own or (`threadsafe`) one running in another thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from storage.model import now_ms as clock_ms
 from storage.postgres import batches, expiry
 from storage.postgres import gc as pg_gc
 from storage.postgres.types import Connection
+
+T = TypeVar("T")
 
 # The planned rows still at their planned ts, locked in key order, skipping any another
 # transaction holds; the join is re-checked on the latest version of a row changed meanwhile (READ
@@ -63,16 +66,22 @@ async def delete_planned_aliases(conn: Connection, planned: Sequence[tuple[str, 
 
 
 class PgTarget:
-    """`storage.plan.PlanTarget` on one asyncpg connection, driven by `loop` (not running)."""
+    """`storage.plan.PlanTarget` on one asyncpg connection, driven by `loop`: not running, or
+    with `threadsafe` running in another thread than the walk's."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, conn: Connection) -> None:
-        self._loop, self._conn = loop, conn
+    def __init__(self, loop: asyncio.AbstractEventLoop, conn: Connection, *, threadsafe: bool = False) -> None:
+        self._loop, self._conn, self._threadsafe = loop, conn, threadsafe
+
+    def _run(self, work: Coroutine[Any, Any, T]) -> T:
+        if self._threadsafe:
+            return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+        return self._loop.run_until_complete(work)
 
     def delete_rows(self, planned: Sequence[tuple[str, str, int]]) -> tuple[int, int]:
-        return self._loop.run_until_complete(delete_planned_rows(self._conn, planned))
+        return self._run(delete_planned_rows(self._conn, planned))
 
     def delete_aliases(self, planned: Sequence[tuple[str, int]]) -> int:
-        return self._loop.run_until_complete(delete_planned_aliases(self._conn, planned))
+        return self._run(delete_planned_aliases(self._conn, planned))
 
     def delete_blobs(self, sha1s: Sequence[bytes], cutoff_ms: int) -> tuple[int, int, int]:
-        return self._loop.run_until_complete(pg_gc.delete_blobs(self._conn, sha1s, cutoff_ms))
+        return self._run(pg_gc.delete_blobs(self._conn, sha1s, cutoff_ms))

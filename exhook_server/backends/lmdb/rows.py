@@ -3,9 +3,9 @@
 An acked row's delete is committed lazily, so the vehicle's next request need not wait for it: from
 the ack on, the row is hidden from `oldest` until its delete has committed; a crash in between only
 brings the row back for one more delivery (QoS 1 allows it). Publishes and PUBACKs of awaited
-deliveries are kept (`tries`, `awaited`) by one lazy op per commit window, never an fsync of their
-own: a kill -9 loses at most that window's records (a row may then be published once more than
-`max_attempts`, never fewer; an awaited delivery may go once more).
+deliveries are kept (`tries`, `awaited`) by one lazy op per commit window (`batches.RecordTries`),
+never an fsync of their own: a kill -9 loses at most that window's records (a row may then be
+published once more than `max_attempts`, never fewer; an awaited delivery may go once more).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future
 from typing import Any
 
-import lmdb
 import structlog
 
 from exhook_server.dispatch.commands import Session
@@ -56,7 +55,7 @@ class StoreRows:
         self._heads: OrderedDict[str, deque[Row]] = OrderedDict()  # (also its first row, until acked)
         #: Rows read by passes over queues, for tests and benchmarks.
         self.rows_scanned = 0
-        #: Publishes and PUBACKs to keep, in order, not yet taken by a commit (see `_Tries`).
+        #: Publishes and PUBACKs to keep, in order, not yet taken by a commit (see `batches.RecordTries`).
         self._tries: list[batches.TryRecord] = []
         self._tries_lock = threading.Lock()
         #: Rows stored since are known to dispatch's memory (as they are in PostgreSQL's one
@@ -182,9 +181,9 @@ class StoreRows:
             self._tries.append(record)
             first = len(self._tries) == 1
         if first:  # one op per commit window takes every record queued until it runs
-            op = _Tries(self)
+            op = batches.RecordTries(self._store.tables, self.take_tries)
             future = self._committer.submit(op, lazy=True)
-            future.add_done_callback(op.done)
+            future.add_done_callback(functools.partial(_tries_done, op))
 
     def take_tries(self) -> list[batches.TryRecord]:
         with self._tries_lock:
@@ -205,27 +204,10 @@ class StoreRows:
         return len(self._deleting)
 
 
-class _Tries:
-    """The lazy op keeping queued attempt records: takes them when it first runs, and writes the
-    same ones again if the committer replays its group."""
-
-    __slots__ = ("_records", "_rows")
-
-    def __init__(self, rows: StoreRows) -> None:
-        self._rows = rows
-        self._records: list[batches.TryRecord] | None = None
-
-    def __call__(self, txn: lmdb.Transaction) -> int:
-        if self._records is None:
-            self._records = self._rows.take_tries()
-        return batches.record_tries(txn, self._rows._store.tables, self._records)
-
-    def done(self, future: Future[Any]) -> None:
-        """A failed op's records count as never published (at worst one more delivery of those
-        rows). One that failed before it ran (store closed or full) drops the records it would
-        have taken: else they would stay queued, and no later record would submit an op again."""
-        if future.exception() is None:
-            return
-        if self._records is None:
-            self._records = self._rows.take_tries()
-        log.error("attempts_not_kept", error=repr(future.exception()), records=len(self._records))
+def _tries_done(op: batches.RecordTries, future: Future[Any]) -> None:
+    """A failed op's records count as never published (at worst one more delivery of those
+    rows). One that failed before it ran (store closed or full) drops the records it would have
+    taken: else they would stay queued, and no later record would submit an op again."""
+    if future.exception() is None:
+        return
+    log.error("attempts_not_kept", error=repr(future.exception()), records=len(op.records()))

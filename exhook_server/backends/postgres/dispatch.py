@@ -19,7 +19,6 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-import asyncpg
 import structlog
 
 from exhook_server import metrics
@@ -51,9 +50,9 @@ from exhook_server.dispatch.worker import (
     VehicleState,
     Worker,
 )
-from storage.lmdb import keys
-from storage.model import Outcome
+from storage.model import Outcome, Row
 from storage.postgres import dispatch as pgd
+from storage.postgres.errors import LockNotAvailable
 from storage.postgres.types import Pool
 
 log = structlog.get_logger("sdv_fanout.dispatch")
@@ -126,11 +125,11 @@ class _EventRows:
     """The worker's RowSource for one event: the rows read with the vehicle's state; ends are
     recorded and written in the event's transaction (the worker only reports them once written)."""
 
-    def __init__(self, rows: list[tuple[keys.Row, bytes]]) -> None:
+    def __init__(self, rows: list[tuple[Row, bytes]]) -> None:
         self._rows = rows
         self.ends: list[tuple[str, bytes, Outcome, int, bytes]] = []
 
-    def oldest(self, vin: str) -> tuple[keys.Row, bytes] | None:
+    def oldest(self, vin: str) -> tuple[Row, bytes] | None:
         ended = {(rid, sha1) for rid, sha1, *_ in self.ends}
         for row, payload in self._rows:
             if (row.request_id, row.sha1) not in ended:
@@ -158,7 +157,7 @@ class _EventRows:
     def tried(self, vin: str, request_id: str, sha1: bytes, stored_ms: int = -1) -> Kept:
         return NOTHING_KEPT
 
-    def sent(self, vin: str, row: keys.Row, attempts: int) -> None:
+    def sent(self, vin: str, row: Row, attempts: int) -> None:
         pass
 
     def awaiting(self, vin: str, request_id: str, sha1: bytes, attempts: int, session: Session) -> None:
@@ -316,7 +315,7 @@ class SharedDispatcher:
                     result = await self._event(vin, act)
             except asyncio.CancelledError:
                 raise
-            except asyncpg.exceptions.LockNotAvailableError:
+            except LockNotAvailable:
                 # Someone else holds this vehicle's rows or lock (lock_timeout): the event gives
                 # up, and the lane goes on with other vehicles; the vehicle's next heartbeat, the
                 # sweep or the in-flight timeout brings what it would have done.

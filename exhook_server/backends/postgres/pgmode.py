@@ -1,11 +1,10 @@
 """PostgreSQL: what a server instance needs around the store: its connection pool, the schema at
 start, a watch on the database's reachability, and the one-instance jobs.
 
-Connections are asyncpg's pool: a connection the database dropped (restart, failover) is
-replaced on the next acquire, so an instance reconnects by itself; a multi-host `store_url` with
-`target_session_attrs=read-write` lands on whichever host is the primary. Every connection
-runs with `synchronous_commit = on`: a commit returns once the synchronous standby has the WAL,
-so a batch whose hook answered survives the loss of the primary.
+Connections are asyncpg's pool (storage/postgres/connect.py): a connection the database dropped
+(restart, failover) is replaced on the next acquire, so an instance reconnects by itself; a
+multi-host `store_url` with `target_session_attrs=read-write` lands on whichever host is the
+primary.
 """
 
 from __future__ import annotations
@@ -16,14 +15,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
 import structlog
 
 from exhook_server import metrics
 from exhook_server.aio import cancel_all
 from exhook_server.config import Config
 from storage.errors import StorageError
-from storage.postgres import batches, migrate, outcomes
+from storage.postgres import batches, connect, migrate, outcomes
 from storage.postgres import dispatch as pgd
 from storage.postgres.errors import FAILURES, raise_if_cancelling
 from storage.postgres.types import Connection, Pool
@@ -48,42 +46,14 @@ def stall_bound_s(cfg: Config) -> float:
 
 def create_pool(cfg: Config) -> Pool:
     """The instance's pool (not connected yet: `await` it, see `prepare`)."""
-    return asyncpg.create_pool(
+    return connect.instance_pool(
         cfg.store_url,
-        min_size=1,
-        max_size=cfg.store_pool_size,
-        timeout=_PROBE_TIMEOUT_S * 5,
-        command_timeout=max(cfg.ingest_timeout_s * 2, 10.0),
-        server_settings={
-            "synchronous_commit": "on",
-            "application_name": "sdv-fanout",
-            # Every statement of ours is short. Planner estimates over tables without statistics
-            # yet (a new database, a fast-growing table) can pass jit_above_cost, and compiling
-            # then takes milliseconds per execution: 7 ms per batch for the backlog probe, more
-            # than the batch's whole write (auto_explain, bench/pg_serve.py).
-            "jit": "off",
-            # An instance stopped (SIGSTOP, a hung VM) inside a transaction would keep its locks,
-            # a vehicle's included, for as long as it is stopped: every instance's events for that
-            # vehicle, and the lane behind them, would wait. Our transactions are a few statements
-            # back to back, so PostgreSQL ends one left idle this long and frees its locks.
-            # A stall inside a statement is not covered: see `end_stalled`.
-            "idle_in_transaction_session_timeout": str(round(stall_bound_s(cfg) * 1000)),
-            # Our transactions hold a lock for milliseconds; a statement that waits longer waits
-            # for someone else's (another session holding a vehicle's rows, a stalled instance).
-            # It gives up after this (well under ingest_timeout_s): the batch answers UNAVAILABLE
-            # (LockTimeout), a vehicle event is dropped for its next trigger, and the connection
-            # is free again at once, so one locked vehicle cannot hold the pool.
-            "lock_timeout": str(round(cfg.lock_timeout_s * 1000)),
-        },
-        reset=_keep_session,
+        size=cfg.store_pool_size,
+        connect_timeout_s=_PROBE_TIMEOUT_S * 5,
+        command_timeout_s=max(cfg.ingest_timeout_s * 2, 10.0),
+        stall_ms=round(stall_bound_s(cfg) * 1000),
+        lock_timeout_ms=round(cfg.lock_timeout_s * 1000),
     )
-
-
-async def _keep_session(conn: Connection) -> None:
-    """The pool's reset on release, left empty: asyncpg's default (unlock advisory locks, close
-    cursors, UNLISTEN, RESET ALL) is a round trip per release, and the store leaves nothing to
-    reset: locks are transaction-level, cursors live inside transactions, nothing LISTENs or
-    SETs outside one (the leader's session lock has a connection of its own)."""
 
 
 async def prepare(pool: Pool, timeout_s: float = 60.0) -> None:
@@ -179,26 +149,11 @@ async def lead(cfg: Config, jobs: Callable[[], list[Coroutine[Any, Any, None]]],
         await asyncio.sleep(retry_s)
 
 
-async def _connect(url: str) -> asyncpg.Connection[asyncpg.Record]:
-    """A connection of its own, opened so that a cancel neither gets lost nor leaks it: asyncpg's
-    connect, cancelled as it completes, may hand back the connection or drop it unclosed. The
-    connect runs shielded; if we are cancelled meanwhile, whatever it opens is closed at once,
-    and the cancel waits (up to the probe timeout) for the connect to end: a stopping server's
-    loop must not close over it, pending with its socket open."""
-    opening = asyncio.ensure_future(
-        asyncpg.connect(url, timeout=_PROBE_TIMEOUT_S * 5, server_settings={"application_name": LEADER_APPLICATION})
+async def _connect(url: str) -> Connection:
+    """The leader's connection of its own (`connect.own_connection`: a cancel neither loses nor leaks it)."""
+    return await connect.own_connection(
+        url, timeout_s=_PROBE_TIMEOUT_S * 5, cancel_wait_s=_PROBE_TIMEOUT_S, application_name=LEADER_APPLICATION
     )
-    try:
-        return await asyncio.shield(opening)
-    except asyncio.CancelledError:
-        opening.add_done_callback(_terminate_opened)
-        await asyncio.wait([opening], timeout=_PROBE_TIMEOUT_S)
-        raise
-
-
-def _terminate_opened(opening: asyncio.Future[asyncpg.Connection[asyncpg.Record]]) -> None:
-    if not opening.cancelled() and opening.exception() is None:
-        opening.result().terminate()
 
 
 async def fold_loop(pool: Pool, interval_s: float = 1.0, limit: int = 10_000) -> None:

@@ -1,0 +1,178 @@
+"""The PostgreSQL store as a backend: the pool at store_url, dispatch where any instance handles
+any vehicle, and the jobs of an instance (every instance resumes and sweeps; the leader collects).
+
+A server's pool is connected in `start`, retried while the database is out of reach, and brings
+the schema to this release; a tool's is one connection, connected on entry, that fails at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from exhook_server import housekeeping
+from exhook_server.aio import Job
+from exhook_server.backends.postgres import pgmode
+from exhook_server.backends.postgres.dispatch import SharedDispatcher
+from exhook_server.config import Config
+from exhook_server.dispatch.port import Dispatch, DispatchNeeds
+from storage import plan
+from storage.errors import StorageError
+from storage.model import ApplyReport
+from storage.port import Reads, Writes
+from storage.postgres import connect, export, migrate
+from storage.postgres.errors import PostgresError
+from storage.postgres.plan import PgTarget
+from storage.postgres.reads import PgReads
+from storage.postgres.types import Pool
+from storage.postgres.writes import PgWrites
+
+
+class PgBackend:
+    """One instance's view of the PostgreSQL store (see the module docstring)."""
+
+    #: Level gauges are counts over shared tables: the leader reports them (`gauge_loop`).
+    local_gauges = False
+    #: Every instance resumes what a crash left and sweeps (their statements skip what another holds).
+    runs_store_jobs = True
+
+    def __init__(self, cfg: Config, *, op_timeout_s: float, tool: bool) -> None:
+        self.cfg = cfg
+        self._op_timeout_s = op_timeout_s
+        self._tool = tool
+        #: The connection pool: a server's is created here and connected in `start`, a tool's on entry.
+        self.pool: Pool | None = None
+        self._reads: Reads | None = None
+        self._writes: Writes | None = None
+        self._dispatcher: SharedDispatcher | None = None
+        if not tool:
+            self._use(pgmode.create_pool(cfg))
+
+    def _use(self, pool: Pool) -> None:
+        self.pool = pool
+        self._reads = PgReads(pool, self._op_timeout_s)
+        self._writes = PgWrites(pool, self._op_timeout_s)
+
+    @property
+    def reads(self) -> Reads:
+        assert self._reads is not None, "a tool's backend is connected on entry (async with)"
+        return self._reads
+
+    @property
+    def writes(self) -> Writes:
+        assert self._writes is not None, "a tool's backend is connected on entry (async with)"
+        return self._writes
+
+    def _connected_pool(self) -> Pool:
+        assert self.pool is not None, "a tool's backend is connected on entry (async with)"
+        return self.pool
+
+    async def __aenter__(self) -> PgBackend:
+        if self._tool and self.pool is None:
+            self._use(await connect.tool_pool(self.cfg.store_url))
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # -- a server ------------------------------------------------------------------------
+    def dispatcher(self, needs: DispatchNeeds) -> Dispatch:
+        """Dispatch on the vehicles' state in the database: every instance is one of its own."""
+        assert self._dispatcher is None
+        cfg = self.cfg
+        self._dispatcher = SharedDispatcher(
+            self._connected_pool(),
+            needs.publisher,
+            # Events wait on the database, not the CPU: as many lanes as connections allow
+            # (bench/pg_serve.py: 2 lanes on 2 CPUs left the server half idle).
+            lanes=max(1, cfg.store_pool_size - 2),
+            inflight_timeout_s=cfg.inflight_timeout_s,
+            sender=needs.sender,
+            connected=needs.connected,
+            vin_from_clientid=needs.vin_from_clientid,
+            on_outcome=needs.on_outcome,
+            max_attempts=cfg.max_attempts,
+            response_timeout_s=cfg.response_timeout_s,
+            on_response=needs.on_response,
+            heartbeat_window_s=cfg.heartbeat_window_ms / 1000,
+            event_timeout_s=cfg.ingest_timeout_s,
+        )
+        return self._dispatcher
+
+    async def start(self) -> None:
+        """Connect the pool, bring the schema to this release, start dispatch."""
+        assert self._dispatcher is not None
+        await pgmode.prepare(self._connected_pool())
+        self._dispatcher.start()
+
+    def jobs(self, shared: Callable[[], list[Job]], store_up: Callable[[bool], Coroutine[Any, Any, None]]) -> list[Job]:
+        """Every instance: competing for the lead (the leader runs `shared()` and this store's
+        `leader_jobs`), watching the database's reachability, ending stalled sessions."""
+        return [
+            ("leader", pgmode.lead(self.cfg, lambda: [job for _, job in shared()])),
+            ("store", pgmode.watch(self._connected_pool(), self.cfg.store_down_grace_s, store_up)),
+            ("end-stalled", pgmode.end_stalled_loop(self._connected_pool(), pgmode.stall_bound_s(self.cfg))),
+        ]
+
+    def leader_jobs(self) -> list[Job]:
+        """The leader's jobs of this store: folding the count changes acks append, the shared
+        level gauges, waking idle vehicles."""
+        assert self._dispatcher is not None
+        return [
+            ("fold", pgmode.fold_loop(self._connected_pool())),
+            ("gauges", housekeeping.gauge_loop(self._dispatcher, self.reads)),
+            ("wake-idle", pgmode.wake_idle_loop(self._dispatcher, self.cfg.inflight_timeout_s)),
+        ]
+
+    def started_fields(self) -> dict[str, Any]:
+        """What `server_started` says of the store."""
+        return {"store": "postgresql", "stale_readers_cleared": 0}
+
+    async def stop(self) -> None:
+        """Stop dispatch (what `start` started)."""
+        if self._dispatcher is not None:
+            await self._dispatcher.stop()
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    # -- tools ---------------------------------------------------------------------------
+    async def migrate(self) -> tuple[list[int], int]:
+        """Create or upgrade the schema (under its advisory lock): (versions applied, version now).
+        A tool's backend connects for it and closes after."""
+        async with self, self._connected_pool().acquire() as conn:
+            applied = await migrate.migrate(conn)
+            return applied, await migrate.schema_version(conn)
+
+    async def export_size(self) -> int | None:
+        """Records an export writes, estimated (for a progress bar)."""
+        try:
+            async with self._connected_pool().acquire() as conn:
+                return await export.estimated_records(conn)
+        except PostgresError as exc:
+            raise StorageError(f"export from store_url failed: {exc}") from None
+
+    async def export(self, out: str, progress: Callable[[int], None]) -> dict[str, Any]:
+        """One consistent snapshot as Parquet (storage/postgres/export.py); the manifest."""
+        try:
+            async with self._connected_pool().acquire() as conn:
+                return await export.export(conn, out, progress=progress)
+        except PostgresError as exc:
+            raise StorageError(f"export from store_url failed: {exc}") from None
+
+    async def apply_plan(self, path: Path, *, dry_run: bool, progress: Callable[[int], None]) -> ApplyReport:
+        """A Spark GC plan on one connection (storage/postgres/plan.py): the walk runs in a thread,
+        each delete on this loop."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with self._connected_pool().acquire() as conn:
+                target = PgTarget(loop, conn, threadsafe=True)
+                return await asyncio.to_thread(plan.apply_plan_to, target, path, dry_run=dry_run, progress=progress)
+        except PostgresError as exc:
+            raise StorageError(f"gc apply on store_url failed: {exc}") from None
