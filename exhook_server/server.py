@@ -43,6 +43,7 @@ from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
 from storage.model import Outcome, now_ms
 from storage.port import Reads
+from storage.postgres.types import Pool
 
 log = structlog.get_logger("sdv_fanout.server")
 
@@ -224,7 +225,7 @@ class FanoutServer:
         return self.backend.committer if isinstance(self.backend, LmdbBackend) else None
 
     @property
-    def pool(self) -> Any:
+    def pool(self) -> Pool | None:
         """The PostgreSQL store's connection pool; None on LMDB."""
         return self.backend.pool if isinstance(self.backend, PgBackend) else None
 

@@ -19,6 +19,7 @@ import structlog
 
 from exhook_server import metrics
 from exhook_server.aio import cancel_all
+from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.config import Config
 from storage.errors import StorageError
 from storage.postgres import batches, connect, migrate, outcomes
@@ -171,7 +172,7 @@ async def fold_loop(pool: Pool, interval_s: float = 1.0, limit: int = 10_000) ->
         await asyncio.sleep(interval_s)
 
 
-async def wake_idle_loop(dispatcher: Any, interval_s: float) -> None:
+async def wake_idle_loop(dispatcher: SharedDispatcher, interval_s: float) -> None:
     """Forever (in the leader), every `interval_s`: a pass over the online vehicles that have work
     and a free slot, an event each. An instance killed between storing a batch and dispatching it
     leaves its online vehicles idle until their next heartbeat or reconnect; this bounds that
