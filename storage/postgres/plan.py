@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from storage.model import now_ms as clock_ms
 from storage.postgres import batches, expiry
@@ -72,7 +72,7 @@ class PgTarget:
     def __init__(self, loop: asyncio.AbstractEventLoop, conn: Connection, *, threadsafe: bool = False) -> None:
         self._loop, self._conn, self._threadsafe = loop, conn, threadsafe
 
-    def _run(self, work: Coroutine[Any, Any, T]) -> T:
+    def _run(self, work: Coroutine[object, None, T]) -> T:
         if self._threadsafe:
             return asyncio.run_coroutine_threadsafe(work, self._loop).result()
         return self._loop.run_until_complete(work)
