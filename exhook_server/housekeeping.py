@@ -106,7 +106,7 @@ BACKLOG_GAUGE_INTERVAL_S = 60.0
 async def backlog_gauge_loop(cfg: Config, reads: Reads, interval_s: float = BACKLOG_GAUGE_INTERVAL_S) -> None:
     """Every minute: count the vehicles at max_pending_per_vehicle (their new rows are refused).
     A pass over the per-vehicle counts (LMDB, in a thread: O(vehicles with pending rows)) or, on
-    PostgreSQL, over the vehicles listed at half the bound (storage/postgres/bound.sql; a bound of 64
+    PostgreSQL, over the vehicles listed at half the bound (storage/postgres/sql/functions/bound.sql; a bound of 64
     or less: over the rows)."""
     if not cfg.max_pending_per_vehicle:
         return

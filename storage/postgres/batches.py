@@ -50,7 +50,7 @@ async def retrying(conn: Connection, what: str, body: Callable[[], Awaitable[T]]
 
 
 async def retrying_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
-    """`call()`, a transaction (a function of batch.sql is one by itself), again from the start (at
+    """`call()`, a transaction (a function of sql/functions/batches.sql is one by itself), again from the start (at
     most RACE_RETRIES times) when it raises `Raced` or serialization_failure (a concurrent write
     changed what it had read), or when PostgreSQL aborted it to break a deadlock (its documented
     remedy: run the transaction again; nothing of a failed try committed)."""
@@ -73,7 +73,7 @@ async def store_batch(
 ) -> BatchWritten | Duplicate:
     """The blob once, then one row per VIN; nothing if `batch_id` was stored (`ops.store_batch`).
     `vins` are distinct (the hook layer folds duplicates). One round trip: `sdv_store_batch`
-    (batch.sql) is the whole transaction."""
+    (sql/functions/batches.sql) is the whole transaction."""
     sha1 = sha1_of(blob)
     args = (list(vins), request_id, blob, sha1, now_ms, batch_id, spec.expires_ms, spec.flags, spec.max_pending)
     out = await retrying_call(f"batch of {request_id}", lambda: fetch_one(conn, _STORE_BATCH, *args, TOUCH_EVERY_MS))
@@ -158,7 +158,7 @@ async def delete_row_if(
 ) -> bool:
     """End the (vin, request_id) row with `outcome` only if it still holds `sha1`; else amend a
     `cancelled` outcome of that pair to this one (`ops.delete_row_if`). True when either did. One
-    statement (`sdv_end_row`, events.sql; a vehicle event's save runs the same function)."""
+    statement (`sdv_end_row`, sql/functions/outcomes.sql; a vehicle event's save runs the same function)."""
     args = (vin, request_id, sha1, now_ms, int(outcome), min(attempts, outcomes.MAX_ATTEMPTS), response)
     return bool(await retrying(conn, f"end of {request_id} for {vin}", lambda: conn.fetchval(_END_ROW, *args)))
 

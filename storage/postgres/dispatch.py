@@ -18,7 +18,7 @@ from storage.model import Outcome
 from storage.postgres.outcomes import MAX_ATTEMPTS
 from storage.postgres.types import Connection, fetch_one
 
-#: Advisory lock class of a vehicle (with hashtext(vin)): `sdv_vin_load` (dispatch.sql) takes it for
+#: Advisory lock class of a vehicle (with hashtext(vin)): `sdv_vin_load` (sql/functions/dispatch.sql) takes it for
 #: each event, so one vehicle's events run one at a time across instances.
 VEHICLE_LOCK = 21318
 
@@ -88,7 +88,7 @@ async def save(
     sender: str | None = None,
     ends: Sequence[tuple[str, bytes, Outcome, int, bytes]] = (),
 ) -> list[bool]:
-    """What a vehicle event decided, in one round trip (`sdv_vin_save`, events.sql): when given
+    """What a vehicle event decided, in one round trip (`sdv_vin_save`, sql/functions/dispatch.sql): when given
     (a 1-tuple; None leaves it as it is), its live session, encoded (None: offline), and its
     delivery marker (None: nothing out; `sender`, the instance that just sent it, or None to keep
     the recorded one); then the pairs it ended (request id, sha1, outcome, attempts, response),

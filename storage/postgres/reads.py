@@ -95,7 +95,7 @@ async def row_count(conn: Connection) -> int:
 
 
 async def vehicles_at(conn: Connection, bound: int) -> int:
-    """Vehicles with at least `bound` pending rows (`sdv_vehicles_at`, bound.sql): above a bound
+    """Vehicles with at least `bound` pending rows (`sdv_vehicles_at`, sql/functions/bound.sql): above a bound
     of 64 only the vehicles listed in `crowded` are counted, as only they can be there."""
     return int(await conn.fetchval(_VEHICLES_AT, bound))
 

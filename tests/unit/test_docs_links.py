@@ -25,7 +25,8 @@ MODULES = (
     "exhook_server/dispatch/*.py",
     "storage/*.py",
     "storage/postgres/*.py",
-    "storage/postgres/*.sql",
+    "storage/postgres/sql/*.sql",
+    "storage/postgres/sql/*/*.sql",
 )
 SKIP_DIRS = {".git", ".venv", "node_modules", "var", "__pycache__"}
 

@@ -1,4 +1,4 @@
-"""A batch on PostgreSQL is one statement (storage/postgres/batch.sql, schema 5; batch6.sql writes the new
+"""A batch on PostgreSQL is one statement (storage/postgres/sql/functions/batches.sql; rows.sql writes the new
 rows first), whatever it carries; concurrent batches racing for the same rows still leave counts
 that equal a recount; a row ended between the batch's insert and its lock makes the function raise
 serialization_failure, and the statement runs again."""

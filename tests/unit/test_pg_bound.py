@@ -1,4 +1,4 @@
-"""The backlog bound on PostgreSQL (storage/postgres/bound.sql, schema 8): a bound above 64 counts the
+"""The backlog bound on PostgreSQL (storage/postgres/sql/functions/bound.sql, schema 8): a bound above 64 counts the
 vehicles listed in `crowded` on every new row and the others on a random sample of rows, so a
 vehicle is listed on its way up from half the bound and refused exactly once listed; a bound of 64
 or less counts every vehicle's queue on every new row. The vehicles-at-bound gauge counts the listed

@@ -1,4 +1,4 @@
-"""Acks append their count changes (storage/postgres/deltas.sql): counts are exact before, during and
+"""Acks append their count changes (`gen_deltas`, storage/postgres/sql/schema.sql): counts are exact before, during and
 after folding, and folds running at once apply each change once (issue 14, hot generation rows)."""
 
 from __future__ import annotations

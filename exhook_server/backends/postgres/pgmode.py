@@ -159,7 +159,7 @@ async def _connect(url: str) -> Connection:
 
 async def fold_loop(pool: Pool, interval_s: float = 1.0, limit: int = 10_000) -> None:
     """Forever (in the leader): move the count changes acks appended into their generations
-    (storage/postgres/deltas.sql), a chunk per transaction, so readers' sums stay short."""
+    (`gen_deltas`, storage/postgres/sql/schema.sql), a chunk per transaction, so readers' sums stay short."""
     while True:
         try:
             async with pool.acquire() as conn:

@@ -1,9 +1,8 @@
--- Schema version 1 of the PostgreSQL store: the LMDB store's tables (storage/lmdb/keys.py) as tables.
+-- Version 1: the base tables, the LMDB store's tables (storage/lmdb/keys.py) as tables.
 --
--- Run by storage/postgres/migrate.py inside one transaction holding the schema advisory lock; never by
--- hand. Times are bigint epoch milliseconds, as in the LMDB layout. Text keys are COLLATE "C": byte
--- order, as LMDB sorts its keys (a vehicle's queue and a cancel's walk go in the same order on both
--- stores), and cheaper comparisons than a linguistic collation.
+-- Frozen: the schema as version 1 created it, the start of the walk that brings a database of an
+-- older release to the current schema (../schema.sql is that schema, for a new database). Times
+-- are bigint epoch milliseconds; text keys are COLLATE "C" (byte order, as LMDB sorts its keys).
 
 -- Payloads, once per sha1. touched_ms: the last write that referred to the blob (GC keeps blobs
 -- touched within its grace period, and re-checks it in the transaction that deletes).

@@ -1,23 +1,21 @@
--- Schema version 6: sdv_put_rows (batch.sql) writes a batch's new rows first.
---
--- Most rows a batch names are new: version 5 read every (VIN, request) pair first (to learn which
--- existed, locked), then upserted all of them, then counted each VIN's backlog through a bitmap
--- scan; about 1.6 times the database CPU of a bare upsert of the same rows. Here a plain INSERT
--- writes the new pairs (or, when some existed, `INSERT ... ON CONFLICT DO NOTHING`, which says
--- which were new); only the pairs that existed are read (locked) and updated, and only the new
--- pairs count their VIN's backlog, through the queue index, after the insert: a VIN now past the
--- bound has its new row removed again, refused, in the same transaction. The answers and the
--- rules are those of version 5, which this replaces.
+-- A batch's rows: one per (VIN, request), the payload it names, under the backlog bound
+-- (sdv_over_bound, bound.sql). Called by sdv_store_batch (batches.sql) and by the plugin format's
+-- trigger completion (storage/postgres/early.py).
+
+-- A row of (each VIN, p_request_id) holding p_sha1, as storage.lmdb.batches.put_rows does on LMDB: a row of
+-- another payload ends superseded (or cancelled, when a cancel of every vehicle in progress had
+-- taken it, stored by its cut); a VIN with p_max_pending rows already is refused (0: no bound).
+-- Outcome records and generation counts change in the same transaction.
 CREATE OR REPLACE FUNCTION sdv_put_rows(
     p_vins text[], p_request_id text, p_sha1 bytea, p_size integer, p_now bigint,
     p_expires bigint, p_flags smallint, p_max_pending integer,
     OUT replaced integer, OUT superseded bytea[], OUT refused text[])
--- A probe of a few index entries per VIN: a bitmap scan's setup costs more than the probe. No
--- JIT, whoever calls: the probe's estimate over a table without statistics passes jit_above_cost,
--- and compiling it took 7 ms per batch, more than the batch's whole write.
+-- No bitmap scans: reading a few index entries per VIN costs less than a bitmap scan's setup. No
+-- JIT, whoever calls: the estimates over a table without statistics pass jit_above_cost, and
+-- compiling took longer than the batch's whole write.
 LANGUAGE plpgsql SET enable_bitmapscan = off SET jit = off AS $$
 DECLARE
-    -- Outcome codes: their slots in storage.lmdb.keys.COUNT_NAMES (storage.lmdb.outcomes.Outcome).
+    -- Outcome codes: their slots in storage.model.COUNT_NAMES (storage.model.Outcome).
     c_superseded CONSTANT smallint := 3;
     c_cancelled CONSTANT smallint := 4;
     v_ts bigint := p_now;
@@ -80,12 +78,8 @@ BEGIN
         )
         SELECT coalesce(array_agg(w.vin ORDER BY w.vin COLLATE "C"), '{}') INTO v_new FROM written w;
     END IF;
-    IF p_max_pending > 0 THEN
-        -- The new row makes p_max_pending + 1: the VIN had its bound's worth already. Counted
-        -- through the vehicle's queue index up to that many: a huge backlog costs no more.
-        SELECT coalesce(array_agg(v ORDER BY v COLLATE "C"), '{}') INTO refused
-            FROM unnest(v_new) AS v
-            WHERE EXISTS (SELECT 1 FROM rows r WHERE r.vin = v OFFSET p_max_pending LIMIT 1);
+    IF p_max_pending > 0 AND cardinality(v_new) > 0 THEN
+        refused := sdv_over_bound(v_new, p_max_pending);
         IF cardinality(refused) > 0 THEN
             DELETE FROM rows WHERE request_id = p_request_id AND vin = ANY(refused);
             v_new := ARRAY(SELECT v FROM unnest(v_new) AS v WHERE v <> ALL(refused) ORDER BY v COLLATE "C");

@@ -1,6 +1,5 @@
--- Schema version 2: at most one delivery in flight per vehicle across every server instance.
--- A claim sets a vehicle's marker from its oldest deliverable row only when none is set (or the
--- one set is older than the in-flight timeout); the instance that gets the row back publishes it.
+-- Version 2: `vin_state`, the delivery out per vehicle (at most one in flight per vehicle across
+-- every server instance); version 3 adds the rest of a vehicle's dispatch state to it.
 CREATE TABLE vin_state (
     vin         text COLLATE "C" PRIMARY KEY,
     request_id  text COLLATE "C",          -- the delivery out; NULL: nothing in flight

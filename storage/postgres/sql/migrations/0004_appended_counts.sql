@@ -1,4 +1,4 @@
--- Schema version 4: count changes of ended deliveries appended, not applied in place.
+-- Version 4: count changes of ended deliveries appended, not applied in place.
 -- Every PUBACK of a campaign ends a pair of the same generation. Updating that one `generations`
 -- row in each ack's transaction holds its lock until the commit (WAL flush to the synchronous
 -- standby included), so a campaign's acks would commit one after another, whatever the number

@@ -1,0 +1,2 @@
+-- Version 5: a batch's write as one statement (sdv_store_batch and the functions it calls, in
+-- ../functions/batches.sql and ../functions/rows.sql). No table changed.

@@ -1,0 +1,1 @@
+-- Version 6: sdv_put_rows (../functions/rows.sql) writes a batch's new rows first. No table changed.

@@ -1,0 +1,2 @@
+-- Version 7: a vehicle event saves what it decided in one statement (sdv_vin_save, sdv_end_row in
+-- ../functions/dispatch.sql and ../functions/outcomes.sql). No table changed.
