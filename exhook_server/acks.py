@@ -167,10 +167,10 @@ def rule_body(cfg: Config, *, direct_dispatch: bool = True) -> dict[str, Any]:
     its subscriber without another round of publish hooks and rules; EMQX 5.8 and 5.9 do it,
     5.1 stores the flag and then fails every action, so pass False for brokers before 5.8.
     """
-    if not cfg.ack_topic_prefix:
+    if not cfg.rule_ack_topic_prefix:
         raise ConfigError("ack_topic_prefix is empty: acks come through the message.acked hook, no rule is needed")
     args: dict[str, Any] = {
-        "topic": f"{cfg.ack_topic_prefix}/${{{PUBLISHER}}}",
+        "topic": f"{cfg.rule_ack_topic_prefix}/${{{PUBLISHER}}}",
         "qos": 1,
         "retain": False,
         "payload": "",

@@ -32,6 +32,9 @@ ENV_PREFIX = "SDV_FANOUT_"
 MAX_VIN_BYTES = 200
 MAX_DATA_ID_BYTES = 256
 MAX_REQUEST_ID_BYTES = 256
+#: Where the ack rule republishes when vehicle events come over MQTT and ack_topic_prefix is "".
+DEFAULT_ACK_TOPIC_PREFIX = "$SDV-FANOUT/acked"
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -262,8 +265,19 @@ class Config:
     # Where PUBACKs of deliveries reach us: "" = EMQX's message.acked ExHook call (one gRPC call
     # per delivery, its costliest step); a topic prefix = an EMQX rule republishes each PUBACK
     # to <prefix>/<delivery clientid> (`emqx sync` installs it), about a sixth of the CPU.
-    # Without that rule no delivery is ever acknowledged.
+    # Without that rule no delivery is ever acknowledged. With vehicle_events = mqtt, "" means
+    # $SDV-FANOUT/acked (the topic deploy/emqx/acl.conf names): acks then always take the rule.
     ack_topic_prefix: str = ""
+    # How heartbeats, answers and PUBACKs reach us: `hooks` = an ExHook call each (synchronous,
+    # inside the vehicle's connection); `mqtt` = heartbeats and answers over our own MQTT
+    # connection through a shared subscription, PUBACKs through the ack rule, and the hook list
+    # keeps only batches and session lifecycle (a stopped server no longer holds a vehicle's
+    # heartbeat up). `auto` = mqtt when emqx_api_url and mqtt_url are set (`emqx sync` provisions
+    # what mqtt needs), else hooks.
+    vehicle_events: str = "auto"
+    # The shared-subscription group our processes and instances join for vehicle events
+    # ($share/<group>/...): one group per deployment, so each event reaches one of them.
+    events_share_group: str = "sdv-fanout"
     # EMQX's failed_action cannot stop a publish: while no hook call of ours answers (a restart,
     # a crash, a stopped process) EMQX PUBACKs a batch and routes it. With this on (and mqtt_url
     # set) one process of the deployment keeps a persistent MQTT session subscribed to the batch
@@ -354,6 +368,21 @@ class Config:
     def catchup_active(self) -> bool:
         """Whether a catch-up session is kept (catchup_enabled with a broker to keep it on)."""
         return self.catchup_enabled and bool(self.mqtt_url)
+
+    @property
+    def events_over_mqtt(self) -> bool:
+        """Whether heartbeats, answers and PUBACKs come over MQTT (vehicle_events, `auto` resolved)."""
+        if self.vehicle_events == "auto":
+            return bool(self.emqx_api_url and self.mqtt_url)
+        return self.vehicle_events == "mqtt"
+
+    @property
+    def rule_ack_topic_prefix(self) -> str:
+        """Where the ack rule republishes PUBACKs: ack_topic_prefix, or its default when vehicle
+        events come over MQTT; "" = acks through the message.acked hook."""
+        if self.ack_topic_prefix or not self.events_over_mqtt:
+            return self.ack_topic_prefix
+        return DEFAULT_ACK_TOPIC_PREFIX
 
     @property
     def catchup_session_clientid(self) -> str:
@@ -459,6 +488,7 @@ def loopback(host: str) -> str:
 CHOICES: dict[str, tuple[str, ...]] = {
     "emqx_exhook_failed_action": ("ignore", "deny"),
     "log_format": ("console", "json"),
+    "vehicle_events": ("auto", "mqtt", "hooks"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 
@@ -571,7 +601,13 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("mqtt_url must start with mqtt:// or mqtts:// (or be empty: no delivery)")
     if not cfg.mqtt_clientid_prefix:
         raise ConfigError("mqtt_clientid_prefix must not be empty (acks are matched by it)")
-    if cfg.ack_topic_prefix:
+    if cfg.vehicle_events not in CHOICES["vehicle_events"]:
+        raise ConfigError("vehicle_events must be auto, mqtt or hooks")
+    if cfg.vehicle_events == "mqtt" and not cfg.mqtt_url:
+        raise ConfigError("vehicle_events = mqtt needs mqtt_url (the events arrive over our MQTT connection)")
+    if not _PLAIN_NAME.fullmatch(cfg.events_share_group):
+        raise ConfigError("events_share_group must be 1-64 letters, digits, '_' or '-' (an MQTT share name)")
+    if cfg.rule_ack_topic_prefix:
         _check_ack_topic_prefix(cfg)
     if not 1 <= cfg.catchup_session_expiry_s <= 0xFFFF_FFFF:
         raise ConfigError("catchup_session_expiry_s must be 1..4294967295 (MQTT's Session Expiry Interval)")
@@ -619,7 +655,7 @@ def _check_ack_topic_prefix(cfg: Config) -> None:
     """The ack topics must be plain topic names no hook of ours and no rule matches: an ack
     message counted as a batch, a heartbeat or a delivery (whose PUBACK the rule would
     republish again, for ever) would be worse than no ack."""
-    prefix = cfg.ack_topic_prefix
+    prefix = cfg.rule_ack_topic_prefix
     sample = prefix + "/" + cfg.mqtt_clientid_prefix + "host-1"
     if problem := name_problem(sample):
         raise ConfigError(f"ack_topic_prefix {prefix!r} is not a usable topic prefix: {problem}")

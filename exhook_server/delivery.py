@@ -208,7 +208,7 @@ class MqttDelivery:
         self.clientid = clientid or f"{cfg.mqtt_clientid_prefix}{socket.gethostname()}-{os.getpid()}"
         self._on_ack = on_ack
         #: Where the rule republishes the PUBACKs of our deliveries; "" = the hook brings them.
-        self.ack_topic = f"{cfg.ack_topic_prefix}/{self.clientid}" if cfg.ack_topic_prefix and on_ack else ""
+        self.ack_topic = f"{cfg.rule_ack_topic_prefix}/{self.clientid}" if cfg.rule_ack_topic_prefix and on_ack else ""
         self._ack_timeout_s = cfg.inflight_timeout_s
         #: When a delivery went out with no ack message since (monotonic); None when answered.
         self._unanswered_since: float | None = None

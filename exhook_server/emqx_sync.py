@@ -2,10 +2,10 @@
 
 What this server needs from EMQX is computed from `Config` alone (no server running): its ExHook
 entry, the hooks and topic filters `OnProviderLoaded` answers (`hooks.hook_specs`), and the ack rule
-(`acks.rule_body`) exactly when ack_topic_prefix is set. `plan` reads EMQX through its REST API and
-lists the differences; `apply` removes them, and writes nothing when nothing differs. The ack rule
-goes in before the hook list loses `message.acked` and out after it regains it, so acks always have
-a path.
+(`acks.rule_body`) exactly when acks take the rule (ack_topic_prefix, or vehicle_events = mqtt).
+`plan` reads EMQX through its REST API and lists the differences; `apply` removes them, and writes
+nothing when nothing differs. The ack rule goes in before the hook list loses `message.acked` and
+out after it regains it, so acks always have a path.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def wanted_exhook(cfg: Config) -> dict[str, Any]:
 
 
 def wanted_rule(cfg: Config, versions: list[tuple[int, ...]]) -> dict[str, Any] | None:
-    """The ack rule (`POST /rules` body with our id) when ack_topic_prefix is set, else None."""
-    if not cfg.ack_topic_prefix:
+    """The ack rule (`POST /rules` body with our id) when acks take the rule, else None."""
+    if not cfg.rule_ack_topic_prefix:
         return None
     oldest = min(versions, default=_DIRECT_DISPATCH_FROM)
     return {"id": RULE_ID, **rule_body(cfg, direct_dispatch=oldest >= _DIRECT_DISPATCH_FROM)}
@@ -275,19 +275,21 @@ def plan(cfg: Config, api: EmqxApi) -> Plan:
         for rule in rules:
             rid = str(rule["id"])
             out.changes.append(Change("rule-delete", f"rule {rid}: delete (ack_topic_prefix is empty)", rule_id=rid))
-    out.warnings += authorization_warnings(api)
+    out.warnings += authorization_warnings(api, events_over_mqtt=cfg.events_over_mqtt)
     return out
 
 
-def authorization_warnings(api: EmqxApi) -> list[str]:
-    """A hint when EMQX allows what no authorization rule matches (any client may publish batches)."""
+def authorization_warnings(api: EmqxApi, *, events_over_mqtt: bool = False) -> list[str]:
+    """A hint when EMQX allows what no authorization rule matches (any client may publish batches,
+    and with vehicle events over MQTT heartbeat or answer as any vehicle)."""
     try:
         settings = api.get("/authorization/settings") or {}
     except EmqxHttpError as exc:
         return [f"could not read /authorization/settings (HTTP {exc.status})"]
     if settings.get("no_match") == "allow":
+        also = ", and heartbeat or answer as any vehicle (vehicle_events = mqtt)" if events_over_mqtt else ""
         return [
-            "EMQX authorization.no_match is allow: any client may publish batches unless an ACL denies it"
+            f"EMQX authorization.no_match is allow: any client may publish batches{also} unless an ACL denies it"
             " (deploy/emqx/acl.conf and no_match = deny)"
         ]
     return []

@@ -71,8 +71,9 @@ def hook_specs(cfg: Config) -> list[tuple[str, list[str]]]:
     `client.authenticate` / `client.authorize` are never registered: an
     all-IGNORE answer to them has refused every client on a real EMQX 5.1.
     """
-    heartbeats = [TopicTemplate(t).filter for t in cfg.heartbeat_topics]
-    responses = [RequestTopics(cfg.response_topic_prefix).filter] if cfg.response_topic_prefix else []
+    # Over MQTT (vehicle_events), heartbeats and answers reach us through our shared
+    # subscription (`events`) and PUBACKs through the ack rule: no call of EMQX's for them.
+    heartbeats, responses = ([], []) if cfg.events_over_mqtt else vehicle_event_filters(cfg)
     specs = [
         # Presence: who is connected, subscribed, resumed, gone.
         ("client.connected", []),
@@ -96,10 +97,17 @@ def hook_specs(cfg: Config) -> list[tuple[str, list[str]]]:
             ],
         ),
     ]
-    if not cfg.ack_topic_prefix:  # else an EMQX rule republishes them to the delivery client (acks.py)
+    if not cfg.rule_ack_topic_prefix:  # else an EMQX rule republishes them to the delivery client (acks.py)
         # PUBACKs of deliveries only.
         specs.append(("message.acked", [RequestTopics(cfg.request_topic_prefix).filter]))
     return specs
+
+
+def vehicle_event_filters(cfg: Config) -> tuple[list[str], list[str]]:
+    """The topic filters of vehicles' heartbeats and of their answers (none when responses are off)."""
+    heartbeats = [TopicTemplate(t).filter for t in cfg.heartbeat_topics]
+    responses = [RequestTopics(cfg.response_topic_prefix).filter] if cfg.response_topic_prefix else []
+    return heartbeats, responses
 
 
 def session_of(info: Any) -> Session:

@@ -115,7 +115,20 @@ STALLED_SESSIONS_ENDED = Counter(
     "Database sessions of a stalled instance ended because they held a vehicle's lock or the lead"
     " for too long (PostgreSQL mode; see pgmode.end_stalled)",
 )
-HEARTBEATS = Counter("sdv_fanout_heartbeats_total", "Heartbeat messages seen by the message.publish hook")
+HEARTBEATS = Counter(
+    "sdv_fanout_heartbeats_total", "Heartbeat messages seen (the message.publish hook, or our events subscription)"
+)
+VEHICLE_EVENTS = Counter(
+    "sdv_fanout_vehicle_events_total",
+    "Messages on our shared events subscription (vehicle_events = mqtt): heartbeat, answer, or ignored"
+    " (a topic that is neither)",
+    ["kind"],
+)
+EVENTS_SUBSCRIBED = Gauge(
+    "sdv_fanout_events_subscribed",
+    "1 while this process is a member of the events shared subscription (vehicle_events = mqtt)",
+    multiprocess_mode="livesum",
+)
 HEARTBEAT_EVENTS = Counter(
     "sdv_fanout_heartbeat_events_total",
     "Heartbeats that needed a vehicle event (PostgreSQL mode: new connection, or work and a free slot)",

@@ -22,7 +22,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from exhook_server import acks, admin, catchup, emqx_sync, hooks, housekeeping, memory
+from exhook_server import acks, admin, catchup, emqx_sync, events, hooks, housekeeping, memory
 from exhook_server.aio import Job, cancel_all, in_daemon_thread
 from exhook_server.backends.backend import Backend, open_backend
 from exhook_server.backends.lmdb.backend import LmdbBackend
@@ -291,9 +291,13 @@ class FanoutServer:
                 asyncio.get_running_loop(),
                 self._broker_connected,
                 on_refused=self.dispatcher.refused,
-                on_ack=acks.RuleAcks(self.cfg, self.dispatcher).received if self.cfg.ack_topic_prefix else None,
+                on_ack=acks.RuleAcks(self.cfg, self.dispatcher).received if self.cfg.rule_ack_topic_prefix else None,
             )
             self.delivery.start()
+            if self.cfg.events_over_mqtt:  # each process a member of the events group
+                self._tasks.append(
+                    asyncio.create_task(events.VehicleEvents(self.cfg, self.dispatcher).hold(), name="events")
+                )
         else:
             log.warning("delivery_disabled", reason="mqtt_url is empty: batches are stored, not delivered")
         credentials = server_credentials(self.cfg)

@@ -76,8 +76,13 @@ class Session:
         return twin
 
     def same_connection(self, other: Session) -> bool:
-        """True when both may be the same connection (an unknown port matches any port)."""
-        if self.clientid != other.clientid or self.node != other.node:
+        """True when both may be the same connection (an unknown port matches any port; an
+        unknown node, an event over MQTT vouched for by the client id alone, any connection)."""
+        if self.clientid != other.clientid:
+            return False
+        if not self.node or not other.node:
+            return True
+        if self.node != other.node:
             return False
         a, b = self._addr, other._addr
         if a == b:

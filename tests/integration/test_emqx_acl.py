@@ -231,11 +231,15 @@ def test_each_party_gets_what_it_needs_and_nothing_more(clients: Any) -> None:
 
     server = clients("sdv-fanout-acl2", "sdv-fanout")
     granted = [*SERVER_FILTERS, "$SDV-FANOUT/data/#", "$SDV-FANOUT/acked/sdv-fanout-acl2"]
+    # Vehicle events over MQTT: every vehicle's heartbeats and answers, through the shared group.
+    events = ["$share/sdv-fanout/ecp/+/online", "$share/sdv-fanout/ecp/+/heartbeat"]
+    events += ["$share/sdv-fanout/agent/+/proxy/response/+"]
     assert set(server.subscribe(granted).values()) == {1}
+    assert server.subscribe(events) == dict.fromkeys(events, 1)
     for topic in (f"agent/{b_vin}/proxy/request/task_x_1", "$SDV-FANOUT/status/task_x_1"):
         assert server.publish(topic) == 0x10, topic
     refused = ["#", "$SDV-FANOUT/#", "$SDV-FANOUT/status/#", "$SDV-FANOUT/acked/+", "$SDV-FANOUT/acked/sdv-fanout-x"]
-    refused += ["agent/+/proxy/response/+", "agent/+/proxy/request/+", "ecp/#"]
+    refused += ["agent/+/proxy/request/+", "ecp/#"]
     assert not_refused(server.subscribe(refused)) == {}
     forged = ["$SDV-FANOUT", "$SDV-FANOUT/cancel", f"ecp/{b_vin}/online", f"agent/{b_vin}/proxy/response/task_x_1"]
     assert not_refused({t: server.publish(t) for t in [*forged, "$SDV-FANOUT/acked/sdv-fanout-acl2"]}) == {}

@@ -84,6 +84,9 @@ class Rig:
             # test (on e5.9.1, firing while the server was restarting crashed the ExHook manager).
             "--emqx-exhook-auto-reconnect-s",
             "60",
+            # These tests are about the hook list ack_topic_prefix gives in the pure-hook mode.
+            "--vehicle-events",
+            "hooks",
         ]
 
     def cfg(self, name: str, ack_prefix: str) -> Config:
@@ -95,6 +98,7 @@ class Rig:
             emqx_exhook_name=name,
             emqx_exhook_url=f"http://127.0.0.1:{self.port(name)}",
             ack_topic_prefix=ack_prefix,
+            vehicle_events="hooks",
         )
 
     def serve(self, name: str, ack_prefix: str, *extra: str) -> SubprocessServer:

@@ -8,6 +8,7 @@ import re
 from exhook_server.acks import rule_body
 from exhook_server.catchup import topic_filters
 from exhook_server.config import Config
+from exhook_server.hooks import vehicle_event_filters
 from testkit.harness import ROOT
 
 ACL = (ROOT / "deploy" / "emqx" / "acl.conf").read_text()
@@ -44,7 +45,8 @@ def test_the_server_and_the_platform_are_granted_the_default_topics() -> None:
     server = '{username, "sdv-fanout"}'
     assert rule("allow", server, "publish") == [deliveries, cfg.status_topic_prefix + "/#"]
     ack_topic = str(rule_body(Config(ack_topic_prefix="$SDV-FANOUT/acked"))["actions"][0]["args"]["topic"])
-    wanted = [ack_topic.replace("${f}", "${clientid}"), *topic_filters(cfg)]
+    heartbeats, answers = vehicle_event_filters(cfg)
+    wanted = [ack_topic.replace("${f}", "${clientid}"), *topic_filters(cfg), *heartbeats, *answers]
     assert rule("allow", server, "subscribe") == wanted
     platform = '{username, "sdv-platform"}'
     batches = [cfg.batch_topic, cfg.trigger_topic, cfg.data_topic_prefix + "/+", cfg.cancel_topic]

@@ -30,6 +30,7 @@ STRINGS = {
     "vin_pattern": "[A-Z0-9]{17}",
     "data_id_pattern": "[a-f0-9]{40}",
     "request_topic_prefix": "car/{VIN}/cmd",
+    "vehicle_events": "hooks",
     "mqtt_url": "mqtts://broker.example:8883",
     "log_format": "json",
     "log_level": "debug",
