@@ -19,11 +19,11 @@ import orjson
 from google.protobuf import message_factory
 
 from exhook_server._proto import admin_pb2 as apb
-from exhook_server.batch import Cancel, Kind
+from exhook_server.batch import Cancel, Kind, PolicyDoc
 from exhook_server.config import Config
 from exhook_server.dispatch.commands import Session
 from exhook_server.dispatch.port import Dispatch
-from exhook_server.errors import BatchRejected, StorageError
+from exhook_server.errors import BatchRejected, Reason, StorageError
 from exhook_server.housekeeping import run_gc
 from exhook_server.ingest import Ingestor
 from storage.lmdb import outcomes
@@ -212,6 +212,43 @@ class AdminServicer:
         except StorageError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cancel not finished: {exc}")
         return apb.CancelResponse(cancelled=result.cancelled, in_flight=result.in_flight)
+
+    async def SetPolicy(self, request: apb.SetPolicyRequest, context: grpc.aio.ServicerContext) -> apb.Policy:
+        """The policy topic's job, for an operator: validated the same way, answered when durable."""
+        if self._ingestor is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server cannot set policies")
+        assert self._ingestor is not None
+        try:
+            fields = orjson.loads(request.policy or "{}")
+        except orjson.JSONDecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{Reason.INVALID_JSON.value}: {exc}")
+        if not isinstance(fields, dict):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{Reason.WRONG_TYPE.value}: policy must be an object"
+            )
+        doc = {**fields, "request_id": request.request_id}
+        try:
+            parsed = self._ingestor.parser.parse(Kind.POLICY, self._cfg.policy_topic, orjson.dumps(doc))
+            assert isinstance(parsed, PolicyDoc)
+            await self._ingestor.campaigns.apply(parsed, self._ingestor.status)
+        except BatchRejected as rej:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if rej.reason is Reason.POLICIES_FULL else None
+            await context.abort(code or grpc.StatusCode.INVALID_ARGUMENT, str(rej))
+        except StorageError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"policy not stored: {exc}")
+        return await self._policy_message(request.request_id)
+
+    async def GetPolicy(self, request: apb.GetPolicyRequest, context: grpc.aio.ServicerContext) -> apb.Policy:
+        answer = await self._policy_message(request.request_id)
+        if not answer.set_ms:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {request.request_id!r} has no policy in force")
+        return answer
+
+    async def _policy_message(self, request_id: str) -> apb.Policy:
+        stored = await self._reads.policy(request_id)
+        if stored is None:
+            return apb.Policy(request_id=request_id)
+        return apb.Policy(request_id=request_id, policy=stored.doc.decode(), set_ms=stored.set_ms)
 
 
 def method_handlers(servicer: AdminServicer) -> dict[str, grpc.RpcMethodHandler]:

@@ -31,6 +31,7 @@ class Kind(enum.Enum):
     DATA = "data"  # plugin 0.4.x: raw payload on <prefix>/<data_id>
     TRIGGER = "trigger"  # plugin 0.4.x: {ids, request_id, data_id}
     CANCEL = "cancel"  # {request_id, ids?}: end the request's pending rows
+    POLICY = "policy"  # {request_id, ...fields}: set (or, with no field, clear) the request's policy
 
 
 #: Longest optional batch_id (it keys the receipts kept for idempotent retries) and correlation_id.
@@ -107,7 +108,16 @@ class Cancel:
     tags: Tags = Tags()
 
 
-Parsed = Batch | Data | Trigger | Cancel
+@dataclass(frozen=True, slots=True)
+class PolicyDoc:
+    """A policy message for `request_id`: its fields still to be checked (exhook_server/policy.py)."""
+
+    request_id: str
+    fields: dict[str, Any]
+    tags: Tags = Tags()
+
+
+Parsed = Batch | Data | Trigger | Cancel | PolicyDoc
 
 
 class BatchParser:
@@ -129,6 +139,8 @@ class BatchParser:
             return Kind.TRIGGER
         if topic == self._cfg.cancel_topic:
             return Kind.CANCEL
+        if topic == self._cfg.policy_topic:
+            return Kind.POLICY
         if topic.startswith(self._data_prefix) or topic == self._cfg.data_topic_prefix:
             return Kind.DATA
         return None
@@ -159,6 +171,8 @@ class BatchParser:
             # array: it must not widen a cancel to every vehicle).
             vins = self._vins(doc) if "ids" in doc else None
             return Cancel(request_id, vins, _tags(doc))
+        if kind is Kind.POLICY:
+            return PolicyDoc(self._request_id(doc), doc, _tags(doc))
         vins = self._vins(doc)
         request_id = self._request_id(doc)
         tags = _tags(doc)
@@ -288,13 +302,15 @@ _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 def _expires_ms(value: Any) -> int:
     """expires_at as epoch ms: an integer of ms, or an RFC 3339 date-time with its offset."""
-    if value is None:
-        return 0
+    return 0 if value is None else instant_ms(value, "expires_at", Reason.BAD_EXPIRES_AT)
+
+
+def instant_ms(value: Any, name: str, reason: Reason) -> int:
+    """A point in time given as an integer of epoch ms or an RFC 3339 date-time with its offset,
+    as epoch ms; BatchRejected(`reason`, field=`name`) otherwise."""
     if isinstance(value, int) and not isinstance(value, bool):
         if not 0 < value <= MAX_EXPIRES_MS:
-            raise BatchRejected(
-                Reason.BAD_EXPIRES_AT, f"expires_at must be 1..{MAX_EXPIRES_MS} epoch milliseconds", field="expires_at"
-            )
+            raise BatchRejected(reason, f"{name} must be 1..{MAX_EXPIRES_MS} epoch milliseconds", field=name)
         return value
     if isinstance(value, str) and len(value) <= 64:
         try:
@@ -306,14 +322,12 @@ def _expires_ms(value: Any) -> int:
             if 0 < ms <= MAX_EXPIRES_MS:
                 return ms
         raise BatchRejected(
-            Reason.BAD_EXPIRES_AT,
-            "expires_at must be RFC 3339 with an offset (2026-11-23T18:00:00Z) or epoch milliseconds",
-            field="expires_at",
-            expires_at=_shown(value),
+            reason,
+            f"{name} must be RFC 3339 with an offset (2026-11-23T18:00:00Z) or epoch milliseconds",
+            field=name,
+            **{name: _shown(value)},
         )
-    raise BatchRejected(
-        Reason.BAD_EXPIRES_AT, "expires_at must be an integer (epoch ms) or an RFC 3339 string", field="expires_at"
-    )
+    raise BatchRejected(reason, f"{name} must be an integer (epoch ms) or an RFC 3339 string", field=name)
 
 
 def _shown(text: str) -> str:

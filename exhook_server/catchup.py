@@ -61,7 +61,7 @@ class _Arrived(NamedTuple):
 
 def topic_filters(cfg: Config) -> list[str]:
     """What the session subscribes to: every topic whose message.publish call stores a batch."""
-    return [cfg.batch_topic, cfg.trigger_topic, cfg.data_topic_prefix + "/#", cfg.cancel_topic]
+    return [cfg.batch_topic, cfg.trigger_topic, cfg.data_topic_prefix + "/#", cfg.cancel_topic, cfg.policy_topic]
 
 
 class CatchupSession:

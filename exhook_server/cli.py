@@ -131,6 +131,34 @@ def _parser() -> argparse.ArgumentParser:
     cancel.add_argument("--vin", action="append", metavar="VIN", help="only this vehicle (repeat for more)")
     _server_arg(cancel, "ask a running server (it also tells which deliveries were already out)")
     cancel.add_argument("--json", action="store_true", help="one JSON object")
+    policy = sub.add_parser(
+        "policy",
+        help="set, clear or show a request's campaign policy (the flags given replace the whole policy)",
+    )
+    policy.add_argument("request_id", metavar="REQUEST_ID")
+    policy.add_argument("--max-per-minute", type=_positive, metavar="N", help="deliveries started per minute")
+    policy.add_argument(
+        "--ramp", metavar="START,FACTOR,EVERY_S", help="start at START per minute, times FACTOR every EVERY_S"
+    )
+    policy.add_argument("--max-in-flight", type=_positive, metavar="M", help="vehicles holding a delivery at once")
+    policy.add_argument(
+        "--abort",
+        action="append",
+        metavar="OUTCOME:RATIO:MIN_FINISHED",
+        help="abort when OUTCOME (failed, expired, answer_failed) reaches RATIO of MIN_FINISHED or more (repeat)",
+    )
+    policy.add_argument("--start-at", metavar="WHEN", help="nothing is sent before (RFC 3339 or epoch ms)")
+    policy.add_argument(
+        "--window",
+        action="append",
+        metavar="CRON|DURATION_S|TZ",
+        help='deliveries start only inside: "0 2 * * *|7200|Europe/Berlin" (repeat)',
+    )
+    policy.add_argument("--paused", action="store_true", help="hold every delivery not yet started")
+    policy.add_argument("--priority", choices=("high", "normal"), help="the request's rows before normal ones")
+    policy.add_argument("--clear", action="store_true", help="clear the policy")
+    _server_arg(policy, "set it through a running server (it also sends the status event)")
+    policy.add_argument("--json", action="store_true", help="one JSON object")
     db = sub.add_parser("db", help="the PostgreSQL store (store_url)")
     db_sub = db.add_subparsers(dest="db_command", required=True)
     migrate = db_sub.add_parser(
@@ -526,6 +554,104 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policy_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The policy document the flags give (each flag one field; a malformed flag value is passed
+    on as a string, so the policy's own validation names the field)."""
+    doc: dict[str, Any] = {}
+    if args.max_per_minute is not None:
+        doc["max_per_minute"] = args.max_per_minute
+    if args.ramp is not None:
+        parts = args.ramp.split(",")
+        doc["ramp"] = dict(zip(("start_per_minute", "factor", "every_s"), map(_number, parts), strict=False))
+    if args.max_in_flight is not None:
+        doc["max_in_flight"] = args.max_in_flight
+    if args.abort:
+        keys = ("outcome", "ratio", "min_finished")
+        doc["abort"] = [
+            dict(zip(keys, [p[0], *map(_number, p[1:])], strict=False)) for p in (a.split(":") for a in args.abort)
+        ]
+    if args.start_at is not None:
+        doc["start_at"] = _number(args.start_at)
+    if args.window:
+        keys = ("cron", "duration_s", "tz")
+        doc["windows"] = [
+            dict(zip(keys, [p[0], *map(_number, p[1:])], strict=False)) for p in (w.split("|") for w in args.window)
+        ]
+    if args.paused:
+        doc["paused"] = True
+    if args.priority is not None:
+        doc["priority"] = args.priority
+    return doc
+
+
+def _number(text: str) -> Any:
+    """An integer or a number when `text` is one, else `text` itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _cmd_policy(args: argparse.Namespace) -> int:
+    from exhook_server.batch import BatchParser, Kind, PolicyDoc
+    from exhook_server.campaign import Campaigns
+    from exhook_server.errors import BatchRejected
+
+    cfg = _load(args)
+    fields = _policy_fields(args)
+    show = not fields and not args.clear
+    if fields and args.clear:
+        print("sdv-fanout: --clear takes no policy fields", file=sys.stderr)
+        return 2
+    try:
+        parsed = BatchParser(cfg).parse(
+            Kind.POLICY, cfg.policy_topic, json.dumps({**fields, "request_id": args.request_id}).encode()
+        )
+    except BatchRejected as rej:
+        print(f"sdv-fanout: {rej}", file=sys.stderr)
+        return 2
+    assert isinstance(parsed, PolicyDoc)
+    if args.server is not None:
+        from exhook_server._proto import admin_pb2
+
+        if show:
+            reply = _admin_rpc(cfg, args.server, "GetPolicy", admin_pb2.GetPolicyRequest(request_id=parsed.request_id))
+        else:
+            request = admin_pb2.SetPolicyRequest(request_id=parsed.request_id, policy=json.dumps(fields))
+            reply = _admin_rpc(cfg, args.server, "SetPolicy", request)
+        doc = json.loads(reply.policy) if reply.policy else None
+        set_ms = reply.set_ms
+    else:
+        if not show:
+
+            async def work(writes: Writes) -> None:
+                await Campaigns(cfg, writes).apply(parsed)
+
+            try:
+                _on_store_writes(cfg, work)
+            except BatchRejected as rej:
+                print(f"sdv-fanout: {rej}", file=sys.stderr)
+                return 2
+
+        async def read(reads: Reads) -> Any:
+            return await reads.policy(parsed.request_id)
+
+        stored = _on_store(cfg, read)
+        doc = None if stored is None else json.loads(stored.doc)
+        set_ms = 0 if stored is None else stored.set_ms
+        if show and stored is None:
+            raise _NotFound(f"request {parsed.request_id!r} has no policy in force")
+    if args.json:
+        print(json.dumps({"request_id": parsed.request_id, "policy": doc, "set_ms": set_ms or None}))
+    elif doc is None:
+        print(f"{parsed.request_id}: no policy in force")
+    else:
+        print(f"{parsed.request_id}: policy set {_iso(set_ms)}: {json.dumps(doc)}")
+    return 0
+
+
 def _cmd_db(args: argparse.Namespace) -> int:
     cfg = _load(args)
 
@@ -675,6 +801,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_requests(args)
         if args.command == "cancel":
             return _cmd_cancel(args)
+        if args.command == "policy":
+            return _cmd_policy(args)
         if args.command == "db":
             return _cmd_db(args)
         if args.command == "emqx":

@@ -151,6 +151,9 @@ class Config:
     # {request_id, ids?} here cancels the request's pending rows (all vehicles without ids);
     # intercepted like batches, publisher_allowlist applies.
     cancel_topic: str = "$SDV-FANOUT/cancel"
+    # {request_id, ...fields} here sets a request's campaign policy ({request_id} alone clears
+    # it); intercepted like batches, publisher_allowlist applies. Beside cancel: same publishers.
+    policy_topic: str = "$SDV-FANOUT/policy"
 
     # -- validation -----------------------------------------------------------
     # 17-character VINs plus test/fleet ids; never a topic separator or wildcard.
@@ -183,6 +186,11 @@ class Config:
     early_max_count: int = 10_000
     # ... in triggers and in the rows they name (one trigger may name max_ids_per_batch VINs).
     early_max_rows: int = 1_000_000
+    # Campaign policies in force at once (one per request id, set on policy_topic): beyond it a
+    # new request id's policy is refused `policies_full`. A campaign is a fleet rollout, not a
+    # single command: ten thousand concurrent ones is far more than a platform runs, and the
+    # bound keeps the table (read by dispatch) small whatever a publisher sends.
+    max_policies: int = 10_000
     # Data normally follows within milliseconds; five minutes covers broker hiccups.
     early_ttl_s: float = 300.0
     # How often orphaned early triggers are looked for.
@@ -516,21 +524,23 @@ def _validate(cfg: Config) -> None:
             re.compile(getattr(cfg, name))
         except re.error as exc:
             raise ConfigError(f"{name} is not a regular expression: {exc}") from exc
-    for name in ("batch_topic", "data_topic_prefix", "trigger_topic", "cancel_topic"):
+    for name in ("batch_topic", "data_topic_prefix", "trigger_topic", "cancel_topic", "policy_topic"):
         topic = getattr(cfg, name)
         problem = name_problem(topic + "/data_id" if name == "data_topic_prefix" else topic)
         if problem:
             raise ConfigError(f"{name} {topic!r} is not a usable topic name: {problem}")
-    if len({cfg.batch_topic, cfg.data_topic_prefix, cfg.trigger_topic, cfg.cancel_topic}) != 4:
-        raise ConfigError("batch_topic, data_topic_prefix, trigger_topic and cancel_topic must differ")
-    if cfg.cancel_topic.startswith(cfg.data_topic_prefix + "/"):
-        raise ConfigError("cancel_topic must not lie under data_topic_prefix")
+    topics = {cfg.batch_topic, cfg.data_topic_prefix, cfg.trigger_topic, cfg.cancel_topic, cfg.policy_topic}
+    if len(topics) != 5:
+        raise ConfigError("batch_topic, data_topic_prefix, trigger_topic, cancel_topic and policy_topic must differ")
+    for name in ("cancel_topic", "policy_topic"):
+        if getattr(cfg, name).startswith(cfg.data_topic_prefix + "/"):
+            raise ConfigError(f"{name} must not lie under data_topic_prefix")
     if cfg.status_topic_prefix:
         status = cfg.status_topic_prefix
         if problem := name_problem(status + "/request_id"):
             raise ConfigError(f"status_topic_prefix {status!r} is not a usable topic name: {problem}")
         # Status messages must never be taken for batches (we intercept those topics).
-        for batch in (cfg.batch_topic, cfg.trigger_topic, cfg.data_topic_prefix, cfg.cancel_topic):
+        for batch in (cfg.batch_topic, cfg.trigger_topic, cfg.data_topic_prefix, cfg.cancel_topic, cfg.policy_topic):
             if batch == status or batch.startswith(status + "/") or status.startswith(cfg.data_topic_prefix + "/"):
                 raise ConfigError(f"status_topic_prefix {status!r} overlaps the batch topics ({batch!r})")
     if cfg.outcome_retention_s < 0:
@@ -548,6 +558,7 @@ def _validate(cfg: Config) -> None:
         "max_payload_bytes",
         "early_max_count",
         "early_max_rows",
+        "max_policies",
         "max_ingest_inflight_bytes",
         "max_rows_per_commit",
         "cancel_chunk_rows",

@@ -92,6 +92,7 @@ def hook_specs(cfg: Config) -> list[tuple[str, list[str]]]:
                 cfg.data_topic_prefix + "/#",
                 cfg.trigger_topic,
                 cfg.cancel_topic,
+                cfg.policy_topic,
                 *heartbeats,
                 *responses,
             ],

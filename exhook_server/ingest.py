@@ -31,9 +31,11 @@ from exhook_server.batch import (
     Kind,
     Lifecycle,
     Parsed,
+    PolicyDoc,
     Tags,
     Trigger,
 )
+from exhook_server.campaign import Campaigns
 from exhook_server.config import Config
 from exhook_server.errors import BatchRejected, EarlyTriggersFull, Reason, StorageError, StorageFull
 from exhook_server.status import StatusPublisher
@@ -147,6 +149,8 @@ class Ingestor:
         self._writes = writes
         self._clock = clock
         self.parser = BatchParser(cfg, clock)
+        #: Campaign policies (policy_topic) go here.
+        self.campaigns = Campaigns(cfg, writes, clock)
         #: With a catch-up session, a batch or trigger without batch_id gets `implied_batch_id`.
         self._imply_ids = cfg.catchup_active
         self.listeners: list[StoredListener] = []
@@ -227,6 +231,8 @@ class Ingestor:
                 self.complete_waiting(data.data_id)
         elif isinstance(parsed, Cancel):
             await self.cancel(parsed.request_id, parsed.vins, parsed.tags)
+        elif isinstance(parsed, PolicyDoc):
+            await self.campaigns.apply(parsed, self.status)
         else:
             trig = parsed
             try:

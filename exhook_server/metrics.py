@@ -172,6 +172,9 @@ VEHICLES_AT_BOUND = Gauge(
     multiprocess_mode="livemostrecent",
 )
 CANCELS = Counter("sdv_fanout_cancels_total", "Cancels finished (their rows ended cancelled)")
+POLICIES_SET = Counter(
+    "sdv_fanout_policies_total", "Campaign policy messages applied, by change (set, cleared)", ["change"]
+)
 RESPONSES = Counter(
     "sdv_fanout_responses_total",
     "Vehicle answers on the response topic, by result (accepted, late, forged, not_awaited)",

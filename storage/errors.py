@@ -4,6 +4,7 @@ StorageError            the store could not do what was asked; nothing was commi
 ├── StorageFull         LMDB: the map reached map_max_bytes and cannot grow
 ├── LockTimeout         PostgreSQL: a statement waited too long for a lock someone else holds
 ├── EarlyTriggersFull   too many triggers are waiting for their data
+├── PoliciesFull        as many campaign policies are in force as max_policies allows
 ├── PlanError           the directory is not a GC plan this build can apply
 └── CommitTimeout       a write did not commit within its deadline (it may still land later)
 """
@@ -19,6 +20,10 @@ class StorageFull(StorageError):
 
 class EarlyTriggersFull(StorageError):
     """The bounded store of triggers waiting for their data is full."""
+
+
+class PoliciesFull(StorageError):
+    """As many campaign policies are in force as the bound allows; a new request id's is refused."""
 
 
 class PlanError(StorageError):

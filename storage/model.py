@@ -246,6 +246,16 @@ ROW_CHUNK = 1000
 BLOB_CHUNK = 100
 
 
+@dataclass(frozen=True, slots=True)
+class StoredPolicy:
+    """A request's campaign policy as a store keeps it: the validated fields as JSON (the store
+    does not read them; exhook_server/policy.py does) and when it was set (epoch ms)."""
+
+    request_id: str
+    doc: bytes
+    set_ms: int
+
+
 @dataclass(slots=True)
 class GcReport:
     """What one GC run did (or, with dry_run, would do)."""

@@ -30,6 +30,7 @@ from storage.model import (
     Row,
     RowSpec,
     Stats,
+    StoredPolicy,
     TriggerWritten,
 )
 
@@ -119,6 +120,15 @@ class Writes(Protocol):
         """End `expired` up to `limit` rows past their expires_at: (VIN, request id, sha1) each."""
         ...
 
+    async def set_policy(self, request_id: str, doc: bytes | None, now_ms: int, max_count: int) -> bool:
+        """Set the campaign policy of `request_id` to `doc` (its JSON; None clears it); True when
+        one was in force before. PoliciesFull when `max_count` others are in force."""
+        ...
+
+    async def policies(self) -> list[StoredPolicy]:
+        """Every campaign policy in force, by request id (dispatch loads them at start-up)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class GcSettings:
@@ -192,6 +202,10 @@ class Reads(Protocol):
 
     async def vehicles_at(self, bound: int) -> int:
         """Vehicles with at least `bound` pending rows (their new rows are refused)."""
+        ...
+
+    async def policy(self, request_id: str) -> StoredPolicy | None:
+        """The campaign policy of `request_id` in force, or None."""
         ...
 
 

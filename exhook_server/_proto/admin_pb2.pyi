@@ -285,3 +285,27 @@ class CancelResponse(_message.Message):
     cancelled: int
     in_flight: int
     def __init__(self, cancelled: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("request_id", "policy")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    policy: str
+    def __init__(self, request_id: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class GetPolicyRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Policy(_message.Message):
+    __slots__ = ("request_id", "policy", "set_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    SET_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    policy: str
+    set_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., policy: _Optional[str] = ..., set_ms: _Optional[int] = ...) -> None: ...

@@ -13,11 +13,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from storage.errors import StorageError
-from storage.lmdb import gc, outcomes
+from storage.lmdb import gc, outcomes, policies
 from storage.lmdb.keys import Row
 from storage.lmdb.outcomes import Generation, OutcomeRecord, PageKey
 from storage.lmdb.store import Stats, Store
 from storage.lmdb.writer import GroupCommitter
+from storage.model import StoredPolicy
 from storage.port import GcSettings, Reads
 
 T = TypeVar("T")
@@ -78,6 +79,10 @@ class LmdbReads:
 
     async def vehicles_at(self, bound: int) -> int:
         return await asyncio.to_thread(self._store.vehicles_at, bound)
+
+    async def policy(self, request_id: str) -> StoredPolicy | None:
+        with self._store.read() as txn:  # one lookup: inline
+            return policies.policy(txn, self._store.tables, request_id)
 
 
 if TYPE_CHECKING:  # mypy checks that LmdbReads is a storage.port.Reads

@@ -13,8 +13,8 @@ import lmdb
 #: 2 added the outcome tables (gens, outcomes, outcome_expiry, batches, batch_expiry); 3 the
 #: lifecycle ones (deadlines, backlogs, by_request, cancels), longer rows for expires_at and
 #: flags, and the `responded` count; 4 the delivery attempts (tries, awaited), so that they
-#: outlive a restart. An older store is upgraded when a writer opens it.
-SCHEMA_VERSION = 4
+#: outlive a restart; 5 the campaign policies. An older store is upgraded when a writer opens it.
+SCHEMA_VERSION = 5
 DB_NAMES = (
     "data",
     "touched",
@@ -34,9 +34,10 @@ DB_NAMES = (
     "cancels",
     "tries",
     "awaited",
+    "policies",
 )
 #: Tables each schema version added, for a clear error when a reader opens an older store.
-ADDED_IN = {name: (2 if i < 12 else 3 if i < 16 else 4) for i, name in enumerate(DB_NAMES) if i >= 7}
+ADDED_IN = {name: (2 if i < 12 else 3 if i < 16 else 4 if i < 18 else 5) for i, name in enumerate(DB_NAMES) if i >= 7}
 
 #: A named database's handle (what `txn.get(key, db=...)` takes).
 Db: TypeAlias = lmdb._Database
@@ -75,3 +76,5 @@ class Tables:
     tries: Db
     #: ids key → a delivery the vehicle PUBACKed whose answer is awaited (await_response rows).
     awaited: Db
+    #: request_id → its campaign policy: set_ms (8 bytes, big-endian) + the policy's JSON.
+    policies: Db

@@ -10,10 +10,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from storage.lmdb import batches, cancel, queue
+from storage.lmdb import batches, cancel, policies, queue
 from storage.lmdb.batches import PLAIN, RowSpec
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
+from storage.model import StoredPolicy
 from storage.port import Writes, durable_within
 
 T = TypeVar("T")
@@ -184,6 +185,15 @@ class LmdbWrites:
 
     async def expire_due(self, now_ms: int, limit: int) -> list[tuple[str, str, bytes]]:
         return await self._commit(queue.expire_due, rows=limit, now_ms=now_ms, limit=limit)
+
+    async def set_policy(self, request_id: str, doc: bytes | None, now_ms: int, max_count: int) -> bool:
+        return await self._commit(
+            policies.set_policy, request_id=request_id, doc=doc, now_ms=now_ms, max_count=max_count
+        )
+
+    async def policies(self) -> list[StoredPolicy]:
+        with self._store.read() as txn:
+            return policies.all_policies(txn, self._t)
 
 
 if TYPE_CHECKING:  # mypy checks that LmdbWrites is a storage.port.Writes

@@ -32,6 +32,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (6, "0006_insert_new_rows_first.sql"),
     (7, "0007_event_in_one_statement.sql"),
     (8, "0008_crowded.sql"),
+    (9, "0009_policies.sql"),
 )
 #: The version sql/schema.sql describes: the last migration's.
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from storage import model
 from storage.errors import StorageError
-from storage.model import GcReport, Generation, OutcomeRecord, PageKey, Stats
+from storage.model import GcReport, Generation, OutcomeRecord, PageKey, Stats, StoredPolicy
 from storage.port import GcSettings, Reads
 from storage.postgres import gc as pg_gc
-from storage.postgres import outcomes, queue
+from storage.postgres import outcomes, policies, queue
 from storage.postgres.errors import as_storage_error
 from storage.postgres.types import Connection, Pool, fetch_one
 
@@ -158,6 +158,9 @@ class PgReads:
 
     async def vehicles_at(self, bound: int) -> int:
         return await self._read(vehicles_at, bound)
+
+    async def policy(self, request_id: str) -> StoredPolicy | None:
+        return await self._read(policies.policy, request_id)
 
 
 if TYPE_CHECKING:  # mypy checks that PgReads is a storage.port.Reads

@@ -17,10 +17,11 @@ from storage.model import (
     EarlyCompleted,
     EarlyExpired,
     RowSpec,
+    StoredPolicy,
     TriggerWritten,
 )
 from storage.port import Writes, durable_within
-from storage.postgres import batches, early, expiry
+from storage.postgres import batches, early, expiry, policies
 from storage.postgres.errors import as_storage_error
 from storage.postgres.types import Connection, Pool
 
@@ -112,6 +113,12 @@ class PgWrites:
 
     async def expire_due(self, now_ms: int, limit: int) -> list[tuple[str, str, bytes]]:
         return await self._run(expiry.expire_due, now_ms, limit)
+
+    async def set_policy(self, request_id: str, doc: bytes | None, now_ms: int, max_count: int) -> bool:
+        return await self._run(policies.set_policy, request_id, doc, now_ms, max_count)
+
+    async def policies(self) -> list[StoredPolicy]:
+        return await self._run(policies.all_policies)
 
 
 if TYPE_CHECKING:  # mypy checks that PgWrites is a storage.port.Writes

@@ -49,7 +49,7 @@ def test_the_server_and_the_platform_are_granted_the_default_topics() -> None:
     wanted = [ack_topic.replace("${f}", "${clientid}"), *topic_filters(cfg), *heartbeats, *answers]
     assert rule("allow", server, "subscribe") == wanted
     platform = '{username, "sdv-platform"}'
-    batches = [cfg.batch_topic, cfg.trigger_topic, cfg.data_topic_prefix + "/+", cfg.cancel_topic]
+    batches = [cfg.batch_topic, cfg.trigger_topic, cfg.data_topic_prefix + "/+", cfg.cancel_topic, cfg.policy_topic]
     assert rule("allow", platform, "publish") == batches
     answers = cfg.response_topic_prefix.replace("{VIN}", "+") + "/+"
     assert rule("allow", platform, "subscribe") == [cfg.status_topic_prefix + "/#", answers]

@@ -32,6 +32,7 @@ def test_topic_filters_follow_configured_topics() -> None:
         data_topic_prefix="fleet/data",
         trigger_topic="fleet/trigger",
         cancel_topic="fleet/cancel",
+        policy_topic="fleet/policy",
         response_topic_prefix="car/{VIN}/answer",
     )
     [(_, topics)] = [s for s in hook_specs(cfg) if s[0] == "message.publish"]
@@ -40,6 +41,7 @@ def test_topic_filters_follow_configured_topics() -> None:
         "fleet/data/#",
         "fleet/trigger",
         "fleet/cancel",
+        "fleet/policy",
         "ecp/+/online",
         "ecp/+/heartbeat",
         "car/+/answer/+",

@@ -27,6 +27,7 @@ TABLES = {
     "vin_state",
     "presence",
     "gen_deltas",
+    "policies",
 }
 
 

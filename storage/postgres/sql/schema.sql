@@ -167,6 +167,14 @@ CREATE TABLE cancels (
     correlation_id  text
 );
 
+-- A request's campaign policy: its JSON as exhook_server/policy.py validated it (the store does not
+-- read it) and when it was set.
+CREATE TABLE policies (
+    request_id  text COLLATE "C" PRIMARY KEY,
+    doc         bytea  NOT NULL,
+    set_ms      bigint NOT NULL
+);
+
 -- Who is online, and on which connection (an encoded exhook_server.dispatch.commands.Session).
 -- UNLOGGED: written on every subscribe and disconnect, never worth a WAL flush; it is empty after a
 -- crash or failover and fills again from the next subscribe or heartbeat of each vehicle.

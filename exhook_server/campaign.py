@@ -1,0 +1,59 @@
+"""Setting and clearing campaign policies: validated, stored durably, then reported.
+
+`Campaigns.apply` takes a checked policy message (`batch.PolicyDoc`), validates its fields
+(exhook_server/policy.py: `bad_policy`), stores it through `Writes.set_policy` (durable when it
+returns; `policies_full` past max_policies) and only then emits the status event `policy` on the
+request's status topic, echoing what is in force (`"cleared": true` instead once cleared). The topic, the
+Admin API and the CLI all go through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+
+from exhook_server import metrics
+from exhook_server.batch import PolicyDoc
+from exhook_server.config import Config
+from exhook_server.errors import BatchRejected, Reason
+from exhook_server.policy import Policy, parse_fields
+from exhook_server.status import StatusPublisher
+from storage.errors import PoliciesFull
+from storage.model import now_ms
+from storage.port import Writes
+
+log = structlog.get_logger("sdv_fanout.campaign")
+
+
+class Campaigns:
+    """Applies policy messages to the store behind `writes`."""
+
+    def __init__(self, cfg: Config, writes: Writes, clock: Callable[[], int] = now_ms) -> None:
+        self._cfg = cfg
+        self._writes = writes
+        self._clock = clock
+
+    async def apply(self, message: PolicyDoc, status: StatusPublisher | None = None) -> Policy | None:
+        """Validate, store and report one policy message; the policy now in force (None: none).
+        Raises BatchRejected (bad_policy, policies_full) before anything is written, or
+        StorageError."""
+        policy = parse_fields(message.fields)
+        rid = message.request_id
+        doc = None if policy is None else policy.encode()
+        try:
+            had = await self._writes.set_policy(rid, doc, self._clock(), self._cfg.max_policies)
+        except PoliciesFull as exc:
+            raise BatchRejected(Reason.POLICIES_FULL, str(exc), request_id=rid) from None
+        shown = None if policy is None else policy.as_doc()
+        metrics.POLICIES_SET.labels("cleared" if policy is None else "set").inc()
+        log.info("policy_set", request_id=rid, policy=shown, replaced=had)
+        if status is not None:
+            status.emit(
+                "policy",
+                rid,
+                policy=shown,
+                cleared=True if policy is None else None,
+                correlation_id=message.tags.correlation_id,
+            )
+        return policy

@@ -1,0 +1,91 @@
+"""Campaign policies end to end on both stores: set on policy_topic through the EMQX-faithful hook
+driver (intercepted: allow_publish=false), heard on the status topic of a real mosquitto, read and
+set through Admin GetPolicy/SetPolicy, and through `sdv-fanout policy` with and without --server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from exhook_server import cli
+from exhook_server._proto import admin_pb2
+from testkit.harness import poll
+from tests.integration.test_delivery_e2e import Rig, make_rig
+from tests.integration.test_status_topic import Platform
+
+TOPIC = "$SDV-FANOUT/policy"
+
+
+@pytest.fixture(params=["lmdb", "postgresql"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Every test here runs on both stores."""
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def rig(tmp_path: Path, make_server: Any) -> Iterator[tuple[Rig, Platform]]:
+    gen = make_rig(tmp_path, make_server)
+    rig = next(gen)
+    platform = Platform(rig.broker.port)
+    yield rig, platform
+    platform.close()
+    with pytest.raises(StopIteration):
+        next(gen)
+
+
+def admin(rig: Rig, method: str, request: Any) -> Any:
+    assert rig.srv.server is not None
+    out = {"SetPolicy": admin_pb2.Policy, "GetPolicy": admin_pb2.Policy}[method]
+    with grpc.insecure_channel(f"127.0.0.1:{rig.srv.server.admin_port}") as channel:
+        stub = channel.unary_unary(
+            f"/sdv.fanout.v1.Admin/{method}",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=out.FromString,
+        )
+        return stub(request, timeout=10)
+
+
+def test_a_policy_on_its_topic_is_intercepted_stored_and_echoed(rig: tuple[Rig, Platform]) -> None:
+    r, platform = rig
+    doc = {"request_id": "task_ota_1", "max_per_minute": 600, "start_at": "2026-11-28T18:00:00Z"}
+    reply = r.emqx.publish(TOPIC, json.dumps(doc).encode())
+    assert reply is not None and reply.message.headers["allow_publish"] == "false"
+    [event] = platform.wait(event="policy", request_id="task_ota_1")
+    in_force = {"max_per_minute": 600, "start_at": 1_795_888_800_000}
+    assert event["policy"] == in_force
+    got = admin(r, "GetPolicy", admin_pb2.GetPolicyRequest(request_id="task_ota_1"))
+    assert json.loads(got.policy) == in_force and got.set_ms > 0
+    bad = {"request_id": "task_ota_1", "max_in_flight": -1}
+    r.emqx.publish(TOPIC, json.dumps(bad).encode())
+    [rejected] = platform.wait(event="rejected", request_id="task_ota_1")
+    assert (rejected["of"], rejected["reason"], rejected["field"]) == ("policy", "bad_policy", "max_in_flight")
+
+
+def test_admin_and_cli_set_replace_and_clear_a_policy(rig: tuple[Rig, Platform], capsys: Any) -> None:
+    r, platform = rig
+    assert r.srv.server is not None
+    set_reply = admin(r, "SetPolicy", admin_pb2.SetPolicyRequest(request_id="task_ota_2", policy='{"paused": true}'))
+    assert json.loads(set_reply.policy) == {"paused": True}
+    with pytest.raises(grpc.RpcError) as caught:
+        admin(r, "SetPolicy", admin_pb2.SetPolicyRequest(request_id="task_ota_2", policy='{"priority": "urgent"}'))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad_policy" in str(caught.value.details())
+    server = f"127.0.0.1:{r.srv.server.admin_port}"
+    argv = ["policy", "task_ota_2", "--max-in-flight", "10", "--window", "0 2 * * *|3600|UTC", "--server", server]
+    assert cli.main([*argv, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["policy"] == {"max_in_flight": 10, "windows": [{"cron": "0 2 * * *", "duration_s": 3600, "tz": "UTC"}]}
+    assert cli.main(["policy", "task_ota_2", "--clear", "--server", server]) == 0
+    capsys.readouterr()
+    with pytest.raises(grpc.RpcError) as caught:
+        admin(r, "GetPolicy", admin_pb2.GetPolicyRequest(request_id="task_ota_2"))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert cli.main(["policy", "task_ota_2", "--server", server]) == 1  # nothing in force
+    poll(lambda: len(platform.events(event="policy", request_id="task_ota_2")) == 3)
+    assert platform.events(event="policy", request_id="task_ota_2")[-1]["cleared"] is True
+    assert cli.main(["policy", "task_ota_2", "--priority", "high", "--abort", "failed:2:10", "--server", server]) == 2
+    assert "bad_policy" in capsys.readouterr().err
