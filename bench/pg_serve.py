@@ -1216,7 +1216,11 @@ def part_e2e(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             for side in rotated(E2E_SIDES, r):
                 rig, nudge = rigs[side], nudges[side]
                 stalls, nudged, idle = rig.stalls, nudge.vins, nudge.idle
+                assert rig.server is not None
+                before = scrape(rig.server)
                 res[side] = e2e.run_ours(rig, f"r{r}", args.payload_bytes, args.seed + 10 * r)
+                spent = trips(before, scrape(rig.server))
+                res[side]["trips_per_delivery"] = spent["trips"] / (args.vehicles * args.e2e_batches)
                 res[side].update(
                     stalls=rig.stalls - stalls, nudged_vins=nudge.vins - nudged, idle_vins=nudge.idle - idle
                 )
@@ -1225,7 +1229,8 @@ def part_e2e(db: Db, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             rounds.append(res)
             say(
                 f"e2e round {r + 1}/{args.rounds}: pg {res['pg']['msgs_per_s']:,.0f}, lmdb "
-                f"{res['lmdb']['msgs_per_s']:,.0f} deliveries/s ({res['pg_over_lmdb']:.2f}x)"
+                f"{res['lmdb']['msgs_per_s']:,.0f} deliveries/s ({res['pg_over_lmdb']:.2f}x), "
+                f"pg db round trips per delivery {res['pg']['trips_per_delivery']:.3f}"
             )
     finally:
         for nudge in nudges.values():
@@ -1262,6 +1267,7 @@ def summarise(out: dict[str, Any]) -> dict[str, Any]:
             s[key] = {
                 "ratio_pg_over_raw": mmm([r["pg_over_raw"] for r in rs]),
                 "ratio_pg_over_lmdb": mmm([r["pg_over_lmdb"] for r in rs]),
+            "pg_trips_per_delivery": mmm([r["pg"]["trips_per_delivery"] for r in rs]),
                 # Without the backlog bound (max_pending_per_vehicle = 0): the bound's price, not the product.
                 **(
                     {"ratio_pg_unbounded_over_raw": mmm([r["pg_unbounded_over_raw"] for r in rs])}
@@ -1333,6 +1339,7 @@ def summarise(out: dict[str, Any]) -> dict[str, Any]:
         rs = ee["rounds"]
         s["e2e"] = {
             "ratio_pg_over_lmdb": mmm([r["pg_over_lmdb"] for r in rs]),
+            "pg_trips_per_delivery": mmm([r["pg"]["trips_per_delivery"] for r in rs]),
             **{f"{side}_stalls": sum(r[side]["stalls"] for r in rs) for side in E2E_SIDES},
             **{f"{side}_msgs_per_s": mmm([r[side]["msgs_per_s"] for r in rs]) for side in E2E_SIDES},
             **{
@@ -1800,6 +1807,7 @@ def e2e_markdown(ee: dict[str, Any], m: dict[str, Any]) -> list[str]:
         _row("PostgreSQL: per-vehicle cycle p50 ms", [r["pg"]["cycle_p50_ms"] for r in rs], dec),
         _row("LMDB: per-vehicle cycle p50 ms", [r["lmdb"]["cycle_p50_ms"] for r in rs], dec),
         _row("PostgreSQL: store write transactions/s", [r["pg"]["commits_per_s"] for r in rs], num),
+        _row("PostgreSQL: database round trips / delivery", [r["pg"].get("trips_per_delivery", 0.0) for r in rs], dec),
         _row("LMDB: store commits/s", [r["lmdb"]["commits_per_s"] for r in rs], num),
         "",
         "| CPU µs per delivery (median) | server | PostgreSQL | mosquitto | sim fleet (vehicles + hook driver) "

@@ -1,11 +1,11 @@
-"""PostgreSQL: a vehicle's dispatch state, read under its lock, written back, filtered in bulk.
+"""PostgreSQL: vehicles' dispatch state, read in batches, written back under their locks.
 
-Any instance may get any hook of any vehicle, so presence and delivery state live in the database
-(`presence`, `vin_state`) and an event's transaction runs the worker's rules on it: `load` takes the
-vehicle's advisory lock and reads the state (one round trip), `save` writes back what changed. The
-lock serialises one vehicle's events across instances, so at most one delivery is in flight per
-vehicle. The bulk filters (`heartbeats`, `present_wanting`) answer in one statement which of many
-vehicles need an event at all, so most heartbeats cost no lock and no write.
+`presence` and `vin_state` hold what a worker keeps in memory on LMDB. `load_many` reads many
+vehicles' state in one statement; after the worker's rules ran, `save_many` writes what changed
+for each vehicle whose state is still as read, under its advisory lock, in one statement (its own
+transaction): at most one delivery in flight per vehicle across instances. `load` (one vehicle,
+locked to the end of the caller's transaction) serves the Admin API. The bulk filters
+(`heartbeats`, `present_wanting`, `with_work`) say in one statement which vehicles need an event.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from storage import model
 from storage.model import Outcome
 from storage.postgres.outcomes import MAX_ATTEMPTS
-from storage.postgres.types import Connection, fetch_one
+from storage.postgres.types import Connection, Record, fetch_one
 
-#: Advisory lock class of a vehicle (with hashtext(vin)): `sdv_vin_load` (sql/functions/dispatch.sql) takes it for
-#: each event, so one vehicle's events run one at a time across instances.
+#: Advisory lock class of a vehicle (with hashtext(vin)): `sdv_vin_save_many`
+#: (sql/functions/vehicle_batches.sql) tries it for each vehicle it writes, `sdv_vin_load` takes it.
 VEHICLE_LOCK = 21318
 
 
@@ -41,13 +41,35 @@ class Marker:
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """A vehicle's state as its event found it, under its lock."""
+    """A vehicle's state as its event found it (under its lock, or in a batch's load)."""
 
     #: The encoded session of its live connection (None: offline).
     presence: str | None
     marker: Marker | None
     #: Its first deliverable rows, oldest first, with payloads.
     rows: list[tuple[model.Row, bytes]]
+    #: The recorded delivery as `sdv_marker_token` writes it (a batch's load only): what a save
+    #: checks it still finds.
+    token: str | None = None
+
+
+def _marker_of(r: Record) -> Marker:
+    return Marker(
+        r["request_id"],
+        bytes(r["sha1"]),
+        r["session"],
+        r["sent_ms"],
+        r["attempts"],
+        r["await_response"],
+        r["acked_ms"],
+        r["cancelled"],
+        r["voided"],
+    )
+
+
+def _row_of(vin: str, r: Record) -> tuple[model.Row, bytes]:
+    row = model.Row(vin, r["request_id"], r["ts_ms"], bytes(r["sha1"]), r["size"], r["expires_ms"], r["flags"])
+    return row, bytes(r["data"])
 
 
 async def load(conn: Connection, vin: str, now_ms: int, rows: int) -> Loaded:
@@ -61,74 +83,103 @@ async def load(conn: Connection, vin: str, now_ms: int, rows: int) -> Loaded:
         if kind == "p":
             presence = r["session"]
         elif kind == "r":
-            row = model.Row(vin, r["request_id"], r["ts_ms"], bytes(r["sha1"]), r["size"], r["expires_ms"], r["flags"])
-            found.append((row, bytes(r["data"])))
+            found.append(_row_of(vin, r))
         else:
-            marker = Marker(
-                r["request_id"],
-                bytes(r["sha1"]),
-                r["session"],
-                r["sent_ms"],
-                r["attempts"],
-                r["await_response"],
-                r["acked_ms"],
-                r["cancelled"],
-                r["voided"],
-            )
+            marker = _marker_of(r)
     return Loaded(presence, marker, found)
 
 
-async def save(
-    conn: Connection,
-    vin: str,
-    now_ms: int,
-    *,
-    presence: tuple[str | None] | None = None,
-    marker: tuple[Marker | None] | None = None,
-    sender: str | None = None,
-    ends: Sequence[tuple[str, bytes, Outcome, int, bytes]] = (),
-) -> list[bool]:
-    """What a vehicle event decided, in one round trip (`sdv_vin_save`, sql/functions/dispatch.sql): when given
-    (a 1-tuple; None leaves it as it is), its live session, encoded (None: offline), and its
-    delivery marker (None: nothing out; `sender`, the instance that just sent it, or None to keep
-    the recorded one); then the pairs it ended (request id, sha1, outcome, attempts, response),
-    each as `ops.delete_row_if` ends it. Whether each of `ends` ended."""
-    session = presence[0] if presence else None
-    m = marker[0] if marker else None
-    done = await conn.fetchval(
-        _SAVE,
-        vin,
+async def load_many(conn: Connection, vins: Sequence[str], now_ms: int, rows: int) -> dict[str, Loaded]:
+    """The state of each of `vins` with its first `rows` deliverable rows, in one snapshot and
+    without a lock (`sdv_vin_load_many`, one round trip): a batch's `save_many` checks it is still so."""
+    presence: dict[str, str] = {}
+    markers: dict[str, tuple[Marker, str]] = {}
+    found: dict[str, list[tuple[model.Row, bytes]]] = {}
+    for r in await conn.fetch("SELECT * FROM sdv_vin_load_many($1::text[], $2, $3)", list(vins), now_ms, rows):
+        vin, kind = r["vin"], r["kind"]
+        if kind == "p":
+            presence[vin] = r["session"]
+        elif kind == "r":
+            found.setdefault(vin, []).append(_row_of(vin, r))
+        else:
+            markers[vin] = (_marker_of(r), r["token"])
+    out = {}
+    for vin in vins:
+        marker, token = markers.get(vin, (None, None))
+        queue = sorted(found.get(vin, ()), key=lambda rp: (rp[0].ts_ms, rp[0].request_id))
+        out[vin] = Loaded(presence.get(vin), marker, queue, token)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """What one vehicle event of a batch decided and the state it decided on: when given (a
+    1-tuple; None leaves it as it is) its live session, encoded (None: offline), and its delivery
+    marker (None: nothing out; `sender`, the instance that just sent it, or None to keep the
+    recorded one); the pairs it ended (request id, sha1, outcome, attempts, response)."""
+
+    vin: str
+    seen: Loaded
+    presence: tuple[str | None] | None = None
+    marker: tuple[Marker | None] | None = None
+    sender: str | None = None
+    ends: Sequence[tuple[str, bytes, Outcome, int, bytes]] = ()
+
+
+#: `save_many` verdicts: written; the vehicle's lock held elsewhere right now; its state changed
+#: since the load. Neither of the last two wrote anything: the event runs again.
+SAVED, BUSY, CHANGED = 0, 1, 2
+
+
+def _flag(given: tuple[object] | None) -> int:
+    return 0 if given is None else (1 if given[0] is not None else 2)
+
+
+async def save_many(conn: Connection, now_ms: int, saves: Sequence[Save]) -> list[tuple[int, list[bool]]]:
+    """Many vehicle events' decisions in one statement and one transaction (`sdv_vin_save_many`,
+    sql/functions/vehicle_batches.sql), given in VIN order, one per vehicle: per save its verdict
+    and, when SAVED, whether each of its `ends` ended (as `batches.delete_row_if` ends a pair)."""
+    markers = [s.marker[0] if s.marker else None for s in saves]
+    ends = [e for s in saves for e in s.ends]
+    found = await conn.fetch(
+        _SAVE_MANY,
         now_ms,
-        0 if presence is None else (1 if session is not None else 2),
-        session,
-        0 if marker is None else (1 if m is not None else 2),
-        m.request_id if m else None,
-        m.sha1 if m else None,
-        m.session if m else None,
-        m.sent_ms if m else None,
-        m.attempts if m else None,
-        m.await_response if m else None,
-        m.acked_ms if m else None,
-        m.cancelled if m else None,
-        m.voided if m else None,
-        sender,
+        [s.vin for s in saves],
+        [s.seen.presence for s in saves],
+        [s.seen.token for s in saves],
+        [_flag(s.presence) for s in saves],
+        [s.presence[0] if s.presence else None for s in saves],
+        [_flag(s.marker) for s in saves],
+        [m.request_id if m else None for m in markers],
+        [m.sha1 if m else None for m in markers],
+        [m.session if m else None for m in markers],
+        [m.sent_ms if m else None for m in markers],
+        [m.attempts if m else None for m in markers],
+        [m.await_response if m else None for m in markers],
+        [m.acked_ms if m else None for m in markers],
+        [m.cancelled if m else None for m in markers],
+        [m.voided if m else None for m in markers],
+        [s.sender for s in saves],
+        [len(s.ends) for s in saves],
         [e[0] for e in ends],
         [e[1] for e in ends],
         [int(e[2]) for e in ends],
         [min(e[3], MAX_ATTEMPTS) for e in ends],
         [e[4] for e in ends],
     )
-    return list(done or [])
+    verdicts = {int(r["ev"]): (int(r["verdict"]), [bool(d) for d in r["done"] or []]) for r in found}
+    return [verdicts[k + 1] for k in range(len(saves))]
 
 
-_SAVE = """
-SELECT sdv_vin_save($1::text, $2::int8, $3::int2, $4::text, $5::int2, $6::text, $7::bytea, $8::text, $9::int8,
-                    $10::int4, $11::bool, $12::int8, $13::bool, $14::bool, $15::text,
-                    $16::text[], $17::bytea[], $18::int2[], $19::int4[], $20::bytea[])
+_SAVE_MANY = """
+SELECT ev, verdict, done FROM sdv_vin_save_many($1::int8, $2::text[], $3::text[], $4::text[], $5::int2[],
+    $6::text[], $7::int2[], $8::text[], $9::bytea[], $10::text[], $11::int8[], $12::int4[], $13::bool[],
+    $14::int8[], $15::bool[], $16::bool[], $17::text[], $18::int4[], $19::text[], $20::bytea[], $21::int2[],
+    $22::int4[], $23::bytea[])
 """
 
 
-# A vehicle has something deliverable (the queue's rule, as in sdv_vin_load) ... Written as scalar
+# A vehicle has something deliverable (the queue's rule, as in sdv_vin_load_many) ... Written as scalar
 # subqueries with LIMIT 1, never pulled up into joins: the planner otherwise chose a hash
 # semi-join that reads and aggregates all of `rows` for a few hundred VINs (measured: 1-4 ms per
 # batch with nobody online, bench/pg_serve.py); this way each VIN is one index probe.
@@ -182,9 +233,10 @@ async def heartbeats(
     return [(r["vin"], r["session"], r["wanting"]) for r in found]
 
 
-async def has_work(conn: Connection, vin: str, now_ms: int) -> bool:
-    """Whether the vehicle has a deliverable row (the queue's rule)."""
-    return bool(await conn.fetchval(f"SELECT {_HAS_WORK} FROM (SELECT $1::text AS vin) v", vin, now_ms))
+async def with_work(conn: Connection, vins: Sequence[str], now_ms: int) -> list[str]:
+    """Of `vins`, those with a deliverable row (the queue's rule; one statement)."""
+    found = await conn.fetch(f"SELECT v.vin FROM unnest($1::text[]) AS v(vin) WHERE {_HAS_WORK}", list(vins), now_ms)
+    return [r["vin"] for r in found]
 
 
 async def present_wanting(conn: Connection, vins: Sequence[str], now_ms: int, timeouts: Timeouts) -> list[str]:

@@ -21,6 +21,13 @@ FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClien
 PostgresError = asyncpg.PostgresError
 #: A statement that waited lock_timeout for another session's lock.
 LockNotAvailable = asyncpg.exceptions.LockNotAvailableError
+#: A statement that wrote nothing and may simply run again: it waited lock_timeout, or PostgreSQL
+#: broke a deadlock or a serialization conflict by failing it.
+RETRYABLE = (
+    LockNotAvailable,
+    asyncpg.exceptions.DeadlockDetectedError,
+    asyncpg.exceptions.SerializationError,
+)
 
 
 async def as_storage_error(work: Awaitable[T]) -> T:

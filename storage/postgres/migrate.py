@@ -38,7 +38,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 #: The functions, in files of sql/functions/ applied in this order after the tables; a function's
 #: arguments or result type change through a migration that drops the old one first.
-FUNCTION_FILES = ("batches.sql", "rows.sql", "bound.sql", "outcomes.sql", "dispatch.sql")
+FUNCTION_FILES = ("batches.sql", "rows.sql", "bound.sql", "outcomes.sql", "dispatch.sql", "vehicle_batches.sql")
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (

@@ -478,3 +478,44 @@ def test_a_request_lock_held_by_an_instance_stalled_inside_a_statement_is_freed(
             await pool.close()
 
     run(body)
+
+
+def test_a_batch_save_writes_only_vehicles_as_it_loaded_them_and_never_waits_for_their_lock(dsn: str) -> None:
+    """save_many writes a vehicle's decision only if its presence and delivery are still what
+    load_many read (another instance's event in between: CHANGED), and only if its lock is free
+    right now (held: BUSY, at once, no wait); either way nothing of that vehicle is written, and
+    the other vehicles of the batch are saved."""
+
+    async def body() -> None:
+        conn = await asyncpg.connect(dsn)
+        other = await asyncpg.connect(dsn)
+        try:
+            now = int(time.time() * 1000)
+            data = b"payload"
+            await batches.store_batch(conn, ["V1", "V2", "V3"], "task_s_1", data, now)
+            loaded = await pgd.load_many(conn, ["V1", "V2", "V3"], now, 3)
+            assert [len(loaded[v].rows) for v in ("V1", "V2", "V3")] == [1, 1, 1]
+            # Another instance brings V2 online in between; another holds V3's lock right now.
+            await other.fetchval("SELECT sdv_vin_save('V2', $1, 1::int2, 'other', 0::int2, NULL, NULL, NULL, NULL, "
+                                 "NULL, NULL, NULL, NULL, NULL, NULL, '{}', '{}', '{}', '{}', '{}')", now)  # fmt: skip
+            lock = other.transaction()
+            await lock.start()
+            await pgd.load(other, "V3", now, 0)
+
+            def sent(vin: str) -> pgd.Save:
+                m = pgd.Marker("task_s_1", sha1_of(data), "mine", now, 1)
+                return pgd.Save(vin, loaded[vin], presence=("mine",), marker=(m,), sender="i0")
+
+            async with asyncio.timeout(5):  # a wait for V3's lock would take lock_timeout or forever
+                verdicts = await pgd.save_many(conn, now, [sent("V1"), sent("V2"), sent("V3")])
+            assert [v for v, _ in verdicts] == [pgd.SAVED, pgd.CHANGED, pgd.BUSY]
+            await lock.rollback()
+            marked = await conn.fetch("SELECT vin, sender FROM vin_state ORDER BY vin")
+            assert [(r["vin"], r["sender"]) for r in marked] == [("V1", "i0")]
+            online = await conn.fetch("SELECT vin, session FROM presence ORDER BY vin")
+            assert [(r["vin"], r["session"]) for r in online] == [("V1", "mine"), ("V2", "other")]
+        finally:
+            await conn.close()
+            await other.close()
+
+    asyncio.run(body())

@@ -88,8 +88,8 @@ class PgBackend:
         self._dispatcher = SharedDispatcher(
             self._connected_pool(),
             needs.publisher,
-            # Events wait on the database, not the CPU: as many lanes as connections allow
-            # (bench/pg_serve.py: 2 lanes on 2 CPUs left the server half idle).
+            # Event batches wait on the database, not the CPU: as many at once as connections
+            # allow (bench/pg_serve.py: 2 lanes on 2 CPUs left the server half idle).
             lanes=max(1, cfg.store_pool_size - 2),
             inflight_timeout_s=cfg.inflight_timeout_s,
             sender=needs.sender,
@@ -100,6 +100,8 @@ class PgBackend:
             response_timeout_s=cfg.response_timeout_s,
             on_response=needs.on_response,
             heartbeat_window_s=cfg.heartbeat_window_ms / 1000,
+            batch_window_s=cfg.dispatch_batch_window_ms / 1000,
+            batch_max=cfg.dispatch_batch_max,
             event_timeout_s=cfg.ingest_timeout_s,
         )
         return self._dispatcher

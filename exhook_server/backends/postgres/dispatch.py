@@ -1,23 +1,25 @@
-"""PostgreSQL: dispatch where any instance handles any hook of any vehicle.
+"""Dispatch over PostgreSQL: any instance handles any hook of any vehicle.
 
-Each vehicle event runs the worker's rules (`worker.Worker`, not a second copy) on the vehicle's
-state as the database holds it, in one transaction under the vehicle's lock, and publishes and
-reports only after the commit: at most one delivery is in flight per vehicle whichever instance gets
-which hook, and a crash between commit and publish means one more send after the in-flight timeout
-(QoS 1 allows it). Inside an instance a vehicle's events keep their order. Everything queued is
-bounded (`max_queued`): an event that cannot be queued is logged, counted and recovered later.
+The rules are the worker's (`worker.Worker`), run on each vehicle's stored state. Vehicle events
+are gathered for `batch_window_s` into batches (one event per vehicle, a vehicle in one batch at
+a time, so its events keep their order): one statement loads the vehicles, a worker per event
+decides, one statement saves what changed for each vehicle still as loaded (`save_many`; the
+others run again). Sends are published and outcomes reported only after that commit. Heartbeats
+are gathered for `heartbeat_window_s` and filtered in one statement. Everything queued is bounded
+(`max_queued`): an event that cannot be queued is dropped with a warning and a metric.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import itertools
 import time
-import zlib
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -52,12 +54,11 @@ from exhook_server.dispatch.worker import (
 )
 from storage.model import Outcome, Row
 from storage.postgres import dispatch as pgd
-from storage.postgres.errors import LockNotAvailable
+from storage.postgres.errors import RETRYABLE
 from storage.postgres.types import Pool
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
-T = TypeVar("T")
 #: The commands that name one vehicle.
 VinCommand = MaybeSend | Acknowledge | Responded | Connected | Down | Refused | Requeue
 
@@ -66,6 +67,12 @@ VinCommand = MaybeSend | Acknowledge | Responded | Connected | Down | Refused | 
 _PREFETCH = 3
 #: Vehicles one page of a sweep, a broker reconnect or a bulk filter covers.
 _PAGE = 1000
+#: A running batch this slow (waiting for a row another session holds, say) no longer holds back
+#: the next one.
+_SLOW_BATCH_S = 0.05
+#: Times an event may find its vehicle held by another instance (or changed by it between the
+#: load and the save) before it is dropped.
+_MAX_TRIES = 50
 #: Separates a session's fields in its stored text (never part of a node name, clientid or host).
 _SEP = "\x1f"
 
@@ -192,15 +199,31 @@ class _Reports:
         self.responses.append((vin, request_id, sha1, payload, size))
 
 
-class _Lane:
-    """One vehicle event at a time, in arrival order."""
+@dataclass(slots=True)
+class _Queued:
+    """A vehicle event waiting for a batch: what to do with the vehicle's worker, who waits for
+    its result, and how often it ran into another instance's hold on the vehicle."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.queue: collections.deque[tuple[str, Callable[[Worker], Any], asyncio.Future[Any] | None]] = (
-            collections.deque()
-        )
-        self.wake = asyncio.Event()
+    vin: str
+    act: Callable[[Worker], Any]
+    future: asyncio.Future[Any] | None
+    why: str
+    tries: int = 0
+
+
+@dataclass(slots=True)
+class _Decided:
+    """One event of a batch after the worker's rules ran: what to write, publish and report once
+    the save has said it was written."""
+
+    queued: _Queued
+    result: Any
+    save: pgd.Save | None
+    sends: _Sends
+    reports: _Reports
+    recheck: bool
+    verdict: int = pgd.SAVED
+    ended: frozenset[tuple[str, bytes]] = frozenset()
 
 
 class SharedDispatcher:
@@ -236,6 +259,8 @@ class SharedDispatcher:
         response_timeout_s: float = 300.0,
         on_response: ResponseListener | None = None,
         heartbeat_window_s: float = 0.02,
+        batch_window_s: float = 0.005,
+        batch_max: int = 200,
         max_queued: int = 100_000,
         event_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
@@ -255,8 +280,19 @@ class SharedDispatcher:
         self._event_timeout_s = event_timeout_s
         self._clock = clock
         self._timeouts = pgd.Timeouts(round(inflight_timeout_s * 1000), round(response_timeout_s * 1000))
-        self._lanes = [_Lane(f"l{i}") for i in range(lanes)]
-        self.ring = HashRing({lane.name: 0 for lane in self._lanes})
+        self._batch_window_s = batch_window_s
+        self._batch_max = batch_max
+        #: Batches that may run at once, one pool connection each.
+        self._slots = lanes
+        self.ring = HashRing({f"l{i}": 0 for i in range(lanes)})
+        #: Vehicle events not yet in a batch, in arrival order; the VINs of the running batches.
+        self._waiting: collections.deque[_Queued] = collections.deque()
+        self._busy: set[str] = set()
+        self._running = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        #: Events queued or in a running batch.
         self._queued = 0
         #: clientid -> VINs it stands for besides its own name (see pool.Dispatcher._remember).
         self._clients: dict[str, set[str]] = {}
@@ -269,8 +305,10 @@ class SharedDispatcher:
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run_lane(lane), name=f"lane-{lane.name}") for lane in self._lanes]
-        self._tasks.append(asyncio.create_task(self._gather_heartbeats(), name="heartbeats"))
+        self._tasks = [
+            asyncio.create_task(self._gather_events(), name="events"),
+            asyncio.create_task(self._gather_heartbeats(), name="heartbeats"),
+        ]
 
     async def stop(self) -> None:
         tasks = self._tasks + list(self._background)
@@ -283,7 +321,7 @@ class SharedDispatcher:
         """Events queued and not yet handled (heartbeats in the gathering window included)."""
         return self._queued + len(self._beats)
 
-    # -- running one vehicle event ------------------------------------------------
+    # -- running vehicle events, in batches ------------------------------------------
     def _submit(
         self, vin: str, act: Callable[[Worker], Any], future: asyncio.Future[Any] | None = None, why: str = ""
     ) -> bool:
@@ -293,103 +331,189 @@ class SharedDispatcher:
             if future is not None:
                 future.set_result(None)
             return False
-        lane = self._lanes[zlib.crc32(vin.encode()) % len(self._lanes)]
-        lane.queue.append((vin, act, future))
+        self._waiting.append(_Queued(vin, act, future, why))
         self._queued += 1
-        lane.wake.set()
+        self._wake.set()
         return True
 
     def submit(self, cmd: VinCommand) -> None:
-        """Queue a command for its vehicle's lane."""
+        """Queue a command for its vehicle."""
         self._submit(cmd.vin, lambda w: w.handle(cmd), why=type(cmd).__name__)
 
-    async def _run_lane(self, lane: _Lane) -> None:
+    async def _gather_events(self) -> None:
+        """Forever: gather vehicle events for `batch_window_s` (or until a full batch waits),
+        then run them as one batch. Events arriving while a batch runs wait for the next one
+        unless a full batch is waiting or the running one is slow (`_SLOW_BATCH_S`: one vehicle
+        whose rows another session holds must not stop every other vehicle); up to `lanes`
+        batches run at once. One event per vehicle per batch, a vehicle in one batch at a time:
+        each vehicle's events run one at a time, in arrival order."""
         while True:
-            if not lane.queue:
-                lane.wake.clear()
-                await lane.wake.wait()
+            if not self._waiting or self._running >= self._slots:
+                self._wake.clear()
+                await self._wake.wait()
                 continue
-            vin, act, future = lane.queue[0]
-            try:
-                async with asyncio.timeout(self._event_timeout_s):
-                    result = await self._event(vin, act)
-            except asyncio.CancelledError:
-                raise
-            except LockNotAvailable:
-                # Someone else holds this vehicle's rows or lock (lock_timeout): the event gives
-                # up, and the lane goes on with other vehicles; the vehicle's next heartbeat, the
-                # sweep or the in-flight timeout brings what it would have done.
-                metrics.DISPATCH_EVENT_FAILURES.inc()
-                log.warning("vehicle_locked", vin=vin, reason="lock_timeout")
-                result = None
-            except Exception as exc:  # one failed event must not stop the lane
-                metrics.DISPATCH_EVENT_FAILURES.inc()
-                log.error("dispatch_event_failed", vin=vin, error=repr(exc))
-                result = None
-            finally:
-                lane.queue.popleft()  # counted until done: backlog() == 0 means every event ran
-                self._queued -= 1
-            if future is not None and not future.done():
-                future.set_result(result)
+            if len(self._waiting) < self._batch_max:
+                await asyncio.sleep(self._batch_window_s)
+                if self._running and len(self._waiting) < self._batch_max:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(_SLOW_BATCH_S):
+                            await self._idle.wait()
+            batch = self._pick()
+            if not batch:  # every waiting vehicle is in a running batch
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._running += 1
+            self._idle.clear()
+            self._spawn(self._run_batch(batch), "batch")
 
-    async def _event(self, vin: str, act: Callable[[Worker], T]) -> T:
+    def _pick(self) -> list[_Queued]:
+        """Up to `batch_max` waiting events of distinct vehicles that no running batch holds,
+        each the first waiting event of its vehicle (a bounded look at the front of the queue)."""
+        picked: list[_Queued] = []
+        passed: list[_Queued] = []
+        seen: set[str] = set()
+        for _ in range(min(len(self._waiting), 4 * self._batch_max)):
+            q = self._waiting.popleft()
+            if q.vin in seen or q.vin in self._busy:
+                passed.append(q)
+            else:
+                picked.append(q)
+                if len(picked) >= self._batch_max:
+                    seen.add(q.vin)
+                    break
+            seen.add(q.vin)
+        self._waiting.extendleft(reversed(passed))
+        self._busy.update(q.vin for q in picked)
+        return picked
+
+    async def _run_batch(self, batch: list[_Queued]) -> None:
+        again: list[_Queued] = []
+        try:
+            again = await self._batch(batch)
+        except asyncio.CancelledError:
+            raise
+        except RETRYABLE as exc:
+            # A row another session held past lock_timeout, a deadlock PostgreSQL broke, a
+            # serialization failure: the save wrote nothing, so every event of it runs again.
+            metrics.DISPATCH_EVENT_FAILURES.inc()
+            log.warning("vehicle_batch_retried", vehicles=len(batch), error=repr(exc))
+            again = batch
+        except Exception as exc:  # one failed batch must not stop dispatch
+            metrics.DISPATCH_EVENT_FAILURES.inc()
+            log.error("dispatch_event_failed", vin=batch[0].vin, vehicles=len(batch), error=repr(exc))
+            for q in batch:
+                if q.future is not None and not q.future.done():
+                    q.future.set_result(None)
+        finally:
+            self._busy.difference_update(q.vin for q in batch)
+            self._running -= 1
+            if not self._running:
+                self._idle.set()
+            kept = {id(q) for q in again}
+            self._queued -= sum(1 for q in batch if id(q) not in kept)
+            self._again(again)
+            self._wake.set()
+
+    def _again(self, events: list[_Queued]) -> None:
+        """Put events that wrote nothing back at the front, in order (before any later event of
+        their vehicle); one that has tried `_MAX_TRIES` times is dropped, for the vehicle's next
+        heartbeat, the sweep or the in-flight timeout to bring what it would have done."""
+        for q in reversed(events):
+            q.tries += 1
+            if q.tries >= _MAX_TRIES:
+                self._queued -= 1
+                metrics.DISPATCH_EVENT_FAILURES.inc()
+                log.warning("vehicle_locked", vin=q.vin, reason="held_elsewhere", event=q.why)
+                if q.future is not None and not q.future.done():
+                    q.future.set_result(None)
+            else:
+                self._waiting.appendleft(q)
+
+    async def _batch(self, batch: list[_Queued]) -> list[_Queued]:
+        """Run one batch: load every vehicle (one statement), run each event's rules, save what
+        changed (one statement, its own transaction), then publish and report what was saved.
+        The events another instance got in the way of, to run again."""
         now = self._clock()
         now_ms = round(now * 1000)
-        rows_seen: _EventRows
+        async with self._pool.acquire() as conn:
+            async with asyncio.timeout(self._event_timeout_s):
+                loaded = await pgd.load_many(conn, [q.vin for q in batch], now_ms, _PREFETCH)
+                trips = 1
+                decided = [self._decide(q, loaded[q.vin], now) for q in batch]
+                saving = sorted((d for d in decided if d.save is not None), key=lambda d: d.queued.vin)
+                if saving:
+                    # In VIN order: the save deletes rows in the store's lock order.
+                    verdicts = await pgd.save_many(conn, now_ms, [d.save for d in saving if d.save is not None])
+                    trips += 1
+                    for d, (verdict, done) in zip(saving, verdicts, strict=True):
+                        assert d.save is not None
+                        d.verdict = verdict
+                        d.ended = frozenset((e[0], e[1]) for e, ok in zip(d.save.ends, done, strict=False) if ok)
+                # A batch's filter reads presence and the slot outside the vehicles' locks: it
+                # may have found a vehicle offline or its slot taken just before this save, whose
+                # load read the queue before the batch committed, brought it online or freed the
+                # slot with nothing more to send. Such vehicles are looked at once more after the
+                # save's commit, so no new row waits for the next heartbeat.
+                recheck = [d.queued.vin for d in decided if d.recheck and d.verdict == pgd.SAVED]
+                if recheck:
+                    trips += 1
+                    for vin in await pgd.with_work(conn, recheck, round(self._clock() * 1000)):
+                        self._submit(vin, functools.partial(_handle, MaybeSend(Trigger.NEW_BATCH, vin)), why="recheck")
+        metrics.DB_ROUND_TRIPS.labels("event").inc(trips)
+        again = []
+        for d in decided:
+            if d.verdict != pgd.SAVED:
+                again.append(d.queued)
+                continue
+            self._report(d)
+        return again
+
+    def _decide(self, q: _Queued, loaded: pgd.Loaded, now: float) -> _Decided:
+        """The worker's rules on one vehicle's loaded state: what its event changed."""
+        vin = q.vin
         sends = _Sends(self._connected)
         reports = _Reports()
-        async with self._pool.acquire() as conn:
-            async with conn.transaction():
-                loaded = await pgd.load(conn, vin, now_ms, _PREFETCH)
-                trips = 3  # BEGIN, the load, COMMIT
-                rows_seen = _EventRows(loaded.rows)
-                worker = Worker(
-                    "event",
-                    rows_seen,
-                    sends,
-                    inflight_timeout_s=self._inflight_timeout_s,
-                    clock=lambda: now,
-                    on_outcome=reports.outcome,
-                    max_attempts=self._max_attempts,
-                    response_timeout_s=self._response_timeout_s,
-                    on_response=reports.response,
-                )
-                before = _state(loaded)
-                worker.restore(vin, before)
-                result = act(worker)
-                after = worker.state_of(vin)
-                presence = None if after[0] == before[0] else (encode_session(after[0]) if after[0] else None,)
-                marker = _marker(after)
-                saved_marker = None if marker == loaded.marker else (marker,)
-                ended: set[tuple[str, bytes]] = set()
-                if presence or saved_marker or rows_seen.ends:
-                    # Presence, the marker and the pairs ended: one statement (sdv_vin_save).
-                    sender = self._sender() if saved_marker and sends.queued else None
-                    done = await pgd.save(
-                        conn, vin, now_ms, presence=presence, marker=saved_marker, sender=sender, ends=rows_seen.ends
-                    )
-                    ended = {(e[0], e[1]) for e, ok in zip(rows_seen.ends, done, strict=True) if ok}
-                    trips += 1
-            # A batch's filter reads presence and the slot outside the vehicle's lock: it may have
-            # found the vehicle offline or its slot taken just before this event, which read the
-            # queue before the batch committed, brought it online or freed the slot with nothing
-            # more to send. Such an event looks once more after its commit, so no new row waits
-            # for the next heartbeat.
-            changed = before[1] is not None or before[0] != after[0]
-            if changed and after[0] is not None and after[1] is None and not sends.queued:
-                trips += 1
-                if await pgd.has_work(conn, vin, round(self._clock() * 1000)):
-                    self._submit(vin, functools.partial(_handle, MaybeSend(Trigger.NEW_BATCH, vin)), why="recheck")
-        metrics.DB_ROUND_TRIPS.labels("event").inc(trips)
-        for item in sends.queued:
+        rows_seen = _EventRows(loaded.rows)
+        worker = Worker(
+            "event",
+            rows_seen,
+            sends,
+            inflight_timeout_s=self._inflight_timeout_s,
+            clock=lambda: now,
+            on_outcome=reports.outcome,
+            max_attempts=self._max_attempts,
+            response_timeout_s=self._response_timeout_s,
+            on_response=reports.response,
+        )
+        before = _state(loaded)
+        worker.restore(vin, before)
+        result = q.act(worker)
+        after = worker.state_of(vin)
+        presence = None if after[0] == before[0] else (encode_session(after[0]) if after[0] else None,)
+        marker = _marker(after)
+        saved_marker = None if marker == loaded.marker else (marker,)
+        save = None
+        if presence or saved_marker or rows_seen.ends:
+            sender = self._sender() if saved_marker and sends.queued else None
+            save = pgd.Save(vin, loaded, presence, saved_marker, sender, rows_seen.ends)
+        changed = before[1] is not None or before[0] != after[0]
+        recheck = changed and after[0] is not None and after[1] is None and not sends.queued
+        return _Decided(q, result, save, sends, reports, recheck)
+
+    def _report(self, d: _Decided) -> None:
+        """After the save: publish what the event sent, pass on the outcomes and answers of the
+        pairs it ended, and its result to whoever waits for it."""
+        for item in d.sends.queued:
             self._publisher.publish(*item)
-        for vin_, rid, sha1, outcome, attempts in reports.outcomes:
-            if (rid, sha1) in ended and self._on_outcome is not None:
+        for vin_, rid, sha1, outcome, attempts in d.reports.outcomes:
+            if (rid, sha1) in d.ended and self._on_outcome is not None:
                 self._on_outcome(vin_, rid, sha1, outcome, attempts)
-        for vin_, rid, sha1, payload, size in reports.responses:
-            if (rid, sha1) in ended and self._on_response is not None:
+        for vin_, rid, sha1, payload, size in d.reports.responses:
+            if (rid, sha1) in d.ended and self._on_response is not None:
                 self._on_response(vin_, rid, sha1, payload, size)
-        return result
+        if d.queued.future is not None and not d.queued.future.done():
+            d.queued.future.set_result(d.result)
 
     def _spawn(self, work: Awaitable[Any], name: str) -> None:
         task = asyncio.ensure_future(work)

@@ -1,13 +1,13 @@
--- What a vehicle event reads and writes, under the vehicle's advisory lock: sdv_vin_load reads
--- its state in one round trip, the Worker rules (exhook_server/dispatch/worker.py) decide in
--- Python, and sdv_vin_save writes what they decided in one statement. Called by
+-- A vehicle's state under its advisory lock: sdv_vin_load reads it in one round trip, and
+-- sdv_vin_save writes what the Worker rules (exhook_server/dispatch/worker.py) decided in one
+-- statement (called per vehicle by sdv_vin_save_many, vehicle_batches.sql). Called by
 -- storage/postgres/dispatch.py.
 
--- One round trip per vehicle event: take the vehicle's lock (held to the end of the transaction),
--- then read its presence, its state and its first deliverable rows with their payloads (also when
--- it is offline: the event may be the one that brings it online). In a plpgsql function each
--- statement takes a new snapshot, so the reads after the lock see everything committed before it
--- was granted.
+-- One vehicle's state under its lock, held to the end of the caller's transaction (the Admin
+-- API's read; vehicle events read in batches, vehicle_batches.sql): its presence, its delivery
+-- and its first deliverable rows with their payloads, read by sdv_vin_load_many after the lock
+-- (each statement of a plpgsql function takes a new snapshot, so it sees everything committed
+-- before the lock was granted).
 CREATE OR REPLACE FUNCTION sdv_vin_load(p_vin text, p_now bigint, p_rows integer)
 RETURNS TABLE (
     kind text, session text, request_id text, sha1 bytea, sent_ms bigint, attempts integer,
@@ -16,26 +16,14 @@ RETURNS TABLE (
 ) LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     PERFORM pg_advisory_xact_lock(21318, hashtext(p_vin));
-    RETURN QUERY SELECT 'p'::text, p.session::text, NULL::text, NULL::bytea, p.seen_ms, NULL::integer,
-        NULL::boolean, NULL::bigint, NULL::boolean, NULL::boolean,
-        NULL::bigint, NULL::integer, NULL::bigint, NULL::smallint, NULL::bytea
-        FROM presence p WHERE p.vin = p_vin;
-    RETURN QUERY SELECT 'r'::text, NULL::text, r.request_id::text, r.sha1, NULL::bigint, NULL::integer,
-            NULL::boolean, NULL::bigint, NULL::boolean, NULL::boolean,
-            r.ts_ms, r.size, r.expires_ms, r.flags, b.data
-            FROM rows r JOIN blobs b ON b.sha1 = r.sha1 LEFT JOIN cancels c ON c.request_id = r.request_id
-            WHERE r.vin = p_vin AND NOT (r.expires_ms > 0 AND r.expires_ms <= p_now)
-                AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms)
-            ORDER BY r.ts_ms, r.request_id LIMIT p_rows;
-    RETURN QUERY SELECT 's'::text, s.session::text, s.request_id::text, s.sha1, s.sent_ms, s.attempts,
-        s.await_response, s.acked_ms, s.cancelled, s.voided,
-        NULL::bigint, NULL::integer, NULL::bigint, NULL::smallint, NULL::bytea
-        FROM vin_state s WHERE s.vin = p_vin AND s.request_id IS NOT NULL;
+    RETURN QUERY SELECT l.kind, l.session, l.request_id, l.sha1, l.sent_ms, l.attempts, l.await_response,
+        l.acked_ms, l.cancelled, l.voided, l.ts_ms, l.size, l.expires_ms, l.flags, l.data
+        FROM sdv_vin_load_many(ARRAY[p_vin], p_now, p_rows) l;
 END
 $$;
 
--- What a vehicle event decided, after the Worker rules ran on what sdv_vin_load read (the
--- caller's transaction holds the vehicle's lock): its presence (p_presence 0 unchanged, 1 online
+-- What a vehicle event decided, after the Worker rules ran on what sdv_vin_load_many read
+-- (sdv_vin_save_many holds the vehicle's lock and checked its state is still so): its presence (p_presence 0 unchanged, 1 online
 -- with p_session, 2 offline), its delivery marker (p_marker 0 unchanged, 1 the given fields,
 -- 2 none; p_sender NULL keeps the recorded sender) and the pairs it ended (sdv_end_row each, in
 -- the order given), in one statement and that order (presence, vin_state, rows). Returns, per
