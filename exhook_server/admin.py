@@ -207,7 +207,7 @@ class AdminServicer:
         if not await self._reads.generations(parsed.request_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no generation of request {parsed.request_id!r} is stored")
         try:
-            task = await self._ingestor.cancel(parsed.request_id, parsed.vins)
+            task = await self._ingestor.cancels.cancel(parsed.request_id, parsed.vins)
             result = await task
         except StorageError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cancel not finished: {exc}")

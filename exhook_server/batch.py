@@ -11,6 +11,7 @@ import base64
 import binascii
 import datetime
 import enum
+import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,25 @@ class Tags:
 
     batch_id: str | None = None
     correlation_id: str | None = None
+
+
+#: Starts the batch_id implied for a batch or trigger that names none (`implied_batch_id`): 59
+#: bytes with the digest, kept apart from the platform's own ids by this prefix.
+IMPLIED_PREFIX = "sdv-fanout:message:"
+
+
+def implied_batch_id(topic: str, payload: bytes) -> str:
+    """The batch_id of a message that names none: a digest of its topic and payload, so the same
+    message reaching us twice (the hook and the catch-up session, or a redelivery) is stored once."""
+    digest = hashlib.blake2b(topic.encode(), digest_size=20)
+    digest.update(b"\0")
+    digest.update(payload)  # fed in parts: no copy of a payload of megabytes
+    return IMPLIED_PREFIX + digest.hexdigest()
+
+
+def shown_batch_id(batch_id: str | None) -> str | None:
+    """The batch_id a receipt shows: the platform's own, never an implied one."""
+    return None if batch_id is None or batch_id.startswith(IMPLIED_PREFIX) else batch_id
 
 
 #: The latest expires_at taken (9999-12-31T23:59:59.999Z): beyond it, a typo, not a plan.

@@ -5,7 +5,7 @@ past EMQX's request_timeout) a batch is PUBACKed to the platform and routed to s
 that subscriber: one persistent MQTT 5 session (`catchup_session_clientid`, clean_start false) at
 QoS 1 on the batch topics. Each message goes through `Ingestor.ingest` (the hook's path), one at a
 time in arrival order, and is PUBACKed only once stored or rejected; a message both paths saw is
-stored once (`ingest.implied_batch_id`). At most `RECEIVE_MAXIMUM` are held unacknowledged.
+stored once (`batch.implied_batch_id`). At most `RECEIVE_MAXIMUM` are held unacknowledged.
 """
 
 from __future__ import annotations

@@ -507,9 +507,9 @@ def _cmd_request(args: argparse.Namespace) -> int:
 
 def _cmd_cancel(args: argparse.Namespace) -> int:
     from exhook_server.batch import BatchParser, Cancel, Kind
+    from exhook_server.cancel import run_cancel
     from exhook_server.errors import BatchRejected
     from storage.model import now_ms
-    from storage.port import run_cancel
 
     cfg = _load(args)
     doc: dict[str, Any] = {"request_id": args.request_id}

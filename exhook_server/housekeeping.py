@@ -15,11 +15,10 @@ import structlog
 from exhook_server import metrics
 from exhook_server.config import Config
 from exhook_server.dispatch.port import Dispatch
-from exhook_server.ingest import report_expired_early
+from exhook_server.parked import report_expired
 from exhook_server.status import StatusPublisher
 from storage.errors import StorageError
-from storage.lmdb import gc
-from storage.model import now_ms
+from storage.model import GcReport, now_ms
 from storage.port import GcSettings, Reads
 
 log = structlog.get_logger("sdv_fanout.gc")
@@ -28,7 +27,7 @@ log = structlog.get_logger("sdv_fanout.gc")
 FIRST_GC_MAX_DELAY_S = 1800.0
 
 
-async def run_gc(cfg: Config, reads: Reads, *, dry_run: bool = False) -> gc.GcReport:
+async def run_gc(cfg: Config, reads: Reads, *, dry_run: bool = False) -> GcReport:
     """One GC pass with the configured retention and grace."""
     settings = GcSettings(
         now_ms=now_ms(),
@@ -61,7 +60,7 @@ async def gc_loop(cfg: Config, reads: Reads, status: StatusPublisher | None = No
                 ("early", report.early_expired),
             ):
                 metrics.GC_DELETED.labels(kind).inc(n)
-            report_expired_early(report.expired_early, status)
+            report_expired(report.expired_early, status)
             log.info("gc_finished", **report.as_dict())
         await asyncio.sleep(cfg.gc_interval_s)
 

@@ -32,6 +32,7 @@ from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
 from exhook_server.dispatch.port import Dispatch, DispatchNeeds
 from exhook_server.errors import ConfigError
+from exhook_server.expiry import ExpirySweep
 from exhook_server.group import HOOK_SET_CONFIRMED, write_ready_file
 from exhook_server.health import HealthStates
 from exhook_server.hookset import HookSetWatch
@@ -116,7 +117,7 @@ class FanoutServer:
 
     With a `group` it is one of several processes (see `procs`): it binds the group's port
     with SO_REUSEPORT, forwards dispatch events to the process owning their VIN, and only
-    process 0 runs the store-wide housekeeping (GC, early-trigger sweep). The Admin API has its
+    process 0 runs the store-wide housekeeping (GC, parked-trigger sweep). The Admin API has its
     own gRPC server on `admin_listen` (shared by the group the same way): whoever reaches the
     ExHook port, EMQX's side of the network, gets UNIMPLEMENTED for it. `clock` (wall-clock ms)
     stamps what ingest stores and judges its TTLs by; tests inject one to step time.
@@ -131,6 +132,10 @@ class FanoutServer:
         #: Receipts, progress and outcomes for the platform, published by the delivery client.
         self.status = StatusPublisher(cfg, lambda: self.delivery, clock)
         self.ingestor = Ingestor(cfg, self.backend.writes, status=self.status, clock=clock)
+        #: The jobs ingest starts, and the expiry sweep.
+        self.cancels = self.ingestor.cancels
+        self.parked = self.ingestor.parked
+        self.expiry = ExpirySweep(cfg, self.backend.writes, clock)
         self.delivery: MqttDelivery | None = None
         vin_re = re.compile(cfg.vin_pattern)
         self.dispatcher: Dispatch = self.backend.dispatcher(
@@ -144,9 +149,10 @@ class FanoutServer:
             )
         )
         self.ingestor.listeners.append(self.dispatcher.new_batch)
-        self.ingestor.cancel_listener = self.dispatcher.cancelled
+        self.cancels.listener = self.dispatcher.cancelled
         if cfg.status_per_vehicle:
-            self.ingestor.outcome_listeners.append(self._vehicle_outcome)
+            self.cancels.outcome_listeners.append(self._vehicle_outcome)
+            self.expiry.outcome_listeners.append(self._vehicle_outcome)
         watch = HookSetWatch(cfg, dict(hooks.hook_specs(cfg)), HOOK_SET_CONFIRMED)
         self.servicer = hooks.HookServicer(cfg, self.ingestor, self.dispatcher, watch)
         self.health = health.aio.HealthServicer()
@@ -253,11 +259,11 @@ class FanoutServer:
         return self.delivery.clientid if self.delivery is not None else f"sdv-fanout-{os.getpid()}"
 
     async def _resume_store_work(self) -> None:
-        await self.ingestor.resume_waiting()
-        await self.ingestor.resume_cancels()
+        await self.parked.resume()
+        await self.cancels.resume()
         self._tasks += [
-            asyncio.create_task(self.ingestor.run_early_sweeper(), name="early-sweeper"),
-            asyncio.create_task(self.ingestor.run_expiry_sweeper(), name="expiry-sweeper"),
+            asyncio.create_task(self.parked.run_sweeper(), name="parked-sweeper"),
+            asyncio.create_task(self.expiry.run(), name="expiry-sweeper"),
         ]
 
     def _leader_jobs(self) -> list[Job]:

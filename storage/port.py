@@ -1,6 +1,6 @@
 """What the server asks of a store: `Writes` and `Reads`, whichever engine is behind them.
 
-Ingest, cancel and the expiry sweep go through `Writes` only; the Admin API, progress reporting and
+Ingest, cancel, the expiry sweep and parked triggers go through `Writes` only; the Admin API, progress reporting and
 housekeeping (GC, level gauges) through `Reads`. LMDB (`storage/lmdb/writes.py`, `reads.py`) and
 PostgreSQL (`storage/postgres/writes.py`, `reads.py`) implement both. Every write returns once its
 change is durable, or raises StorageError (CommitTimeout: it may still land later); results are the
@@ -207,15 +207,3 @@ class Reads(Protocol):
     async def policy(self, request_id: str) -> StoredPolicy | None:
         """The campaign policy of `request_id` in force, or None."""
         ...
-
-
-async def run_cancel(writes: Writes, request_id: str, vins: Sequence[str] | None, now_ms: int, max_rows: int) -> int:
-    """A whole cancel in this process through either store's `Writes`, one transaction per chunk
-    (`sdv-fanout cancel` without a server; LMDB serialises it with a running server's writer,
-    PostgreSQL with every instance's). Returns the rows cancelled."""
-    if vins is not None:
-        return (await writes.cancel_vins(request_id, vins, now_ms)).total
-    chunk = await writes.start_cancel_all(request_id, now_ms, max_rows)
-    while chunk.more:
-        chunk = await writes.cancel_chunk(request_id, now_ms, max_rows)
-    return chunk.total

@@ -96,11 +96,11 @@ def test_orphan_trigger_expires_with_reason(make_server: Any) -> None:
     )
     assert srv.store.early_count() == 1
     clock.advance(59.999)
-    assert srv.run(srv.server.ingestor.sweep_early()) == []
+    assert srv.run(srv.server.parked.sweep()) == []
     assert srv.store.early_count() == 1
     clock.advance(0.001)
     with capture_logs() as logs:
-        expired = srv.run(srv.server.ingestor.sweep_early())
+        expired = srv.run(srv.server.parked.sweep())
     assert [(e.data_id, e.request_id) for e in expired] == [("gone", "task_a_1")]
     assert srv.store.early_count() == 0
     assert any(e["event"] == "early_trigger_expired" and e["reason"] == "data_never_arrived" for e in logs)

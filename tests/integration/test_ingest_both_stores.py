@@ -20,6 +20,7 @@ import pytest
 
 from exhook_server.batch import Kind
 from exhook_server.config import Config
+from exhook_server.expiry import ExpirySweep
 from exhook_server.ingest import Ingestor
 from exhook_server.status import StatusPublisher
 from storage.lmdb.store import Store
@@ -139,12 +140,12 @@ def test_a_cancel_of_every_vehicle_in_chunks_reports_its_total(opener: Opener) -
         for part in range(0, 12, 4):
             vins = [f"V{n:02}" for n in range(part, part + 4)]
             await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", batch(vins, "task_ota_1", "fw"))
-        task = await ingestor.cancel("task_ota_1", None)
+        task = await ingestor.cancels.cancel("task_ota_1", None)
         result = await task
         assert (result.cancelled, result.in_flight) == (12, 0)
         [event] = heard.of("cancelled")
         assert event["cancelled"] == 12
-        assert await ingestor.resume_cancels() == []  # nothing left half done
+        assert await ingestor.cancels.resume() == []  # nothing left half done
 
     run(opener, body, max_ids_per_batch=4, max_rows_per_commit=4)
 
@@ -163,7 +164,7 @@ def test_a_cancel_with_ids_null_cancels_nothing_and_its_refusal_names_the_cancel
         assert refused["request_id"] == "task_ota_1" and refused["correlation_id"] == "c-9"
         assert (refused["reason"], refused["of"]) == ("wrong_type", "cancel")
         assert (rejected_batch["reason"], rejected_batch["of"]) == ("empty_ids", "batch")
-        result = await (await ingestor.cancel("task_ota_1", None))
+        result = await (await ingestor.cancels.cancel("task_ota_1", None))
         assert result.cancelled == 2  # both rows were still pending
 
     run(opener, body)
@@ -174,12 +175,13 @@ def test_the_expiry_sweep_ends_rows_past_their_time(opener: Opener) -> None:
         clock = [1_000_000]
         ingestor._clock = lambda: clock[0]  # the ingest clock only: the parser checks against it too
         ingestor.parser._clock = ingestor._clock
+        expiry = ExpirySweep(Config(), ingestor._writes, clock=ingestor._clock)
         doc = batch(["V1", "V2"], "task_unlock_1", "u", expires_at=1_000_500)
         assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", doc)
-        assert await ingestor.sweep_expired() == 0
+        assert await expiry.sweep() == 0
         clock[0] = 1_000_600
-        assert await ingestor.sweep_expired() == 2
-        assert await ingestor.sweep_expired() == 0
+        assert await expiry.sweep() == 2
+        assert await expiry.sweep() == 0
 
     run(opener, body)
 

@@ -158,7 +158,7 @@ def test_a_cancel_racing_batches_of_the_same_request_takes_each_batch_whole_or_n
         t.start()
     for t in threads:
         t.join(timeout=60)
-    poll(lambda: not rig.srv.server.ingestor._cancelling, timeout_s=20)
+    poll(lambda: not rig.srv.server.cancels._cancelling, timeout_s=20)
     assert rig.srv.cancels_in_progress() == []
     gens = {g.sha1: g.counts for g in rig.srv.generations("task_race_1")}
     stored, recounted = rig.srv.counts_and_recount()

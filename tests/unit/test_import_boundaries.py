@@ -97,10 +97,7 @@ def test_each_engine_is_imported_by_its_store_only() -> None:
     found = {m: _engines(direct_imports(m)) for m in product_modules()}
     assert any("lmdb" in e for e in found.values()) and any("asyncpg" in e for e in found.values())
     wrong = sorted(
-        (m, engine)
-        for m, engines in found.items()
-        for engine in engines
-        if not m.startswith(ENGINES[engine])
+        (m, engine) for m, engines in found.items() for engine in engines if not m.startswith(ENGINES[engine])
     )
     assert wrong == []
 
