@@ -18,7 +18,7 @@ from typing import Any
 
 import lmdb
 
-from storage.lmdb import batches, keys, queue
+from storage.lmdb import keys, parked, queue
 from storage.lmdb.store import Store
 from storage.lmdb.store import now_ms as clock_ms
 from storage.lmdb.tables import Db, Tables
@@ -252,7 +252,7 @@ def collect(
             report.blob_bytes_freed += f
             report.blobs_kept_recent += k
         report.expired_early = submit(
-            functools.partial(batches.expire_early, t=t, now_ms=now_ms, ttl_ms=early_ttl_ms, limit=early_limit)
+            functools.partial(parked.expire_early, t=t, now_ms=now_ms, ttl_ms=early_ttl_ms, limit=early_limit)
         ).result()
         report.early_expired = len(report.expired_early)
     report.seconds = time.monotonic() - started

@@ -1,4 +1,4 @@
-"""`Writes` over the embedded LMDB store: each write an op of storage/lmdb/batches.py (or cancel, pending)
+"""`Writes` over the embedded LMDB store: each write an op of storage/lmdb/batches.py (or parked, cancel, pending)
 run by the group committer, awaited from the event loop within a deadline."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from storage.lmdb import batches, cancel, policies, queue
+from storage.lmdb import batches, cancel, parked, policies, queue
 from storage.lmdb.batches import PLAIN, RowSpec
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
@@ -106,7 +106,7 @@ class LmdbWrites:
         self, data_id: str, blob: bytes, now_ms: int, max_rows: int, max_pending: int
     ) -> batches.DataWritten:
         return await self._commit(
-            batches.store_data, data_id=data_id, blob=blob, now_ms=now_ms, max_rows=max_rows, max_pending=max_pending
+            parked.store_data, data_id=data_id, blob=blob, now_ms=now_ms, max_rows=max_rows, max_pending=max_pending
         )
 
     async def store_trigger(
@@ -122,7 +122,7 @@ class LmdbWrites:
         spec: RowSpec = PLAIN,
     ) -> batches.TriggerWritten | batches.Duplicate:
         return await self._commit(
-            batches.store_trigger,
+            parked.store_trigger,
             rows=len(vins),
             data_id=data_id,
             vins=vins,
@@ -139,7 +139,7 @@ class LmdbWrites:
         self, data_id: str, now_ms: int, max_rows: int, max_pending: int
     ) -> batches.EarlyCompleted:
         return await self._commit(
-            batches.complete_early,
+            parked.complete_early,
             rows=max_rows,
             data_id=data_id,
             now_ms=now_ms,
@@ -148,11 +148,11 @@ class LmdbWrites:
         )
 
     async def expire_early(self, now_ms: int, ttl_ms: int, limit: int) -> list[batches.EarlyExpired]:
-        return await self._commit(batches.expire_early, now_ms=now_ms, ttl_ms=ttl_ms, limit=limit)
+        return await self._commit(parked.expire_early, now_ms=now_ms, ttl_ms=ttl_ms, limit=limit)
 
     async def waiting_data_ids(self) -> list[str]:
         with self._store.read() as txn:
-            return batches.waiting_data_ids(txn, self._t)
+            return parked.waiting_data_ids(txn, self._t)
 
     async def cancel_vins(self, request_id: str, vins: Sequence[str], now_ms: int) -> cancel.CancelChunk:
         return await self._commit(cancel.cancel_vins, rows=len(vins), request_id=request_id, vins=vins, now_ms=now_ms)

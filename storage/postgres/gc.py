@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from storage.model import BLOB_CHUNK, ROW_CHUNK, GcReport
-from storage.postgres import early, expiry, outcomes
+from storage.postgres import expiry, outcomes, parked
 from storage.postgres.types import Connection, fetch_one
 
 _EXPIRE_OUTCOMES = """
@@ -172,7 +172,7 @@ async def collect(
     records that ended before the outcome cutoff; generations with nothing pending and no change
     since then; batch ids and aliases older than the retention cutoff; blobs no row and no alias
     refers to (the mark, one statement, so one snapshot) unless created or touched within the grace
-    period; parked triggers past their TTL, one chunk of `early_limit` (`early.expire_early`).
+    period; parked triggers past their TTL, one chunk of `early_limit` (`parked.expire_early`).
 
     SKIP LOCKED rather than an advisory-lock leader: that would need a session-level lock held on
     one pooled connection for the whole pass (minutes for the mark), lost silently with that
@@ -198,7 +198,7 @@ async def collect(
         report.aliases_expired = await drain(lambda n: expire_aliases(conn, cutoff, n), limit)
         # Blobs after rows and aliases: those deleted above free theirs in this same pass.
         await _collect_blobs(conn, report, now_ms - grace_ms, blob_limit)
-        report.expired_early = await early.expire_early(conn, now_ms, early_ttl_ms, early_limit)
+        report.expired_early = await parked.expire_early(conn, now_ms, early_ttl_ms, early_limit)
         report.early_expired = len(report.expired_early)
     report.seconds = time.monotonic() - started
     return report

@@ -21,7 +21,7 @@ from storage.model import (
     TriggerWritten,
 )
 from storage.port import Writes, durable_within
-from storage.postgres import batches, early, expiry, policies
+from storage.postgres import batches, expiry, parked, policies
 from storage.postgres.errors import as_storage_error
 from storage.postgres.types import Connection, Pool
 
@@ -55,7 +55,7 @@ class PgWrites:
         return await self._run(batches.store_batch, vins, request_id, blob, now_ms, batch_id, spec)
 
     async def store_data(self, data_id: str, blob: bytes, now_ms: int, max_rows: int, max_pending: int) -> DataWritten:
-        return await self._run(early.store_data, data_id, blob, now_ms, max_rows, max_pending)
+        return await self._run(parked.store_data, data_id, blob, now_ms, max_rows, max_pending)
 
     async def store_trigger(
         self,
@@ -70,7 +70,7 @@ class PgWrites:
         spec: RowSpec = PLAIN,
     ) -> TriggerWritten | Duplicate:
         return await self._run(
-            early.store_trigger,
+            parked.store_trigger,
             data_id,
             vins,
             request_id,
@@ -83,13 +83,13 @@ class PgWrites:
         )
 
     async def complete_early(self, data_id: str, now_ms: int, max_rows: int, max_pending: int) -> EarlyCompleted:
-        return await self._run(early.complete_early, data_id, now_ms, max_rows, max_pending)
+        return await self._run(parked.complete_early, data_id, now_ms, max_rows, max_pending)
 
     async def expire_early(self, now_ms: int, ttl_ms: int, limit: int) -> list[EarlyExpired]:
-        return await self._run(early.expire_early, now_ms, ttl_ms, limit)
+        return await self._run(parked.expire_early, now_ms, ttl_ms, limit)
 
     async def waiting_data_ids(self) -> list[str]:
-        return await self._run(early.waiting_data_ids)
+        return await self._run(parked.waiting_data_ids)
 
     async def cancel_vins(self, request_id: str, vins: Sequence[str], now_ms: int) -> CancelChunk:
         return await self._run(batches.cancel_vins, request_id, vins, now_ms)

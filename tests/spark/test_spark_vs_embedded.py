@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spark.gc_job import build_plan
-from storage.lmdb import batches, gc, keys
+from storage.lmdb import batches, gc, keys, parked
 from storage.lmdb.export import export
 from storage.lmdb.plan import apply_plan
 from storage.lmdb.store import Store, now_ms
@@ -52,7 +52,7 @@ def test_spark_plan_applied_equals_embedded_gc(spark: Any, tmp_path: Path) -> No
         if n % 40 == 0:
             writer.submit(
                 functools.partial(
-                    batches.store_data, t=store.tables, data_id=f"d{n}", blob=blob, now_ms=now - rng.randrange(10 * DAY)
+                    parked.store_data, t=store.tables, data_id=f"d{n}", blob=blob, now_ms=now - rng.randrange(10 * DAY)
                 )
             ).result()
     writer.close()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from storage.errors import EarlyTriggersFull
-from storage.lmdb import batches
+from storage.lmdb import parked
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
 
@@ -38,7 +38,7 @@ def _park(store: Store, data_id: str, triggers: int, vins_each: int, **limits: A
         _run(
             store,
             functools.partial(
-                batches.store_trigger,
+                parked.store_trigger,
                 t=store.tables,
                 data_id=data_id,
                 vins=vins,
@@ -52,20 +52,20 @@ def _park(store: Store, data_id: str, triggers: int, vins_each: int, **limits: A
 
 def _early_rows(store: Store) -> int:
     with store.write() as txn:
-        return batches._count_early_rows(txn, store.tables, 0)
+        return parked._count_early_rows(txn, store.tables, 0)
 
 
 def test_late_data_completes_parked_triggers_in_bounded_chunks(store: Store) -> None:
     """Storing the data completes at most max_rows rows; each further chunk as many; all land."""
     _park(store, "d1", triggers=7, vins_each=300)
     data = _run(
-        store, functools.partial(batches.store_data, t=store.tables, data_id="d1", blob=b"x", now_ms=2, max_rows=1000)
+        store, functools.partial(parked.store_data, t=store.tables, data_id="d1", blob=b"x", now_ms=2, max_rows=1000)
     )
     assert data.more and sum(b.rows for b in data.completed) == 900
     chunks = [data.completed]
     while True:
         chunk = _run(
-            store, functools.partial(batches.complete_early, t=store.tables, data_id="d1", now_ms=3, max_rows=1000)
+            store, functools.partial(parked.complete_early, t=store.tables, data_id="d1", now_ms=3, max_rows=1000)
         )
         chunks.append(chunk.completed)
         if not chunk.more:
@@ -79,7 +79,7 @@ def test_one_trigger_larger_than_the_chunk_still_completes(store: Store) -> None
     """A chunk always takes at least one trigger, so completion never stalls."""
     _park(store, "d1", triggers=2, vins_each=50)
     data = _run(
-        store, functools.partial(batches.store_data, t=store.tables, data_id="d1", blob=b"x", now_ms=2, max_rows=10)
+        store, functools.partial(parked.store_data, t=store.tables, data_id="d1", blob=b"x", now_ms=2, max_rows=10)
     )
     assert [b.rows for b in data.completed] == [50] and data.more
 
@@ -89,7 +89,7 @@ def test_parked_rows_are_bounded(store: Store) -> None:
     _park(store, "d1", triggers=3, vins_each=100, early_max_rows=300)
     with pytest.raises(EarlyTriggersFull, match="early_max_rows"):
         _park(store, "d2", triggers=1, vins_each=1, early_max_rows=300)
-    _run(store, functools.partial(batches.expire_early, t=store.tables, now_ms=10_000, ttl_ms=1, limit=10))
+    _run(store, functools.partial(parked.expire_early, t=store.tables, now_ms=10_000, ttl_ms=1, limit=10))
     assert _early_rows(store) == 0
     _park(store, "d2", triggers=1, vins_each=300, early_max_rows=300)
 
@@ -98,9 +98,9 @@ def test_triggers_left_waiting_by_a_cut_are_found_again(store: Store) -> None:
     """After a crash between chunks, the data_ids whose triggers still wait for stored data are found."""
     _park(store, "d1", triggers=3, vins_each=100)
     _park(store, "d2", triggers=1, vins_each=10)  # its data never came: not a leftover
-    _run(store, functools.partial(batches.store_data, t=store.tables, data_id="d1", blob=b"x", now_ms=2, max_rows=100))
+    _run(store, functools.partial(parked.store_data, t=store.tables, data_id="d1", blob=b"x", now_ms=2, max_rows=100))
     with store.read() as txn:
-        assert batches.waiting_data_ids(txn, store.tables) == ["d1"]
+        assert parked.waiting_data_ids(txn, store.tables) == ["d1"]
 
 
 def test_group_commit_stops_gathering_at_max_rows(store: Store) -> None:

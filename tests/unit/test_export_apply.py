@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from storage.errors import PlanError
-from storage.lmdb import batches, gc
+from storage.lmdb import gc, parked
 from storage.lmdb.export import export
 from storage.lmdb.plan import apply_plan
 from storage.lmdb.store import SCHEMA_VERSION, Store, now_ms
@@ -30,7 +30,7 @@ def test_export_is_a_faithful_snapshot(env: tuple[Store, GroupCommitter], tmp_pa
     now = now_ms()
     put(writer, store, ["V1", "V2"], "task_a_1", b"one", now - DAY)
     put(writer, store, ["V1"], "task_b_1", b"two", now)
-    writer.submit(functools.partial(batches.store_data, t=store.tables, data_id="d9", blob=b"two", now_ms=now)).result()
+    writer.submit(functools.partial(parked.store_data, t=store.tables, data_id="d9", blob=b"two", now_ms=now)).result()
     manifest = export(store, tmp_path / "out")
     assert manifest["counts"] == {"rows": 3, "blobs": 2, "aliases": 1, "outcomes": 0, "generations": 2}
     assert manifest["snapshot_ms"] >= now and manifest["schema_version"] == SCHEMA_VERSION

@@ -7,7 +7,7 @@ import hashlib
 import random
 import threading
 
-from storage.lmdb import batches, gc, keys
+from storage.lmdb import batches, gc, keys, parked
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
 from testkit.harness import put
@@ -88,7 +88,7 @@ def test_alias_keeps_its_blob_until_it_expires(env: tuple[Store, GroupCommitter]
     """Plugin-format data waiting for triggers is kept while its alias lives."""
     store, writer = env
     writer.submit(
-        functools.partial(batches.store_data, t=store.tables, data_id="d1", blob=b"data", now_ms=NOW - 2 * DAY)
+        functools.partial(parked.store_data, t=store.tables, data_id="d1", blob=b"data", now_ms=NOW - 2 * DAY)
     ).result()
     assert run(store, writer).blobs_deleted == 0
     report = run(store, writer, now=NOW + 6 * DAY)

@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 
 from storage.errors import EarlyTriggersFull
-from storage.lmdb import batches, gc, outcomes, queue
+from storage.lmdb import batches, gc, outcomes, parked, queue
 from storage.lmdb.batches import (
     BatchWritten,
     DataWritten,
@@ -30,23 +30,24 @@ from storage.lmdb.batches import (
 from storage.lmdb.batches import sha1_of as sha1
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import now_ms
-from storage.postgres import early, expiry
+from storage.postgres import expiry
 from storage.postgres import outcomes as pg_outcomes
+from storage.postgres import parked as pg_parked
 from storage.postgres import queue as pg_queue
 from tests.unit import test_store_parity as parity
 
 pg_dsn = parity.pg_dsn  # the module-scoped migrated database, one for this module
 
 _LMDB_WRITES: dict[str, Callable[..., Any]] = {
-    "store_data": batches.store_data,
-    "store_trigger": batches.store_trigger,
-    "complete_early": batches.complete_early,
-    "expire_early": batches.expire_early,
+    "store_data": parked.store_data,
+    "store_trigger": parked.store_trigger,
+    "complete_early": parked.complete_early,
+    "expire_early": parked.expire_early,
     "expire_due": queue.expire_due,
     "expire_rows": gc.expire_rows,
 }
 _LMDB_READS: dict[str, Callable[..., Any]] = {
-    "waiting_data_ids": batches.waiting_data_ids,
+    "waiting_data_ids": parked.waiting_data_ids,
     "first_deadline": queue.first_deadline,
     "generations": outcomes.generations,
     "generation": outcomes.generation,
@@ -54,11 +55,11 @@ _LMDB_READS: dict[str, Callable[..., Any]] = {
     "vehicle_outcomes": outcomes.vehicle_outcomes,
 }
 _PG: dict[str, Callable[..., Any]] = {
-    "store_data": early.store_data,
-    "store_trigger": early.store_trigger,
-    "complete_early": early.complete_early,
-    "expire_early": early.expire_early,
-    "waiting_data_ids": early.waiting_data_ids,
+    "store_data": pg_parked.store_data,
+    "store_trigger": pg_parked.store_trigger,
+    "complete_early": pg_parked.complete_early,
+    "expire_early": pg_parked.expire_early,
+    "waiting_data_ids": pg_parked.waiting_data_ids,
     "expire_due": expiry.expire_due,
     "expire_rows": expiry.expire_rows,
     "first_deadline": expiry.first_deadline,
@@ -333,7 +334,7 @@ def test_no_trigger_stays_parked_when_its_data_races_it_on_postgresql(pg_dsn: st
         for i in range(15):
             if i == 14:
                 await data_stored.wait()
-            done = await early.store_trigger(conn, "d1", [f"V{n}_{i}"], f"task_{n}_{i}", 1_000 + i, early_max=1_000)
+            done = await pg_parked.store_trigger(conn, "d1", [f"V{n}_{i}"], f"task_{n}_{i}", 1_000 + i, early_max=1_000)
             assert isinstance(done, TriggerWritten)
             parked.append(done.early)
             if done.early:
@@ -343,7 +344,7 @@ def test_no_trigger_stays_parked_when_its_data_races_it_on_postgresql(pg_dsn: st
     async def data(conn: asyncpg.Connection) -> batches.DataWritten:
         await one_parked.wait()
         try:
-            return await early.store_data(conn, "d1", b"fw", 1_005)
+            return await pg_parked.store_data(conn, "d1", b"fw", 1_005)
         finally:
             data_stored.set()
 

@@ -1,7 +1,7 @@
 -- A batch's write as one statement: its batch id, its blob, its rows (sdv_put_rows, rows.sql) and
--- its receipt, in the caller's transaction (one round trip for the seed format; early.py calls the
+-- its receipt, in the caller's transaction (one round trip for the seed format; parked.py calls the
 -- parts inside its own transactions for the plugin format). The only implementation of these rules
--- on PostgreSQL; storage/postgres/batches.py and early.py call them.
+-- on PostgreSQL; storage/postgres/batches.py and parked.py call them.
 --
 -- A concurrent writer that changed what a function had read (a row created after it looked, a
 -- blob collected between insert and touch) makes it raise serialization_failure: the caller runs

@@ -1,6 +1,6 @@
 -- A batch's rows: one per (VIN, request), the payload it names, under the backlog bound
 -- (sdv_over_bound, bound.sql). Called by sdv_store_batch (batches.sql) and by the plugin format's
--- trigger completion (storage/postgres/early.py).
+-- trigger completion (storage/postgres/parked.py).
 
 -- A row of (each VIN, p_request_id) holding p_sha1, as storage.lmdb.batches.put_rows does on LMDB: a row of
 -- another payload ends superseded (or cancelled, when a cancel of every vehicle in progress had

@@ -1,6 +1,6 @@
 """The plugin format on PostgreSQL: data messages, triggers, and triggers parked until their data.
 
-Each function runs one transaction and returns what its twin in `storage.lmdb.batches` returns. A data
+Each function runs one transaction and returns what its twin in `storage.lmdb.parked` returns. A data
 message and the triggers of its data_id meet under an advisory lock on the data_id: a trigger
 holds it shared while it looks the data up and parks, a data message (and a completion chunk)
 holds it exclusive. A trigger therefore either sees the data, or is parked before the data's
@@ -54,7 +54,7 @@ async def store_data(
     conn: Connection, data_id: str, blob: bytes, now_ms: int, max_rows: int = 10_000, max_pending: int = 0
 ) -> DataWritten:
     """A `$SDV-FANOUT/data/<data_id>` payload: the blob, the alias, and the triggers waiting for it
-    up to `max_rows` rows (`more`: some still wait, see `complete_early`), as `ops.store_data`."""
+    up to `max_rows` rows (`more`: some still wait, see `complete_early`), as `storage.lmdb.parked.store_data`."""
 
     async def body() -> DataWritten:
         await _lock_data(conn, data_id, shared=False)
@@ -77,7 +77,7 @@ async def complete_early(
     conn: Connection, data_id: str, now_ms: int, max_rows: int, max_pending: int = 0
 ) -> EarlyCompleted:
     """One more chunk of the triggers waiting for `data_id`, whose data has arrived: oldest first,
-    at most `max_rows` rows but at least one trigger (`ops.complete_early`)."""
+    at most `max_rows` rows but at least one trigger (`storage.lmdb.parked.complete_early`)."""
 
     async def body() -> EarlyCompleted:
         await _lock_data(conn, data_id, shared=False)
@@ -183,7 +183,7 @@ async def store_trigger(
 ) -> TriggerWritten | Duplicate:
     """A trigger: rows now if its data is known, else parked until the data comes (at most
     `early_max` triggers naming at most `early_max_rows` rows, else EarlyTriggersFull and nothing
-    written); nothing if `batch_id` was stored or parked before (`ops.store_trigger`)."""
+    written); nothing if `batch_id` was stored or parked before (`storage.lmdb.parked.store_trigger`)."""
 
     async def body() -> TriggerWritten | Duplicate:
         if batch_id is not None and (dup := await batches.claim_batch_id(conn, batch_id, request_id, now_ms)):
@@ -244,7 +244,7 @@ async def _park(
 
 async def expire_early(conn: Connection, now_ms: int, ttl_ms: int, limit: int) -> list[EarlyExpired]:
     """Drop up to `limit` parked triggers at least `ttl_ms` old, in (data_id, arrival) order, and
-    forget their batch ids (`ops.expire_early`). Triggers another transaction is completing are
+    forget their batch ids (`storage.lmdb.parked.expire_early`). Triggers another transaction is completing are
     passed over (SKIP LOCKED), so several instances may sweep at once."""
     async with conn.transaction():
         gone = await conn.fetch(
@@ -270,7 +270,7 @@ async def expire_early(conn: Connection, now_ms: int, ttl_ms: int, limit: int) -
 
 async def waiting_data_ids(conn: Connection) -> list[str]:
     """data_ids that parked triggers wait for although their data is stored: what a crash left
-    between two completion chunks (`ops.waiting_data_ids`)."""
+    between two completion chunks (`storage.lmdb.parked.waiting_data_ids`)."""
     found = await conn.fetch(
         "SELECT DISTINCT e.data_id FROM early_triggers e JOIN aliases a ON a.data_id = e.data_id ORDER BY 1"
     )
