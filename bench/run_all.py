@@ -92,6 +92,12 @@ SCRIPTS: list[tuple[str, str, list[str], str]] = [
         [],  # ~15 min: a 60 s outage of every instance per EMQX version (3) and store (2)
         "Batches published while every instance is down: the catch-up session (bench/catchup_outage.py)",
     ),
+    (
+        "fleet",
+        "bench/fleet.py",
+        [],  # ~8 min: per EMQX version (5.8.9, 5.9.1) 5 paired delivery rounds, heartbeat CPU and latency
+        "Vehicle events over MQTT against the strict raw reference (bench/fleet.py)",
+    ),
 ]
 
 #: bench/status_cost.py: issue 12's target, the status topic costs at most 10 % of ingest and e2e.

@@ -10,7 +10,7 @@ from exhook_server.dispatch.commands import Acknowledge, Down, EndReason, MaybeS
 from exhook_server.dispatch.worker import Worker
 from exhook_server.errors import ConfigError
 from exhook_server.events import VehicleEvents, subscriptions
-from exhook_server.hooks import hook_specs
+from exhook_server.hooks import hook_specs, vehicle_event_filters
 from tests.dispatch_fakes import ManualClock, MemoryRows, RecordingPublisher, sha1
 
 API = "http://emqx:18083"
@@ -36,9 +36,10 @@ def test_auto_is_mqtt_exactly_when_the_emqx_api_and_a_broker_are_configured() ->
 def test_over_mqtt_the_hooks_keep_batches_and_lifecycle_and_acks_take_the_rule() -> None:
     hooks = dict(hook_specs(Config(emqx_api_url=API)))
     assert "message.acked" not in hooks
-    cfg = Config()
-    batches = [cfg.batch_topic, cfg.data_topic_prefix + "/#", cfg.trigger_topic, cfg.cancel_topic]
-    assert hooks["message.publish"] == batches
+    heartbeats, answers = vehicle_event_filters(Config())
+    pure_publish = dict(hook_specs(Config()))["message.publish"]
+    assert hooks["message.publish"] == [t for t in pure_publish if t not in heartbeats + answers]
+    assert heartbeats and answers and len(hooks["message.publish"]) == len(pure_publish) - 3
     assert Config(emqx_api_url=API).rule_ack_topic_prefix == DEFAULT_ACK_TOPIC_PREFIX
     assert Config(emqx_api_url=API, ack_topic_prefix="x/acks").rule_ack_topic_prefix == "x/acks"
     pure = dict(hook_specs(Config(emqx_api_url=API, vehicle_events="hooks")))
