@@ -230,13 +230,7 @@ class SharedDispatcher:
     """The Dispatcher of an instance whose vehicles' state is in PostgreSQL (pool.Dispatcher's
     interface, so hooks, acks, the Admin API and housekeeping use either).
 
-    In one transaction an event takes the vehicle's lock and reads its presence, its delivery out
-    and its first deliverable rows (`storage.postgres.dispatch.load`), hands them to a worker built
-    for this one event, lets the worker handle the command, writes back what changed, and ends the
-    rows the worker ended. Each event goes to the lane its VIN hashes to, and a lane runs one event
-    at a time (lanes run concurrently, one pool connection each).
-
-    Most hooks never need a vehicle's lock. Heartbeats are gathered for `heartbeat_window_ms` and
+    Most hooks never need a vehicle's lock. Heartbeats are gathered for `heartbeat_window_s` and
     asked about in one statement (`storage.postgres.dispatch.heartbeats`): only a vehicle whose
     recorded connection changed or that has work and a free slot gets an event. A new batch asks the
     same of its VINs (`present_wanting`). The timeout sweep and a broker reconnect page through the
