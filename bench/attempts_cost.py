@@ -1,15 +1,8 @@
 """What keeping delivery attempts in LMDB costs end to end: this checkout against an older commit, same run.
 
-Two of bench/e2e.py's rigs (each its own mosquitto, LMDB server with the default process count
-and sim fleet processes) stay up for the whole run: one of this checkout, one of `--base REV`
-(its exhook_server, storage, tests and bench unpacked from git into tmp). Each rig runs in a
-child process of its own importing its own tree, and so does its server (PYTHONPATH). Per
-round each rig runs e2e.py's `run_ours` once (B batches, each naming all N VINs; first publish
-→ the store holding 0 rows), the order alternating round by round, after one unrecorded
-warm-up each. Reported: deliveries/s and the server's CPU µs per delivery, min / median / max,
-and the paired ratios this / base.
-
     .venv/bin/python -m bench.attempts_cost [--base 2d572fd] [--rounds 7] [--vehicles 500] [--batches 10]
+
+How it measures and what each flag does: bench/README.md (`bench/attempts_cost.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +11,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -31,9 +23,12 @@ ROOT = HERE.parent
 
 
 def serve_rig(args: argparse.Namespace) -> int:
-    """Child: one rig of this process's checkout; runs `run_ours` on each {"cmd": "run"}."""
-    from bench import e2e
-
+    """Child: one rig of the tree it runs in (PYTHONPATH); runs `run_ours` on each {"cmd": "run"}."""
+    try:
+        from testkit.plumbing import make_vins
+        from testkit.rig import Rig, run_ours
+    except ImportError:  # an older tree: its rig lived in bench/e2e.py
+        from bench.e2e import Rig, make_vins, run_ours  # type: ignore[no-redef]
     rig_args = argparse.Namespace(
         vehicles=args.vehicles,
         batches=args.batches,
@@ -44,8 +39,8 @@ def serve_rig(args: argparse.Namespace) -> int:
         max_inflight=50,
         store_url="",
     )
-    vins = e2e.make_vins(args.seed, args.vehicles)
-    rig = e2e.Rig(rig_args, Path(args.tmp), vins)
+    vins = make_vins(args.seed, args.vehicles)
+    rig = Rig(rig_args, Path(args.tmp), vins)
     try:
         rig.start_server()
         rig.start_sims()
@@ -54,17 +49,13 @@ def serve_rig(args: argparse.Namespace) -> int:
             cmd = json.loads(line)
             if cmd["cmd"] == "quit":
                 break
-            out = e2e.run_ours(rig, cmd["tag"], args.payload_bytes, cmd["seed"])
+            out = run_ours(rig, cmd["tag"], args.payload_bytes, cmd["seed"])
             print(
                 json.dumps({"msgs_per_s": out["msgs_per_s"], "server_us": out["cpu_us_per_msg"]["server"]}), flush=True
             )
     finally:
         rig.close()
     return 0
-
-
-def mmm(values: Sequence[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def cells(s: dict[str, float]) -> str:
@@ -87,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.serve_rig:
         return serve_rig(args)
-    from testkit.plumbing import Child, machine_meta, unpack_tree
+    from testkit.plumbing import Child, machine_meta, mmm, unpack_tree
 
     load_before, wall0 = os.getloadavg()[0], time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="sdv-bench-attempts-"))

@@ -1,41 +1,17 @@
 """How long a batch waits for its answer while a cancel of every vehicle ends 200,000 rows.
 
-Per side and round: a fresh `sdv-fanout serve` (LMDB, no broker: nothing is delivered) is filled
-with --rows pending rows of one request (batches of 1,000 VINs); then --clients gRPC channels
-send small batches (--vins VINs of other requests, a new request id each) in a closed loop, each
-paced --gap-ms after the last answer, like a platform's steady trickle. After --quiet-s of that
-the cancel of every vehicle of the big request is published on the cancel topic; its walk runs
-behind the hook's answer while the batches go on. The cancel window is from that publish until the
-server logs `request_cancelled`. Reported per side: the worst and the 99th percentile answer time
-of the batches sent inside the window and of those sent before it (the same run, no cancel), and
-how long the cancel took.
-
-Sides differ in one setting, `cancel_chunk_rows` (rows one cancel transaction ends):
-* unchunked: 10,000, max_rows_per_commit, the size every cancel chunk had before the setting;
-* chunked: the default.
-The order alternates round by round. Markdown to stdout, progress to stderr, --json for numbers.
-
---store postgresql runs the same on a throwaway PostgreSQL (testkit/pg_cluster.py, a database per
-side and round); there a chunk holds the cancel's job row and its rows' locks until it commits, and
---trickle-request big sends the trickle's batches (new VINs) to the request being cancelled, so
-each of them waits for the chunk in progress (with `own`, the default, each batch has a request id
-of its own and shares only the machine with the walk).
-
     .venv/bin/python -m bench.cancel_wait [--rounds 2] [--rows 200000] [--clients 4] [--json F]
-    .venv/bin/python -m bench.cancel_wait --store postgresql --trickle-request big
-    .venv/bin/python -m bench.cancel_wait --rounds 1 --rows 20000          # smoke, ~20 s
+
+How it measures and what each flag does: bench/README.md (`bench/cancel_wait.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -43,15 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from exhook_server.config import Config
 from testkit.harness import ExHookClient, SubprocessServer, poll
-from testkit.plumbing import machine_meta, pct, stop_server
+from testkit.plumbing import Run, pct, stop_server
+from testkit.reports.cancel_wait import SIDES, markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
 BIG = "task_big_1"
 FILL_VINS = 1_000
-SIDES = {"unchunked": 10_000, "chunked": Config().cancel_chunk_rows}
 
 
 def fill(port: int, rows: int, clients: int) -> None:
@@ -173,40 +148,6 @@ def run_side(side: str, tmp: Path, args: argparse.Namespace, say: Any, store_url
         shutil.rmtree(data, ignore_errors=True)
 
 
-def ms(values: list[float]) -> str:
-    """min / median / max in ms."""
-    return " / ".join(f"{v * 1000:.0f}" for v in (min(values), statistics.median(values), max(values)))
-
-
-def markdown(rounds: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    lines = [
-        f"Batch answers during a cancel of every vehicle of {meta['rows']:,} rows ({meta['store']}, trickle "
-        f"batches of {'the cancelled request' if meta['trickle_request'] == 'big' else 'their own requests'}; "
-        f"{meta['clients']} channels "
-        f"of {meta['vins']}-VIN batches, {meta['gap_ms']:g} ms apart each; min / median / max over "
-        f"{meta['rounds']} rounds, ms):",
-        "",
-        "| side | cancel_chunk_rows | worst wait during the cancel | p99 during | median during | worst before it "
-        "| p99 before | cancel took (s) | batches during | batches failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for side, chunk in SIDES.items():
-        mine = [r[side] for r in rounds]
-        lines.append(
-            f"| {side} | {chunk:,} | {ms([m['during']['max_s'] for m in mine])} "
-            f"| {ms([m['during']['p99_s'] for m in mine])} | {ms([m['during']['median_s'] for m in mine])} "
-            f"| {ms([m['before']['max_s'] for m in mine])} | {ms([m['before']['p99_s'] for m in mine])} "
-            f"| {' / '.join(format(m['cancel_s'], '.1f') for m in mine)} | {sum(m['during']['n'] for m in mine)} "
-            f"| {sum(m['errors'] for m in mine)} |"
-        )
-    lines += [
-        "",
-        f"Code under test: {meta['commit']}. {meta['cpus']} CPUs shared by everything; 1-min load average "
-        f"{meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after; {meta['wall_s']:.0f} s wall.",
-    ]
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
@@ -221,12 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.rounds, args.rows, args.clients, args.vins) < 1:
         p.error("--rounds, --rows, --clients and --vins must be positive")
-    wall0 = time.monotonic()
-    load_before = os.getloadavg()[0]
-    tmp = Path(tempfile.mkdtemp(prefix="sdv-bench-cancel-"))
-
-    def say(msg: str) -> None:
-        print(f"[{time.monotonic() - wall0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+    ctx = Run("cancel")
+    tmp, say = ctx.tmp, ctx.say
 
     rounds: list[dict[str, Any]] = []
     cluster: Any = None
@@ -258,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": subprocess.run(
             ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
         ).stdout.strip(),
-        **machine_meta(load_before, wall0),
+        **ctx.meta(),
     }
     print(markdown(rounds, meta))
     if args.json:

@@ -1,27 +1,9 @@
 """Batches published while every server instance is down, caught by the catch-up session: per
 EMQX version and store, how many were published, stored afterwards, and delivered exactly once.
 
-Per (broker version, store): one EMQX node (testkit/emqx_real.py), `sdv-fanout serve` with two
-processes (LMDB: a group sharing one environment; PostgreSQL: two instances on a throwaway
-cluster from testkit/pg_cluster.py) registered as its ExHook (request_timeout 1 s), and V real paho
-vehicles online. One batch goes through the hook first (the fleet is known). Then every server
-process is killed (kill -9), or stopped (`--how sigstop`), and for `--outage-s` seconds the
-platform publishes `--rate` seed-format batches a second, each to every vehicle, waiting for each
-PUBACK (EMQX PUBACKs at once after a kill; after its request_timeout when stopped). Then the server
-starts again (or continues), the vehicles heartbeat as they do, and we wait until each vehicle has
-each request and no row is left. The vehicles hold their PUBACKs from the outage until EMQX's hook
-calls reach the restarted server (it reconnects within the ExHook auto_reconnect, 1 s): a PUBACK
-before that is told to nobody, and that delivery goes again after inflight_timeout_s, the
-at-least-once of any restart, not what this measures.
-
-Reported: published, PUBACKed 0x00 (routed to the session: it exists), stored (request ids with a
-`batch_stored` event; `twice` = stored more than once), pairs delivered exactly once / more than
-once / never, and the seconds from the restart until every batch was stored and every pair
-delivered. Markdown to stdout, progress to stderr, --json PATH for the numbers. About 2.5 min per
-(version, store) with the defaults.
-
     .venv/bin/python -m bench.catchup_outage [--versions 5.1.6,5.8.9,5.9.1] [--stores lmdb,postgresql]
-        [--outage-s 60] [--rate 5] [--vehicles 10] [--how kill|sigstop] [--json PATH]
+
+How it measures and what each flag does: bench/README.md (`bench/catchup_outage.py`).
 """
 
 from __future__ import annotations
@@ -41,16 +23,13 @@ import structlog
 from testkit.emqx_real import EmqxError, Fleet, Platform, find_release, running_emqx
 from testkit.harness import poll
 from testkit.pg_cluster import PgCluster
+from testkit.plumbing import say
 from tests.integration.test_catchup import Rig, batch, hold_acks, hooks_reach, release_acks
 from tests.integration.test_multi_instance import signal_all
 from tests.integration.test_real_emqx import Throttle
 
 #: How long the catch-up and the deliveries may take after the restart.
 DEADLINE_S = 300.0
-
-
-def say(*parts: Any) -> None:
-    print(*parts, file=sys.stderr, flush=True)
 
 
 def one(version: str, store: str, args: argparse.Namespace, workdir: Path, cluster: PgCluster | None) -> dict[str, Any]:

@@ -1,16 +1,8 @@
 """Draining a vehicle's queue: CPU per delivery as the queue grows, with and without queue heads.
 
-In-process, real LMDB, no network: `StoreRows.oldest` (the next row and its payload) then
-`StoreRows.ack` (the lazy conditional delete) for every row of every vehicle, until the store is
-empty, the way a worker drains a vehicle that comes back online. The reference in the same run is
-the same code with no head kept (`_HEADS_MAX = 0`: a pass over the whole queue per delivery), so
-the ratio shows what keeping a long queue's head saves; the per-delivery time across queue
-lengths shows whether the drain stays linear.
-
     .venv/bin/python -m bench.drain [--lengths 1,4,100,1000] [--rows 2000] [--repeats 3] [--json F]
 
-Markdown to stdout. Best of `--repeats` per cell (the machine is noisy; the best is the least
-disturbed). About 30 s on the 2-core VM.
+How it measures and what each flag does: bench/README.md (`bench/drain.py`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Memory under a flood of large batch calls: peak and settled RSS of a real `sdv-fanout serve`.
 
     .venv/bin/python -m bench.flood                          # 2 channels x 500 calls x 1 MB, 1 process
-    .venv/bin/python -m bench.flood --processes 2 --settle 3
 
-Prints the server's RSS before, at its peak (sampled every 20 ms, and the processes' VmHWM), and
-`--settle` seconds after the last answer, with what the calls were answered. One run per
-invocation; the server runs on a fresh tmp data dir and is stopped at the end.
+How it measures and what each flag does: bench/README.md (`bench/flood.py`).
 """
 
 from __future__ import annotations
@@ -18,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from testkit.flood import RssSampler, flood, hwm_bytes, rss_bytes
+from testkit.flood import RssSampler, flood, hwm_bytes
 from testkit.harness import SubprocessServer
-from testkit.plumbing import descendants, mib, stop_server
+from testkit.plumbing import descendants, mib, rss_bytes, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,11 +2,8 @@
 rows/s, and the peak RSS of each step (every step runs in its own process and reports its own ru_maxrss).
 
     .venv/bin/python -m bench.gc                 # 1M rows (half expired), local[2] Spark
-    .venv/bin/python -m bench.gc --rows 100000   # smoke
 
-The store is filled directly through storage.lmdb.batches (no gRPC: this measures the GC pipeline, not
-ingest). Two identical copies are made: one for export → Spark plan → apply, one for the embedded
-GC, so both collect the same data; their results must agree.
+How it measures and what each flag does: bench/README.md (`bench/gc.py`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """grpc.aio server vs sync grpc.server(ThreadPoolExecutor(10)) for a no-op HookProvider.
 
-Both flavours of bench/noop_server.py run at once, each in its own subprocess
-on 127.0.0.1, and are driven in turn by the same closed-loop load generator:
-C channels (default 8, EMQX's pool_size), each its own TCP connection with one
-call in flight, for a fixed duration per measurement after a short warm-up.
-Two hooks are measured: OnMessagePublish with a small message (answered
-IGNORE) and OnClientConnected (answered EmptySuccess). Each round measures
-both flavours for both hooks, the flavour order alternating; R rounds.
-
-Reports RPC/s, p50/p99 latency, server CPU per RPC and the paired ratio
-aio/sync (RPC/s) as a markdown table; optionally JSON.
-
     .venv/bin/python -m bench.grpc_flavour [--rounds 5] [--duration 3] [--clients 8] [--client-procs 1] [--json F]
 
-The client is grpc.aio in this process (pre-serialised requests, no client-side
-protobuf); --client-procs N spreads the channels over N spawned processes.
+How it measures and what each flag does: bench/README.md (`bench/grpc_flavour.py`).
 """
 
 from __future__ import annotations
@@ -24,10 +12,7 @@ import asyncio
 import json
 import os
 import platform
-import resource
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,9 +25,10 @@ from typing import Any
 import grpc
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from testkit.harness import ROOT
+from testkit.noop_server import NoopServer
+from testkit.plumbing import own_cpu_s, proc_cpu_s
+from testkit.reports.grpc_flavour import FLAVOURS, markdown, summarise
 
-FLAVOURS = ("aio", "sync")
 SERVICE = "/emqx.exhook.v3.HookProvider/"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 META = pb.RequestMeta(node="emqx@127.0.0.1", version="5.8.9", cluster_name="emqxcl")
@@ -79,77 +65,7 @@ def _requests() -> dict[str, tuple[bytes, Any, str]]:
     }
 
 
-# -- servers ----------------------------------------------------------------------
-
-
-def wait_ready(
-    proc: subprocess.Popen[bytes],
-    ready: Path,
-    log_path: Path,
-    log: Any,
-    name: str,
-    stop: Any,
-    timeout_s: float = 30.0,
-) -> dict[str, Any]:
-    """The JSON a started server writes to its ready file, polled until it is there; a server
-    that exits first (its log closed and quoted) or takes longer than timeout_s (stopped) raises."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            log.close()
-            raise RuntimeError(f"{name} exited:\n{log_path.read_text(errors='replace')[-3000:]}")
-        try:
-            return json.loads(ready.read_text())  # type: ignore[no-any-return]
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        if time.monotonic() > deadline:
-            stop()
-            raise RuntimeError(f"{name} did not start within {timeout_s:.0f} s")
-        time.sleep(0.02)  # polling a file another process writes; bounded by the deadline
-
-
-class NoopServer:
-    """bench/noop_server.py as a child process."""
-
-    def __init__(self, flavour: str, tmp: Path) -> None:
-        self.flavour = flavour
-        ready = tmp / f"{flavour}.ready.json"
-        self.log_path = tmp / f"{flavour}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.noop_server", "--flavour", flavour, "--ready-file", str(ready)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-        info = wait_ready(self.proc, ready, self.log_path, self._log, f"{flavour} server", self.stop)
-        self.port: int = info["port"]
-        self.pid: int = self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-
 # -- load generator -----------------------------------------------------------------
-
-
-def own_cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of another process, from /proc (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 async def _load(
@@ -245,69 +161,6 @@ def measure(
         "client_cpu": sum(p["client_cpu"] for p in parts),
         "last": parts[0]["last"],
     }
-
-
-# -- report -------------------------------------------------------------------------
-
-
-def _mmm(values: Sequence[float], fmt: str) -> str:
-    return " | ".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
-
-
-def markdown(rounds: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    lines = [
-        f"### No-op HookProvider: grpc.aio vs sync grpc.server(ThreadPoolExecutor(10)), "
-        f"{meta['clients']} channels closed loop ({meta['client_procs']} client process(es)), "
-        f"{meta['duration_s']:g} s per measurement, {meta['rounds']} rounds",
-        "",
-        "| hook | metric | min | median | max |",
-        "|---|---|---:|---:|---:|",
-    ]
-    for hook in meta["hooks"]:
-        rs = [r[hook] for r in rounds]
-
-        def col(flavour: str, key: str, rs: list[dict[str, Any]] = rs) -> list[float]:
-            return [r[flavour][key] for r in rs]
-
-        rows = [
-            ("aio RPC/s", col("aio", "rpc_per_s"), ",.0f"),
-            ("sync RPC/s", col("sync", "rpc_per_s"), ",.0f"),
-            ("**ratio aio/sync RPC/s** (paired)", [r["ratio"] for r in rs], ".2f"),
-            ("aio p50 ms", col("aio", "p50_ms"), ".3f"),
-            ("sync p50 ms", col("sync", "p50_ms"), ".3f"),
-            ("aio p99 ms", col("aio", "p99_ms"), ".3f"),
-            ("sync p99 ms", col("sync", "p99_ms"), ".3f"),
-            ("aio server CPU us/RPC", col("aio", "server_cpu_us_per_rpc"), ".1f"),
-            ("sync server CPU us/RPC", col("sync", "server_cpu_us_per_rpc"), ".1f"),
-            ("aio server CPU (of one core)", [v * 100 for v in col("aio", "server_cpu")], ".0f"),
-            ("sync server CPU (of one core)", [v * 100 for v in col("sync", "server_cpu")], ".0f"),
-            ("client CPU (of one core), aio runs", [v * 100 for v in col("aio", "client_cpu")], ".0f"),
-            ("client CPU (of one core), sync runs", [v * 100 for v in col("sync", "client_cpu")], ".0f"),
-        ]
-        for label, values, fmt in rows:
-            lines.append(f"| {hook} | {label} | {_mmm(values, fmt)} |")
-    lines += [
-        "",
-        f"{meta['cpus']} CPUs shared by the load generator and both servers (only one server is loaded at a "
-        f"time); 1-min load average {meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after. "
-        f"Python {meta['python']}, grpcio {meta['grpc']}.",
-    ]
-    return "\n".join(lines)
-
-
-def summarise(rounds: list[dict[str, Any]], hooks: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for hook in hooks:
-        rs = [r[hook] for r in rounds]
-        entry: dict[str, Any] = {}
-        for flavour in FLAVOURS:
-            for key in ("rpc_per_s", "p50_ms", "p99_ms", "server_cpu_us_per_rpc", "server_cpu", "client_cpu"):
-                vals = [r[flavour][key] for r in rs]
-                entry[f"{flavour}_{key}"] = {"min": min(vals), "median": statistics.median(vals), "max": max(vals)}
-        ratios = [r["ratio"] for r in rs]
-        entry["ratio_aio_over_sync"] = {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
-        out[hook] = entry
-    return out
 
 
 # -- main ---------------------------------------------------------------------------

@@ -1,40 +1,8 @@
-"""Issue 13 lifecycle costs, paired: the expiry index on ingest, and response mode end to end.
-
-Loopback only, fixed seeds; each round runs both sides of a part once on the same work, the
-order alternating round by round (machines are noisy: each ratio is one round's pair, and the
-report gives medians and min-max of those ratios).
-
-1. Ingest (the batches and gRPC driver of bench/ingest.py): per side and round a fresh
-   `sdv-fanout serve` (its delivery client connected to the run's mosquitto, no vehicle online:
-   nothing is delivered) fed the same seed batches of 200 VINs from 8 channels, closed loop, each
-   counted once answered (fsynced).
-   * without: the batches as today;
-   * with: the same batches carrying `"expires_at"`, an integer epoch-ms an hour ahead, the same
-     instant for every batch (a campaign's deadline), so every row also gets an entry in the
-     expiry (deadline) index and the expiry sweep has a table to look at;
-   * per_batch: the same, each batch's `expires_at` 1 ms after the one before (a platform
-     stamping now + 1 h at each send), so the index is written in a different key order.
-   The order of the three sides rotates round by round (six rounds run every order).
-   VIN-rows/s, server CPU per row and, from LMDB's own page counts after the run, which tables
-   grew with `expires_at` and by how many bytes per row.
-2. End to end (the rig of bench/e2e.py: mosquitto, a server with delivery, `--vehicles` sim
-   vehicles whose driver calls our hooks as EMQX would), one rig for the whole run; per
-   measurement `--requests` M batches each naming every vehicle:
-   * puback: the batches as today; a vehicle's PUBACK (its `message.acked` hook) completes the
-     request and frees its slot;
-   * response: the batches with `"await_response": true`; every vehicle publishes its answer
-     (QoS 1, `--response-bytes`) on `agent/<VIN>/proxy/response/<request_id>` right after its
-     PUBACK, through `message.publish` as EMQX would call it, and that answer completes the request.
-   Completed requests/s = N x M over first publish -> the store holding 0 rows; CPU per completed
-   request of each process from /proc.
-   A platform subscriber (a helper process running this script, QoS 1 on `$SDV-FANOUT/status/#`)
-   counts the status events and sums the counts of every `completed` generation, so the report
-   shows that puback requests ended `delivered` and response requests `responded`.
-
-Markdown to stdout, progress to stderr, --json for the numbers.
+"""Request lifecycle costs, paired: the expiry index on ingest, and response mode end to end.
 
     .venv/bin/python -m bench.lifecycle [--rounds 6] [--ingest-batches 1200] [--vehicles 500] [--requests 8] [--json F]
-    .venv/bin/python -m bench.lifecycle --rounds 2 --ingest-batches 150 --vehicles 100 --requests 3   # smoke, ~1 min
+
+How it measures and what each flag does: bench/README.md (`bench/lifecycle.py`).
 """
 
 from __future__ import annotations
@@ -42,14 +10,11 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -57,31 +22,26 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-from paho.mqtt.enums import MQTTErrorCode
 
-from bench import e2e, ingest
-from bench.status_cost import order
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage.lmdb.store import now_ms
-from testkit.emqx_sim import LOOPBACK, Mosquitto
+from testkit.batchload import Batch, _publish_request, make_workload, serve_batches
+from testkit.emqx_sim import Mosquitto
 from testkit.plumbing import (
-    Child,
     CpuMeter,
+    Run,
     cycle_stats,
-    dec,
-    machine_meta,
     make_vins,
-    min_med_max,
-    num,
+    mmm,
+    order,
     quiesce,
-    serve_status_counts,
-    share,
 )
+from testkit.reports.lifecycle import EXPIRING, INGEST_SIDES, MODES, e2e_markdown, ingest_markdown
+from testkit.rig import MAX_PER_PROC, Rig, rpc_error
+from testkit.status_listener import StatusListener
 
 ROOT = Path(__file__).resolve().parent.parent
-STATUS_PREFIX = "$SDV-FANOUT/status"  # status_topic_prefix's default
 RESPONSE_PREFIX = "agent/{VIN}/proxy/response"  # response_topic_prefix's default
-MODES = ("puback", "response")
 EXPIRES_AHEAD_MS = 3_600_000  # an hour: nothing expires during the run
 
 
@@ -89,30 +49,15 @@ def alternate(sides: Sequence[str], r: int) -> list[str]:
     return list(sides) if r % 2 == 0 else list(sides)[::-1]
 
 
-def mmm(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
 # -- 1. ingest ------------------------------------------------------------------------------------
 
-#: The ingest sides: the batches as today, and with `expires_at` an hour ahead, once the same
-#: instant for every batch (a campaign's deadline) and once each batch its own, later than the one
-#: before (as a platform stamping now + 1 h at each send would).
-INGEST_SIDES = ("without", "with", "per_batch")
-EXPIRING = ("with", "per_batch")
-INGEST_LABEL = {
-    "without": "without `expires_at`",
-    "with": "with `expires_at`, one epoch-ms an hour ahead for every batch",
-    "per_batch": "with `expires_at`, an hour ahead, each batch 1 ms later than the one before",
-}
 
-
-def ingest_workloads(args: argparse.Namespace) -> dict[str, list[ingest.Batch]]:
+def ingest_workloads(args: argparse.Namespace) -> dict[str, list[Batch]]:
     """bench/ingest.py's seed batches (VINs, request ids, blobs), serialised once per side, all
     here the same way, so the sides differ only in `expires_at`."""
-    base = ingest.make_workload(args.seed, args.ingest_batches, args.vins, args.fleet, args.blob_bytes, 4)
+    base = make_workload(args.seed, args.ingest_batches, args.vins, args.fleet, args.blob_bytes, 4)
     expires_at = now_ms() + EXPIRES_AHEAD_MS
-    out: dict[str, list[ingest.Batch]] = {}
+    out: dict[str, list[Batch]] = {}
     for side in INGEST_SIDES:
         rng = random.Random(args.seed + 1)  # the same message ids on every side
         batches = []
@@ -127,8 +72,8 @@ def ingest_workloads(args: argparse.Namespace) -> dict[str, list[ingest.Batch]]:
                 doc["expires_at"] = expires_at
             elif side == "per_batch":
                 doc["expires_at"] = expires_at + k
-            wire = ingest._publish_request(rng, json.dumps(doc).encode())
-            batches.append(ingest.Batch(b.vins, b.request_id, b.blob, wire))
+            wire = _publish_request(rng, json.dumps(doc).encode())
+            batches.append(Batch(b.vins, b.request_id, b.blob, wire))
         out[side] = batches
     return out
 
@@ -155,13 +100,11 @@ def table_stats(data_dir: Path) -> dict[str, Any]:
     return {"page_bytes": psize, "file_used_bytes": used, "tables": tables}
 
 
-def measure_ingest(
-    batches: list[ingest.Batch], tmp: Path, args: argparse.Namespace, env: dict[str, str]
-) -> dict[str, Any]:
-    """One fresh server on `batches` (bench/ingest.py's run_ours), checked, with the store's tables."""
+def measure_ingest(batches: list[Batch], tmp: Path, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    """One fresh server on `batches` (testkit/batchload.py's serve_batches), checked, with the store's tables."""
     tmp.mkdir()
     try:
-        res = ingest.run_ours(batches, args.clients, tmp, args.log_level, args.server_processes, env)
+        res = serve_batches(batches, args.clients, tmp, args.log_level, args.server_processes, env)
         res["lmdb"] = table_stats(tmp / "lmdb")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -245,170 +188,7 @@ def run_ingest(args: argparse.Namespace, tmp: Path, say: Callable[[str], None]) 
 # -- 2. end to end: the vehicles that answer ------------------------------------------------------
 
 
-def fleet_main(argv: list[str]) -> int:
-    """Helper process: bench/e2e_fleet.py's sim fleet whose vehicles, in a phase with
-    `"respond": true`, publish an answer after each PUBACK (same JSON-lines protocol)."""
-    from bench import e2e_fleet
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--mqtt-port", type=int, required=True)
-    p.add_argument("--exhook-port", type=int, required=True)
-    p.add_argument("--delivery-clientid", required=True)
-    p.add_argument("--vins", required=True)
-    p.add_argument("--response-bytes", type=int, default=64)
-    a = p.parse_args(argv)
-
-    class Answering(e2e_fleet._Stamped):
-        """A vehicle's received log whose append (in the clientid's hook lane, after the PUBACK
-        and its message.acked call) first publishes the vehicle's answer when the phase asks."""
-
-        def __init__(self, fleet: RespondingFleet, vehicle: Any) -> None:
-            super().__init__()
-            self.fleet = fleet
-            self.vehicle = vehicle
-
-        def append(self, item: Any) -> None:
-            if self.fleet.respond:
-                self.fleet.answer(self.vehicle, item.topic)
-            super().append(item)
-
-    class RespondingFleet(e2e_fleet.SimFleet):
-        def __init__(self) -> None:
-            super().__init__(a.vins.split(","), a.exhook_port, a.mqtt_port, a.delivery_clientid)
-            self.respond = False
-            self.answers: Counter[str] = Counter()  # how message.publish answered the responses
-            for v in self.vehicles.values():  # nothing is pending yet: no message can be in between
-                v.received = Answering(self, v)
-
-        def answer(self, v: Any, request_topic: str) -> None:
-            conn = v._conn
-            if conn is None or conn.state != "open":
-                self.answers["vehicle_offline"] += 1
-                return
-            rid = request_topic.rsplit("/", 1)[1]
-            topic = f"{RESPONSE_PREFIX.replace('{VIN}', v.vin)}/{rid}"
-            body = json.dumps({"request_id": rid, "result": "ok"})
-            payload = (body + " " * max(0, a.response_bytes - len(body))).encode()
-            emqx = self.emqx
-            headers = {"username": v.username, "protocol": "mqtt", "peerhost": LOOPBACK}
-            msg = emqx.new_message(topic, payload, 1, v.clientid, headers)
-            resp, routed, allowed = emqx._run_publish(msg)  # message.publish, as for a heartbeat
-            if resp is None:
-                self.answers["not_registered_or_failed"] += 1
-            else:
-                self.answers[pb.ValuedResponse.ResponsedType.Name(resp.type)] += 1
-            if allowed:
-                self.answers["routed"] += 1
-                info = conn.client.publish(routed.topic, routed.payload, qos=routed.qos)
-                if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-                    self.answers["publish_failed"] += 1
-                emqx._dropped_if_unrouted(routed)
-
-        def phase(self, cmd: dict[str, Any]) -> dict[str, Any]:
-            self.respond = bool(cmd.get("respond"))
-            before = Counter(self.answers)
-            out = super().phase(cmd)
-            out["answers"] = dict(self.answers - before)
-            return out
-
-    fleet = RespondingFleet()
-    try:
-        e2e_fleet.emit({"ready": len(fleet.vins)})
-        for cmd in e2e_fleet.commands():
-            if cmd["cmd"] != "phase":
-                raise SystemExit(f"unknown command {cmd}")
-            e2e_fleet.emit({"done": fleet.phase(cmd)})
-    finally:
-        fleet.close()
-    return 0
-
-
-class Rig(e2e.Rig):
-    """bench/e2e.py's rig whose sim fleets are this script's answering fleets."""
-
-    def start_sims(self) -> None:
-        assert self.server is not None
-        for k, vins in enumerate(self.slices()):
-            argv = [sys.executable, "-m", "bench.lifecycle", "--sim-fleet", "--mqtt-port", str(self.broker.port),
-                    "--exhook-port", str(self.server.port), "--delivery-clientid", self.delivery_clientid,
-                    "--vins", ",".join(vins), "--response-bytes", str(self.args.response_bytes)]  # fmt: skip
-            child = Child(f"sim{k}", argv, self.tmp / f"sim{k}.log")
-            self.children.append(child)
-            self.sims.append(child)
-        for c in self.sims:
-            c.recv(self.args.deadline_s)  # {"ready": n}
-
-
 # -- the platform: status events by mode --------------------------------------------------------
-
-
-def mode_of(request_id: str) -> str:
-    """Request ids of this bench are `task_<mode>_<tag>_<k>`."""
-    parts = request_id.split("_")
-    return parts[1] if len(parts) > 2 and parts[0] == "task" else "?"
-
-
-def platform_main(port: int) -> int:
-    """Helper process: subscribed QoS 1 to the status topic; answers {"cmd": "counts"} with the
-    events per mode and the summed counts of the `completed` generations per mode."""
-    events: dict[str, Counter[str]] = {}
-    completed: dict[tuple[str, str], dict[str, int]] = {}  # (request_id, sha1) -> counts
-
-    def record(doc: dict[str, Any]) -> None:
-        rid = str(doc.get("request_id", ""))
-        events.setdefault(mode_of(rid), Counter())[doc.get("event", "?")] += 1
-        if doc.get("event") == "completed":
-            completed[rid, str(doc.get("sha1"))] = dict(doc.get("counts") or {})
-
-    def answer() -> dict[str, Any]:
-        sums: dict[str, Counter[str]] = {}
-        gens: Counter[str] = Counter()
-        for (rid, _), counts in completed.items():
-            sums.setdefault(mode_of(rid), Counter()).update(counts)
-            gens[mode_of(rid)] += 1
-        return {
-            "events": {m: dict(c) for m, c in events.items()},
-            "completed": {m: dict(c) for m, c in sums.items()},
-            "completed_gens": dict(gens),
-        }
-
-    clientid = f"bench-lifecycle-platform-{os.getpid()}"
-    return serve_status_counts(port, f"{STATUS_PREFIX}/#", clientid, record, answer)
-
-
-class Platform:
-    def __init__(self, port: int, log_dir: Path) -> None:
-        argv = [sys.executable, "-m", "bench.lifecycle", "--platform-port", str(port)]
-        self.child = Child("platform", argv, log_dir / "platform.log")
-        try:
-            self.child.recv(15)
-        except BaseException:
-            self.child.stop()
-            raise
-
-    def counts(self) -> dict[str, Any]:
-        self.child.send({"cmd": "counts"})
-        return self.child.recv(10)
-
-    def settle(self, quiet_s: float = 0.5, timeout_s: float = 10.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        answer = self.counts()
-        while answer["idle_s"] < quiet_s and time.monotonic() < deadline:
-            time.sleep(0.1)
-            answer = self.counts()
-        return answer
-
-    def wait_completed(self, gens: dict[str, int], timeout_s: float) -> dict[str, Any]:
-        """Wait (bounded) until every mode has `gens[mode]` completed generations."""
-        deadline = time.monotonic() + timeout_s
-        answer = self.counts()
-        while time.monotonic() < deadline and any(answer["completed_gens"].get(m, 0) < n for m, n in gens.items()):
-            time.sleep(0.2)
-            answer = self.counts()
-        return answer
-
-    def stop(self) -> None:
-        self.child.stop()
 
 
 def event_diff(after: dict[str, Any], before: dict[str, Any], mode: str) -> dict[str, int]:
@@ -419,7 +199,7 @@ def event_diff(after: dict[str, Any], before: dict[str, Any], mode: str) -> dict
 # -- 2. end to end: measurement -----------------------------------------------------------------
 
 
-def run_mode(rig: Rig, platform: Platform, mode: str, tag: str, requests: int, seed: int) -> dict[str, Any]:
+def run_mode(rig: Rig, platform: StatusListener, mode: str, tag: str, requests: int, seed: int) -> dict[str, Any]:
     """M batches naming every vehicle, in `mode`; first publish -> 0 rows pending."""
     assert rig.emqx is not None and rig.server is not None and rig.broker.proc is not None
     n = len(rig.vins)
@@ -441,7 +221,7 @@ def run_mode(rig: Rig, platform: Platform, mode: str, tag: str, requests: int, s
     for rid, payload in zip(rids, payloads, strict=True):
         resp = rig.emqx.publish_batch(rig.vins, rid, payload, **extra)
         if resp is None or resp.type != pb.ValuedResponse.STOP_AND_RETURN:
-            raise RuntimeError(f"batch {rid} not stored: {resp or e2e.rpc_error(rig)}")
+            raise RuntimeError(f"batch {rid} not stored: {resp or rpc_error(rig)}")
     published = time.time()
     try:
         end = rig.wait_rows_zero()
@@ -470,12 +250,13 @@ def run_mode(rig: Rig, platform: Platform, mode: str, tag: str, requests: int, s
 def run_end_to_end(args: argparse.Namespace, tmp: Path, say: Callable[[str], None]) -> dict[str, Any]:
     vins = make_vins(args.seed, args.vehicles)
     rig = Rig(args, tmp, vins)
-    platform: Platform | None = None
+    rig.sim_args = ["--response-bytes", str(args.response_bytes)]
+    platform: StatusListener | None = None
     rounds: list[dict[str, Any]] = []
     try:
         rig.start_server()
         rig.start_sims()
-        platform = Platform(rig.broker.port, tmp)
+        platform = StatusListener(rig.broker.port, "lifecycle", tmp)
         for mode in MODES:  # unrecorded warm-up of both paths (and an early failure if one is broken)
             warm = run_mode(rig, platform, mode, "warm", 2, args.seed)
             if mode == "response" and warm["answers"].get("not_registered_or_failed"):
@@ -539,173 +320,11 @@ def e2e_problems(totals: dict[str, Any], gens: dict[str, int], requests: dict[st
     return problems
 
 
-# -- report ---------------------------------------------------------------------------------------
-
-
-def dec3(v: float) -> str:
-    return f"{v:.3f}"
-
-
-def ingest_markdown(ing: dict[str, Any], meta: dict[str, Any]) -> str:
-    rounds = ing["rounds"]
-
-    def col(side: str, key: str) -> list[float]:
-        return [r[side][key] for r in rounds]
-
-    def ratio(key: str) -> str:
-        return min_med_max([r[key] for r in rounds], dec3)
-
-    lines = [
-        f"### Ingest: the expiry index, {ing['batches']:,} batches x {meta['vins']} VINs per side, "
-        f"{len(rounds)} rounds, {meta['clients']} channels, 1 KiB blobs",
-        "",
-        "| metric | min | median | max |",
-        "|---|---:|---:|---:|",
-    ]
-    for side in INGEST_SIDES:
-        lines.append(f"| {INGEST_LABEL[side]}: VIN-rows/s | {min_med_max(col(side, 'rows_per_s'), num)} |")
-    lines += [
-        f"| **ratio with/without VIN-rows/s** (paired; one deadline for every batch) | {ratio('with_over_without')} |",
-        f"| ratio per_batch/without VIN-rows/s (paired; a deadline per batch) | {ratio('per_batch_over_without')} |",
-    ]
-    for side in INGEST_SIDES:
-        lines.append(f"| {side}: server CPU µs per VIN-row | {min_med_max(col(side, 'server_cpu_us_per_row'), dec)} |")
-    lines += [
-        f"| server CPU per row, with/without (paired) | {ratio('cpu_with_over_without')} |",
-        f"| server CPU per row, per_batch/without (paired) | {ratio('cpu_per_batch_over_without')} |",
-    ]
-    for side in INGEST_SIDES:
-        lines += [
-            f"| {side}: batch latency p50 / p99 ms (medians) | {statistics.median(col(side, 'p50_ms')):.1f} / "
-            f"{statistics.median(col(side, 'p99_ms')):.1f} | | |",
-            f"| {side}: batches per commit | {min_med_max(col(side, 'batches_per_commit'), dec)} |",
-        ]
-    for side in EXPIRING:
-        lines.append(
-            f"| LMDB file bytes used per row, {side} - without (free pages included) | "
-            f"{min_med_max([r[f'{side}_file_extra_bytes_per_row'] for r in rounds], num)} |"
-        )
-    other = [r[s]["other_cpu"] for r in rounds for s in INGEST_SIDES]
-    lines.append(f"| **other processes' CPU** (of one core; mosquitto included) | {min_med_max(other, share)} |")
-    lines += [
-        "",
-        "| round | order | without rows/s | with rows/s | per_batch rows/s | with/without | per_batch/without | "
-        "server µs/row without / with / per_batch |",
-        "|---:|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for i, r in enumerate(rounds, 1):
-        us = " / ".join(f"{r[s]['server_cpu_us_per_row']:.2f}" for s in INGEST_SIDES)
-        lines.append(
-            f"| {i} | {r['order']} | "
-            + " | ".join(f"{r[s]['rows_per_s']:,.0f}" for s in INGEST_SIDES)
-            + f" | {r['with_over_without']:.3f} | {r['per_batch_over_without']:.3f} | {us} |"
-        )
-
-    def growth(side: str) -> str:
-        return ", ".join(
-            f"`{name}` {g['bytes_per_row']:+.1f} B"
-            + (f" (+{g['extra_entries']:,.0f} entries)" if g["extra_entries"] else "")
-            for name, g in ing["growth"][side].items()
-        )
-
-    lines += [
-        "",
-        f"Each side: a fresh server ({rounds[0]['with']['server_processes']} process(es)) and data dir, its delivery "
-        "client connected to the run's mosquitto (no vehicle online: nothing delivered), the same batches (a request "
-        "id each) differing only in `expires_at`; the order of the three sides rotates round by round. LMDB pages "
-        f"per row over the paired run without `expires_at` (medians): with: {growth('with')}; per_batch: "
-        f"{growth('per_batch')}.",
-    ]
-    return "\n".join(lines)
-
-
-def e2e_markdown(e: dict[str, Any], meta: dict[str, Any]) -> str:
-    rounds = e["rounds"]
-    n, m = meta["vehicles"], meta["requests"]
-
-    def col(mode: str, key: str) -> list[float]:
-        return [r[mode][key] for r in rounds]
-
-    def cpu(mode: str, group: str) -> list[float]:
-        return [r[mode]["cpu_us_per_request"][group] for r in rounds]
-
-    lines = [
-        f"### End to end: response mode next to PUBACK mode, {n:,} vehicles x {m} requests = {n * m:,} requests "
-        f"per measurement, {len(rounds)} rounds",
-        "",
-        "| metric | min | median | max |",
-        "|---|---:|---:|---:|",
-        f"| puback (PUBACK completes the request) completed requests/s | {min_med_max(col('puback', 'per_s'), num)} |",
-        f'| response (`"await_response": true`, answer after the PUBACK) completed requests/s | '
-        f"{min_med_max(col('response', 'per_s'), num)} |",
-        f"| **ratio response/puback requests/s** (paired) | "
-        f"{min_med_max([r['response_over_puback'] for r in rounds], dec3)} |",
-        f"| puback: server CPU µs per completed request | {min_med_max(cpu('puback', 'server'), num)} |",
-        f"| response: server CPU µs per completed request | {min_med_max(cpu('response', 'server'), num)} |",
-        f"| server CPU per request, response/puback (paired) | "
-        f"{min_med_max([r['cpu_response_over_puback'] for r in rounds], dec3)} |",
-        f"| per-vehicle cycle p50 ms (receive -> next receive), puback / response (medians) | "
-        f"{statistics.median(col('puback', 'cycle_p50_ms')):.1f} / "
-        f"{statistics.median(col('response', 'cycle_p50_ms')):.1f} | | |",
-    ]
-    for group, label in (
-        ("mosquitto", "mosquitto"),
-        ("sim fleet", "sim fleet (vehicles + EMQX hook driver)"),
-        ("platform", "the platform's status subscriber"),
-        ("bench", "this bench (FakeEmqx batches)"),
-        ("total", "all of the above + server"),
-        ("other processes", "other processes"),
-    ):
-        cells = " / ".join(f"{statistics.median(cpu(mode, group)):,.0f}" for mode in MODES)
-        lines.append(f"| {label} CPU µs per request, puback / response (medians) | {cells} | | |")
-    lines += [
-        "",
-        "| round | order | puback req/s | response req/s | response/puback | server µs/req puback / response | "
-        "status events (response mode) |",
-        "|---:|---|---:|---:|---:|---|---|",
-    ]
-    for i, r in enumerate(rounds, 1):
-        got = ", ".join(f"{k} {v:,}" for k, v in r["response"]["status"].items()) or "none"
-        lines.append(
-            f"| {i} | {r['order']} | {r['puback']['per_s']:,.0f} | {r['response']['per_s']:,.0f} | "
-            f"{r['response_over_puback']:.3f} | {r['puback']['cpu_us_per_request']['server']:,.0f} / "
-            f"{r['response']['cpu_us_per_request']['server']:,.0f} | {got} |"
-        )
-    totals = e["status_totals"]
-    checks = []
-    for mode in MODES:
-        counts = totals["completed"].get(mode, {})
-        shown = ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items()) if v) or "none"
-        checks.append(
-            f"{mode}: {totals['completed_gens'].get(mode, 0):,} of {e['expected_gens'][mode]:,} generations "
-            f"completed ({shown}; {e['expected_requests'][mode]:,} requests sent)"
-        )
-    answers: Counter[str] = Counter()
-    for r in rounds:
-        answers.update(r["response"]["answers"])
-    dups = sum(r[mode]["duplicates"] for r in rounds for mode in MODES)
-    lines += [
-        "",
-        "Outcomes the platform's subscriber summed from the `completed` events (warm-up included): "
-        + "; ".join(checks)
-        + ". The vehicles' answers, as `message.publish` answered them: "
-        + (", ".join(f"{k} {v:,}" for k, v in sorted(answers.items())) or "none")
-        + f". Duplicate deliveries over all rounds: {dups}. One rig for the whole run (mosquitto, server with "
-        f"{meta['server_processes_label']}, {meta['procs']} sim fleet processes), request payload "
-        f"{meta['payload_bytes']} B, answer {meta['response_bytes']} B, status topic on (defaults).",
-    ]
-    for problem in e["problems"]:
-        lines += ["", f"**(!) Not as specified:** {problem}."]
-    return "\n".join(lines)
-
-
 # -- main -----------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--sim-fleet"]:
-        return fleet_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=6, help="paired rounds of ingest and of e2e (default 6)")
     p.add_argument("--ingest-batches", type=int, default=1200, help="batches per ingest side (default 1200)")
@@ -727,10 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=20261124)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--keep-tmp", action="store_true", help="keep the tmp dir (logs, LMDB) even after a success")
-    p.add_argument("--platform-port", type=int, help=argparse.SUPPRESS)  # the Platform helper
     args = p.parse_args(argv)
-    if args.platform_port:
-        return platform_main(args.platform_port)
     parts = {x.strip() for x in args.only.split(",") if x.strip()}
     if (
         parts - {"ingest", "e2e"}
@@ -738,16 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         or min(args.rounds, args.ingest_batches, args.vehicles, args.requests) < 1
     ):
         p.error("--only takes ingest, e2e; --rounds, --ingest-batches, --vehicles, --requests must be positive")
-    args.procs = max(args.procs, -(-args.vehicles // e2e.MAX_PER_PROC))
+    args.procs = max(args.procs, -(-args.vehicles // MAX_PER_PROC))
     args.max_inflight = 50  # bench/e2e.py's Rig reads it (raw publisher, not started here)
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally blocks
-    wall0 = time.monotonic()
-    load_before = os.getloadavg()[0]
-    tmp_root = Path(tempfile.mkdtemp(prefix="sdv-bench-lifecycle-"))
-
-    def say(msg: str) -> None:
-        print(f"[{time.monotonic() - wall0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+    ctx = Run("lifecycle")
+    tmp_root, say, load_before = ctx.tmp, ctx.say, ctx.load_before
 
     say(f"1-min load average before: {load_before:.2f}")
     out: dict[str, Any] = {}
@@ -780,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "its default process count",
         "commit": subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
                                  text=True, check=False).stdout.strip(),
-        **machine_meta(load_before, wall0),
+        **ctx.meta(),
     }  # fmt: skip
     say(f"1-min load average after: {meta['loadavg_1m_after']:.2f}")
     parts_md = []

@@ -1,42 +1,8 @@
-"""Issue 14 item 6: cross-process forwarding vs store claims on LMDB, side by side, paired rounds.
-
-Several server processes on one host share the LMDB environment. Today each hook event for a
-VIN another process owns is forwarded to the owner over local sockets
-(`exhook_server/backends/lmdb/peers.py`). The alternative (the claim of the first PostgreSQL design,
-`bench/pg_raw.py`, applied to LMDB): any process handles any VIN, and "at most one in flight per
-VIN" is a claim, a write transaction that
-sets an in-flight marker only if none is set, in a second LMDB environment opened without fsync
-(sync=False, metasync=False: the marker is soft state, rebuilt after a crash). This script
-measures the three costs the choice rests on, each in its own helper processes (siblings, so the
-real Peers accept their links), all phases in every round, their order reversed every other round:
-
-(a) **forwarding**: process 0 routes hook events through a real `Dispatcher` (ring, the
-    `ClientEvent`/`Acknowledge` items and the metric the server uses) into the real `Peers`
-    (same framing, same pickling) to process 1, which owns every VIN used; an even mix of
-    heartbeats (`ClientEvent("heartbeat", (Session, VIN))`) and acks (`Acknowledge`). The driver
-    hands over `burst` events per event-loop turn (1: a lightly loaded server, a frame per event;
-    8: a busy one), at most `--window` unconfirmed (process 1 confirms every 256 over the same
-    Peers link). Events/s and CPU per event on both sides; the sender's CPU is also given net of
-    the driver loop itself (the same loop run without the dispatcher call, same number of turns).
-    The receiver only counts: the work the owner does with an event is done in both designs.
-(b) **claims**: claim + release cycles on the nosync marker env. Claim = one write txn: get the
-    VIN's marker; if none, read the vehicle's oldest row and its payload from the real store
-    (`Store.oldest`, layout built with `storage/lmdb/batches.py store_batch`) and put a ~60 B marker
-    (request id, sha1, sent-at, attempts, flags, session address). Release (the ack) = one write
-    txn: get the marker, delete it if it names that row. 1 process, then 2 (or `--procs`) at once
-    on disjoint VIN slices: their only contention is LMDB's process-shared writer mutex. Also
-    timed: waiting for the writer lock (`begin`) and holding it (`begin` returned -> `commit`
-    returned), per cycle.
-(c) **heartbeat fast path** of the claim design: is anything pending (one cursor seek to the
-    VIN's first row in `ids`, through `Store.read`) and nothing in flight (a get in the marker
-    env), two lookups in two read txns; reads/s and CPU per read with 1 and 2 processes.
-    Reference: `Store.oldest` alone (the row read today's owner does per delivery, lock-free).
+"""Cross-process forwarding vs store claims on LMDB, side by side, paired rounds.
 
     .venv/bin/python -m bench.lmdb_claims [--rounds 5 --duration 1.5 --vins 10000 --rows-per-vin 4
-                                           --bursts 1,8 --procs 1,2 --json F]
 
-Markdown to stdout, progress to stderr. Not part of `make bench` / run_all.py. About 65 s with the
-defaults on the 2-core VM; smoke: `--rounds 1 --duration 0.3 --vins 1000`.
+How it measures and what each flag does: bench/README.md (`bench/lmdb_claims.py`).
 """
 
 from __future__ import annotations
@@ -63,7 +29,8 @@ import lmdb
 from storage.lmdb import batches, keys
 from storage.lmdb.keys import Row
 from storage.lmdb.store import Store
-from testkit.plumbing import Child, dec, machine_busy_s, machine_meta, make_vins, num, proc_cpu_s
+from testkit.plumbing import Child, machine_busy_s, machine_meta, make_vins, proc_cpu_s
+from testkit.reports.lmdb_claims import report
 
 NODE = "emqx@10.0.0.7"
 #: The marker: sha1, sent-at (ms), attempts, flags, process index, session address (IPv4 + port),
@@ -457,93 +424,6 @@ def phase_store(rig: Rig, kind: str, procs: int, duration: float) -> dict[str, A
         if any(p["want_claim"] != p["reads"] for p in parts):
             raise RuntimeError(f"{kind}: every VIN should have a row pending (and no marker)")
     return out
-
-
-def paired(many: Sequence[dict[str, Any]], one: Sequence[dict[str, Any]]) -> list[float]:
-    """Rate with several processes over rate with one, round by round."""
-    return [m["rate"] / o["rate"] for m, o in zip(many, one, strict=True)]
-
-
-def med3(values: Sequence[float], fmt: Callable[[float], str]) -> str:
-    return f"{fmt(min(values))} | {fmt(statistics.median(values))} | {fmt(max(values))}"
-
-
-def report(args: argparse.Namespace, rounds: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    lines = [
-        f"#### Forwarding over Peers vs LMDB claims (bench/lmdb_claims.py), {len(rounds)} paired rounds",
-        "",
-        "| metric | min | median | max |",
-        "|---|---:|---:|---:|",
-    ]
-
-    def row(label: str, values: Sequence[float], fmt: Callable[[float], str] = num) -> None:
-        lines.append(f"| {label} | {med3(values, fmt)} |")
-
-    for b in args.bursts:
-        f = [r[f"fwd{b}"] for r in rounds]
-        tag = f"(a) forward, {b} event(s) per loop turn"
-        row(f"{tag}: **events/s** one process hands to another", [x["events_s"] for x in f])
-        row(f"{tag}: sender CPU µs/event (driver loop included)", [x["send_us"] for x in f], dec)
-        row(f"{tag}: sender CPU µs/event, net of the driver loop", [x["send_net_us"] for x in f], dec)
-        row(f"{tag}: owner (receiver) CPU µs/event", [x["recv_us"] for x in f], dec)
-        row(f"{tag}: **sender net + owner CPU µs/event**", [x["both_net_us"] for x in f], dec)
-    one = [r["claims1"] for r in rounds]
-    row("(b) claim+release, 1 process: **cycles/s**", [x["rate"] for x in one])
-    row("(b) 1 process: CPU µs/cycle (2 write txns)", [x["cpu_us"] for x in one], dec)
-    row(
-        "(b) reference, 1 process: CPU µs of Store.oldest alone (the row read today's owner also does, lock-free)",
-        [r["oldest1"]["cpu_us"] for r in rounds],
-        dec,
-    )
-    row(
-        "(b) 1 process: claim cycle CPU µs net of that row read (paired)",
-        [r["claims1"]["cpu_us"] - r["oldest1"]["cpu_us"] for r in rounds],
-        dec,
-    )
-    row("(b) 1 process: CPU µs/cycle spent holding the writer lock", [x["held_cpu_us"] for x in one], dec)
-    row("(b) 1 process: writer lock held, wall µs/cycle", [x["held_us"] for x in one], dec)
-    for p in args.procs:
-        if p == 1:
-            continue
-        many = [r[f"claims{p}"] for r in rounds]
-        row(f"(b) {p} processes at once: **cycles/s, all together**", [x["rate"] for x in many])
-        row(f"(b) {p} processes: cycles/s per process", [statistics.mean(x["per_proc"]) for x in many])
-        row(f"(b) **ratio {p} processes / 1** (paired)", paired(many, one), dec)
-        row(f"(b) {p} processes: CPU µs/cycle", [x["cpu_us"] for x in many], dec)
-        row(f"(b) {p} processes: waiting for the writer lock µs/cycle", [x["wait_us"] for x in many], dec)
-        row(f"(b) {p} processes: CPU µs/cycle spent holding the writer lock", [x["held_cpu_us"] for x in many], dec)
-        row(f"(b) {p} processes: writer lock held, wall µs/cycle", [x["held_us"] for x in many], dec)
-        row(f"(b) {p} processes: writer lock in use, % (CPU held x cycles/s)", [x["lock_use"] * 100 for x in many])
-    row(
-        "(b) **writer-lock ceiling**, any number of processes: cycles/s (1e6 / CPU µs held per cycle, 1 process)",
-        [1e6 / x["held_cpu_us"] for x in one],
-    )
-    rone = [r["reads1"] for r in rounds]
-    row("(c) heartbeat fast path, 1 process: **reads/s**", [x["rate"] for x in rone])
-    row("(c) 1 process: CPU µs/read (2 read txns)", [x["cpu_us"] for x in rone], dec)
-    for p in args.procs:
-        if p == 1:
-            continue
-        many = [r[f"reads{p}"] for r in rounds]
-        row(f"(c) {p} processes at once: **reads/s, all together**", [x["rate"] for x in many])
-        row(f"(c) **ratio {p} processes / 1** (paired)", paired(many, rone), dec)
-        row(f"(c) {p} processes: CPU µs/read", [x["cpu_us"] for x in many], dec)
-    others = [ph["other_cpu"] * 100 for r in rounds for ph in r.values() if isinstance(ph, dict)]
-    row("**other processes' CPU** during the phases (% of one core; should be ~0)", others)
-    mark = statistics.mean(r["claims1"]["mark_bytes"] for r in rounds)
-    lines += [
-        "",
-        f"Store: {args.vins:,} VINs x {args.rows_per_vin} rows (storage/lmdb/batches.py store_batch, 200-VIN batches, "
-        f"{args.blob_bytes} B payloads), the claim reads the oldest row and its payload (Store.oldest); marker "
-        f"env sync=False, metasync=False, markers {mark:.0f} B under the 17-char VIN. Forwarding: window "
-        f"{args.window} unconfirmed events, an even mix of heartbeat ClientEvents and Acknowledges through "
-        f"Dispatcher.heartbeat/acked into Peers. {args.duration} s per phase, phase order reversed every other "
-        f"round. {meta['cpus']} CPUs shared with everything else on the machine; 1-min load average "
-        f"{meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after; {meta['wall_s']:.0f} s "
-        f"in all. Python {meta['python']}, py-lmdb {lmdb.__version__} (LMDB {'.'.join(map(str, lmdb.version()))}). "
-        f"Seed {args.seed}.",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,18 +1,8 @@
 """How long a batch waits behind a late data message that completes many parked triggers.
 
-A real `sdv-fanout serve` (1 process, delivery off) over gRPC on loopback. Each side parks
-`--triggers` plugin-format triggers of `--vins` VINs for one data_id, then sends the data while
-a platform thread keeps storing one-VIN batches back to back; the number is how long those
-batches waited (hook call latency) while the parked rows were being completed.
-
-  chunked   `max_rows_per_commit` = 10,000 (the default): completion runs in chunks behind
-            the data's answer; a batch waits for one chunk at most.
-  one txn   `max_rows_per_commit` = every parked row: the whole completion is one transaction,
-            as before chunking; a batch queued behind it waits for all of it.
-
-Sides alternate by round; ratio = one-txn worst wait / chunked worst wait (paired per round).
-
     .venv/bin/python -m bench.parked_wait [--triggers 50 --vins 10000 --rounds 3 --json F]
+
+How it measures and what each flag does: bench/README.md (`bench/parked_wait.py`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
-"""PostgreSQL failover under ingest (issue 14 item 4): what a kill -9 of the primary costs.
-
-Each round starts afresh (testkit/pg_failover.py, the rig of tests/integration/test_pg_failover.py):
-a primary with a synchronous standby (testkit/pg_cluster.py: 127.0.0.1, fsync and synchronous_commit
-on), `--instances` 2 `sdv-fanout serve` (one process each, the server's defaults: ingest_timeout_s
-4 s, store_down_grace_s 10 s) on the multi-host store_url with target_session_attrs=read-write, and
-`--threads` 2 driver threads per instance, each on its own gRPC channel, sending 200-VIN batches
-(a request_id, batch_id and payload each) back to back. Once each instance has acknowledged
-`--warm` batches, the primary is killed -9; `--hold-s` later (0: at once, a fast operator) the
-standby is promoted. The round ends when each instance has acknowledged `--settle` batches sent
-after the promote; every batch that was never acknowledged is then sent again with its batch_id,
-and the promoted database is read back.
-
-Per round: failover time from the kill, and from the start of the promote, to the first
-acknowledged batch sent after the kill, and to every instance having acknowledged one; acknowledged
-batches lost (a receipt, a row per VIN with the batch's payload and a generation count of one per
-VIN on the promoted database: must be 0); batches failed during the outage; the error calls
-answered UNAVAILABLE, timed out (no answer within the client's 10 s deadline) or anything else; the
-slowest error answer (against ingest_timeout_s); retried batches stored exactly once (the retry
-stored it, or found the first attempt's receipt); whether a hook service reported NOT_SERVING.
+"""PostgreSQL failover under ingest: what a kill -9 of the primary costs.
 
     .venv/bin/python -m bench.pg_failover [--rounds 3 --instances 2 --threads 2 --hold-s 0 --json F]
 
-Markdown to stdout, progress to stderr. About 15 s per round on the 2-core VM.
+How it measures and what each flag does: bench/README.md (`bench/pg_failover.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +11,6 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -53,7 +33,7 @@ from testkit.pg_failover import (
     never_acked,
     wait_acked,
 )
-from testkit.plumbing import dec, min_med_max, num
+from testkit.reports.pg_failover import report, summary
 
 #: Waiting for a phase (warm-up, recovery) longer than this fails the round: something is wrong.
 PHASE_DEADLINE_S = 120.0
@@ -119,63 +99,6 @@ def one_round(r: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 _COUNTED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    def mmm(key: str) -> dict[str, float]:
-        values = [r[key] for r in rounds]
-        return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-    return {
-        **{k: mmm(k) for k in ("outage_s", "kill_to_ack_s", "promote_to_ack_s", "promote_to_all_s", "slowest_error_s")},
-        **{k: sum(r[k] for r in rounds) for k in ("acked", "acked_lost", "failed", "unavailable", "timed_out")},
-        "other_errors": sum(r["other_errors"] for r in rounds),
-        "stored_once": sum(r["stored_once"] for r in rounds),
-        "not_serving_rounds": sum(r["not_serving"] for r in rounds),
-    }
-
-
-def report(meta: dict[str, Any], rounds: list[dict[str, Any]], s: dict[str, Any]) -> None:
-    print("## PostgreSQL failover under ingest (bench/pg_failover.py)")
-    print()
-    print(f"`{meta['command']}`")
-    print()
-    print(f"{meta['cpus']} CPUs; load average (1 min) {meta['load_before']:.2f} before, {meta['load_after']:.2f} "
-          f"after; {meta['instances']} instances x {meta['threads']} driver threads, {meta['vins']}-VIN batches; "
-          f"primary killed -9 after {meta['warm']} acknowledged batches per instance, standby promoted "
-          f"{meta['hold_s']:g} s later; server defaults (ingest_timeout_s 4 s, store_down_grace_s 10 s). "
-          "Times in seconds from the first SIGKILL; \"first ack\" is the first acknowledged batch sent once every "
-          "process of the primary was gone (one sent while they were dying can still commit); \"all\" is "
-          "every instance having acknowledged one sent after the promote started.")  # fmt: skip
-    print()
-    print("| round | kill → promoted | kill → first ack | promote → first ack | promote → all | acknowledged "
-          "| acknowledged lost | failed in outage | UNAVAILABLE | timed out | other errors | slowest error answer "
-          "| retried, stored once | landed despite the error | NOT_SERVING |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for i, r in enumerate(rounds, 1):
-        print(f"| {i} | {dec(r['outage_s'])} | {dec(r['kill_to_ack_s'])} | {dec(r['promote_to_ack_s'])} "
-              f"| {dec(r['promote_to_all_s'])} | {num(r['acked'])} | **{r['acked_lost']}** | {num(r['failed'])} "
-              f"| {num(r['unavailable'])} | {num(r['timed_out'])} | {num(r['other_errors'])} "
-              f"| {dec(r['slowest_error_s'])} | {r['stored_once']} of {r['failed']} | {r['landed_despite_error']} "
-              f"| {'yes' if r['not_serving'] else 'no'} |")  # fmt: skip
-    print()
-    print("| over the rounds | min | median | max |")
-    print("|---|---:|---:|---:|")
-    for key, label in (
-        ("kill_to_ack_s", "kill → first acknowledged batch, s"),
-        ("promote_to_ack_s", "promote → first acknowledged batch, s"),
-        ("promote_to_all_s", "promote → every instance acknowledging, s"),
-        ("slowest_error_s", "slowest error answer, s"),
-    ):
-        print(f"| {label} | {min_med_max([r[key] for r in rounds], dec)} |")
-    print()
-    print(f"Acknowledged batches lost: **{s['acked_lost']} of {s['acked']:,}**; failed batches retried and stored "
-          f"exactly once: {s['stored_once']} of {s['failed']}; calls timed out: {s['timed_out']}; "
-          f"rounds with a hook service NOT_SERVING: {s['not_serving_rounds']} of {len(rounds)}.")  # fmt: skip
-    others = sorted({d for r in rounds for d in r["other_error_details"]})
-    if others:
-        print()
-        print("Other error answers (neither UNAVAILABLE nor a timeout): " + "; ".join(f"`{d}`" for d in others))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,20 +1,8 @@
-"""Raw PostgreSQL limits for issue 14's design: ingest, claim and heartbeat filter, asyncpg alone.
-
-Not the product: bare statements on a throwaway cluster (testkit/pg_cluster.py: 127.0.0.1, fsync and
-synchronous_commit on, run as an unprivileged user), from one asyncio process with 1, 4 and 8
-connections. (a) VIN-rows/s writing 200-row batches into the `rows` table of the first PostgreSQL
-design (below) three ways: `executemany` of an upsert, one `INSERT ... SELECT FROM unnest(arrays)` upsert, COPY into a
-temp table + merge; one commit per batch, so concurrent connections share WAL flushes (group commit).
-(b) claims/s of that design's claim statement (the one-in-flight marker from the oldest row), and the same
-statement on VINs already in flight (a miss). (c) the batched heartbeat filter: which of N VINs have
-something pending and nothing in flight, one `vin = ANY($1)` statement.
+"""Raw PostgreSQL limits for the PostgreSQL store's first design: ingest, claim and heartbeat filter, asyncpg alone.
 
     .venv/bin/python -m bench.pg_raw [--rounds 3 --conns 1,4,8 --batches 100 --claims 2000
-                                      --filter-sizes 100,1000 --filters 300 --fleet 100000 --json F]
 
-Markdown to stdout (medians over rounds, min-max for the rates), progress to stderr. Cells run in
-an order rotated round by round. About a minute with the defaults on the 2-core VM; `--smoke` ~10 s.
-Not part of `make bench`.
+How it measures and what each flag does: bench/README.md (`bench/pg_raw.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import math
 import os
 import random
 import shlex
@@ -39,9 +26,9 @@ from typing import Any
 import asyncpg
 
 from testkit.pg_cluster import SUPERUSER, PgCluster
-from testkit.plumbing import dec, descendants, make_vins, min_med_max, num, pct
+from testkit.plumbing import descendants, make_vins, pct
+from testkit.reports.pg_raw import BATCH_VINS, report
 
-BATCH_VINS = 200
 SCHEMA = """
 CREATE TABLE rows (
     vin text NOT NULL, request_id text NOT NULL, ts bigint NOT NULL, sha1 bytea NOT NULL, size int NOT NULL,
@@ -359,15 +346,6 @@ async def vin_state_access(admin: asyncpg.Connection, vins: list[str]) -> str:
 # -- report -------------------------------------------------------------------------------------
 
 
-def med(runs: list[dict[str, float]], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
-
-
-def ratio(v: float) -> str:
-    """dec(), or a dash where nothing was synced (a statement that wrote no WAL)."""
-    return "-" if math.isnan(v) else dec(v)
-
-
 def fdatasync_ms(directory: Path, n: int = 200) -> float:
     """Median time of an 8 KiB write + fdatasync in `directory` (the cluster's filesystem)."""
     fd, path = tempfile.mkstemp(dir=directory)
@@ -382,67 +360,6 @@ def fdatasync_ms(directory: Path, n: int = 200) -> float:
         os.close(fd)
         os.unlink(path)
     return statistics.median(times) * 1000
-
-
-def report(
-    meta: dict[str, Any], ingest: list[dict[str, Any]], claim: list[dict[str, Any]], filt: list[dict[str, Any]]
-) -> None:
-    print("## PostgreSQL raw limits (bench/pg_raw.py)")
-    print()
-    print(f"`{meta['command']}`")
-    print()
-    print(f"PostgreSQL {meta['server_version']}, asyncpg {meta['asyncpg']}, {meta['cpus']} CPUs, "
-          f"fsync={meta['fsync']}, synchronous_commit={meta['synchronous_commit']}, "
-          f"wal_sync_method={meta['wal_sync_method']}, 8 KiB write+fdatasync in the cluster's dir: "
-          f"{meta['fdatasync_ms']:.2f} ms; load average (1 min) {meta['load_before']:.2f} before, "
-          f"{meta['load_after']:.2f} after; {meta['rounds']} rounds, medians (rates: min | median | max); "
-          f"client = this one asyncio process, sharing the CPUs with the server.")  # fmt: skip
-    print()
-    if ingest:
-        print(f"### (a) ingest: {meta['batches']} batches x {BATCH_VINS} rows per cell, one commit per "
-              "batch, into `rows` (primary key (vin, request_id), index (vin, ts, request_id)), empty at "
-              "the start")  # fmt: skip
-        print()
-        print("| method | conns | VIN-rows/s min | median | max | batches/s | batch p50 ms | p99 ms "
-              "| commits per WAL fsync | WAL bytes/row | server CPU µs/row | client CPU µs/row |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for c in ingest:
-            rs = c["runs"]
-            print(f"| {c['method']} | {c['conns']} | {min_med_max([r['per_s'] for r in rs], num)} "
-                  f"| {num(med(rs, 'ops_per_s'))} | {dec(med(rs, 'p50_ms'))} | {dec(med(rs, 'p99_ms'))} "
-                  f"| {ratio(med(rs, 'commits_per_wal_sync'))} | {num(med(rs, 'wal_bytes_per_unit'))} "
-                  f"| {dec(med(rs, 'server_cpu_us'))} | {dec(med(rs, 'client_cpu_us'))} |")  # fmt: skip
-        print()
-    if claim:
-        print(f"### (b) claim: the first design's statement on {meta['claims']:,} VINs with 3 pending rows "
-              "each, one autocommit statement per VIN; `miss` = the same on VINs already in flight (no row "
-              "changes)")  # fmt: skip
-        print()
-        print("| statement | conns | per s min | median | max | p50 ms | p99 ms | commits per WAL fsync "
-              "| WAL bytes/claim | server CPU µs/claim | client CPU µs/claim |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for c in claim:
-            rs = c["runs"]
-            print(f"| {c['kind']} | {c['conns']} | {min_med_max([r['per_s'] for r in rs], num)} "
-                  f"| {dec(med(rs, 'p50_ms'))} | {dec(med(rs, 'p99_ms'))} | {ratio(med(rs, 'commits_per_wal_sync'))} "
-                  f"| {num(med(rs, 'wal_bytes_per_unit'))} | {dec(med(rs, 'server_cpu_us'))} "
-                  f"| {dec(med(rs, 'client_cpu_us'))} |")  # fmt: skip
-        print()
-    if filt:
-        print(f"### (c) heartbeat filter: {meta['filters']} statements per cell, N random VINs of a fleet "
-              f"of {meta['fleet']:,} ({meta['pending_share']:.0%} with 3 pending rows, half of those in "
-              "flight)")  # fmt: skip
-        print()
-        print("| N VINs | conns | statements/s min | median | max | VINs/s | p50 ms | p99 ms | matched/statement "
-              "| server CPU µs/VIN | client CPU µs/VIN | vin_state read by |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-        for c in filt:
-            rs, n = c["runs"], c["vins"]
-            print(f"| {n:,} | {c['conns']} | {min_med_max([r['per_s'] for r in rs], num)} "
-                  f"| {num(med(rs, 'vins_per_s'))} | {dec(med(rs, 'p50_ms'))} | {dec(med(rs, 'p99_ms'))} "
-                  f"| {dec(med(rs, 'matched_per_statement'))} | {dec(med(rs, 'server_cpu_us') / n)} "
-                  f"| {dec(med(rs, 'client_cpu_us') / n)} | {c['plan']} |")  # fmt: skip
-        print()
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

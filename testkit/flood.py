@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from exhook_server._proto import exhook_v3_pb2 as pb
+from testkit.plumbing import rss_bytes
 
 _METHOD = "/emqx.exhook.v3.HookProvider/OnMessagePublish"
 
@@ -34,11 +35,6 @@ def status_kb(pid: int, field_name: str) -> int:
         if line.startswith(field_name + ":"):
             return int(line.split()[1])
     return 0
-
-
-def rss_bytes(pids: list[int]) -> int:
-    """Resident memory of these processes now, summed."""
-    return sum(status_kb(p, "VmRSS") for p in pids) << 10
 
 
 def hwm_bytes(pids: list[int]) -> int:

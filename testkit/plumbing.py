@@ -8,20 +8,24 @@ lives here once. Linux only: CPU and RSS come from /proc.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import platform
 import queue
 import random
+import resource
+import signal
 import statistics
 import string
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -78,12 +82,43 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def rss_bytes(pids: list[int]) -> int:
-    """VmRSS summed over processes (each counts the pages it shares with its parent too; only
-    differences of this sum are reported)."""
+def tree_cpu_s(pids: Iterable[int]) -> float:
+    """utime + stime of these processes (all threads); a process gone counts 0."""
+    return sum(proc_cpu_s(p) for p in pids)
+
+
+def own_cpu_s() -> float:
+    """This process's CPU seconds (every thread)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run_ns(pids: Iterable[int]) -> int:
+    """Nanoseconds on CPU of every thread of these processes (schedstat: finer than the 10 ms ticks
+    of /proc/<pid>/stat, which are too coarse for short measurements); a process gone counts 0."""
     total = 0
     for pid in pids:
-        with open(f"/proc/{pid}/status") as f:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            with contextlib.suppress(OSError, ValueError):
+                total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def group_cpu_s(pids: Iterable[int]) -> float:
+    """run_ns in seconds."""
+    return run_ns(pids) / 1e9
+
+
+def rss_bytes(pids: Iterable[int]) -> int:
+    """VmRSS summed over processes (each counts the pages it shares with its parent too; only
+    differences of this sum are reported); a process gone counts 0."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
             total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
     return total
 
@@ -100,7 +135,7 @@ def quiesce(pids: list[int], timeout_s: float = 30.0, idle_share: float = 0.03) 
 
 
 class Child:
-    """A helper process speaking JSON lines (bench/e2e_fleet.py); stderr goes to a log file."""
+    """A helper process speaking JSON lines (testkit/fleet.py); stderr goes to a log file."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
         self.name = name
@@ -204,7 +239,7 @@ class CpuMeter:
         return out
 
 
-# -- fleets: the JSON-lines protocol of bench/e2e_fleet.py ---------------------------------------
+# -- fleets: the JSON-lines protocol of testkit/fleet.py ---------------------------------------
 
 
 def arm_fleets(fleets: Sequence[Child], expect: int, deadline_s: float, **extra: Any) -> None:
@@ -247,6 +282,23 @@ def machine_meta(load_before: float, wall0: float) -> dict[str, Any]:
     }
 
 
+class Run:
+    """A bench run's frame: SIGTERM unwinds through the finally blocks, a tmp dir, progress lines
+    stamped with the seconds since the start, and the machine's conditions for the report."""
+
+    def __init__(self, name: str) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        self.wall0 = time.monotonic()
+        self.load_before = os.getloadavg()[0]
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"sdv-bench-{name}-"))
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.wall0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    def meta(self) -> dict[str, Any]:
+        return machine_meta(self.load_before, self.wall0)
+
+
 def pending_rows(store: Store) -> int:
     """Rows (VIN, request) the server still holds in LMDB (one stat: cheap to poll)."""
     with store.read() as txn:
@@ -265,8 +317,19 @@ def make_vins(seed: int, n: int) -> list[str]:
 
 
 def pct(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of values; NaN for none."""
     s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def mmm(values: Sequence[float]) -> dict[str, float]:
+    """min / median / max, the form every summary keeps a paired ratio in."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def say(*parts: Any) -> None:
+    """Progress to stderr (stdout is the report)."""
+    print(*parts, file=sys.stderr, flush=True)
 
 
 # -- table formats ------------------------------------------------------------------------------
@@ -292,49 +355,9 @@ def mib(v: float) -> str:
     return f"{v / (1 << 20):.1f}"
 
 
-def serve_status_counts(
-    port: int,
-    topic_filter: str,
-    clientid: str,
-    on_doc: Callable[[dict[str, Any]], None],
-    answer: Callable[[], dict[str, Any]],
-) -> int:
-    """The body of a helper process that listens to the status topic as a platform would:
-    subscribe QoS 1 to `topic_filter` on the broker at 127.0.0.1:`port`, hand every message's
-    JSON to `on_doc`, print {"ready": true} once subscribed, then answer each {"cmd": "counts"}
-    line on stdin with `answer()` plus `idle_s` (seconds since the last message) until another
-    line or EOF. Both callbacks run under one lock. Returns the process's exit code."""
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.enums import CallbackAPIVersion
-
-    last = [time.monotonic()]
-    lock = threading.Lock()
-    subscribed = threading.Event()
-
-    def message(_client: Any, _userdata: Any, msg: Any) -> None:
-        doc = json.loads(msg.payload)
-        with lock:
-            on_doc(doc)
-            last[0] = time.monotonic()
-
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=clientid, protocol=mqtt.MQTTv5)
-    client.on_connect = lambda c, *_: c.subscribe(topic_filter, qos=1)
-    client.on_subscribe = lambda *_: subscribed.set()
-    client.on_message = message
-    client.connect("127.0.0.1", port)
-    client.loop_start()
-    try:
-        if not subscribed.wait(10):
-            print("no SUBACK within 10 s", file=sys.stderr)
-            return 1
-        print(json.dumps({"ready": True}), flush=True)
-        for line in sys.stdin:
-            if json.loads(line).get("cmd") != "counts":
-                break
-            with lock:
-                reply = {**answer(), "idle_s": time.monotonic() - last[0]}
-            print(json.dumps(reply), flush=True)
-    finally:
-        client.disconnect()
-        client.loop_stop()
-    return 0
+def order(sides: Sequence[str], r: int) -> list[str]:
+    """Round r's order: rotated every other round and reversed every other, so six rounds run
+    all orders of three sides (two sides simply alternate in pairs)."""
+    k = (r // 2) % len(sides)
+    rotated = [*sides[k:], *sides[:k]]
+    return rotated if r % 2 == 0 else rotated[::-1]

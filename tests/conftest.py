@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 
 from exhook_server import log
 from exhook_server.config import Config
 from storage.lmdb.store import now_ms
+from storage.postgres import migrate
 from testkit.harness import ExHookClient, InProcessServer
 from testkit.pg_cluster import PgCluster, find_bindir
 
@@ -37,11 +40,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -weight[item.nodeid.split("::", 1)[0]])  # stable: files stay whole
 
 
+@pytest.fixture(params=["lmdb", "postgresql"])
+def each_store(request: pytest.FixtureRequest) -> str:
+    """Each store in turn: every test that uses this fixture, directly or through another (a store
+    wrapper, `store_kind`), runs once on LMDB and once on PostgreSQL, the same body on both."""
+    return request.param  # type: ignore[no-any-return]
+
+
 @pytest.fixture
 def store_kind() -> str:
     """The store `make_server`'s servers use. A module whose behaviour must hold on both stores
-    overrides this fixture with params ("lmdb", "postgresql"): the same test bodies then run on
-    each (see tests/integration/test_delivery_e2e.py)."""
+    overrides this fixture with one that returns `each_store` (see
+    tests/integration/test_delivery_e2e.py)."""
     return "lmdb"
 
 
@@ -87,6 +97,22 @@ def client(server: InProcessServer) -> Iterator[ExHookClient]:
     c = ExHookClient(server.port)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="module")
+def pg_dsn(pg_cluster: PgCluster) -> str:
+    """One migrated database for the module's tests (each store fixture empties its tables)."""
+    dsn = pg_cluster.new_database(f"parity_{os.getpid()}_{next(_databases)}")
+
+    async def setup() -> None:
+        conn = await asyncpg.connect(dsn, timeout=10)
+        try:
+            await migrate.migrate(conn)
+        finally:
+            await conn.close()
+
+    asyncio.run(setup())
+    return dsn
 
 
 @pytest.fixture(scope="session")

@@ -55,10 +55,10 @@ def make_rig(
         broker.stop()
 
 
-@pytest.fixture(params=["lmdb", "postgresql"])
-def store_kind(request: pytest.FixtureRequest) -> str:
+@pytest.fixture
+def store_kind(each_store: str) -> str:
     """Every test here runs on both stores."""
-    return request.param  # type: ignore[no-any-return]
+    return each_store
 
 
 @pytest.fixture
@@ -225,7 +225,7 @@ def test_thousand_vehicles_twenty_batches_all_delivered(rig: Rig) -> None:
             [
                 sys.executable,
                 "-m",
-                "testkit.fleet_proc",
+                "testkit.fleet",
                 "--exhook-port",
                 str(rig.srv.port),
                 "--mqtt-port",

@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from storage.lmdb.store import Store
-from testkit.flood import RssSampler, flood, hwm_bytes, rss_bytes
+from testkit.flood import RssSampler, flood, hwm_bytes
 from testkit.harness import ROOT, SubprocessServer, alive, poll
+from testkit.plumbing import rss_bytes
 
 pytestmark = pytest.mark.slow
 

@@ -75,9 +75,9 @@ async def pg_writes(dsn: str) -> AsyncIterator[Writes]:
         await pool.close()
 
 
-@pytest.fixture(params=["lmdb", "postgresql"])
-def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
-    if request.param == "lmdb":
+@pytest.fixture
+def opener(request: pytest.FixtureRequest, each_store: str, tmp_path: Path) -> Opener:
+    if each_store == "lmdb":
         return lambda: lmdb_writes(tmp_path)
     cluster: PgCluster = request.getfixturevalue("pg_cluster")
     dsn = cluster.new_database(f"ingest_{next(_names)}")

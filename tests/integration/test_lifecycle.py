@@ -49,10 +49,10 @@ def cancel(rig: Rig, request_id: str, ids: list[str] | None = None, **extra: Any
     return rig.emqx.publish("$SDV-FANOUT/cancel", json.dumps(doc).encode())
 
 
-@pytest.fixture(params=["lmdb", "postgresql"])
-def store_kind(request: pytest.FixtureRequest) -> str:
+@pytest.fixture
+def store_kind(each_store: str) -> str:
     """Every test here runs on both stores."""
-    return request.param  # type: ignore[no-any-return]
+    return each_store
 
 
 @pytest.fixture

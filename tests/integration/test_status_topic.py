@@ -56,10 +56,10 @@ class Platform:
         self.client.loop_stop()
 
 
-@pytest.fixture(params=["lmdb", "postgresql"])
-def store_kind(request: pytest.FixtureRequest) -> str:
+@pytest.fixture
+def store_kind(each_store: str) -> str:
     """Every test here runs on both stores."""
-    return request.param  # type: ignore[no-any-return]
+    return each_store
 
 
 @pytest.fixture

@@ -10,10 +10,8 @@ from spark.campaign_job import CHECK_MISMATCH, build_report
 from storage.lmdb.export import export as export_lmdb
 from storage.postgres import export as pg_export
 from tests.unit import test_pg_export as pg_exports
-from tests.unit import test_store_parity as parity
 from tests.unit import test_store_parity_more as more
 
-pg_dsn = parity.pg_dsn  # the module-scoped migrated database
 sides = pg_exports.sides  # an empty LMDB store and the emptied PostgreSQL database
 
 

@@ -37,8 +37,6 @@ from testkit.pg_cluster import PgCluster
 from tests.unit import test_store_parity as parity
 from tests.unit import test_store_parity_more as more
 
-pg_dsn = parity.pg_dsn  # the module-scoped migrated database, one for this module
-
 TABLES = ("rows", "blobs", "aliases", "outcomes", "generations")
 STEP = 2_000  # > TOUCH_EVERY_MS: PostgreSQL rewrites a blob's touched_ms at most once a second
 HOUR = 3_600_000

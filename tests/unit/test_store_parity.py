@@ -25,9 +25,7 @@ from storage.lmdb.cancel import CancelChunk
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import Store
 from storage.postgres import batches as pg_batches
-from storage.postgres import migrate
 from storage.postgres import outcomes as pg_outcomes
-from testkit.pg_cluster import PgCluster
 
 T = TypeVar("T")
 #: A stored pair's outcome record: (vin, request_id, sha1, ended ms, stored ms, attempts, code, response).
@@ -171,36 +169,17 @@ class PgSide:
         self.loop.close()
 
 
-_names = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def pg_dsn(pg_cluster: PgCluster) -> str:
-    """One migrated database for this module's tests."""
-    dsn = pg_cluster.new_database(f"parity_{next(_names)}")
-
-    async def setup() -> None:
-        conn = await asyncpg.connect(dsn, timeout=10)
-        try:
-            await migrate.migrate(conn)
-        finally:
-            await conn.close()
-
-    asyncio.run(setup())
-    return dsn
-
-
 def _pg_side(dsn: str) -> PgSide:
     side = PgSide(dsn)
     side._run(side.conn.execute(f"TRUNCATE {_TABLES}"))
     return side
 
 
-@pytest.fixture(params=["lmdb", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Side]:
+@pytest.fixture
+def store(request: pytest.FixtureRequest, each_store: str, tmp_path: Path) -> Iterator[Side]:
     """Each store in turn, empty."""
     side: LmdbSide | PgSide
-    side = LmdbSide(tmp_path / "lmdb") if request.param == "lmdb" else _pg_side(request.getfixturevalue("pg_dsn"))
+    side = LmdbSide(tmp_path / "lmdb") if each_store == "lmdb" else _pg_side(request.getfixturevalue("pg_dsn"))
     yield side
     side.close()
 

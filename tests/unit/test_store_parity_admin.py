@@ -30,11 +30,9 @@ from storage.lmdb.store import now_ms
 from storage.port import Reads
 from tests.dispatch_fakes import MemoryRows, RecordingPublisher
 from tests.integration.test_ingest_both_stores import Heard
-from tests.unit import test_store_parity as parity
 from tests.unit import test_store_parity_reads as parity_reads
 from tests.unit.test_store_parity_reads import Engine, Opener, eventually, place, run
 
-pg_dsn = parity.pg_dsn  # the module-scoped migrated database, one for this module
 opener = parity_reads.opener  # each store in turn, behind its ports
 
 DAY_S = 24 * 3600.0

@@ -18,19 +18,16 @@ import pytest
 from exhook_server.cli import main
 from storage.lmdb.batches import sha1_of as sha1
 from storage.lmdb.outcomes import Outcome
-from tests.unit import test_store_parity as parity
 from tests.unit.test_store_parity_reads import Engine, Opener, lmdb_engine, pg_engine
-
-pg_dsn = parity.pg_dsn  # the module-scoped migrated database, one for this module
 
 #: A store to fill, and the flags that point the CLI at it.
 Where = tuple[Opener, list[str]]
 
 
-@pytest.fixture(params=["lmdb", "postgresql"])
-def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
+@pytest.fixture
+def where(request: pytest.FixtureRequest, each_store: str, tmp_path: Path) -> Where:
     """Each store in turn, empty, and the CLI's flags for it."""
-    if request.param == "lmdb":
+    if each_store == "lmdb":
         return (lambda: lmdb_engine(tmp_path / "lmdb")), ["--data-dir", str(tmp_path / "lmdb")]
     dsn: str = request.getfixturevalue("pg_dsn")
     return (lambda: pg_engine(dsn)), ["--store-url", dsn]

@@ -37,8 +37,6 @@ from tests.plan_reference import reference_plan, write_plan
 from tests.unit import test_store_parity as parity
 from tests.unit import test_store_parity_more as more
 
-pg_dsn = parity.pg_dsn  # the module-scoped migrated database, one for this module
-
 HOUR = 3_600_000
 DAY = 24 * HOUR
 NOW = 100 * DAY
@@ -121,13 +119,15 @@ def _empty_pg(dsn: str) -> PgSide:
     return side
 
 
-@pytest.fixture(params=["lmdb", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Side]:
+@pytest.fixture
+def store(
+    request: pytest.FixtureRequest, each_store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Side]:
     """Each store in turn, empty, with the clock of retention's outcomes pinned to NOW."""
     monkeypatch.setattr(gc, "clock_ms", lambda: NOW)
     monkeypatch.setattr(expiry, "clock_ms", lambda: NOW)
     side: Side = (
-        LmdbSide(tmp_path / "lmdb") if request.param == "lmdb" else _empty_pg(request.getfixturevalue("pg_dsn"))
+        LmdbSide(tmp_path / "lmdb") if each_store == "lmdb" else _empty_pg(request.getfixturevalue("pg_dsn"))
     )
     yield side
     side.close()

@@ -36,8 +36,6 @@ from storage.postgres import parked as pg_parked
 from storage.postgres import queue as pg_queue
 from tests.unit import test_store_parity as parity
 
-pg_dsn = parity.pg_dsn  # the module-scoped migrated database, one for this module
-
 _LMDB_WRITES: dict[str, Callable[..., Any]] = {
     "store_data": parked.store_data,
     "store_trigger": parked.store_trigger,
@@ -91,11 +89,11 @@ class PgSide(parity.PgSide):
 Side = LmdbSide | PgSide
 
 
-@pytest.fixture(params=["lmdb", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Side]:
+@pytest.fixture
+def store(request: pytest.FixtureRequest, each_store: str, tmp_path: Path) -> Iterator[Side]:
     """Each store in turn, empty."""
     side: Side
-    if request.param == "lmdb":
+    if each_store == "lmdb":
         side = LmdbSide(tmp_path / "lmdb")
     else:
         side = PgSide(request.getfixturevalue("pg_dsn"))

@@ -40,8 +40,6 @@ from storage.postgres.writes import PgWrites
 from testkit.pg_cluster import PgCluster
 from tests.unit import test_store_parity as parity
 
-pg_dsn = parity.pg_dsn  # the module-scoped migrated database, one for this module
-
 HOUR = 3_600_000
 DAY = 24 * HOUR
 #: Every deadline of the ports in these tests: far above any honest answer on 2 shared cores.
@@ -115,10 +113,10 @@ async def pg_engine(dsn: str) -> AsyncIterator[Engine]:
         await pool.close()
 
 
-@pytest.fixture(params=["lmdb", "postgresql"])
-def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
+@pytest.fixture
+def opener(request: pytest.FixtureRequest, each_store: str, tmp_path: Path) -> Opener:
     """Each store in turn, empty, behind its Writes and Reads ports."""
-    if request.param == "lmdb":
+    if each_store == "lmdb":
         return lambda: lmdb_engine(tmp_path / "lmdb")
     dsn: str = request.getfixturevalue("pg_dsn")
     return lambda: pg_engine(dsn)

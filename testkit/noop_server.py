@@ -5,7 +5,7 @@ RPC parses its request with the project's generated v3 classes and answers like
 a provider without an opinion (IGNORE for valued hooks, EmptySuccess for the
 rest, an empty hook list for OnProviderLoaded). No storage, no logging.
 
-    python -m bench.noop_server --flavour aio|sync --ready-file FILE [--listen 127.0.0.1:0]
+    python -m testkit.noop_server --flavour aio|sync --ready-file FILE [--listen 127.0.0.1:0]
 
 Writes {"port", "pid", "flavour"} to the ready file once serving; stops on SIGTERM/SIGINT.
 """
@@ -17,8 +17,10 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +30,7 @@ import grpc
 from google.protobuf import message_factory
 
 from exhook_server._proto import exhook_v3_pb2 as pb
+from testkit.harness import ROOT
 
 SERVICE = "emqx.exhook.v3.HookProvider"
 
@@ -135,6 +138,61 @@ def main() -> int:
     else:
         _serve_sync(args.listen, args.ready_file)
     return 0
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes],
+    ready: Path,
+    log_path: Path,
+    log: Any,
+    name: str,
+    stop: Any,
+    timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    """The JSON a started server writes to its ready file, polled until it is there; a server
+    that exits first (its log closed and quoted) or takes longer than timeout_s (stopped) raises."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            log.close()
+            raise RuntimeError(f"{name} exited:\n{log_path.read_text(errors='replace')[-3000:]}")
+        try:
+            return json.loads(ready.read_text())  # type: ignore[no-any-return]
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        if time.monotonic() > deadline:
+            stop()
+            raise RuntimeError(f"{name} did not start within {timeout_s:.0f} s")
+        time.sleep(0.02)  # polling a file another process writes; bounded by the deadline
+
+
+class NoopServer:
+    """testkit/noop_server.py as a child process."""
+
+    def __init__(self, flavour: str, tmp: Path) -> None:
+        self.flavour = flavour
+        ready = tmp / f"{flavour}.ready.json"
+        self.log_path = tmp / f"{flavour}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "testkit.noop_server", "--flavour", flavour, "--ready-file", str(ready)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        info = wait_ready(self.proc, ready, self.log_path, self._log, f"{flavour} server", self.stop)
+        self.port: int = info["port"]
+        self.pid: int = self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
 
 
 if __name__ == "__main__":

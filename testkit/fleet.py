@@ -1,12 +1,12 @@
-"""Helper processes of bench/e2e.py: a slice of the fleet, or the raw reference publisher.
+"""Fleet processes for tests and benches: a slice of the fleet, or the raw reference publisher.
 
 paho's select() loop caps one process at about 330 clients, so bench/e2e.py
 spreads the fleet over several of these. Roles:
 
-* `sim`: vehicles driven by tests/emqx_sim.FakeEmqx (real paho MQTT 5 clients on
+* `sim`: vehicles driven by testkit/emqx_sim.py's FakeEmqx (real paho MQTT 5 clients on
   mosquitto; the driver calls our ExHook RPCs as EMQX would: connect, subscribe,
-  and one `message.acked` per PUBACK). Like testkit/fleet_proc.py, but long-lived and
-  phase by phase, reporting every receive time.
+  and one `message.acked` per PUBACK), phase by phase, reporting every receive time; with
+  `--expect k`, one shot: {"done": {vin: [topic, ...]}} once each vehicle got k messages.
 * `raw`: plain paho MQTT 5 subscribers (clientid `<clientid-prefix><VIN>`) on
   `<prefix>/<VIN>/proxy/request/+` for each of the comma-separated `--prefix`es, QoS 1,
   acking each message as it arrives; with `signal`, each then publishes a QoS 0
@@ -32,15 +32,19 @@ import random
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from testkit.emqx_sim import LOOPBACK, FakeEmqx
+from exhook_server._proto import exhook_v3_pb2 as pb
+from testkit.emqx_sim import LOOPBACK, FakeEmqx, Vehicle
 
 POLL_S = 0.1  # progress polls with a deadline; the timings come from receive stamps, not from these
+
+RESPONSE_PREFIX = "agent/{VIN}/proxy/response"  # response_topic_prefix's default
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -145,11 +149,32 @@ class _Stamped(list):  # type: ignore[type-arg]
         super().append(item)
 
 
+class _Answering(_Stamped):
+    """A sim vehicle's received log whose append (in the clientid's hook lane, after the PUBACK and
+    its message.acked call) first publishes the vehicle's answer when the phase asks for it."""
+
+    def __init__(self, fleet: SimFleet, vehicle: Vehicle) -> None:
+        super().__init__()
+        self.fleet = fleet
+        self.vehicle = vehicle
+
+    def append(self, item: Any) -> None:
+        if self.fleet.respond:
+            self.fleet.answer(self.vehicle, item.topic)
+        super().append(item)
+
+
 class SimFleet(Fleet):
     """Vehicles of testkit/emqx_sim.py: our hooks are called as EMQX would call them."""
 
-    def __init__(self, vins: list[str], exhook_port: int, mqtt_port: int, delivery_clientid: str) -> None:
+    def __init__(
+        self, vins: list[str], exhook_port: int, mqtt_port: int, delivery_clientid: str, response_bytes: int = 64
+    ) -> None:
         super().__init__(vins)
+        self.response_bytes = response_bytes
+        #: In a phase with `"respond": true` each vehicle answers each request after its PUBACK.
+        self.respond = False
+        self.answers: Counter[str] = Counter()  # how message.publish answered the responses
         self.emqx = FakeEmqx(exhook_port, mqtt_port, delivery_clientid=delivery_clientid)
         self.rpc_s: list[float] = []  # round trips of message.acked RPCs, as this process sees them
 
@@ -162,7 +187,7 @@ class SimFleet(Fleet):
         self.vehicles = {}
         for vin in vins:
             v = self.emqx.vehicle(vin)
-            v.received = _Stamped()
+            v.received = _Answering(self, v)
             v.connect()
             v.subscribe()
             self.vehicles[vin] = v
@@ -182,10 +207,38 @@ class SimFleet(Fleet):
 
     def phase(self, cmd: dict[str, Any]) -> dict[str, Any]:
         start = len(self.rpc_s)
+        self.respond = bool(cmd.get("respond"))
+        before = Counter(self.answers)
         out = super().phase(cmd)
         rpc = sorted(self.rpc_s[start:])
         out["rpc"] = rpc[:: max(1, len(rpc) // 500)]
+        out["answers"] = dict(self.answers - before)
         return out
+
+    def answer(self, v: Vehicle, request_topic: str) -> None:
+        """The vehicle's answer to a request: message.publish as EMQX calls it, then routed."""
+        conn = v._conn
+        if conn is None or conn.state != "open":
+            self.answers["vehicle_offline"] += 1
+            return
+        rid = request_topic.rsplit("/", 1)[1]
+        topic = f"{RESPONSE_PREFIX.replace('{VIN}', v.vin)}/{rid}"
+        body = json.dumps({"request_id": rid, "result": "ok"})
+        payload = (body + " " * max(0, self.response_bytes - len(body))).encode()
+        emqx = self.emqx
+        headers = {"username": v.username, "protocol": "mqtt", "peerhost": LOOPBACK}
+        msg = emqx.new_message(topic, payload, 1, v.clientid, headers)
+        resp, routed, allowed = emqx._run_publish(msg)  # message.publish, as for a heartbeat
+        if resp is None:
+            self.answers["not_registered_or_failed"] += 1
+        else:
+            self.answers[pb.ValuedResponse.ResponsedType.Name(resp.type)] += 1
+        if allowed:
+            self.answers["routed"] += 1
+            info = conn.client.publish(routed.topic, routed.payload, qos=routed.qos)
+            if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                self.answers["publish_failed"] += 1
+            emqx._dropped_if_unrouted(routed)
 
     def close(self) -> None:
         self.emqx.close(check=False)
@@ -392,13 +445,31 @@ class Publisher:
 # -- main ------------------------------------------------------------------------------------------
 
 
+def one_shot(fleet: SimFleet, args: argparse.Namespace) -> int:
+    """{"ready": n}, then {"done": {vin: [topic, ...]}, "first", "last"} once every vehicle got
+    `--expect` messages (or `--deadline-s` passed); a hook driver error fails the process."""
+    try:
+        emit({"ready": len(fleet.vehicles)})
+        deadline = time.monotonic() + args.deadline_s
+        while time.monotonic() < deadline and any(len(v.received) < args.expect for v in fleet.vehicles.values()):
+            fleet.check()
+            time.sleep(POLL_S)  # a progress poll with a deadline, not synchronisation
+        got = {vin: [r.topic for r in v.received] for vin, v in fleet.vehicles.items()}
+        stamps = [r.time for v in fleet.vehicles.values() for r in v.received]
+        emit({"done": got, "first": min(stamps, default=0), "last": max(stamps, default=0)})
+    finally:
+        fleet.emqx.close()
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--role", choices=("sim", "raw", "pub"), required=True)
+    p.add_argument("--role", choices=("sim", "raw", "pub"), default="sim")
     p.add_argument("--mqtt-port", type=int, required=True)
     p.add_argument("--vins", required=True, help="comma-separated")
     p.add_argument("--exhook-port", type=int, default=0)
     p.add_argument("--delivery-clientid", default="")
+    p.add_argument("--response-bytes", type=int, default=64, help="sim fleets: size of a vehicle's answer")
     p.add_argument(
         "--prefix",
         default="refer",
@@ -408,11 +479,15 @@ def main() -> int:
     p.add_argument("--ack-prefix", default="refer-ack")
     p.add_argument("--max-inflight", type=int, default=50)
     p.add_argument("--timeout-s", type=float, default=120)
+    p.add_argument("--expect", type=int, default=0, help="sim: one shot, report once each vehicle got this many")
+    p.add_argument("--deadline-s", type=float, default=300, help="sim one shot: report by then at the latest")
     args = p.parse_args()
     vins = args.vins.split(",")
     worker: Any
+    if args.role == "sim" and args.expect:
+        return one_shot(SimFleet(vins, args.exhook_port, args.mqtt_port, args.delivery_clientid), args)
     if args.role == "sim":
-        worker = SimFleet(vins, args.exhook_port, args.mqtt_port, args.delivery_clientid)
+        worker = SimFleet(vins, args.exhook_port, args.mqtt_port, args.delivery_clientid, args.response_bytes)
     elif args.role == "raw":
         prefixes = args.prefix.split(",")
         worker = RawFleet(vins, args.mqtt_port, prefixes, args.ack_prefix, args.timeout_s, args.clientid_prefix)
