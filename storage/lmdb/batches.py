@@ -230,6 +230,32 @@ def delete_row_if(
     return True
 
 
+#: One acked row's end for `DeleteRows`: `delete_row_if`'s arguments after `txn` and `t` (vin,
+#: request id, sha1, now_ms, outcome, attempts, response).
+RowEnd = tuple[str, str, bytes, int, Outcome, int, bytes]
+
+
+class DeleteRows:
+    """The lazy op of many acked rows' ends (`delete_row_if` each, in order): takes its ends
+    (`take()`) when it first runs, and ends the same ones again if the committer replays its
+    group. Whether each ended."""
+
+    __slots__ = ("_ends", "_tables", "_take")
+
+    def __init__(self, tables: Tables, take: Callable[[], list[RowEnd]]) -> None:
+        self._tables, self._take = tables, take
+        self._ends: list[RowEnd] | None = None
+
+    def __call__(self, txn: lmdb.Transaction) -> list[bool]:
+        return [delete_row_if(txn, self._tables, *end) for end in self.ends()]
+
+    def ends(self) -> list[RowEnd]:
+        """The ends this op writes: taken now if it has not run yet."""
+        if self._ends is None:
+            self._ends = self._take()
+        return self._ends
+
+
 #: One record of `record_tries`: (ids key, sha1, attempts, then for a PUBACK awaiting its answer:
 #: when (ms) and the session (node, clientid, host, port); else 0 and None).
 TryRecord = tuple[bytes, bytes, int, int, tuple[str, str, str, int] | None]

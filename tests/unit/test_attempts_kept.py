@@ -332,3 +332,23 @@ def test_a_row_whose_delete_is_on_its_way_has_nothing_kept(lmdb_rows: tuple[Stor
     assert later.ack(VIN, "task_b", b.sha1, outcome=Outcome.RESPONDED)
     assert later.acking(VIN, "task_b", b.sha1)
     assert later.tried(VIN, "task_b", b.sha1) == NOTHING_KEPT
+
+
+def test_acked_rows_end_by_one_lazy_op_and_a_failed_op_leaves_none_behind(
+    lmdb_rows: tuple[Store, GroupCommitter, StoreRows],
+) -> None:
+    """Rows acked in one commit window end by one op with that commit; an op that failed before it
+    ran makes its rows visible again (delivered once more at worst) and the next acks end theirs."""
+    store, writer, _ = lmdb_rows
+    for rid in ("task_a", "task_b", "task_c"):
+        _put(store, writer, VIN, rid, rid.encode())
+    failing = _FailsFirst(writer)
+    rows = StoreRows(store, failing)  # type: ignore[arg-type]
+    assert rows.ack(VIN, "task_a", sha1(b"task_a"))
+    assert failing.failed and not rows.acking(VIN, "task_a", sha1(b"task_a"))
+    assert rows.ack(VIN, "task_b", sha1(b"task_b")) and rows.ack(VIN, "task_c", sha1(b"task_c"))
+    assert rows.acking(VIN, "task_c", sha1(b"task_c"))
+    _commit(writer)
+    assert [store.row(VIN, rid) is None for rid in ("task_a", "task_b", "task_c")] == [False, True, True]
+    assert not rows.acking(VIN, "task_b", sha1(b"task_b")) and not rows.acking(VIN, "task_c", sha1(b"task_c"))
+    assert store.outcome(VIN, "task_c", sha1(b"task_c")) is Outcome.DELIVERED

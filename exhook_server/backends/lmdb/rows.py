@@ -1,8 +1,9 @@
 """LMDB: the rows dispatch reads and deletes (a `RowSource` over the store and its group committer).
 
-An acked row's delete is committed lazily, so the vehicle's next request need not wait for it: from
-the ack on, the row is hidden from `oldest` until its delete has committed; a crash in between only
-brings the row back for one more delivery (QoS 1 allows it). Publishes and PUBACKs of awaited
+Acked rows are ended lazily, by one op per commit window (`batches.DeleteRows`), so the vehicle's
+next request need not wait for it: from the ack on, the row is hidden from `oldest` until its
+delete has committed; a crash in between only brings the row back for one more delivery (QoS 1
+allows it). Publishes and PUBACKs of awaited
 deliveries are kept (`tries`, `awaited`) by one lazy op per commit window (`batches.RecordTries`),
 never an fsync of their own: a kill -9 loses at most that window's records (a row may then be
 published once more than `max_attempts`, never fewer; an awaited delivery may go once more).
@@ -55,6 +56,9 @@ class StoreRows:
         self._heads: OrderedDict[str, deque[Row]] = OrderedDict()  # (also its first row, until acked)
         #: Rows read by passes over queues, for tests and benchmarks.
         self.rows_scanned = 0
+        #: Acked rows to end, in order, not yet taken by a commit (see `batches.DeleteRows`;
+        #: under `_lock`, with `_deleting`).
+        self._ends: list[batches.RowEnd] = []
         #: Publishes and PUBACKs to keep, in order, not yet taken by a commit (see `batches.RecordTries`).
         self._tries: list[batches.TryRecord] = []
         self._tries_lock = threading.Lock()
@@ -116,33 +120,32 @@ class StoreRows:
             return False
         with self._lock:
             self._deleting.setdefault(vin, {})[request_id] = sha1
-        future = self._committer.submit(
-            functools.partial(
-                batches.delete_row_if,
-                t=self._store.tables,
-                vin=vin,
-                request_id=request_id,
-                sha1=sha1,
-                now_ms=now_ms(),
-                outcome=outcome,
-                attempts=attempts,
-                response=response,
-            ),
-            lazy=True,
-        )
-        future.add_done_callback(functools.partial(self._deleted, vin, request_id, sha1))
+            self._ends.append((vin, request_id, sha1, now_ms(), outcome, attempts, response))
+            first = len(self._ends) == 1
+        if first:  # one op per commit window ends every row acked until it runs
+            op = batches.DeleteRows(self._store.tables, self._take_ends)
+            future = self._committer.submit(op, lazy=True)
+            future.add_done_callback(functools.partial(self._deleted, op))
         return True
 
-    def _deleted(self, vin: str, request_id: str, sha1: bytes, future: Future[bool]) -> None:
+    def _take_ends(self) -> list[batches.RowEnd]:
         with self._lock:
-            mine = self._deleting.get(vin)
-            if mine is not None and mine.get(request_id) == sha1:
-                del mine[request_id]
-                if not mine:
-                    del self._deleting[vin]
+            taken, self._ends = self._ends, []
+        return taken
+
+    def _deleted(self, op: batches.DeleteRows, future: Future[list[bool]]) -> None:
+        ends = op.ends()  # an op that failed before it ran takes its ends now: none stays queued
+        with self._lock:
+            for vin, request_id, sha1, *_ in ends:
+                mine = self._deleting.get(vin)
+                if mine is not None and mine.get(request_id) == sha1:
+                    del mine[request_id]
+                    if not mine:
+                        del self._deleting[vin]
         if future.exception() is not None:
-            # The row stays and is visible again: the next trigger delivers it once more.
-            log.error("ack_delete_failed", vin=vin, request_id=request_id, error=repr(future.exception()))
+            # The rows stay and are visible again: the next trigger delivers each once more.
+            for vin, request_id, *_ in ends:
+                log.error("ack_delete_failed", vin=vin, request_id=request_id, error=repr(future.exception()))
 
     def acking(self, vin: str, request_id: str, sha1: bytes) -> bool:
         with self._lock:
