@@ -16,6 +16,7 @@ import structlog
 from exhook_server import metrics
 from exhook_server.batch import PolicyDoc
 from exhook_server.config import Config
+from exhook_server.dispatch.gates import Gates
 from exhook_server.errors import BatchRejected, Reason
 from exhook_server.policy import Policy, parse_fields
 from exhook_server.status import StatusPublisher
@@ -33,6 +34,8 @@ class Campaigns:
         self._cfg = cfg
         self._writes = writes
         self._clock = clock
+        #: This process's gates, told of every change at once (others reload within policy_refresh_s).
+        self.gates: Gates | None = None
 
     async def apply(self, message: PolicyDoc, status: StatusPublisher | None = None) -> Policy | None:
         """Validate, store and report one policy message; the policy now in force (None: none).
@@ -45,6 +48,8 @@ class Campaigns:
             had = await self._writes.set_policy(rid, doc, self._clock(), self._cfg.max_policies)
         except PoliciesFull as exc:
             raise BatchRejected(Reason.POLICIES_FULL, str(exc), request_id=rid) from None
+        if self.gates is not None:
+            self.gates.set(rid, policy)
         shown = None if policy is None else policy.as_doc()
         metrics.POLICIES_SET.labels("cleared" if policy is None else "set").inc()
         log.info("policy_set", request_id=rid, policy=shown, replaced=had)

@@ -199,6 +199,10 @@ class Config:
     # single command: ten thousand concurrent ones is far more than a platform runs, and the
     # bound keeps the table (read by dispatch) small whatever a publisher sends.
     max_policies: int = 10_000
+    # How often every process re-reads the campaign policies (a policy set through another
+    # process or instance, a pause, a resume, takes effect within this): one small read per
+    # second per process, against a pause that must hold within about a second.
+    policy_refresh_s: float = 1.0
     # Data normally follows within milliseconds; five minutes covers broker hiccups.
     early_ttl_s: float = 300.0
     # How often orphaned early triggers are looked for.
@@ -579,6 +583,7 @@ def _validate(cfg: Config) -> None:
         "early_sweep_interval_s",
         "response_timeout_s",
         "expiry_sweep_interval_s",
+        "policy_refresh_s",
         "store_pool_size",
         "store_down_grace_s",
     )

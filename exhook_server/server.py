@@ -30,8 +30,9 @@ from exhook_server.backends.lmdb.peers import Group
 from exhook_server.backends.postgres.backend import PgBackend
 from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
+from exhook_server.dispatch.gates import Gates
 from exhook_server.dispatch.port import Dispatch, DispatchNeeds
-from exhook_server.errors import ConfigError
+from exhook_server.errors import ConfigError, StorageError
 from exhook_server.expiry import ExpirySweep
 from exhook_server.group import HOOK_SET_CONFIRMED, write_ready_file
 from exhook_server.health import HealthStates
@@ -54,6 +55,8 @@ _ENVELOPE_BYTES = 1 << 20
 _OVERSIZE_FACTOR = 4
 #: How long a stop waits at most for the broker to acknowledge the status messages still held.
 _STATUS_DRAIN_S = 2.0
+#: VINs read per page when a request's gate opens and its rows are offered to their vehicles.
+_OFFER_PAGE = 1000
 _HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
@@ -137,6 +140,9 @@ class FanoutServer:
         self.parked = self.ingestor.parked
         self.expiry = ExpirySweep(cfg, self.backend.writes, clock)
         self.delivery: MqttDelivery | None = None
+        #: Campaign policies' gates (paused, start_at, windows): held requests' rows wait.
+        self.gates = Gates(clock, on_open=self._gate_opened)
+        self.ingestor.campaigns.gates = self.gates
         vin_re = re.compile(cfg.vin_pattern)
         self.dispatcher: Dispatch = self.backend.dispatcher(
             DispatchNeeds(
@@ -146,6 +152,7 @@ class FanoutServer:
                 on_response=self._response,
                 sender=self._sender,
                 connected=lambda: self.delivery is not None and self.delivery.connected,
+                held=self.gates.held,
             )
         )
         self.ingestor.listeners.append(self.dispatcher.new_batch)
@@ -258,6 +265,25 @@ class FanoutServer:
         out, so that when this client loses the broker its deliveries are known (PostgreSQL)."""
         return self.delivery.clientid if self.delivery is not None else f"sdv-fanout-{os.getpid()}"
 
+    def _gate_opened(self, request_id: str) -> None:
+        """A held request may go now: offer its rows to their vehicles (behind the caller)."""
+        task = asyncio.get_running_loop().create_task(self._offer(request_id), name=f"offer-{request_id}")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _offer(self, request_id: str) -> None:
+        after = ""
+        while True:  # one page of VINs at a time: bounded reads, any number of vehicles
+            try:
+                vins = await self.backend.writes.pending_vins(request_id, after, _OFFER_PAGE)
+            except StorageError as exc:
+                log.error("campaign_offer_failed", request_id=request_id, reason=type(exc).__name__, detail=str(exc))
+                return
+            if not vins:
+                return
+            self.dispatcher.new_batch(vins, request_id)
+            after = vins[-1]
+
     async def _resume_store_work(self) -> None:
         await self.parked.resume()
         await self.cancels.resume()
@@ -333,6 +359,9 @@ class FanoutServer:
             )
         )
         self._tasks.append(asyncio.create_task(memory.trim_after_bursts(self.servicer.budget), name="malloc-trim"))
+        self._tasks.append(
+            asyncio.create_task(self.gates.run(self.backend.writes.policies, self.cfg.policy_refresh_s), name="gates")
+        )
         # Store-wide work: on LMDB once per data dir; on PostgreSQL every instance sweeps (their
         # statements skip what another holds) and resumes what a crash left, and one instance at
         # a time (the leader) reports progress and collects.

@@ -129,6 +129,10 @@ class Writes(Protocol):
         """Every campaign policy in force, by request id (dispatch loads them at start-up)."""
         ...
 
+    async def pending_vins(self, request_id: str, after: str, limit: int) -> list[str]:
+        """Up to `limit` VINs with a pending row of `request_id`, in VIN order past `after`."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class GcSettings:

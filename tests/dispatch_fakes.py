@@ -182,9 +182,9 @@ class MemoryRows:
         self.outcomes[pair] = Ended(outcome, attempts, response)
 
     # -- the RowSource port ---------------------------------------------------------------------
-    def oldest(self, vin: str) -> tuple[Row, bytes] | None:
+    def oldest(self, vin: str, skip: frozenset[str] | None = None) -> tuple[Row, bytes] | None:
         """The oldest row that may be sent: not acked (hidden), not past its expiry, not taken by
-        a cancel in progress."""
+        a cancel in progress, not of a request in `skip` (held by its campaign policy)."""
         hidden = self._hidden()
         now = self.now_ms()
         mine = [
@@ -194,6 +194,7 @@ class MemoryRows:
             and hidden.get((v, rid)) != row.sha1
             and not 0 < row.expires_ms <= now
             and not (rid in self.cancels and row.ts <= self.cancels[rid].cut)
+            and not (skip and rid in skip)
         ]
         if not mine:
             return None

@@ -135,6 +135,8 @@ class Wiring:
     response_timeout_s: float
     #: Acked rows end with a later commit, as LMDB's group committer makes them (memory only).
     defer_acks: bool
+    #: Request ids their campaign policy holds now (exhook_server/dispatch/gates.py).
+    held: Callable[[], frozenset[str]] | None = None
 
 
 #: Builds a store and its dispatcher.
@@ -156,6 +158,7 @@ class MemoryStore:
             inflight_timeout_s=INFLIGHT_TIMEOUT_S,
             vin_from_clientid=w.vin_from_clientid,
             response_timeout_s=w.response_timeout_s,
+            held=w.held,
         )
         for worker in d.workers.values():
             worker._clock = w.clock  # the pool takes no clock; its workers do
@@ -437,6 +440,7 @@ def open_postgresql(dsn: str, monkeypatch: pytest.MonkeyPatch) -> OpenStore:
             response_timeout_s=w.response_timeout_s,
             heartbeat_window_s=0.0,
             clock=w.clock,
+            held=w.held,
         )
         store.dispatcher.start()
         return store

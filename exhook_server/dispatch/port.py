@@ -93,3 +93,5 @@ class DispatchNeeds:
     sender: Callable[[], str]
     #: Whether the delivery client holds its broker link now.
     connected: Callable[[], bool]
+    #: The request ids whose campaign policy holds their rows now (dispatch/gates.py); None: none.
+    held: Callable[[], frozenset[str]] | None = None

@@ -69,8 +69,9 @@ NOTHING_KEPT = Kept()
 class RowSource(Protocol):
     """The storage port dispatch needs."""
 
-    def oldest(self, vin: str) -> tuple[Row, bytes] | None:
-        """The oldest pending row of `vin` with its payload, or None."""
+    def oldest(self, vin: str, skip: frozenset[str] | None = None) -> tuple[Row, bytes] | None:
+        """The oldest pending row of `vin` with its payload, or None; rows of the request ids in
+        `skip` (held by their campaign policy) are passed over, the next row goes instead."""
         ...
 
     def ack(
@@ -187,8 +188,11 @@ class Worker:
         max_attempts: int = 0,
         response_timeout_s: float = 300.0,
         on_response: ResponseListener | None = None,
+        held: Callable[[], frozenset[str]] | None = None,
     ) -> None:
         self.name = name
+        #: The request ids whose rows may not start a delivery now (dispatch/gates.py); None: none.
+        self._held = held
         self._rows = rows
         self._publisher = publisher
         self._timeout = inflight_timeout_s
@@ -324,8 +328,9 @@ class Worker:
                     return
                 if entry.cancelled and not fresh:
                     self._give_up(vin, entry, "cancelled_unacked")
+        held = self._held() if self._held is not None else None
         for _ in range(_ENDS_PER_SEND):
-            found = self._rows.oldest(vin)
+            found = self._rows.oldest(vin, held) if held else self._rows.oldest(vin)
             if found is None:
                 self._void(vin)
                 return

@@ -12,6 +12,7 @@ import struct
 import lmdb
 
 from storage.errors import PoliciesFull
+from storage.lmdb import keys
 from storage.lmdb.tables import Tables
 from storage.model import StoredPolicy
 
@@ -45,6 +46,21 @@ def policy(txn: lmdb.Transaction, t: Tables, request_id: str) -> StoredPolicy | 
     key = request_id.encode()
     value = txn.get(key, db=t.policies)
     return None if value is None else _decode(key, value)
+
+
+def pending_vins(txn: lmdb.Transaction, t: Tables, request_id: str, after: str, limit: int) -> list[str]:
+    """Up to `limit` VINs holding a pending row of `request_id`, in VIN order past `after`
+    (the `by_request` index: O(limit))."""
+    head = request_id.encode() + keys.SEP
+    cur = txn.cursor(t.by_request)
+    found: list[str] = []
+    if not cur.set_range(head + after.encode() + (b"\0" if after else b"")):
+        return found
+    for key in cur.iternext(keys=True, values=False):
+        if not bytes(key).startswith(head) or len(found) >= limit:
+            break
+        found.append(bytes(key[len(head) :]).decode())
+    return found
 
 
 def all_policies(txn: lmdb.Transaction, t: Tables) -> list[StoredPolicy]:

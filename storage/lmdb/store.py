@@ -13,6 +13,7 @@ import heapq
 import os
 import threading
 from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
@@ -274,13 +275,19 @@ class Store:
         return rows
 
     def _visible_rows(
-        self, txn: lmdb.Transaction, prefix: bytes, hidden: Mapping[str, bytes] | None
+        self,
+        txn: lmdb.Transaction,
+        prefix: bytes,
+        hidden: Mapping[str, bytes] | None,
+        held: AbstractSet[str] | None = None,
     ) -> Iterator[tuple[bytes, bytes | memoryview]]:
         """(request id, raw value) of the rows under a VIN prefix that may still be sent, in key
         order (values are valid inside `txn` only). Left out: those `hidden` names with the same
-        sha1, rows past their expires_at (the sweep ends them soon; a vehicle never waits for
-        it), and rows a cancel in progress is about to remove."""
+        sha1, rows of the request ids `held` names (their campaign policy holds them), rows past
+        their expires_at (the sweep ends them soon; a vehicle never waits for it), and rows a
+        cancel in progress is about to remove."""
         skip = {rid.encode(): sha1 for rid, sha1 in hidden.items()} if hidden else None
+        held_ids = {rid.encode() for rid in held} if held else None
         cancels = self._cancel_cuts(txn)
         now = now_ms()
         cur = txn.cursor(self.tables.ids)
@@ -292,6 +299,8 @@ class Store:
                 return
             rid = bytes(key[n:])
             if skip and skip.get(rid) == keys.row_sha1(value):
+                continue
+            if held_ids and rid in held_ids:
                 continue
             if len(value) > 32 and 0 < keys.row_expires(value) <= now:
                 continue
@@ -362,20 +371,23 @@ class Store:
         with self.read() as txn:
             return self._queue(txn, vin)
 
-    def oldest(self, vin: str, hidden: Mapping[str, bytes] | None = None) -> tuple[tuple[keys.Row, bytes] | None, int]:
+    def oldest(
+        self, vin: str, hidden: Mapping[str, bytes] | None = None, held: AbstractSet[str] | None = None
+    ) -> tuple[tuple[keys.Row, bytes] | None, int]:
         """The vehicle's next request and its payload (None when nothing is deliverable), and
         how many rows it has pending besides the hidden ones, from one snapshot and one pass
         comparing raw bytes (no decode, no sort). A row whose blob is missing is skipped, as it
         can never be delivered.
 
         `hidden` maps request ids to the sha1 of rows to pass over: acked, their delete not
-        committed yet. A row replaced since (another sha1) is not hidden.
+        committed yet. A row replaced since (another sha1) is not hidden. Rows of the request ids
+        in `held` are passed over too (and not counted).
         """
         prefix = keys.vin_prefix(vin)
         count = 0
         with self.read() as txn:
             best: tuple[tuple[bytes, bytes], bytes] | None = None
-            for rid, value in self._visible_rows(txn, prefix, hidden):
+            for rid, value in self._visible_rows(txn, prefix, hidden, held):
                 count += 1
                 order = keys.row_order(rid, value)
                 if best is None or order < best[0]:
@@ -392,6 +404,8 @@ class Store:
             now = now_ms()
             for row in self._queue(txn, vin):
                 if hidden and hidden.get(row.request_id) == row.sha1:
+                    continue
+                if held and row.request_id in held:
                     continue
                 if row.expired(now) or (cancels and row.ts_ms <= cancels.get(row.request_id.encode(), -1)):
                     continue

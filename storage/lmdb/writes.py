@@ -195,6 +195,10 @@ class LmdbWrites:
         with self._store.read() as txn:
             return policies.all_policies(txn, self._t)
 
+    async def pending_vins(self, request_id: str, after: str, limit: int) -> list[str]:
+        with self._store.read() as txn:
+            return policies.pending_vins(txn, self._t, request_id, after, limit)
+
 
 if TYPE_CHECKING:  # mypy checks that LmdbWrites is a storage.port.Writes
     _is_writes: Writes = LmdbWrites(Store.__new__(Store), GroupCommitter.__new__(GroupCommitter), 0.0)

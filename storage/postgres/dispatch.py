@@ -89,13 +89,17 @@ async def load(conn: Connection, vin: str, now_ms: int, rows: int) -> Loaded:
     return Loaded(presence, marker, found)
 
 
-async def load_many(conn: Connection, vins: Sequence[str], now_ms: int, rows: int) -> dict[str, Loaded]:
-    """The state of each of `vins` with its first `rows` deliverable rows, in one snapshot and
-    without a lock (`sdv_vin_load_many`, one round trip): a batch's `save_many` checks it is still so."""
+async def load_many(
+    conn: Connection, vins: Sequence[str], now_ms: int, rows: int, held: Sequence[str] = ()
+) -> dict[str, Loaded]:
+    """The state of each of `vins` with its first `rows` deliverable rows (those of the request
+    ids in `held` passed over), in one snapshot and without a lock (`sdv_vin_load_many`, one
+    round trip): a batch's `save_many` checks it is still so."""
     presence: dict[str, str] = {}
     markers: dict[str, tuple[Marker, str]] = {}
     found: dict[str, list[tuple[model.Row, bytes]]] = {}
-    for r in await conn.fetch("SELECT * FROM sdv_vin_load_many($1::text[], $2, $3)", list(vins), now_ms, rows):
+    query = "SELECT * FROM sdv_vin_load_many($1::text[], $2, $3, $4::text[])"
+    for r in await conn.fetch(query, list(vins), now_ms, rows, list(held)):
         vin, kind = r["vin"], r["kind"]
         if kind == "p":
             presence[vin] = r["session"]

@@ -33,6 +33,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (7, "0007_event_in_one_statement.sql"),
     (8, "0008_crowded.sql"),
     (9, "0009_policies.sql"),
+    (10, "0010_held_requests.sql"),
 )
 #: The version sql/schema.sql describes: the last migration's.
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -40,6 +40,15 @@ async def policy(conn: Connection, request_id: str) -> StoredPolicy | None:
     return None if row is None else StoredPolicy(request_id, bytes(row["doc"]), int(row["set_ms"]))
 
 
+async def pending_vins(conn: Connection, request_id: str, after: str, limit: int) -> list[str]:
+    """Up to `limit` VINs holding a pending row of `request_id`, in VIN order past `after`
+    (the `rows_request` index)."""
+    rows = await conn.fetch(
+        "SELECT vin FROM rows WHERE request_id = $1 AND vin > $2 ORDER BY vin LIMIT $3", request_id, after, limit
+    )
+    return [r["vin"] for r in rows]
+
+
 async def all_policies(conn: Connection) -> list[StoredPolicy]:
     """Every policy in force, by request id."""
     rows = await conn.fetch("SELECT request_id, doc, set_ms FROM policies ORDER BY request_id")

@@ -120,6 +120,9 @@ class PgWrites:
     async def policies(self) -> list[StoredPolicy]:
         return await self._run(policies.all_policies)
 
+    async def pending_vins(self, request_id: str, after: str, limit: int) -> list[str]:
+        return await self._run(policies.pending_vins, request_id, after, limit)
+
 
 if TYPE_CHECKING:  # mypy checks that PgWrites is a storage.port.Writes
 

@@ -25,6 +25,8 @@ Invariants, checked at every step against the store's view (`MemoryRows`, or Pos
   attempts, the awaited answer from the vehicle itself responded with that answer, the
   response timeout failed; forged PUBACKs, late and forged answers end nothing; a cancel counts exactly
   the deliveries out;
+- never a row of a request its campaign policy holds (paused at random, resumed with its rows
+  offered again, as the server does when a gate opens): the oldest row not held goes instead;
 - at the end every row is drained and every pair the store took has exactly one outcome;
   a cancelled pair the vehicle PUBACKed later was amended.
 """
@@ -118,6 +120,11 @@ class Fleet:
         self.cancelled_at: dict[Pair, int] = {}
         self.pubacked: dict[Pair, list[int]] = {}
         self.events: Counter[str] = Counter()
+        #: Request ids held by their campaign policy now (the dispatcher's gates).
+        self.held: set[str] = set()
+
+    def held_now(self) -> frozenset[str]:
+        return frozenset(self.held)
 
     def clock(self) -> float:
         return self.now
@@ -160,7 +167,9 @@ class Fleet:
         if row is None or row.payload != payload:
             self.violations.append(f"{where}: published, and it is not that VIN's row")
             return
-        oldest = self.rows.oldest(vin)
+        if request_id in self.held:
+            self.violations.append(f"{where}: published while its campaign policy holds it")
+        oldest = self.rows.oldest(vin, self.held_now())
         if oldest is None or (oldest[0].request_id, oldest[1]) != (request_id, payload):
             self.violations.append(f"{where}: not the oldest row the store may send ({oldest and oldest[0]})")
         if 0 < row.expires_ms <= self.now * 1000:
@@ -267,7 +276,8 @@ async def simulate(seed: int, vin_from_clientid: bool, open_store: OpenStore, st
     # With vin_from_clientid the dispatcher keeps no client map for these vehicles (clientid = VIN).
     named = (lambda clientid: True) if vin_from_clientid else None
     # Acked rows end at once, or with a later commit (LMDB's group committer; memory only).
-    wiring = Wiring(fleet, fleet.clock, lambda: fleet.link_up, named, RESPONSE_TIMEOUT_S, defer_acks=seed % 2 == 0)
+    link = lambda: fleet.link_up  # noqa: E731
+    wiring = Wiring(fleet, fleet.clock, link, named, RESPONSE_TIMEOUT_S, defer_acks=seed % 2 == 0, held=fleet.held_now)
     fleet.store = await open_store(wiring)
     try:
         await run(fleet, steps)
@@ -406,8 +416,17 @@ async def run(fleet: Fleet, steps: int) -> None:
         elif r < 0.93:
             durable_write()
             fleet.events["expired"] += len(await store.expire_due())
-        elif r < 0.97:
+        elif r < 0.95:
             store.commit_acks()
+        elif r < 0.97:  # a campaign paused, or resumed: its rows are offered to their vehicles again
+            rid = rng.choice(rids)
+            if rid in fleet.held:
+                fleet.held.discard(rid)
+                d.new_batch([vin for vin, rid_ in fleet.rows.rows if rid_ == rid], rid)
+                fleet.events["resumed"] += 1
+            else:
+                fleet.held.add(rid)
+                fleet.events["paused"] += 1
         else:
             fleet.link_up = not fleet.link_up
             if not fleet.link_up:  # whatever our client had not delivered is void
@@ -420,6 +439,9 @@ async def run(fleet: Fleet, steps: int) -> None:
     # Everyone comes online, the link is up, cancels finish, vehicles ack and answer everything
     # they get, and time runs past every expiry and response timeout.
     fleet.step = steps
+    resumed, fleet.held = fleet.held, set()
+    for rid in resumed:
+        d.new_batch([vin for vin, rid_ in fleet.rows.rows if rid_ == rid], rid)
     if not fleet.link_up:
         fleet.link_up = True
         d.broker_connected(True)

@@ -176,10 +176,10 @@ def test_a_function_file_is_applied_again_only_when_it_changed(
 
 def test_each_function_is_defined_once_in_a_function_file() -> None:
     """No function is defined in sql/schema.sql or a migration, nor in two function files: each
-    has one definition, the live one."""
+    has one definition, the live one (a migration may only drop a function whose arguments change)."""
     sql = resources.files("storage.postgres").joinpath("sql")
     outside = [sql.joinpath("schema.sql"), *sql.joinpath("migrations").iterdir()]
-    assert [p.name for p in outside if re.search(r"\bFUNCTION\b", p.read_text())] == []
+    assert [p.name for p in outside if re.search(r"\bCREATE\b[^;]*\bFUNCTION\b", p.read_text())] == []
     defined = [f for _, text in migrate.function_sources() for f in migrate.defined_functions(text)]
     assert len(defined) == len(set(defined)) and len(defined) >= 10
     files = {p.name for p in sql.joinpath("functions").iterdir()}

@@ -129,6 +129,7 @@ class LmdbBackend:
             max_attempts=cfg.max_attempts,
             response_timeout_s=cfg.response_timeout_s,
             on_response=needs.on_response,
+            held=needs.held,
         )
         self.peers = Peers(group, dispatcher.receive, dispatcher.answer) if group else None
         self._dispatcher = dispatcher

@@ -80,6 +80,7 @@ class Dispatcher:
         max_attempts: int = 0,
         response_timeout_s: float = 300.0,
         on_response: ResponseListener | None = None,
+        held: Callable[[], frozenset[str]] | None = None,
     ) -> None:
         if processes > 1 and forward is None:
             raise ValueError("a dispatcher in a group of processes needs a way to forward to them")
@@ -109,6 +110,7 @@ class Dispatcher:
                 max_attempts=max_attempts,
                 response_timeout_s=response_timeout_s,
                 on_response=on_response,
+                held=held,
             )
             for n in local
         }

@@ -66,10 +66,16 @@ class StoreRows:
         #: delivery per vehicle); the store's count of the older ones bridges the restart.
         self._started_ms = now_ms()
 
-    def oldest(self, vin: str) -> tuple[Row, bytes] | None:
+    def oldest(self, vin: str, skip: frozenset[str] | None = None) -> tuple[Row, bytes] | None:
         with self._lock:
             hidden = self._deleting.get(vin)
             hidden = dict(hidden) if hidden else None
+        if skip:
+            # Some requests are held by their campaign policy: one pass that passes over their
+            # rows (the kept head is for queues that drain in order, and stays as it is).
+            found, count = self._store.oldest(vin, hidden, skip)
+            self.rows_scanned += count
+            return found
         head = self._heads.get(vin)
         if head is not None:
             self._heads.move_to_end(vin)

@@ -103,6 +103,7 @@ class PgBackend:
             batch_window_s=cfg.dispatch_batch_window_ms / 1000,
             batch_max=cfg.dispatch_batch_max,
             event_timeout_s=cfg.ingest_timeout_s,
+            held=needs.held,
         )
         return self._dispatcher
 

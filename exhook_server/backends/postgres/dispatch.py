@@ -136,10 +136,10 @@ class _EventRows:
         self._rows = rows
         self.ends: list[tuple[str, bytes, Outcome, int, bytes]] = []
 
-    def oldest(self, vin: str) -> tuple[Row, bytes] | None:
+    def oldest(self, vin: str, skip: frozenset[str] | None = None) -> tuple[Row, bytes] | None:
         ended = {(rid, sha1) for rid, sha1, *_ in self.ends}
         for row, payload in self._rows:
-            if (row.request_id, row.sha1) not in ended:
+            if (row.request_id, row.sha1) not in ended and not (skip and row.request_id in skip):
                 return row, payload
         return None
 
@@ -258,8 +258,11 @@ class SharedDispatcher:
         max_queued: int = 100_000,
         event_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
+        held: Callable[[], frozenset[str]] | None = None,
     ) -> None:
         self._pool = pool
+        #: Request ids held by their campaign policy (dispatch/gates.py): their rows are not loaded.
+        self._held = held
         self._publisher = publisher
         self._inflight_timeout_s = inflight_timeout_s
         self._response_timeout_s = response_timeout_s
@@ -432,9 +435,10 @@ class SharedDispatcher:
         now_ms = round(now * 1000)
         async with self._pool.acquire() as conn:
             async with asyncio.timeout(self._event_timeout_s):
-                loaded = await pgd.load_many(conn, [q.vin for q in batch], now_ms, _PREFETCH)
+                held = self._held() if self._held is not None else frozenset()
+                loaded = await pgd.load_many(conn, [q.vin for q in batch], now_ms, _PREFETCH, sorted(held))
                 trips = 1
-                decided = [self._decide(q, loaded[q.vin], now) for q in batch]
+                decided = [self._decide(q, loaded[q.vin], now, held) for q in batch]
                 saving = sorted((d for d in decided if d.save is not None), key=lambda d: d.queued.vin)
                 if saving:
                     # In VIN order: the save deletes rows in the store's lock order.
@@ -463,8 +467,9 @@ class SharedDispatcher:
             self._report(d)
         return again
 
-    def _decide(self, q: _Queued, loaded: pgd.Loaded, now: float) -> _Decided:
-        """The worker's rules on one vehicle's loaded state: what its event changed."""
+    def _decide(self, q: _Queued, loaded: pgd.Loaded, now: float, held: frozenset[str] = frozenset()) -> _Decided:
+        """The worker's rules on one vehicle's loaded state (read with the request ids `held`
+        passed over): what its event changed."""
         vin = q.vin
         sends = _Sends(self._connected)
         reports = _Reports()
@@ -479,6 +484,7 @@ class SharedDispatcher:
             max_attempts=self._max_attempts,
             response_timeout_s=self._response_timeout_s,
             on_response=reports.response,
+            held=(lambda: held) if held else None,
         )
         before = _state(loaded)
         worker.restore(vin, before)

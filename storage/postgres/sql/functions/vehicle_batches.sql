@@ -15,10 +15,11 @@ CREATE OR REPLACE FUNCTION sdv_marker_token(p_vin text) RETURNS text LANGUAGE sq
 $$;
 
 -- sdv_vin_load's reads for many vehicles in one snapshot, without a lock: per vehicle its
--- presence ('p'), its first p_rows deliverable rows with payloads ('r') and its delivery ('s',
--- with its token). One index probe per vehicle and table (LATERAL ... LIMIT keeps the planner
+-- presence ('p'), its first p_rows deliverable rows with payloads ('r'; rows of the request ids
+-- p_held names are passed over: their campaign policy holds them, exhook_server/dispatch/gates.py)
+-- and its delivery ('s', with its token). One index probe per vehicle and table (LATERAL ... LIMIT keeps the planner
 -- from hashing whole tables).
-CREATE OR REPLACE FUNCTION sdv_vin_load_many(p_vins text[], p_now bigint, p_rows integer)
+CREATE OR REPLACE FUNCTION sdv_vin_load_many(p_vins text[], p_now bigint, p_rows integer, p_held text[])
 RETURNS TABLE (
     vin text, kind text, session text, request_id text, sha1 bytea, sent_ms bigint, attempts integer,
     await_response boolean, acked_ms bigint, cancelled boolean, voided boolean,
@@ -38,6 +39,7 @@ RETURNS TABLE (
         FROM rows r JOIN blobs b ON b.sha1 = r.sha1 LEFT JOIN cancels c ON c.request_id = r.request_id
         WHERE r.vin = v.vin AND NOT (r.expires_ms > 0 AND r.expires_ms <= p_now)
             AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms)
+            AND NOT (r.request_id = ANY (p_held))
         ORDER BY r.ts_ms, r.request_id LIMIT p_rows) r
     UNION ALL
     SELECT v.vin, 's', s.session::text, s.request_id::text, s.sha1, s.sent_ms, s.attempts,

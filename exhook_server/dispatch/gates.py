@@ -1,0 +1,96 @@
+"""Which requests may not start a delivery now: the gates of their campaign policies.
+
+A request is held while its policy is `paused`, before its `start_at`, or outside all of its
+`windows` (exhook_server/policy.py decides each). `Gates` keeps the policies in force in memory
+(set at once by this process, refreshed from the store by `run` so that every process and
+instance follows each change within `refresh_s`) and answers `held()` from a set recomputed at
+most once per `recheck_ms`, so the delivery path pays a set lookup, not a cron evaluation. When
+a request's gate opens, `on_open` is told, to offer its rows to their vehicles again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from exhook_server.policy import Policy
+from storage.errors import StorageError
+from storage.model import StoredPolicy, now_ms
+
+log = structlog.get_logger("sdv_fanout.gates")
+
+#: How stale the held set may be: a window or start_at opens (or closes) within this.
+RECHECK_MS = 1000
+
+_NONE: frozenset[str] = frozenset()
+
+
+class Gates:
+    """The held request ids, from the policies in force."""
+
+    def __init__(
+        self,
+        clock: Callable[[], int] = now_ms,
+        on_open: Callable[[str], None] | None = None,
+        recheck_ms: int = RECHECK_MS,
+    ) -> None:
+        self._clock = clock
+        self.on_open = on_open
+        self._recheck_ms = recheck_ms
+        #: request id → its policy, only those that can hold (paused, start_at or windows).
+        self._gated: dict[str, Policy] = {}
+        self._held: frozenset[str] = _NONE
+        self._checked_ms: int | None = None
+
+    def set(self, request_id: str, policy: Policy | None) -> None:
+        """The policy of `request_id` is now `policy` (None: none)."""
+        if policy is not None and (policy.paused or policy.start_at_ms or policy.windows):
+            self._gated[request_id] = policy
+        else:
+            self._gated.pop(request_id, None)
+        self._recheck()
+
+    def replace_all(self, found: list[StoredPolicy]) -> None:
+        """Every policy in force, as the store has them."""
+        gated = {}
+        for stored in found:
+            try:
+                policy = Policy.decode(stored.doc)
+            except Exception as exc:  # a stored policy this build cannot read holds nothing
+                log.error("policy_unreadable", request_id=stored.request_id, error=repr(exc))
+                continue
+            if policy.paused or policy.start_at_ms or policy.windows:
+                gated[stored.request_id] = policy
+        self._gated = gated
+        self._recheck()
+
+    def held(self) -> frozenset[str]:
+        """The request ids whose rows may not start a delivery now."""
+        if not self._gated:
+            return _NONE
+        checked = self._checked_ms
+        if checked is None or self._clock() - checked >= self._recheck_ms:
+            self._recheck()
+        return self._held
+
+    def _recheck(self) -> None:
+        now = self._clock()
+        held = frozenset(rid for rid, p in self._gated.items() if p.opens_at(now) != now) if self._gated else _NONE
+        opened = self._held - held
+        self._held, self._checked_ms = held, now
+        for rid in sorted(opened):
+            log.info("campaign_gate_open", request_id=rid)
+            if self.on_open is not None:
+                self.on_open(rid)
+
+    async def run(self, load: Callable[[], Awaitable[list[StoredPolicy]]], refresh_s: float) -> None:
+        """Forever: reload the policies every `refresh_s` (another process or instance may have
+        set one) and re-check the gates; storage errors are logged, the last ones stay in force."""
+        while True:
+            try:
+                self.replace_all(await load())
+            except StorageError as exc:
+                log.error("policies_not_loaded", reason=type(exc).__name__, detail=str(exc))
+            await asyncio.sleep(refresh_s)

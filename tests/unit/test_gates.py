@@ -1,0 +1,61 @@
+"""Gates under an injected clock: which requests are held (paused, before start_at, outside their
+windows), re-checked at most once per recheck_ms, and each opening reported once."""
+
+from __future__ import annotations
+
+import datetime
+
+from exhook_server.dispatch.gates import Gates
+from exhook_server.policy import Policy, Window
+from storage.model import StoredPolicy
+
+
+def ms(*parts: int) -> int:
+    return int(datetime.datetime(*parts, tzinfo=datetime.UTC).timestamp() * 1000)  # type: ignore[misc]
+
+
+class Clock:
+    def __init__(self, at: int) -> None:
+        self.ms = at
+
+    def __call__(self) -> int:
+        return self.ms
+
+
+def test_held_follows_pause_start_at_and_windows_and_reports_each_opening_once() -> None:
+    clock = Clock(ms(2026, 11, 28, 1, 30))
+    opened: list[str] = []
+    gates = Gates(clock, on_open=opened.append, recheck_ms=1000)
+    assert gates.held() == frozenset()
+    gates.set("paused", Policy(paused=True))
+    gates.set("later", Policy(start_at_ms=ms(2026, 11, 28, 1, 45)))
+    gates.set("nightly", Policy(windows=(Window("0 2 * * *", 3600, "UTC"),)))
+    gates.set("rated", Policy(max_per_minute=60))  # nothing that holds
+    assert gates.held() == {"paused", "later", "nightly"}
+    clock.ms = ms(2026, 11, 28, 1, 50)
+    assert gates.held() == {"paused", "nightly"} and opened == ["later"]
+    clock.ms = ms(2026, 11, 28, 2, 0) - 200
+    assert gates.held() == {"paused", "nightly"}
+    clock.ms += 500  # the window is open, but within recheck_ms of the last check: not recomputed yet
+    assert gates.held() == {"paused", "nightly"}
+    clock.ms += 600_000
+    assert gates.held() == {"paused"} and opened == ["later", "nightly"]
+    clock.ms = ms(2026, 11, 28, 3, 0)  # the window closed again
+    assert gates.held() == {"paused", "nightly"}
+    gates.set("paused", None)  # cleared: open at once
+    assert gates.held() == {"nightly"} and opened == ["later", "nightly", "paused"]
+
+
+def test_replace_all_reads_the_stored_policies_and_skips_one_it_cannot_read() -> None:
+    clock = Clock(ms(2026, 11, 28, 12))
+    gates = Gates(clock)
+    gates.replace_all(
+        [
+            StoredPolicy("a", Policy(paused=True).encode(), 1),
+            StoredPolicy("b", b"not json", 1),
+            StoredPolicy("c", Policy(priority="high").encode(), 1),
+        ]
+    )
+    assert gates.held() == {"a"}
+    gates.replace_all([])
+    assert gates.held() == frozenset()
