@@ -17,6 +17,7 @@ import asyncpg
 from storage.errors import StorageError
 from storage.model import PLAIN, BatchWritten, CancelChunk, Duplicate, Outcome, RowSpec, RowsPut, sha1_of
 from storage.postgres import outcomes
+from storage.postgres.constants import LockClass
 from storage.postgres.outcomes import Bumps, Ended
 from storage.postgres.types import Connection, Record, fetch_one
 
@@ -26,9 +27,6 @@ T = TypeVar("T")
 #: blob, and an update would hold its row lock to each commit, one batch after another. GC's
 #: grace period (minutes) dwarfs it.
 TOUCH_EVERY_MS = 1_000
-#: Advisory lock class of a request id (with hashtext(request_id)): batches hold it shared, the
-#: start of a cancel of every vehicle exclusive, so a batch commits wholly before or after a cut.
-REQUEST_LOCK = 0x5344
 #: Times a batch is retried when a concurrent one created a row between our read and our upsert.
 RACE_RETRIES = 5
 #: The cut of a cancel that names its VINs: every row (the largest bigint).
@@ -206,7 +204,7 @@ async def start_cancel_all(
 
     async def body() -> CancelChunk:
         # Exclusive: batches of the request in progress commit first, later ones see the cut.
-        await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", REQUEST_LOCK, request_id)
+        await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", LockClass.REQUEST, request_id)
         await conn.execute(
             """INSERT INTO cancels AS c (request_id, cut_ms, after_vin, done, correlation_id)
                VALUES ($1, $2, '', 0, $3)

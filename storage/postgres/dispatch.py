@@ -18,10 +18,6 @@ from storage.model import Outcome
 from storage.postgres.outcomes import MAX_ATTEMPTS
 from storage.postgres.types import Connection, Record, fetch_one
 
-#: Advisory lock class of a vehicle (with hashtext(vin)): `sdv_vin_save_many`
-#: (sql/functions/vehicle_batches.sql) tries it for each vehicle it writes, `sdv_vin_load` takes it.
-VEHICLE_LOCK = 21318
-
 
 @dataclass(frozen=True, slots=True)
 class Marker:

@@ -1,10 +1,10 @@
 """Creating and upgrading the PostgreSQL schema, safe when many instances start at once.
 
 An empty database gets `sql/schema.sql`; an older one walks the numbered `sql/migrations/` it
-lacks; then every file of `sql/functions/` whose checksum changed is applied again (each function
-is defined once, `CREATE OR REPLACE`). All of it in one transaction behind a fixed advisory lock:
-concurrent callers queue on it and each finds what the previous one committed. A database newer
-than this code is refused (`SchemaTooNew`), never downgraded.
+lacks; then every file of `sql/functions/` (and the SQL `constants` generates) whose checksum
+changed is applied again (each function is defined once, `CREATE OR REPLACE`). All of it in one
+transaction behind a fixed advisory lock: concurrent callers queue on it and each finds what the
+previous one committed. A database newer than this code is refused (`SchemaTooNew`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import time
 from importlib import resources
 
 from storage.errors import StorageError
+from storage.postgres import constants
 from storage.postgres.types import Connection
 
-#: The advisory lock every schema change holds ("SDVFANOU" as a bigint): one fixed key, so the
-#: lock means the same to every version of this code.
-LOCK_KEY = 0x5344_5646_414E_4F55
 #: Numbered migrations, applied in order to a database of an older release: (version, file in
 #: sql/migrations/). A schema change is a new file here and the same change in sql/schema.sql;
 #: an applied file is never edited.
@@ -37,8 +35,9 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
 )
 #: The version sql/schema.sql describes: the last migration's.
 SCHEMA_VERSION = MIGRATIONS[-1][0]
-#: The functions, in files of sql/functions/ applied in this order after the tables; a function's
-#: arguments or result type change through a migration that drops the old one first.
+#: The functions, in files of sql/functions/ applied in this order after the tables (and after the
+#: generated ones of `constants`); a function's arguments or result type change through a
+#: migration that drops the old one first.
 FUNCTION_FILES = ("batches.sql", "rows.sql", "bound.sql", "outcomes.sql", "dispatch.sql", "vehicle_batches.sql")
 
 _VERSION_TABLE = """
@@ -70,8 +69,10 @@ def sql_text(path: str) -> str:
 
 
 def function_sources() -> list[tuple[str, str]]:
-    """(name, SQL) of every function file, in the order they are applied."""
-    return [(f"functions/{name}", sql_text(f"functions/{name}")) for name in FUNCTION_FILES]
+    """(name, SQL) of every function file, in the order they are applied: first the generated
+    constants (`sdv_count_slot`, `sdv_lock_class`) that the files call."""
+    files = [(f"functions/{name}", sql_text(f"functions/{name}")) for name in FUNCTION_FILES]
+    return [("constants", constants.function_sql()), *files]
 
 
 def defined_functions(sql: str) -> list[str]:
@@ -95,7 +96,7 @@ async def migrate(conn: Connection) -> list[int]:
         # Another instance's migration may hold the lock for a while: wait for it, whatever
         # lock_timeout the connection has.
         await conn.execute("SET LOCAL lock_timeout = 0")
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", LOCK_KEY)
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", constants.SCHEMA_LOCK)
         # Behind the lock: two first starts never race on creating the same table.
         await conn.execute(_VERSION_TABLE)
         current = int(await conn.fetchval("SELECT coalesce(max(version), 0) FROM schema_version"))

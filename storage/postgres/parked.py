@@ -24,10 +24,8 @@ from storage.model import (
     sha1_of,
 )
 from storage.postgres import batches
+from storage.postgres.constants import LockClass
 from storage.postgres.types import Connection, Record, fetch_one
-
-#: Advisory lock class of a data_id (with hashtext(data_id)).
-DATA_LOCK = 0x5345
 
 _KNOWN_DATA = """
 SELECT a.sha1, length(b.data) AS size FROM aliases a JOIN blobs b ON b.sha1 = a.sha1 WHERE a.data_id = $1
@@ -42,7 +40,7 @@ _TRIGGER_COLUMNS = "seq, request_id, vins, ts_ms, batch_id, correlation_id, expi
 
 async def _lock_data(conn: Connection, data_id: str, *, shared: bool) -> None:
     fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
-    await conn.execute(f"SELECT {fn}($1, hashtext($2))", DATA_LOCK, data_id)
+    await conn.execute(f"SELECT {fn}($1, hashtext($2))", LockClass.DATA, data_id)
 
 
 def _stored(vins: Sequence[str], refused: tuple[str, ...]) -> tuple[str, ...]:
@@ -157,7 +155,7 @@ async def _lock_ahead(conn: Connection, triggers: Sequence[Record]) -> None:
         return
     rids = sorted({t["request_id"] for t in triggers})
     await conn.execute(
-        "SELECT pg_advisory_xact_lock_shared($1, hashtext(r)) FROM unnest($2::text[]) AS r", batches.REQUEST_LOCK, rids
+        "SELECT pg_advisory_xact_lock_shared($1, hashtext(r)) FROM unnest($2::text[]) AS r", LockClass.REQUEST, rids
     )
     await conn.execute("SELECT 1 FROM cancels WHERE request_id = ANY($1::text[]) ORDER BY request_id FOR UPDATE", rids)
     pairs = sorted({(v, t["request_id"]) for t in triggers for v in t["vins"]})

@@ -45,7 +45,7 @@ import pytest
 
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage.lmdb.outcomes import Outcome
-from storage.postgres import dispatch as pgd
+from storage.postgres.constants import LockClass
 from testkit.emqx_sim import Acked, FakeEmqx, Mosquitto, Received, Vehicle
 from testkit.exhook_pool import Routing
 from testkit.harness import SubprocessServer, poll
@@ -557,7 +557,7 @@ def stop_mid_batch(victim: SubprocessServer, db: Database) -> tuple[list[list[st
     ports = ",".join(map(str, tcp_ports({victim.proc.pid, *victim.pids})))
     held = (
         "SELECT a.state, l.pid, l.objid FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
-        f"WHERE l.locktype = 'advisory' AND l.granted AND l.classid = {pgd.VEHICLE_LOCK} "
+        f"WHERE l.locktype = 'advisory' AND l.granted AND l.classid = {int(LockClass.VEHICLE)} "
         f"AND a.state <> 'idle' AND a.client_port IN ({ports})"
     )
     busy = (

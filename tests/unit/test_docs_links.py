@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from storage.postgres import constants
 from testkit.harness import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -78,7 +79,7 @@ def test_cited_code_names_exist(doc: Path) -> None:
     """Every `exhook_server.…` / `storage.…` name resolves; every `sdv_*` SQL function (not the
     `sdv_fanout_*` metrics) is defined."""
     text = doc.read_text()
-    sql = "\n".join(p.read_text() for p in (ROOT / "storage").rglob("*.sql"))
+    sql = "\n".join([*(p.read_text() for p in (ROOT / "storage").rglob("*.sql")), constants.function_sql()])
     defined = set(re.findall(r"FUNCTION\s+(sdv_\w+)", sql))
     bad = [
         span

@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 import asyncpg
 import pytest
 
-from storage.postgres import migrate
+from storage import model
+from storage.postgres import constants, migrate
 from testkit.pg_cluster import PgCluster
 
 T = TypeVar("T")
@@ -90,14 +91,16 @@ async def _walked(conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.fixture(scope="module")
-def new_catalog(pg_cluster: PgCluster) -> Catalog:
-    """The catalog of a new database: sql/schema.sql and every function file."""
+def new_dsn(pg_cluster: PgCluster) -> str:
+    """A new database: sql/schema.sql and every function file."""
+    dsn = pg_cluster.new_database(f"schema_new_{next(_names)}")
+    _on(dsn, migrate.migrate)
+    return dsn
 
-    async def body(conn: asyncpg.Connection) -> Catalog:
-        await migrate.migrate(conn)
-        return await catalog(conn)
 
-    return _on(pg_cluster.new_database(f"schema_new_{next(_names)}"), body)
+@pytest.fixture(scope="module")
+def new_catalog(new_dsn: str) -> Catalog:
+    return _on(new_dsn, catalog)
 
 
 def test_a_database_walked_from_version_1_has_the_catalog_of_a_new_one(
@@ -186,3 +189,37 @@ def test_each_function_is_defined_once_in_a_function_file() -> None:
     assert files == set(migrate.FUNCTION_FILES)
     every = [p.name for p in sql.joinpath("migrations").iterdir()]
     assert sorted(every) == [name for _, name in migrate.MIGRATIONS]
+
+
+def test_the_database_numbers_counts_outcomes_and_locks_as_python_does(new_dsn: str) -> None:
+    """sdv_count_slot gives each count its slot in storage.model.COUNT_NAMES (an Outcome's code) and
+    sdv_lock_class each lock class its key, as Python has them; an unknown name is an error."""
+
+    async def body(conn: asyncpg.Connection) -> tuple[dict[str, int], dict[str, int], str]:
+        slots = {n: await conn.fetchval("SELECT sdv_count_slot($1)", n) for n in model.COUNT_NAMES}
+        locks = {c.name: await conn.fetchval("SELECT sdv_lock_class($1)", c.name.lower()) for c in constants.LockClass}
+        try:
+            await conn.fetchval("SELECT sdv_lock_class('vehicles')")
+        except asyncpg.RaiseError as exc:
+            return slots, locks, str(exc)
+        return slots, locks, ""
+
+    slots, locks, unknown = _on(new_dsn, body)
+    assert slots == {n: i for i, n in enumerate(model.COUNT_NAMES)}
+    assert all(slots[o.label] == o.value for o in model.Outcome)
+    assert locks == {c.name: int(c) for c in constants.LockClass}
+    assert unknown == "sdv: no lock class named vehicles"
+
+
+def test_the_function_files_name_codes_and_locks_instead_of_writing_numbers() -> None:
+    """No advisory lock class and no outcome code is written as a number in a function file: they
+    come from sdv_lock_class and sdv_count_slot, so Python's table is the only one."""
+    literal = re.compile(r"advisory\w*\(\s*\d|CONSTANT smallint := \d|\bcode\s*=\s*\d|slot\s*=\s*\d")
+    found = [
+        (name, line.strip())
+        for name, text in migrate.function_sources()
+        if name != "constants"
+        for line in text.splitlines()
+        if literal.search(line)
+    ]
+    assert found == []

@@ -22,6 +22,7 @@ from storage.lmdb.batches import RowSpec, sha1_of
 from storage.lmdb.outcomes import Outcome
 from storage.postgres import batches, migrate, outcomes
 from storage.postgres import dispatch as pgd
+from storage.postgres.constants import LEADER_LOCK, LockClass
 from testkit.pg_cluster import PgCluster
 
 _names = itertools.count()
@@ -431,14 +432,14 @@ def test_a_stalled_leader_loses_the_lead_and_a_live_one_keeps_it(dsn: str) -> No
             # A leader stopped while leading: the lock on its connection, and silence.
             settings = {"application_name": pgmode.LEADER_APPLICATION}
             stalled = await asyncpg.connect(dsn, server_settings=settings)
-            assert await stalled.fetchval("SELECT pg_try_advisory_lock($1)", pgmode.LEADER_KEY)
+            assert await stalled.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK)
             ended: list[pgmode.Stalled] = []
             async with asyncio.timeout(5):
                 while not ended:
                     ended = await pgmode.end_stalled(pool, older_than_s=0.5)
                     await asyncio.sleep(0.1)
             assert [(e.pid, e.state) for e in ended] == [(stalled.get_server_pid(), "idle")]
-            assert await pool.fetchval("SELECT pg_try_advisory_lock($1)", pgmode.LEADER_KEY)
+            assert await pool.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK)
         finally:
             await cancel_all([leader])
             if stalled is not None:
@@ -460,13 +461,13 @@ def test_a_request_lock_held_by_an_instance_stalled_inside_a_statement_is_freed(
         lock = "SELECT pg_advisory_xact_lock($1, hashtext($2))"
         try:
             await stalled.execute("BEGIN")
-            await stalled.execute(lock.replace("lock(", "lock_shared("), batches.REQUEST_LOCK, "task_ota_1")
+            await stalled.execute(lock.replace("lock(", "lock_shared("), LockClass.REQUEST, "task_ota_1")
             await stalled.prepare("SELECT 2")  # Parse, Describe, Flush: the Bind never comes
             pid = stalled.get_server_pid()
 
             async def cancel_lock_within(timeout_s: float) -> None:
                 async with asyncio.timeout(timeout_s), pool.acquire() as conn, conn.transaction():
-                    await conn.execute(lock, batches.REQUEST_LOCK, "task_ota_1")
+                    await conn.execute(lock, LockClass.REQUEST, "task_ota_1")
 
             with pytest.raises(TimeoutError):
                 await cancel_lock_within(1.0)

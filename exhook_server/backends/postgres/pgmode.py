@@ -22,16 +22,13 @@ from exhook_server.aio import cancel_all
 from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.config import Config
 from storage.errors import StorageError
-from storage.postgres import batches, connect, migrate, outcomes
-from storage.postgres import dispatch as pgd
+from storage.postgres import connect, migrate, outcomes
+from storage.postgres.constants import LEADER_LOCK, LockClass
 from storage.postgres.errors import FAILURES, raise_if_cancelling
 from storage.postgres.types import Connection, Pool
 
 log = structlog.get_logger("sdv_fanout.store")
 
-#: Session-level advisory lock of the instance that runs the jobs one instance should run
-#: (progress reports, GC): whoever holds it leads; its connection's end frees it.
-LEADER_KEY = 0x5344_5646_4C45_4144
 #: The application_name of the leader's own connection (the pool's is "sdv-fanout"): how
 #: `end_stalled` finds it without reading pg_locks.
 LEADER_APPLICATION = "sdv-fanout-leader"
@@ -132,7 +129,7 @@ async def lead(cfg: Config, jobs: Callable[[], list[Coroutine[Any, Any, None]]],
         try:
             conn = await _connect(cfg.store_url)
             while not tasks:
-                if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_KEY, timeout=_PROBE_TIMEOUT_S):
+                if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK, timeout=_PROBE_TIMEOUT_S):
                     log.info("leading", jobs="gc, progress, gauges, fold, wake-idle, catchup")
                     tasks = [asyncio.create_task(job, name=getattr(job, "__qualname__", None)) for job in jobs()]
                 else:
@@ -221,10 +218,10 @@ FROM pg_stat_activity a
 WHERE a.pid = ANY($2::int[])
     AND ((a.xact_start < clock_timestamp() - $1::bigint * interval '1 millisecond'
             AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
-                        AND l.classid IN ({pgd.VEHICLE_LOCK}, {batches.REQUEST_LOCK}) AND l.objsubid = 2))
+                        AND l.classid IN ({int(LockClass.VEHICLE)}, {int(LockClass.REQUEST)}) AND l.objsubid = 2))
         OR (a.state = 'idle' AND a.state_change < clock_timestamp() - $1::bigint * interval '1 millisecond'
             AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
-                        AND l.classid = {LEADER_KEY >> 32} AND l.objid = {LEADER_KEY & 0xFFFF_FFFF}
+                        AND l.classid = {LEADER_LOCK >> 32} AND l.objid = {LEADER_LOCK & 0xFFFF_FFFF}
                         AND l.objsubid = 1)))
 """
 

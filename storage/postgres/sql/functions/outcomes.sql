@@ -11,12 +11,12 @@ CREATE OR REPLACE FUNCTION sdv_end_row(
     p_response bytea)
 RETURNS boolean LANGUAGE plpgsql SET jit = off AS $$
 DECLARE
-    c_pending CONSTANT smallint := 1;
-    c_cancelled CONSTANT smallint := 4;
+    c_pending CONSTANT smallint := sdv_count_slot('pending');
+    c_cancelled CONSTANT smallint := sdv_count_slot('cancelled');
     v_stored bigint;
     v_when bigint := p_now;
     v_from smallint := c_pending;
-    v_change bigint[] := '{0,0,0,0,0,0,0,0}';
+    v_change bigint[] := '{0,0,0,0,0,0,0,0}';  -- per count slot, the columns of gen_deltas
 BEGIN
     DELETE FROM rows WHERE vin = p_vin AND request_id = p_request_id AND sha1 = p_sha1 RETURNING ts_ms INTO v_stored;
     IF FOUND THEN

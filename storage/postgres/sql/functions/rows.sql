@@ -15,9 +15,10 @@ CREATE OR REPLACE FUNCTION sdv_put_rows(
 -- compiling took longer than the batch's whole write.
 LANGUAGE plpgsql SET enable_bitmapscan = off SET jit = off AS $$
 DECLARE
-    -- Outcome codes: their slots in storage.model.COUNT_NAMES (storage.model.Outcome).
-    c_superseded CONSTANT smallint := 3;
-    c_cancelled CONSTANT smallint := 4;
+    c_total CONSTANT smallint := sdv_count_slot('total');
+    c_pending CONSTANT smallint := sdv_count_slot('pending');
+    c_superseded CONSTANT smallint := sdv_count_slot('superseded');
+    c_cancelled CONSTANT smallint := sdv_count_slot('cancelled');
     v_ts bigint := p_now;
     v_cut bigint;
     v_known boolean;
@@ -44,7 +45,7 @@ BEGIN
         RETURN;
     END IF;
     -- Shared: batches of one request never wait for each other, only for the start of a cancel.
-    PERFORM pg_advisory_xact_lock_shared(21316, hashtext(p_request_id));  -- ingest.REQUEST_LOCK
+    PERFORM pg_advisory_xact_lock_shared(sdv_lock_class('request'), hashtext(p_request_id));
     -- Locked: a row replaced here may end cancelled, counted in the job's `done`.
     SELECT cut_ms INTO v_cut FROM cancels WHERE request_id = p_request_id FOR UPDATE;
     IF v_cut IS NOT NULL AND v_cut >= p_now THEN
@@ -147,22 +148,22 @@ BEGIN
     -- appended to gen_deltas may be what keeps the sum up; readers and the fold floor the sums).
     FOR v_gen IN
         WITH bump(sha1, slot, n) AS (
-            SELECT e.sha1, 1, -1 FROM unnest(v_end_sha1s) AS e(sha1)
-            UNION ALL SELECT e.sha1, e.code::int, 1 FROM unnest(v_end_sha1s, v_end_codes) AS e(sha1, code)
-            UNION ALL SELECT p_sha1, 0, cardinality(v_newly) WHERE cardinality(v_newly) > 0
-            UNION ALL SELECT p_sha1, 1, cardinality(v_newly) WHERE cardinality(v_newly) > 0
-            UNION ALL SELECT p_sha1, r.code::int, -1 FROM unnest(v_revived) AS r(code)
-            UNION ALL SELECT p_sha1, 0, -1 FROM unnest(v_revived) AS r(code)
+            SELECT e.sha1, c_pending, -1 FROM unnest(v_end_sha1s) AS e(sha1)
+            UNION ALL SELECT e.sha1, e.code, 1 FROM unnest(v_end_sha1s, v_end_codes) AS e(sha1, code)
+            UNION ALL SELECT p_sha1, c_total, cardinality(v_newly) WHERE cardinality(v_newly) > 0
+            UNION ALL SELECT p_sha1, c_pending, cardinality(v_newly) WHERE cardinality(v_newly) > 0
+            UNION ALL SELECT p_sha1, r.code, -1 FROM unnest(v_revived) AS r(code)
+            UNION ALL SELECT p_sha1, c_total, -1 FROM unnest(v_revived) AS r(code)
         )
         SELECT b.sha1,
-               coalesce(sum(b.n) FILTER (WHERE b.slot = 0), 0) AS total,
-               coalesce(sum(b.n) FILTER (WHERE b.slot = 1), 0) AS pending,
-               coalesce(sum(b.n) FILTER (WHERE b.slot = 2), 0) AS delivered,
-               coalesce(sum(b.n) FILTER (WHERE b.slot = 3), 0) AS superseded,
-               coalesce(sum(b.n) FILTER (WHERE b.slot = 4), 0) AS cancelled,
-               coalesce(sum(b.n) FILTER (WHERE b.slot = 5), 0) AS expired,
-               coalesce(sum(b.n) FILTER (WHERE b.slot = 6), 0) AS failed,
-               coalesce(sum(b.n) FILTER (WHERE b.slot = 7), 0) AS responded
+               coalesce(sum(b.n) FILTER (WHERE b.slot = sdv_count_slot('total')), 0) AS total,
+               coalesce(sum(b.n) FILTER (WHERE b.slot = sdv_count_slot('pending')), 0) AS pending,
+               coalesce(sum(b.n) FILTER (WHERE b.slot = sdv_count_slot('delivered')), 0) AS delivered,
+               coalesce(sum(b.n) FILTER (WHERE b.slot = sdv_count_slot('superseded')), 0) AS superseded,
+               coalesce(sum(b.n) FILTER (WHERE b.slot = sdv_count_slot('cancelled')), 0) AS cancelled,
+               coalesce(sum(b.n) FILTER (WHERE b.slot = sdv_count_slot('expired')), 0) AS expired,
+               coalesce(sum(b.n) FILTER (WHERE b.slot = sdv_count_slot('failed')), 0) AS failed,
+               coalesce(sum(b.n) FILTER (WHERE b.slot = sdv_count_slot('responded')), 0) AS responded
         FROM bump b GROUP BY b.sha1 ORDER BY b.sha1
     LOOP
         INSERT INTO generations AS g (request_id, sha1, first_ms, last_ms, total, pending, delivered,

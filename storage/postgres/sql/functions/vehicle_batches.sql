@@ -73,7 +73,7 @@ BEGIN
         ev := k;
         done := '{}';
         v_last := v_first + p_end_counts[k] - 1;
-        IF NOT pg_try_advisory_xact_lock(21318, hashtext(p_vins[k])) THEN
+        IF NOT pg_try_advisory_xact_lock(sdv_lock_class('vehicle'), hashtext(p_vins[k])) THEN
             verdict := 1;
         ELSIF (SELECT p.session FROM presence p WHERE p.vin = p_vins[k]) IS DISTINCT FROM p_seen_presence[k]
                 OR sdv_marker_token(p_vins[k]) IS DISTINCT FROM p_seen_marker[k] THEN
