@@ -142,7 +142,7 @@ def test_the_migration_lists_the_backlogs_stored_before_it(dsn: str, monkeypatch
                 await migrate.migrate(conn)
             await _fill(conn, "V_FULL", 1_000)
             await _fill(conn, "V_FEW", 3)
-            assert await migrate.migrate(conn) == [8]
+            assert await migrate.migrate(conn) == [v for v, _ in migrate.MIGRATIONS if v >= 8]
             await conn.execute("SELECT setseed(0.25)")
             return (
                 await _listed(conn),
