@@ -39,6 +39,11 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 #: generated ones of `constants`); a function's arguments or result type change through a
 #: migration that drops the old one first.
 FUNCTION_FILES = ("batches.sql", "rows.sql", "bound.sql", "outcomes.sql", "dispatch.sql", "vehicle_batches.sql")
+#: `functions_sha256()` as of SCHEMA_VERSION (tests/unit/test_pg_schema.py checks it). A change of a
+#: function is a new schema version (a migration, with no statement if no table changes): a server
+#: of the previous release then refuses the database, where at the same version it would apply its
+#: own functions again over the new ones during a rolling update.
+FUNCTIONS_SHA256 = "2287ed2a38a7d089e0cb6b0285f914b1eadfe473bea5dad737fe76c73031a438"
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (
@@ -73,6 +78,14 @@ def function_sources() -> list[tuple[str, str]]:
     constants (`sdv_count_slot`, `sdv_lock_class`) that the files call."""
     files = [(f"functions/{name}", sql_text(f"functions/{name}")) for name in FUNCTION_FILES]
     return [("constants", constants.function_sql()), *files]
+
+
+def functions_sha256() -> str:
+    """One checksum over every function source, names included."""
+    digest = hashlib.sha256()
+    for name, sql in function_sources():
+        digest.update(name.encode() + b"\0" + sql.encode() + b"\0")
+    return digest.hexdigest()
 
 
 def defined_functions(sql: str) -> list[str]:

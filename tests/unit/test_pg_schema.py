@@ -223,3 +223,13 @@ def test_the_function_files_name_codes_and_locks_instead_of_writing_numbers() ->
         if literal.search(line)
     ]
     assert found == []
+
+
+def test_a_change_of_the_functions_comes_with_a_new_schema_version() -> None:
+    """The function sources are those recorded for the current schema version: editing one without
+    a migration (a new version) fails here, since a server of the previous release at the same
+    version would put its own functions back during a rolling update."""
+    assert migrate.functions_sha256() == migrate.FUNCTIONS_SHA256, (
+        "the function files changed: add the next migration (sql/migrations/, no statement needed) "
+        f"and set FUNCTIONS_SHA256 = {migrate.functions_sha256()!r} in storage/postgres/migrate.py"
+    )
