@@ -419,14 +419,20 @@ def run_version(version: str, args: argparse.Namespace, workdir: Path) -> dict[s
             out["rounds"] = rates
             out["checks"] = checks
 
-            ours_cpu = []
+            ours_cpu, server_cpu = [], []
+            per_beat = 1e6 / os.sysconf("SC_CLK_TCK") / args.beats
             for _ in range(args.rounds):
-                t0 = cpu_ticks(emqx_pids) + cpu_ticks(server_pids())
+                e0, s0 = cpu_ticks(emqx_pids), cpu_ticks(server_pids())
                 fleet.send(cmd="beats", n=args.beats, rate=args.beat_rate)
                 fleet.read()
-                ticks = cpu_ticks(emqx_pids) + cpu_ticks(server_pids()) - t0
-                ours_cpu.append(ticks / os.sysconf("SC_CLK_TCK") / args.beats * 1e6)
-            out["cpu_us_per_heartbeat"] = {"raw": statistics.median(raw_cpu), "ours": statistics.median(ours_cpu)}
+                server = cpu_ticks(server_pids()) - s0
+                ours_cpu.append((cpu_ticks(emqx_pids) - e0 + server) * per_beat)
+                server_cpu.append(server * per_beat)
+            out["cpu_us_per_heartbeat"] = {
+                "raw": statistics.median(raw_cpu),
+                "ours": statistics.median(ours_cpu),
+                "ours_server_only": statistics.median(server_cpu),
+            }
             out["cpu_ratio"] = out["cpu_us_per_heartbeat"]["ours"] / out["cpu_us_per_heartbeat"]["raw"]
 
             latency: dict[str, list[float]] = {"running": [], "stopped": []}
