@@ -1,12 +1,11 @@
 """Vehicle events over MQTT (vehicle_events = mqtt): heartbeats and answers from our shared subscription.
 
-Each server process is one member of `$share/<events_share_group>/...` on the heartbeat topics
-(QoS 0: a lost heartbeat is followed by the next) and the response topics (QoS 1, PUBACKed once
-handed to dispatch: EMQX gives an answer a member that left without acknowledging to another
-member). A message is attributed to the VIN in its topic: EMQX lets a vehicle publish only under
-its own client id's topics (deploy/emqx/acl.conf), so the VIN is the publisher's client id; its
-connection is unknown (`Session("", vin, "")`, which the dispatch rules match with any connection
-of that client). The MQTT side is `subscriber.Subscriber`, on the event loop.
+Each server process is one member of `$share/<events_share_group>/...` on the heartbeat topics (QoS 0:
+a lost heartbeat is followed by the next) and the response topics (QoS 1, PUBACKed once handed to
+dispatch: EMQX gives an answer a member that left without acknowledging to another member). A message
+is attributed to the VIN in its topic, which EMQX lets only that vehicle's client publish on
+(deploy/emqx/acl.conf); its connection is unknown (`Session("", vin, "")`, which the dispatch rules
+match with any connection of that client). The MQTT side is `subscriber.Subscriber`, on the event loop.
 """
 
 from __future__ import annotations

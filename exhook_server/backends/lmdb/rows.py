@@ -1,12 +1,11 @@
 """LMDB: the rows dispatch reads and deletes (a `RowSource` over the store and its group committer).
 
-Acked rows are ended lazily, by one op per commit window (`batches.DeleteRows`), so the vehicle's
-next request need not wait for it: from the ack on, the row is hidden from `oldest` until its
-delete has committed; a crash in between only brings the row back for one more delivery (QoS 1
-allows it). Publishes and PUBACKs of awaited
-deliveries are kept (`tries`, `awaited`) by one lazy op per commit window (`batches.RecordTries`),
-never an fsync of their own: a kill -9 loses at most that window's records (a row may then be
-published once more than `max_attempts`, never fewer; an awaited delivery may go once more).
+Acked rows are ended lazily, by one op per commit window (`batches.DeleteRows`), so the vehicle's next
+request need not wait: from the ack on, the row is hidden from `oldest` until its delete has committed;
+a crash in between only brings the row back for one more delivery (QoS 1 allows it). Publishes and
+PUBACKs of awaited deliveries are kept (`tries`, `awaited`) the same way (`batches.RecordTries`), never
+by an fsync of their own: a kill -9 loses at most that window's records (a row may then be published
+once more than `max_attempts`, never fewer; an awaited delivery may go once more).
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Dispatch over PostgreSQL: any instance handles any hook of any vehicle.
 
-The rules are the worker's (`worker.Worker`), run on each vehicle's stored state. Vehicle events
-are gathered for `batch_window_s` into batches (one event per vehicle, a vehicle in one batch at
-a time, so its events keep their order): one statement loads the vehicles, a worker per event
-decides, one statement saves what changed for each vehicle still as loaded (`save_many`; the
-others run again). Sends are published and outcomes reported only after that commit. Heartbeats
-are gathered for `heartbeat_window_s` and filtered in one statement. Everything queued is bounded
-(`max_queued`): an event that cannot be queued is dropped with a warning and a metric.
+The rules are the worker's (`worker.Worker`), run on each vehicle's stored state. Vehicle events are
+gathered for `batch_window_s` into batches (one event per vehicle, a vehicle in one batch at a time, so
+its events keep their order): one statement loads the vehicles, a worker per event decides, one
+statement saves what changed for each vehicle still as loaded (`save_many`; the others run again).
+Sends are published and outcomes reported only after that commit; heartbeats are gathered for
+`heartbeat_window_s` and filtered in one statement. Everything queued is bounded (`max_queued`).
 """
 
 from __future__ import annotations
