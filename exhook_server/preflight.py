@@ -15,6 +15,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+from exhook_server.backends.backend import local_data_dir
 from exhook_server.config import Config, split_host_port
 from exhook_server.errors import ConfigError
 
@@ -26,8 +27,9 @@ FILES = ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "mqtt_ca_file")
 
 def check(cfg: Config) -> None:
     """Raise ConfigError naming the first setting the server cannot start with."""
-    if not cfg.store_url:  # PostgreSQL mode neither creates nor uses data_dir
-        check_data_dir(cfg.data_dir)
+    data_dir = local_data_dir(cfg)
+    if data_dir is not None:  # PostgreSQL mode neither creates nor uses data_dir
+        check_data_dir(data_dir)
     for name in FILES:
         path = getattr(cfg, name)
         if path:

@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 
 from exhook_server import memory, preflight
+from exhook_server.backends.backend import local_data_dir
 from exhook_server.config import Config, join_host_port, loopback, split_host_port
 from exhook_server.errors import ConfigError
 from exhook_server.group import write_ready_file
@@ -47,9 +48,8 @@ def serve_main(cfg: Config, ready_file: str | None) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code."""
     memory.limit_arenas()  # before any thread or child process exists
     preflight.check(cfg)  # one line naming the setting, before anything is locked, bound or forked
-    # On PostgreSQL any number of instances share the store (the database arbitrates): no
-    # data dir to lock, none to create (a pod's root filesystem may be read-only).
-    lock = _lock_data_dir(cfg) if not cfg.store_url else None
+    data_dir = local_data_dir(cfg)
+    lock = _lock_data_dir(data_dir) if data_dir is not None else None
     try:
         if cfg.process_count == 1:
             from exhook_server.server import serve  # grpc is imported only when serving
@@ -62,10 +62,10 @@ def serve_main(cfg: Config, ready_file: str | None) -> int:
             lock.close()
 
 
-def _lock_data_dir(cfg: Config) -> Any:
+def _lock_data_dir(data_dir: str) -> Any:
     """One server per data dir: two would both deliver every row (SO_REUSEPORT no longer makes
     a second one on the same port fail). Released by the kernel when the process dies."""
-    path = Path(cfg.data_dir)
+    path = Path(data_dir)
     path.mkdir(parents=True, exist_ok=True)
     handle = open(path / _LOCK_NAME, "a+")  # noqa: SIM115 - held for the life of the server
     try:

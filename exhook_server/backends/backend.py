@@ -102,6 +102,13 @@ class Backend(Protocol):
         ...
 
 
+def local_data_dir(cfg: Config) -> str | None:
+    """The directory the store keeps on this host (LMDB's data_dir: created, checked and locked
+    before a server starts), or None when the store is PostgreSQL: any number of instances share
+    it, the database arbitrates, and a pod's root filesystem may be read-only."""
+    return None if cfg.store_url else cfg.data_dir
+
+
 def open_backend(cfg: Config, *, tool: bool = False, readonly: bool = False, group: Group | None = None) -> Backend:
     """The store in force: PostgreSQL at store_url when set, else LMDB at data_dir.
 
