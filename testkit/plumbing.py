@@ -347,6 +347,10 @@ def dec(v: float) -> str:
     return f"{v:.2f}"
 
 
+def dec3(v: float) -> str:
+    return f"{v:.3f}"
+
+
 def share(v: float) -> str:
     return f"{v * 100:.0f} %"
 

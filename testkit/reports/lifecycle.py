@@ -8,6 +8,7 @@ from typing import Any
 
 from testkit.plumbing import (
     dec,
+    dec3,
     min_med_max,
     num,
     share,
@@ -24,10 +25,6 @@ INGEST_LABEL = {
     "with": "with `expires_at`, one epoch-ms an hour ahead for every batch",
     "per_batch": "with `expires_at`, an hour ahead, each batch 1 ms later than the one before",
 }
-
-
-def dec3(v: float) -> str:
-    return f"{v:.3f}"
 
 
 def ingest_markdown(ing: dict[str, Any], meta: dict[str, Any]) -> str:

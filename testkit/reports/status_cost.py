@@ -8,6 +8,7 @@ from typing import Any
 
 from testkit.plumbing import (
     dec,
+    dec3,
     min_med_max,
     num,
     share,
@@ -107,10 +108,6 @@ def ingest_markdown(ing: dict[str, Any], meta: dict[str, Any]) -> str:
 
 def _r(rounds: list[dict[str, Any]], key: str) -> list[float]:
     return [r[key] for r in rounds]
-
-
-def dec3(v: float) -> str:
-    return f"{v:.3f}"
 
 
 def e2e_markdown(e: dict[str, Any], meta: dict[str, Any]) -> str:
