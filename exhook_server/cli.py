@@ -496,13 +496,38 @@ def _cmd_request(args: argparse.Namespace) -> int:
         found = [_stored_generation(g) for g in _on_store(cfg, read)]
         if not found:
             raise _NotFound(f"no generation of request {args.request_id!r} is stored")
+    policy = _policy_in_force(cfg, args.server, args.request_id)
     if args.json:
-        print(json.dumps({"request_id": args.request_id, "generations": found}))
+        shown: dict[str, Any] = {"request_id": args.request_id, "generations": found}
+        if policy is not None:  # only then: the answer of a request without one is as it was
+            shown["policy"] = policy
+        print(json.dumps(shown))
         return 0
     print(f"{args.request_id}: {len(found)} generation{'s' if len(found) > 1 else ''}, newest first")
     for g in found:
         print(f"  sha1 {g['sha1']}  {_generation_line(g)}")
+    if policy is not None:
+        print(f"  policy in force: {json.dumps(policy)}")
     return 0
+
+
+def _policy_in_force(cfg: Config, server: str | None, request_id: str) -> dict[str, Any] | None:
+    """The campaign policy of `request_id` in force (from the server's Admin API with `server`),
+    or None."""
+    if server is not None:
+        from exhook_server._proto import admin_pb2
+
+        try:
+            reply = _admin_rpc(cfg, server, "GetPolicy", admin_pb2.GetPolicyRequest(request_id=request_id))
+        except _NotFound:
+            return None
+        return json.loads(reply.policy) if reply.policy else None
+
+    async def read(reads: Reads) -> Any:
+        return await reads.policy(request_id)
+
+    stored = _on_store(cfg, read)
+    return None if stored is None else dict(json.loads(stored.doc))
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:

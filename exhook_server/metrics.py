@@ -86,6 +86,11 @@ ONLINE_VEHICLES = Gauge(
     "sdv_fanout_online_vehicles", "VINs with a live session known to dispatch", multiprocess_mode="livesum"
 )
 IN_FLIGHT = Gauge("sdv_fanout_in_flight", "Deliveries waiting for their PUBACK", multiprocess_mode="livesum")
+CAMPAIGNS_HELD = Gauge(
+    "sdv_fanout_campaigns_held",
+    "Requests whose campaign policy holds their deliveries now (paused, before start_at, outside its windows)",
+    multiprocess_mode="max",
+)
 MQTT_CONNECTED = Gauge(
     "sdv_fanout_mqtt_connected",
     "1 while the delivery client of every server process is connected to the broker",

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from exhook_server import metrics
 from exhook_server.policy import Policy
 from storage.errors import StorageError
 from storage.model import StoredPolicy, now_ms
@@ -80,6 +81,7 @@ class Gates:
         held = frozenset(rid for rid, p in self._gated.items() if p.opens_at(now) != now) if self._gated else _NONE
         opened = self._held - held
         self._held, self._checked_ms = held, now
+        metrics.CAMPAIGNS_HELD.set(len(held))
         for rid in sorted(opened):
             log.info("campaign_gate_open", request_id=rid)
             if self.on_open is not None:

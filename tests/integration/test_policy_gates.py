@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from testkit.harness import StepClock, poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
@@ -71,9 +72,11 @@ def test_pausing_holds_what_is_not_sent_yet_and_resuming_sends_it(rig: Rig) -> N
     [got] = v.wait_for(1)
     assert got.topic.endswith("/task_cfg_9")
     poll(lambda: pending(rig, "VIN2") == ["task_ota_9"])
+    assert REGISTRY.get_sample_value("sdv_fanout_campaigns_held") == 1
     policy(rig, "task_ota_9", paused=False, priority="high")  # a policy that holds nothing
     v.wait_for(2)
     assert rig.rids(v) == ["task_cfg_9", "task_ota_9"]
+    assert REGISTRY.get_sample_value("sdv_fanout_campaigns_held") == 0
     w = rig.online("VIN3")  # comes online after the resume: its row was never held from it
     [got3] = w.wait_for(1)
     assert got3.topic.endswith("/task_ota_9")

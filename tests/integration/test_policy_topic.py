@@ -50,7 +50,7 @@ def admin(rig: Rig, method: str, request: Any) -> Any:
         return stub(request, timeout=10)
 
 
-def test_a_policy_on_its_topic_is_intercepted_stored_and_echoed(rig: tuple[Rig, Platform]) -> None:
+def test_a_policy_on_its_topic_is_intercepted_stored_and_echoed(rig: tuple[Rig, Platform], capsys: Any) -> None:
     r, platform = rig
     doc = {"request_id": "task_ota_1", "max_per_minute": 600, "start_at": "2026-11-28T18:00:00Z"}
     reply = r.emqx.publish(TOPIC, json.dumps(doc).encode())
@@ -64,6 +64,16 @@ def test_a_policy_on_its_topic_is_intercepted_stored_and_echoed(rig: tuple[Rig, 
     r.emqx.publish(TOPIC, json.dumps(bad).encode())
     [rejected] = platform.wait(event="rejected", request_id="task_ota_1")
     assert (rejected["of"], rejected["reason"], rejected["field"]) == ("policy", "bad_policy", "max_in_flight")
+    # `sdv-fanout request R` shows the policy in force.
+    r.emqx.publish_batch(["VIN9"], "task_ota_1", b"fw")
+    poll(lambda: bool(r.srv.generations("task_ota_1")))
+    assert r.srv.server is not None
+    cfg = r.srv.server.cfg
+    # Offline on PostgreSQL (an LMDB environment cannot be opened twice in one process).
+    offline = [["--store-url", cfg.store_url]] if cfg.store_url else []
+    for where in (["--server", f"127.0.0.1:{r.srv.server.admin_port}"], *offline):
+        assert cli.main(["request", "task_ota_1", "--json", *where]) == 0
+        assert json.loads(capsys.readouterr().out)["policy"] == in_force
 
 
 def test_admin_and_cli_set_replace_and_clear_a_policy(rig: tuple[Rig, Platform], capsys: Any) -> None:
