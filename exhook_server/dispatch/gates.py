@@ -89,10 +89,19 @@ class Gates:
 
     async def run(self, load: Callable[[], Awaitable[list[StoredPolicy]]], refresh_s: float) -> None:
         """Forever: reload the policies every `refresh_s` (another process or instance may have
-        set one) and re-check the gates; storage errors are logged, the last ones stay in force."""
+        set one) and re-check the gates; a failure is logged once until a load succeeds again (a
+        store outage is one line, not one a second), and the last policies stay in force."""
+        failing = False
         while True:
             try:
-                self.replace_all(await load())
+                found = await load()
             except StorageError as exc:
-                log.error("policies_not_loaded", reason=type(exc).__name__, detail=str(exc))
+                if not failing:
+                    log.error("policies_not_loaded", reason=type(exc).__name__, detail=str(exc))
+                failing = True
+            else:
+                if failing:
+                    log.info("policies_loaded_again", policies=len(found))
+                failing = False
+                self.replace_all(found)
             await asyncio.sleep(refresh_s)

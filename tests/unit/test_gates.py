@@ -3,10 +3,16 @@ windows), re-checked at most once per recheck_ms, and each opening reported once
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+from typing import Any
+
+import pytest
+import structlog.testing
 
 from exhook_server.dispatch.gates import Gates
 from exhook_server.policy import Policy, Window
+from storage.errors import StorageError
 from storage.model import StoredPolicy
 
 
@@ -59,3 +65,25 @@ def test_replace_all_reads_the_stored_policies_and_skips_one_it_cannot_read() ->
     assert gates.held() == {"a"}
     gates.replace_all([])
     assert gates.held() == frozenset()
+
+
+def test_run_logs_a_failing_store_once_and_keeps_the_last_policies() -> None:
+    gates = Gates(Clock(ms(2026, 11, 28, 12)))
+    answers: list[Any] = [
+        [StoredPolicy("a", Policy(paused=True).encode(), 1)],
+        StorageError("down"),
+        StorageError("down"),
+    ]
+
+    async def load() -> list[StoredPolicy]:
+        if not answers:
+            raise asyncio.CancelledError  # the test's end
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    with structlog.testing.capture_logs() as logs, pytest.raises(asyncio.CancelledError):
+        asyncio.run(gates.run(load, 0.0))
+    assert gates.held() == {"a"}  # the last policies stay in force
+    assert [e["event"] for e in logs if e["event"] == "policies_not_loaded"] == ["policies_not_loaded"]
