@@ -53,6 +53,8 @@ VEHICLES = 120
 STEPS = 1500
 #: PostgreSQL runs every event as a transaction (a few ms each): fewer seeds and steps.
 PG_SEEDS = [1, 2]
+#: Seeds run with vehicle events over MQTT too (memory; PostgreSQL takes its first seed).
+MQTT_SEEDS = [1, 2, 3]
 PG_STEPS = 800
 #: Rows a cancel of every vehicle ends per transaction (max_rows_per_commit).
 CANCEL_CHUNK = 7
@@ -271,7 +273,9 @@ def brief(calls: list[Expected]) -> str:
     return ", ".join(f"{v}/{rid}/{s.hex()[:6]} {o.label} x{a} {r[:14]!r}" for v, rid, s, o, a, r in calls[:6])
 
 
-async def simulate(seed: int, vin_from_clientid: bool, open_store: OpenStore, steps: int = STEPS) -> Fleet:
+async def simulate(
+    seed: int, vin_from_clientid: bool, open_store: OpenStore, steps: int = STEPS, events: str = "hooks"
+) -> Fleet:
     fleet = Fleet(random.Random(seed))
     # With vin_from_clientid the dispatcher keeps no client map for these vehicles (clientid = VIN).
     named = (lambda clientid: True) if vin_from_clientid else None
@@ -280,7 +284,7 @@ async def simulate(seed: int, vin_from_clientid: bool, open_store: OpenStore, st
     wiring = Wiring(fleet, fleet.clock, link, named, RESPONSE_TIMEOUT_S, defer_acks=seed % 2 == 0, held=fleet.held_now)
     fleet.store = await open_store(wiring)
     try:
-        await run(fleet, steps)
+        await run(fleet, steps, events)
         fleet.store.commit_acks()
         await fleet.store.finish()
     finally:
@@ -288,8 +292,17 @@ async def simulate(seed: int, vin_from_clientid: bool, open_store: OpenStore, st
     return fleet
 
 
-async def run(fleet: Fleet, steps: int) -> None:
-    """The random steps, then everyone online until every row is drained."""
+async def run(fleet: Fleet, steps: int, events: str = "hooks") -> None:
+    """The random steps, then everyone online until every row is drained. With `events` "mqtt"
+    (vehicle_events), heartbeats and answers come as the events member hands them over (the VIN's
+    client, connection unknown), PUBACKs as the ack rule reports them (the acker's client id),
+    and the broker's ACL refuses an answer published on another vehicle's topic."""
+    over_mqtt = events == "mqtt"
+
+    def seen(session: Session) -> Session:
+        """The session dispatch gets for an event of `session`'s client."""
+        return Session("", session.clientid, "") if over_mqtt else session
+
     rng, store = fleet.rng, fleet.store
     d = store.dispatcher
     vins = list(fleet.vehicles)
@@ -345,12 +358,12 @@ async def run(fleet: Fleet, steps: int) -> None:
     def answer(v: Vehicle, request_id: str, payload: bytes, by: Vehicle) -> None:
         assert by.session is not None
         fleet.answer(v, request_id, payload, by)
-        d.responded(by.session, v.vin, request_id, payload, len(payload))
+        d.responded(seen(by.session), v.vin, request_id, payload, len(payload))
 
     def puback(v: Vehicle, msg: Delivery) -> None:
         assert v.session is not None
         fleet.puback(v, msg)
-        d.acked(v.session, v.vin, msg.request_id, sha1(msg.payload))
+        d.acked(seen(v.session), v.vin, msg.request_id, sha1(msg.payload))
 
     for fleet.step in range(steps):
         mark = len(store.acks)
@@ -366,7 +379,7 @@ async def run(fleet: Fleet, steps: int) -> None:
                 disconnect(v)
         elif r < 0.24:
             if v.session is not None:
-                d.heartbeat(Session("emqx@n1", v.vin, "10.1.0.1"), v.vin)
+                d.heartbeat(seen(Session("emqx@n1", v.vin, "10.1.0.1")), v.vin)
         elif r < 0.46:
             batch = rng.sample(vins, rng.randint(1, 30))
             rid = rng.choice(rids)
@@ -383,7 +396,7 @@ async def run(fleet: Fleet, steps: int) -> None:
             if v.unacked and by is not v and by.session is not None and rng.random() < 0.15:
                 # Forged: another vehicle got this one's delivery (a lax broker ACL) and PUBACKs it.
                 msg = v.unacked[0]
-                d.acked(by.session, v.vin, msg.request_id, sha1(msg.payload))
+                d.acked(seen(by.session), v.vin, msg.request_id, sha1(msg.payload))
                 fleet.events["puback_forged"] += 1
             elif v.session is not None and v.unacked:
                 puback(v, v.unacked.pop(0))
@@ -395,7 +408,7 @@ async def run(fleet: Fleet, steps: int) -> None:
                 answer(v, rng.choice(rids), b"answer to a guess", v)
             else:  # forged: another vehicle publishes on this one's response topic
                 by = fleet.vehicles[rng.choice(vins)]
-                if by is not v and by.session is not None and v.last is not None:
+                if by is not v and by.session is not None and v.last is not None and not over_mqtt:
                     answer(v, v.last.request_id, b"forged", by)
         elif r < 0.87:
             rid = rng.choice(rids)
@@ -508,18 +521,30 @@ FAILURES = {
 
 
 def cases() -> list[object]:
-    """(store, seed, vin_from_clientid): every seed on memory, fewer on PostgreSQL (runtime)."""
+    """(store, seed, vin_from_clientid, vehicle_events): every seed on memory, fewer on PostgreSQL
+    and with events over MQTT (runtime)."""
     return [
-        pytest.param(store, seed, named, id=f"{store}-{seed}-{'clientid-is-vin' if named else 'client-map'}")
-        for store, seeds in (("memory", SEEDS), ("postgresql", PG_SEEDS))
+        pytest.param(
+            store, seed, named, events, id=f"{store}-{seed}-{'clientid-is-vin' if named else 'client-map'}-{events}"
+        )
+        for events, store_seeds in (
+            ("hooks", (("memory", SEEDS), ("postgresql", PG_SEEDS))),
+            ("mqtt", (("memory", MQTT_SEEDS), ("postgresql", PG_SEEDS[:1]))),
+        )
+        for store, seeds in store_seeds
         for seed in seeds
-        for named in (False, True)
+        for named in ((False, True) if events == "hooks" else (True,))
     ]
 
 
-@pytest.mark.parametrize(("store_kind", "seed", "vin_from_clientid"), cases())
+@pytest.mark.parametrize(("store_kind", "seed", "vin_from_clientid", "events"), cases())
 def test_random_fleet_keeps_invariants_and_drains(
-    store_kind: str, seed: int, vin_from_clientid: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    store_kind: str,
+    seed: int,
+    vin_from_clientid: bool,
+    events: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Random interleavings (cancels, expiries and answers among them) never put two deliveries
     in a vehicle's slot, send only what may be sent, end each pair once as it happened, and drain."""
@@ -530,7 +555,7 @@ def test_random_fleet_keeps_invariants_and_drains(
         dsn = cluster.new_database(f"simulation_{next(_databases)}")
         open_store, steps = open_postgresql(dsn, monkeypatch), PG_STEPS
     with structlog.testing.capture_logs() as logs:
-        fleet = asyncio.run(simulate(seed, vin_from_clientid, open_store, steps))
+        fleet = asyncio.run(simulate(seed, vin_from_clientid, open_store, steps, events))
     assert [e for e in logs if e["event"] in FAILURES] == []
     assert fleet.violations == [], f"seed {seed}: {fleet.violations[:5]}"
     assert fleet.rows.rows == {}, f"seed {seed}: {len(fleet.rows.rows)} rows never delivered"
