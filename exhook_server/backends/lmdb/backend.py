@@ -24,7 +24,6 @@ from exhook_server.config import Config
 from exhook_server.dispatch.port import Dispatch, DispatchNeeds
 from exhook_server.errors import ConfigError
 from storage.errors import StorageError
-from storage.lmdb import export, plan
 from storage.lmdb.reads import LmdbReads
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
@@ -190,9 +189,13 @@ class LmdbBackend:
 
     async def export(self, out: str, progress: Callable[[int], None]) -> dict[str, Any]:
         """One consistent snapshot as Parquet (storage/lmdb/export.py); the manifest."""
+        from storage.lmdb import export  # pyarrow: only tools export, a server never does
+
         return export.export(self.store, out, progress=progress)
 
     async def apply_plan(self, path: Path, *, dry_run: bool, progress: Callable[[int], None]) -> ApplyReport:
         """A Spark GC plan, each delete through the committer (storage/lmdb/plan.py)."""
+        from storage.lmdb import plan  # pyarrow: only tools apply plans, a server never does
+
         assert self.committer is not None
         return plan.apply_plan(self.store, self.committer.submit, path, dry_run=dry_run, progress=progress)

@@ -19,11 +19,10 @@ from exhook_server.backends.postgres import pgmode
 from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.config import Config
 from exhook_server.dispatch.port import Dispatch, DispatchNeeds
-from storage import plan
 from storage.errors import StorageError
 from storage.model import ApplyReport
 from storage.port import Reads, Writes
-from storage.postgres import connect, export, migrate
+from storage.postgres import connect, migrate
 from storage.postgres.errors import PostgresError
 from storage.postgres.plan import PgTarget
 from storage.postgres.reads import PgReads
@@ -155,6 +154,8 @@ class PgBackend:
 
     async def export_size(self) -> int | None:
         """Records an export writes, estimated (for a progress bar)."""
+        from storage.postgres import export  # pyarrow: only tools export, a server never does
+
         try:
             async with self._connected_pool().acquire() as conn:
                 return await export.estimated_records(conn)
@@ -163,6 +164,8 @@ class PgBackend:
 
     async def export(self, out: str, progress: Callable[[int], None]) -> dict[str, Any]:
         """One consistent snapshot as Parquet (storage/postgres/export.py); the manifest."""
+        from storage.postgres import export
+
         try:
             async with self._connected_pool().acquire() as conn:
                 return await export.export(conn, out, progress=progress)
@@ -172,6 +175,8 @@ class PgBackend:
     async def apply_plan(self, path: Path, *, dry_run: bool, progress: Callable[[int], None]) -> ApplyReport:
         """A Spark GC plan on one connection (storage/postgres/plan.py): the walk runs in a thread,
         each delete on this loop."""
+        from storage import plan  # pyarrow: only tools apply plans
+
         loop = asyncio.get_running_loop()
         try:
             async with self._connected_pool().acquire() as conn:
