@@ -42,6 +42,9 @@ class Gates:
         self._recheck_ms = recheck_ms
         #: request id → its policy, only those that can hold (paused, start_at or windows).
         self._gated: dict[str, Policy] = {}
+        #: The stored form each policy was last read from, with what it decoded to (None: unreadable),
+        #: so a reload decodes (and logs) only the policies that changed since the last one.
+        self._read: dict[str, tuple[bytes, Policy | None]] = {}
         self._held: frozenset[str] = _NONE
         self._checked_ms: int | None = None
 
@@ -56,15 +59,21 @@ class Gates:
     def replace_all(self, found: list[StoredPolicy]) -> None:
         """Every policy in force, as the store has them."""
         gated = {}
+        read: dict[str, tuple[bytes, Policy | None]] = {}
         for stored in found:
-            try:
-                policy = Policy.decode(stored.doc)
-            except Exception as exc:  # a stored policy this build cannot read holds nothing
-                log.error("policy_unreadable", request_id=stored.request_id, error=repr(exc))
-                continue
-            if policy.paused or policy.start_at_ms or policy.windows:
+            before = self._read.get(stored.request_id)
+            if before is not None and before[0] == stored.doc:
+                policy = before[1]
+            else:
+                try:
+                    policy = Policy.decode(stored.doc)
+                except Exception as exc:  # a stored policy this build cannot read holds nothing
+                    log.error("policy_unreadable", request_id=stored.request_id, error=repr(exc))
+                    policy = None
+            read[stored.request_id] = (stored.doc, policy)
+            if policy is not None and (policy.paused or policy.start_at_ms or policy.windows):
                 gated[stored.request_id] = policy
-        self._gated = gated
+        self._gated, self._read = gated, read
         self._recheck()
 
     def held(self) -> frozenset[str]:

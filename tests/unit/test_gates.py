@@ -67,6 +67,24 @@ def test_replace_all_reads_the_stored_policies_and_skips_one_it_cannot_read() ->
     assert gates.held() == frozenset()
 
 
+def test_a_reload_decodes_only_the_policies_that_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refresh loop reloads every policy each second: an unchanged one is not decoded (nor an
+    unreadable one logged) again; a changed one is."""
+    decoded: list[bytes] = []
+    real = Policy.decode
+    monkeypatch.setattr(Policy, "decode", staticmethod(lambda doc: decoded.append(doc) or real(doc)))
+    gates = Gates(Clock(ms(2026, 11, 28, 12)))
+    paused, bad = StoredPolicy("a", Policy(paused=True).encode(), 1), StoredPolicy("b", b"not json", 1)
+    with structlog.testing.capture_logs() as logs:
+        gates.replace_all([paused, bad])
+        gates.replace_all([paused, bad])
+    assert decoded == [paused.doc, bad.doc]
+    assert [e["request_id"] for e in logs if e["event"] == "policy_unreadable"] == ["b"]
+    assert gates.held() == {"a"}
+    gates.replace_all([StoredPolicy("a", Policy(priority="high").encode(), 2), bad])
+    assert len(decoded) == 3 and gates.held() == frozenset()
+
+
 def test_run_logs_a_failing_store_once_and_keeps_the_last_policies() -> None:
     gates = Gates(Clock(ms(2026, 11, 28, 12)))
     answers: list[Any] = [
