@@ -101,6 +101,18 @@ class Batch:
 
 
 @dataclass(frozen=True, slots=True)
+class Preview:
+    """A batch with `"dry_run": true`: what it would do is reported, nothing is stored. `batch` is
+    the batch as parsed; None when VINs would get it rejected, every one of them in
+    `rejected_vins` (shown form)."""
+
+    request_id: str
+    batch: Batch | None
+    rejected_vins: tuple[str, ...] = ()
+    tags: Tags = Tags()
+
+
+@dataclass(frozen=True, slots=True)
 class Data:
     """A payload named by the platform's data_id, waited for by triggers."""
 
@@ -137,7 +149,7 @@ class PolicyDoc:
     tags: Tags = Tags()
 
 
-Parsed = Batch | Data | Trigger | Cancel | PolicyDoc
+Parsed = Batch | Preview | Data | Trigger | Cancel | PolicyDoc
 
 
 class BatchParser:
@@ -193,6 +205,11 @@ class BatchParser:
             return Cancel(request_id, vins, _tags(doc))
         if kind is Kind.POLICY:
             return PolicyDoc(self._request_id(doc), doc, _tags(doc))
+        if kind is Kind.BATCH and _dry_run(doc):
+            return self._preview(doc)
+        return self._rows(kind, doc)
+
+    def _rows(self, kind: Kind, doc: dict[str, Any]) -> Batch | Trigger:
         vins = self._vins(doc)
         request_id = self._request_id(doc)
         tags = _tags(doc)
@@ -200,6 +217,29 @@ class BatchParser:
         if kind is Kind.TRIGGER:
             return Trigger(vins, request_id, self._data_id(_field(doc, "data_id")), tags, life)
         return Batch(vins, request_id, _blob(doc), tags, life)
+
+    def _preview(self, doc: dict[str, Any]) -> Preview:
+        """The batch's own checks, in their order; a rejection for a VIN names every bad VIN
+        instead of the first (any other rejection is the batch's)."""
+        try:
+            batch = self._rows(Kind.BATCH, doc)
+        except BatchRejected as rej:
+            if rej.reason is not Reason.BAD_VIN:
+                raise
+            return Preview(self._request_id(doc), None, self.bad_vins(doc["ids"]), _tags(doc))
+        assert isinstance(batch, Batch)
+        return Preview(batch.request_id, batch, (), batch.tags)
+
+    def bad_vins(self, ids: list[Any]) -> tuple[str, ...]:
+        """Every distinct VIN of `ids` (a list within max_ids_per_batch) that `_check_vin`
+        refuses, in order, in the shown form of a receipt."""
+        bad: dict[str, None] = {}
+        for vin in dict.fromkeys(v for v in ids if isinstance(v, str)):
+            try:
+                self._check_vin(vin)
+            except BatchRejected:
+                bad[_shown(vin)] = None
+        return tuple(bad)
 
     def _lifecycle(self, doc: dict[str, Any]) -> Lifecycle:
         expires_ms = _expires_ms(doc.get("expires_at"))
@@ -290,6 +330,13 @@ def _check_level(reason: Reason, name: str, text: str, max_bytes: int) -> None:
         what = "VIN" if name == "vin" else name
         detail = f"{what} is not usable as one topic level: {problem}"
         raise BatchRejected(reason, detail, field=field, **{name: _shown(text)})
+
+
+def _dry_run(doc: dict[str, Any]) -> bool:
+    value = doc.get("dry_run", False)
+    if not isinstance(value, bool):
+        raise BatchRejected(Reason.WRONG_TYPE, "dry_run must be true or false", field="dry_run")
+    return value
 
 
 def _tags(doc: dict[str, Any]) -> Tags:

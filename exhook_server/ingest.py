@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -29,6 +29,7 @@ from exhook_server.batch import (
     Lifecycle,
     Parsed,
     PolicyDoc,
+    Preview,
     Tags,
     Trigger,
     implied_batch_id,
@@ -49,6 +50,9 @@ log = structlog.get_logger("sdv_fanout.ingest")
 
 #: Called with the (vins, request_id) of every batch that became rows; dispatch hooks in here.
 StoredListener = Callable[[tuple[str, ...], str], None]
+
+#: How many of these VINs are online now (dispatch answers it, for a preview's `online_now`).
+OnlineCount = Callable[[Sequence[str]], Awaitable[int]]
 
 #: Refused VINs named in one log line at most (the receipt names them all).
 _LOGGED_REFUSED = 5
@@ -84,6 +88,8 @@ class Ingestor:
         #: With a catch-up session, a batch or trigger without batch_id gets `implied_batch_id`.
         self._imply_ids = cfg.catchup_active
         self.listeners: list[StoredListener] = []
+        #: Counts the online VINs of a preview; None (tools, tests): previews say 0.
+        self.online_among: OnlineCount | None = None
         #: The jobs a message starts: a cancel's walk, the completion of parked triggers.
         self.cancels = Cancels(cfg, writes, clock, status)
         self.parked = ParkedTriggers(cfg, writes, self._parked_stored, clock, status)
@@ -132,13 +138,13 @@ class Ingestor:
     async def _store_parsed(self, parsed: Parsed) -> None:
         now = self._clock()
         if isinstance(parsed, Batch):
-            written = await self._writes.store_batch(
-                parsed.vins, parsed.request_id, parsed.blob, now, parsed.tags.batch_id, self._spec(parsed.life)
-            )
+            written = await self._writes.store_batch(*self._batch_args(parsed, now))
             if isinstance(written, Duplicate):
                 self._duplicate(written, parsed.tags)
                 return
             self._stored(written, "batch", tags=parsed.tags)
+        elif isinstance(parsed, Preview):
+            await self._preview(parsed, now)
         elif isinstance(parsed, Data):
             data = await self._writes.store_data(
                 parsed.data_id, parsed.blob, now, self._cfg.max_rows_per_commit, self._cfg.max_pending_per_vehicle
@@ -185,6 +191,52 @@ class Ingestor:
                 log.info("trigger_parked", data_id=trig.data_id, request_id=trig.request_id, vins=len(trig.vins))
             else:
                 self._stored(result.batch, "trigger", tags=trig.tags, data_id=trig.data_id)
+
+    def _batch_args(self, batch: Batch, now: int) -> tuple[Any, ...]:
+        """`Writes.store_batch`'s arguments for `batch`, which `preview_batch` takes too."""
+        return batch.vins, batch.request_id, batch.blob, now, batch.tags.batch_id, self._spec(batch.life)
+
+    async def _preview(self, preview: Preview, now: int) -> None:
+        """Report what the batch would do now (the store's own decision, undone), store nothing."""
+        would: tuple[str, ...] = ()
+        replaced = 0
+        refused: tuple[str, ...] = ()
+        duplicate = False
+        if preview.batch is not None:
+            written = await self._writes.preview_batch(*self._batch_args(preview.batch, now))
+            if isinstance(written, Duplicate):
+                duplicate = True
+            else:
+                would, replaced, refused = written.vins, written.replaced, written.refused
+        online = await self.online_among(would) if would and self.online_among is not None else 0
+        metrics.BATCHES_PREVIEWED.inc()
+        log.info(
+            "batch_previewed",
+            request_id=preview.request_id,
+            would_store=len(would),
+            already_pending=replaced,
+            refused=len(refused),
+            online_now=online,
+            rejected_vins=len(preview.rejected_vins),
+            duplicate=duplicate,
+        )
+        if self.status is None:
+            return
+        fields: dict[str, Any] = {"duplicate": True} if duplicate else {}
+        if preview.rejected_vins:
+            fields["reason"] = Reason.BAD_VIN.value
+        self.status.emit(
+            "preview",
+            preview.request_id,
+            would_store=len(would),
+            already_pending=replaced,
+            refused=_refused_list(refused),
+            online_now=online,
+            rejected_vins=list(preview.rejected_vins),
+            batch_id=shown_batch_id(preview.tags.batch_id),
+            correlation_id=preview.tags.correlation_id,
+            **fields,
+        )
 
     def _spec(self, life: Lifecycle) -> RowSpec:
         return RowSpec(life.expires_ms, life.flags, self._cfg.max_pending_per_vehicle)
@@ -257,12 +309,14 @@ class Ingestor:
         (`detail`) and, where one is at fault, the batch `field` and the `vin`, all bounded."""
         if self.status is None or not self.status.enabled:
             return
-        request_id, correlation_id, batch_id = _peek_ids(kind, payload, self._cfg.max_request_id_bytes)
-        # `of` names the message refused: a refused cancel must not read as a rejected batch of R.
+        request_id, correlation_id, batch_id, dry_run = _peek_ids(kind, payload, self._cfg.max_request_id_bytes)
+        # `of` names the message refused: a refused cancel must not read as a rejected batch of R,
+        # nor a refused preview (`dry_run`) as a rejected batch.
         self.status.emit(
             "rejected",
             request_id,
             of=kind.value,
+            dry_run=dry_run or None,
             reason=reason,
             detail=bounded_detail(detail),
             field=field,
@@ -304,23 +358,25 @@ def _count_blob(new_blob: bool) -> None:
     (metrics.BLOBS_NEW if new_blob else metrics.DEDUP_HITS).inc()
 
 
-def _peek_ids(kind: Kind, payload: bytes, max_request_id_bytes: int) -> tuple[str | None, str | None, str | None]:
+def _peek_ids(kind: Kind, payload: bytes, max_request_id_bytes: int) -> tuple[str | None, str | None, str | None, bool]:
     """request_id, correlation_id and batch_id of a rejected batch, where they are usable:
-    a request id only if it could be a status topic level, tags only if short strings."""
+    a request id only if it could be a status topic level, tags only if short strings; and
+    whether it asked for a preview (`"dry_run": true`)."""
     if kind is Kind.DATA or len(payload) > 4 << 20:
-        return None, None, None
+        return None, None, None, False
     try:
         doc = orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return None, None, None
+        return None, None, None, False
     if not isinstance(doc, dict):
-        return None, None, None
+        return None, None, None, False
     rid = doc.get("request_id")
     usable = isinstance(rid, str) and is_level(rid) and len(rid.encode(errors="replace")) <= max_request_id_bytes
     return (
         rid if usable else None,
         _short(doc.get("correlation_id"), MAX_CORRELATION_ID_BYTES),
         _short(doc.get("batch_id"), MAX_BATCH_ID_BYTES),
+        kind is Kind.BATCH and doc.get("dry_run") is True,
     )
 
 

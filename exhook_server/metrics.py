@@ -19,6 +19,9 @@ BATCHES_STORED = Counter("sdv_fanout_batches_stored_total", "Batches durably sto
 BATCHES_DUPLICATE = Counter(
     "sdv_fanout_batches_duplicate_total", "Batches whose batch_id was stored before: nothing written, receipt again"
 )
+BATCHES_PREVIEWED = Counter(
+    "sdv_fanout_batches_previewed_total", 'Batches with "dry_run": true: reported what they would store, stored nothing'
+)
 ROWS_STORED = Counter("sdv_fanout_rows_stored_total", "(VIN, request_id) rows written")
 ROWS_REPLACED = Counter("sdv_fanout_rows_replaced_total", "Rows that replaced an older row of the same VIN and request")
 BLOBS_NEW = Counter("sdv_fanout_blobs_written_total", "Payload blobs written (first sighting)")

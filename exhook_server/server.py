@@ -156,6 +156,7 @@ class FanoutServer:
             )
         )
         self.ingestor.listeners.append(self.dispatcher.new_batch)
+        self.ingestor.online_among = self.dispatcher.online_among
         self.cancels.listener = self.dispatcher.cancelled
         if cfg.status_per_vehicle:
             self.cancels.outcome_listeners.append(self._vehicle_outcome)

@@ -9,7 +9,7 @@ handles any vehicle). Both run the same rules (`worker.Worker`); callers never k
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -74,6 +74,10 @@ class Dispatch(Protocol):
 
     async def group_online(self) -> list[str]:
         """Every online VIN, sorted."""
+        ...
+
+    async def online_among(self, vins: Sequence[str]) -> int:
+        """How many of `vins` are online now (a preview's `online_now`)."""
         ...
 
 

@@ -73,8 +73,64 @@ async def store_batch(
     `vins` are distinct (the hook layer folds duplicates). One round trip: `sdv_store_batch`
     (sql/functions/batches.sql) is the whole transaction."""
     sha1 = sha1_of(blob)
-    args = (list(vins), request_id, blob, sha1, now_ms, batch_id, spec.expires_ms, spec.flags, spec.max_pending)
-    out = await retrying_call(f"batch of {request_id}", lambda: fetch_one(conn, _STORE_BATCH, *args, TOUCH_EVERY_MS))
+    args = _store_args(vins, request_id, blob, sha1, now_ms, batch_id, spec)
+    out = await retrying_call(f"batch of {request_id}", lambda: fetch_one(conn, _STORE_BATCH, *args))
+    return _written(vins, request_id, sha1, batch_id, out)
+
+
+class _Undo(Exception):
+    """Ends a preview's transaction (rolled back) with what its statement returned."""
+
+    def __init__(self, out: Record) -> None:
+        self.out = out
+
+
+async def preview_batch(
+    conn: Connection,
+    vins: Sequence[str],
+    request_id: str,
+    blob: bytes,
+    now_ms: int,
+    batch_id: str | None = None,
+    spec: RowSpec = PLAIN,
+) -> BatchWritten | Duplicate:
+    """What `store_batch` would return now, writing nothing: the same statement
+    (`sdv_store_batch`) in a transaction that is rolled back, so the decision is the batch's own."""
+    sha1 = sha1_of(blob)
+    args = _store_args(vins, request_id, blob, sha1, now_ms, batch_id, spec)
+
+    async def undone() -> Record:
+        try:
+            async with conn.transaction():
+                raise _Undo(await fetch_one(conn, _STORE_BATCH, *args))
+        except _Undo as undo:
+            return undo.out
+
+    out = await retrying_call(f"preview of {request_id}", undone)
+    return _written(vins, request_id, sha1, batch_id, out)
+
+
+def _store_args(
+    vins: Sequence[str], request_id: str, blob: bytes, sha1: bytes, now_ms: int, batch_id: str | None, spec: RowSpec
+) -> tuple[object, ...]:
+    """`sdv_store_batch`'s arguments, in its order."""
+    return (
+        list(vins),
+        request_id,
+        blob,
+        sha1,
+        now_ms,
+        batch_id,
+        spec.expires_ms,
+        spec.flags,
+        spec.max_pending,
+        TOUCH_EVERY_MS,
+    )
+
+
+def _written(
+    vins: Sequence[str], request_id: str, sha1: bytes, batch_id: str | None, out: Record
+) -> BatchWritten | Duplicate:
     if batch_id is not None and not out["taken"]:
         return _duplicate(batch_id, out)
     refused = tuple(out["refused"])

@@ -305,6 +305,11 @@ async def totals(conn: Connection) -> tuple[int, int, int]:
     return int(r["online"]), int(r["out"]), int(r["awaiting"])
 
 
+async def online_among(conn: Connection, vins: Sequence[str]) -> int:
+    """How many of `vins` are online (one index probe each)."""
+    return int(await conn.fetchval("SELECT count(*) FROM presence WHERE vin = ANY($1::text[])", list(vins)))
+
+
 async def online_page(conn: Connection, after: str, limit: int) -> list[str]:
     """Online vehicles after `after`, in VIN order."""
     found = await conn.fetch("SELECT vin FROM presence WHERE vin > $1 ORDER BY vin LIMIT $2", after, limit)

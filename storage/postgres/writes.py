@@ -54,6 +54,17 @@ class PgWrites:
     ) -> BatchWritten | Duplicate:
         return await self._run(batches.store_batch, vins, request_id, blob, now_ms, batch_id, spec)
 
+    async def preview_batch(
+        self,
+        vins: Sequence[str],
+        request_id: str,
+        blob: bytes,
+        now_ms: int,
+        batch_id: str | None = None,
+        spec: RowSpec = PLAIN,
+    ) -> BatchWritten | Duplicate:
+        return await self._run(batches.preview_batch, vins, request_id, blob, now_ms, batch_id, spec)
+
     async def store_data(self, data_id: str, blob: bytes, now_ms: int, max_rows: int, max_pending: int) -> DataWritten:
         return await self._run(parked.store_data, data_id, blob, now_ms, max_rows, max_pending)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from exhook_server.status import StatusPublisher
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
 from storage.lmdb.writes import LmdbWrites
+from storage.model import BatchWritten, Duplicate
 from storage.port import Writes
 from storage.postgres import migrate
 from storage.postgres.writes import PgWrites
@@ -39,6 +40,8 @@ class Heard:
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
+        #: What the store returned for each batch, when the test wraps it.
+        self.stored: Stored | None = None
 
     def publish_status(self, topic: str, payload: bytes, on_puback: Callable[[int], None]) -> bool:
         self.events.append(json.loads(payload))
@@ -84,13 +87,29 @@ def opener(request: pytest.FixtureRequest, each_store: str, tmp_path: Path) -> O
     return lambda: pg_writes(dsn)
 
 
+class Stored:
+    """The store's Writes, keeping what each store_batch returned (what a preview must match)."""
+
+    def __init__(self, writes: Writes) -> None:
+        self._writes = writes
+        self.results: list[BatchWritten | Duplicate] = []
+
+    async def store_batch(self, *args: Any) -> BatchWritten | Duplicate:
+        self.results.append(await self._writes.store_batch(*args))
+        return self.results[-1]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writes, name)
+
+
 def run(opener: Opener, body: Callable[[Ingestor, Heard], Awaitable[None]], **settings: Any) -> None:
     cfg = Config(**settings)
 
     async def go() -> None:
         async with opener() as writes:
             heard = Heard()
-            ingestor = Ingestor(cfg, writes, status=StatusPublisher(cfg, lambda: heard))
+            heard.stored = Stored(writes)
+            ingestor = Ingestor(cfg, heard.stored, status=StatusPublisher(cfg, lambda: heard))
             try:
                 await body(ingestor, heard)
             finally:
@@ -222,3 +241,75 @@ def test_without_the_catchup_session_a_message_without_batch_id_is_stored_each_t
         assert [a.get("duplicate", False) for a in heard.of("accepted")] == [False, False]
 
     run(opener, body, catchup_enabled=False)
+
+
+async def preview_then_ingest(ingestor: Ingestor, heard: Heard, payload: bytes) -> tuple[dict[str, Any], Any]:
+    """The preview of `payload` (sent with "dry_run": true, twice: the first wrote nothing), then
+    what the same batch without dry_run did, in the preview's terms."""
+    dry = json.dumps({**json.loads(payload), "dry_run": True}).encode()
+    assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", dry)
+    assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", dry)
+    first, preview = heard.of("preview")[-2:]
+    assert first == {**preview, "ts_ms": first["ts_ms"]}
+    heard.events.clear()
+    if not await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", payload):
+        [rejected] = heard.events
+        return preview, ("rejected", rejected["reason"])
+    [receipt] = heard.events
+    if receipt.get("duplicate"):
+        return preview, ("duplicate", receipt["vins"])
+    assert heard.stored is not None
+    written = heard.stored.results[-1]
+    assert isinstance(written, BatchWritten) and receipt["vins"] == written.rows
+    return preview, (written.rows, written.replaced, receipt["refused"])
+
+
+def test_a_preview_says_what_the_same_batch_then_does(opener: Opener) -> None:
+    """new, replacing, refused at the bound, duplicate, bad VINs: the preview (stored nothing)
+    equals what the batch does right after it, on either store."""
+    online = {"V2", "V3"}
+
+    async def count_online(vins: Sequence[str]) -> int:
+        return sum(1 for v in vins if v in online)
+
+    async def body(ingestor: Ingestor, heard: Heard) -> None:
+        ingestor.online_among = count_online
+        preview, did = await preview_then_ingest(ingestor, heard, batch(["V1", "V2"], "R1", "a", batch_id="b1"))
+        assert did == (2, 0, []) and preview["already_pending"] == 0
+        assert (preview["would_store"], preview["online_now"], preview["batch_id"]) == (2, 1, "b1")
+
+        preview, did = await preview_then_ingest(ingestor, heard, batch(["V2", "V3", "V4"], "R1", "b"))
+        assert did == (3, 1, []) and (preview["would_store"], preview["already_pending"]) == (3, 1)
+        assert preview["online_now"] == 2
+
+        # The bound is 2: V2 holds R1 and R2 then; R3 is refused for it, replaces nothing new.
+        await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", batch(["V2"], "R2", "c"))
+        preview, did = await preview_then_ingest(ingestor, heard, batch(["V2", "V5"], "R3", "d"))
+        refused = [{"vin": "V2", "reason": "vehicle_backlog_full"}]
+        assert did == (1, 0, refused) and preview["refused"] == refused
+        assert (preview["would_store"], preview["online_now"]) == (1, 0)
+
+        preview, did = await preview_then_ingest(ingestor, heard, batch(["V9"], "R1", "e", batch_id="b1"))
+        assert did == ("duplicate", 2)
+        assert (preview["duplicate"], preview["would_store"], preview["already_pending"]) == (True, 0, 0)
+
+        bad = batch(["V1", "no vin", "V2", "a/b", "no vin"], "R1", "f")
+        preview, did = await preview_then_ingest(ingestor, heard, bad)
+        assert did == ("rejected", "bad_vin")
+        assert preview["rejected_vins"] == ["no vin", "a/b"] and preview["reason"] == "bad_vin"
+        assert preview["would_store"] == 0
+
+    run(opener, body, max_pending_per_vehicle=2)
+
+
+def test_a_preview_refused_for_another_reason_is_a_rejected_dry_run(opener: Opener) -> None:
+    """A dry run the batch's own checks refuse gets the batch's `rejected`, marked dry_run."""
+
+    async def body(ingestor: Ingestor, heard: Heard) -> None:
+        payload = json.dumps({"ids": ["V1"], "request_id": "R1", "dry_run": True}).encode()
+        assert not await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", payload)
+        [rejected] = heard.of("rejected")
+        assert (rejected["reason"], rejected["dry_run"], rejected["request_id"]) == ("missing_field", True, "R1")
+        assert heard.of("preview") == []
+
+    run(opener, body)

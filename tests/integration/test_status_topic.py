@@ -107,6 +107,18 @@ def test_a_retried_batch_id_is_not_delivered_again(rig: Rig, platform: Platform)
     assert rig.rows() == 0 and len(v.received) == 1
 
 
+def test_a_preview_counts_the_online_vehicles_and_sends_nothing(rig: Rig, platform: Platform) -> None:
+    """dry_run: a preview with the batch's online VINs (dispatch's presence), no row, no delivery."""
+    v = rig.online("V1")
+    poll(lambda: rig.srv.run(rig.srv.server.dispatcher.group_online()) == ["V1"])  # presence is recorded
+    rig.emqx.publish_batch(["V1", "V2"], "task_ota_1", "fw", dry_run=True)
+    [preview] = platform.wait(event="preview", request_id="task_ota_1")
+    assert (preview["would_store"], preview["online_now"], preview["rejected_vins"]) == (2, 1, [])
+    rig.emqx.publish_batch(["V1"], "task_ota_2", "fw2")
+    v.wait_for(1)
+    assert rig.rids(v) == ["task_ota_2"] and platform.events(event="accepted", request_id="task_ota_1") == []
+
+
 def test_a_parked_trigger_gets_its_receipt_when_its_data_arrives(rig: Rig, platform: Platform) -> None:
     """Plugin format: no receipt while the trigger waits; accepted, with its tags, once the data is stored."""
     trigger = {"ids": ["V1"], "request_id": "task_cfg_1", "data_id": "d1", "batch_id": "b-9", "correlation_id": "c-9"}

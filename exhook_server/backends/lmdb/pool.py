@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -342,6 +342,8 @@ class Dispatcher:
             return (None, None) if worker is None else (worker.presence.get(query[1]), worker.inflight.get(query[1]))
         if query[0] == "online":
             return self.online()
+        if query[0] == "online_among":
+            return sum(1 for vin in query[1] if (w := self.worker_of(vin)) is not None and vin in w.presence)
         if query[0] == "totals":
             return self.online_count(), self.in_flight_count(), self.backlog()
         if query[0] == "cancelled":
@@ -365,6 +367,10 @@ class Dispatcher:
     async def group_online(self) -> list[str]:
         """Every VIN online in any process of the group, sorted (for paging)."""
         return sorted(vin for part in await self._ask_all(("online",)) for vin in part)
+
+    async def online_among(self, vins: Sequence[str]) -> int:
+        """How many of `vins` are online in any process of the group (each answers for its own)."""
+        return sum(await self._ask_all(("online_among", tuple(vins))))
 
     async def group_totals(self) -> tuple[int, int, int]:
         """(online vehicles, deliveries in flight, queued commands) over the group."""

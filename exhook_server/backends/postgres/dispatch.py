@@ -16,7 +16,7 @@ import contextlib
 import functools
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -710,6 +710,11 @@ class SharedDispatcher:
             loaded = await pgd.load(conn, vin, self._now_ms(), 0)
         presence, entry, _ = _state(loaded)
         return presence, entry
+
+    async def online_among(self, vins: Sequence[str]) -> int:
+        """How many of `vins` are online, on any instance."""
+        async with self._pool.acquire() as conn:
+            return await pgd.online_among(conn, vins)
 
     async def group_online(self) -> list[str]:
         """Every online VIN, sorted (for paging)."""
