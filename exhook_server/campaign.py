@@ -17,6 +17,7 @@ from exhook_server import metrics
 from exhook_server.batch import PolicyDoc
 from exhook_server.config import Config
 from exhook_server.dispatch.gates import Gates
+from exhook_server.dispatch.pacing import Pacer
 from exhook_server.errors import BatchRejected, Reason
 from exhook_server.policy import Policy, parse_fields
 from exhook_server.status import StatusPublisher
@@ -36,6 +37,8 @@ class Campaigns:
         self._clock = clock
         #: This process's gates, told of every change at once (others reload within policy_refresh_s).
         self.gates: Gates | None = None
+        #: This process's pacing, told the same way.
+        self.pacer: Pacer | None = None
 
     async def apply(self, message: PolicyDoc, status: StatusPublisher | None = None) -> Policy | None:
         """Validate, store and report one policy message; the policy now in force (None: none).
@@ -44,12 +47,15 @@ class Campaigns:
         policy = parse_fields(message.fields)
         rid = message.request_id
         doc = None if policy is None else policy.encode()
+        set_ms = self._clock()
         try:
-            had = await self._writes.set_policy(rid, doc, self._clock(), self._cfg.max_policies)
+            had = await self._writes.set_policy(rid, doc, set_ms, self._cfg.max_policies)
         except PoliciesFull as exc:
             raise BatchRejected(Reason.POLICIES_FULL, str(exc), request_id=rid) from None
         if self.gates is not None:
             self.gates.set(rid, policy)
+        if self.pacer is not None:
+            self.pacer.set(rid, policy, set_ms)
         shown = None if policy is None else policy.as_doc()
         metrics.POLICIES_SET.labels("cleared" if policy is None else "set").inc()
         log.info("policy_set", request_id=rid, policy=shown, replaced=had)

@@ -89,6 +89,19 @@ ONLINE_VEHICLES = Gauge(
     "sdv_fanout_online_vehicles", "VINs with a live session known to dispatch", multiprocess_mode="livesum"
 )
 IN_FLIGHT = Gauge("sdv_fanout_in_flight", "Deliveries waiting for their PUBACK", multiprocess_mode="livesum")
+CAMPAIGNS_PACED = Gauge(
+    "sdv_fanout_campaigns_paced",
+    "Requests that may not start a delivery now for their rate (max_per_minute, ramp) or max_in_flight",
+    multiprocess_mode="max",
+)
+PACED_STARTS = Counter(
+    "sdv_fanout_paced_starts_total", "Deliveries started of requests whose policy bounds their rate or concurrency"
+)
+PACING_IDLE_VEHICLES = Gauge(
+    "sdv_fanout_pacing_idle_vehicles",
+    "Online vehicles with nothing to send while a paced request waits for capacity (offered it when it returns)",
+    multiprocess_mode="livesum",
+)
 CAMPAIGNS_HELD = Gauge(
     "sdv_fanout_campaigns_held",
     "Requests whose campaign policy holds their deliveries now (paused, before start_at, outside its windows)",

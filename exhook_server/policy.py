@@ -117,6 +117,27 @@ class Policy:
         assert found is not None
         return found
 
+    @property
+    def paces(self) -> bool:
+        """Whether the policy bounds the rate or the concurrency of R's deliveries."""
+        return self.max_per_minute is not None or self.max_in_flight is not None
+
+    def rate_per_minute(self, elapsed_ms: int) -> float | None:
+        """Deliveries per minute allowed `elapsed_ms` after the policy was set (None: no bound):
+        the ramp's start rate multiplied by its factor once per `every_s` elapsed, up to
+        `max_per_minute`."""
+        if self.max_per_minute is None:
+            return None
+        ramp = self.ramp
+        if ramp is None:
+            return float(self.max_per_minute)
+        steps = max(0, elapsed_ms) // (ramp.every_s * 1000)
+        # factor > 1: past log(max/start)/log(factor) steps the ramp is over (no huge powers).
+        top = math.log(self.max_per_minute / ramp.start_per_minute) / math.log(ramp.factor)
+        if steps >= top:
+            return float(self.max_per_minute)
+        return min(float(self.max_per_minute), ramp.start_per_minute * ramp.factor**steps)
+
     def opens_at(self, now_ms: int) -> int | None:
         """When a delivery of the request may start, as seen at `now_ms`: `now_ms` itself if now,
         a later epoch ms when start_at or the next window opens it, None while paused."""

@@ -31,6 +31,7 @@ from exhook_server.backends.postgres.backend import PgBackend
 from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
 from exhook_server.dispatch.gates import Gates
+from exhook_server.dispatch.pacing import Pacer
 from exhook_server.dispatch.port import Dispatch, DispatchNeeds
 from exhook_server.errors import ConfigError, StorageError
 from exhook_server.expiry import ExpirySweep
@@ -143,6 +144,11 @@ class FanoutServer:
         #: Campaign policies' gates (paused, start_at, windows): held requests' rows wait.
         self.gates = Gates(clock, on_open=self._gate_opened)
         self.ingestor.campaigns.gates = self.gates
+        #: Campaign pacing (max_per_minute, ramp, max_in_flight): blocked requests' rows wait.
+        budget, cap_share = self.backend.pacing_budget(lambda: clock() / 1000)
+        self.pacer = Pacer(budget, wall_ms=clock, cap_share=cap_share, on_wake=self._offer_capacity)
+        self.ingestor.campaigns.pacer = self.pacer
+        self.gates.on_reload = self.pacer.replace_all
         vin_re = re.compile(cfg.vin_pattern)
         self.dispatcher: Dispatch = self.backend.dispatcher(
             DispatchNeeds(
@@ -153,6 +159,7 @@ class FanoutServer:
                 sender=self._sender,
                 connected=lambda: self.delivery is not None and self.delivery.connected,
                 held=self.gates.held,
+                pacing=self.pacer,
             )
         )
         self.ingestor.listeners.append(self.dispatcher.new_batch)
@@ -272,6 +279,10 @@ class FanoutServer:
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
+    def _offer_capacity(self, vins: list[str]) -> None:
+        """A paced request may start more deliveries: offer it to these idle vehicles."""
+        self.dispatcher.new_batch(vins)
+
     async def _offer(self, request_id: str) -> None:
         after = ""
         while True:  # one page of VINs at a time: bounded reads, any number of vehicles
@@ -363,6 +374,7 @@ class FanoutServer:
         self._tasks.append(
             asyncio.create_task(self.gates.run(self.backend.writes.policies, self.cfg.policy_refresh_s), name="gates")
         )
+        self._tasks.append(asyncio.create_task(self.pacer.run(), name="pacing"))
         # Store-wide work: on LMDB once per data dir; on PostgreSQL every instance sweeps (their
         # statements skip what another holds) and resumes what a crash left, and one instance at
         # a time (the leader) reports progress and collects.

@@ -18,6 +18,7 @@ from exhook_server.config import Config
 
 if TYPE_CHECKING:
     from exhook_server.backends.lmdb.peers import Group
+    from exhook_server.dispatch.pacing import Budget
     from exhook_server.dispatch.port import Dispatch, DispatchNeeds
     from storage.model import ApplyReport
     from storage.port import Reads, Writes
@@ -55,6 +56,11 @@ class Backend(Protocol):
     # -- a server ------------------------------------------------------------------------
     def dispatcher(self, needs: DispatchNeeds) -> Dispatch:
         """This store's dispatch (built once)."""
+        ...
+
+    def pacing_budget(self, clock_s: Callable[[], float]) -> tuple[Budget, Callable[[int], int]]:
+        """Where the campaigns' fleet-wide buckets live (dispatch/pacing.py), and this process's
+        share of a max_in_flight."""
         ...
 
     async def start(self) -> None:

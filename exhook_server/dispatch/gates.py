@@ -47,6 +47,8 @@ class Gates:
         self._read: dict[str, tuple[bytes, Policy | None]] = {}
         self._held: frozenset[str] = _NONE
         self._checked_ms: int | None = None
+        #: Told of every policy in force after each reload: (request id, policy, set_ms).
+        self.on_reload: Callable[[list[tuple[str, Policy, int]]], None] | None = None
 
     def set(self, request_id: str, policy: Policy | None) -> None:
         """The policy of `request_id` is now `policy` (None: none)."""
@@ -75,6 +77,8 @@ class Gates:
                 gated[stored.request_id] = policy
         self._gated, self._read = gated, read
         self._recheck()
+        if self.on_reload is not None:
+            self.on_reload([(s.request_id, p, s.set_ms) for s in found if (p := read[s.request_id][1]) is not None])
 
     def held(self) -> frozenset[str]:
         """The request ids whose rows may not start a delivery now."""

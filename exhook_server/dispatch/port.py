@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from exhook_server.dispatch.commands import EndReason, Session
 from exhook_server.dispatch.ring import HashRing
-from exhook_server.dispatch.worker import OutcomeListener, Publisher, ResponseListener
+from exhook_server.dispatch.worker import OutcomeListener, Pacing, Publisher, ResponseListener
 
 
 class Dispatch(Protocol):
@@ -99,3 +99,5 @@ class DispatchNeeds:
     connected: Callable[[], bool]
     #: The request ids whose campaign policy holds their rows now (dispatch/gates.py); None: none.
     held: Callable[[], frozenset[str]] | None = None
+    #: Campaign pacing (max_per_minute, ramp, max_in_flight; dispatch/pacing.py); None: none.
+    pacing: Pacing | None = None

@@ -112,6 +112,26 @@ class RowSource(Protocol):
         ...
 
 
+class Pacing(Protocol):
+    """What a campaign's pacing asks of dispatch (dispatch/pacing.py)."""
+
+    def blocked(self) -> frozenset[str]:
+        """Request ids that may not start a delivery now (no token, or at max_in_flight)."""
+        ...
+
+    def started(self, request_id: str) -> None:
+        """A delivery of `request_id` was published."""
+        ...
+
+    def out(self, request_id: str, delta: int) -> None:
+        """A delivery of `request_id` entered (+1) or left (-1) the in-flight table."""
+        ...
+
+    def idle(self, vin: str) -> None:
+        """`vin` found nothing to send while some request was blocked."""
+        ...
+
+
 #: Told when dispatch ends a pair: (vin, request_id, sha1, outcome, attempts).
 OutcomeListener = Callable[[str, str, bytes, Outcome, int], None]
 #: Told of an accepted answer: (vin, request_id, sha1, the answer's first bytes, its full size).
@@ -134,12 +154,42 @@ class InFlight:
     cancelled: bool = False
 
 
+class InFlightTable(dict[str, InFlight]):
+    """VIN → its delivery in flight, telling pacing of each delivery that enters or leaves it."""
+
+    __slots__ = ("_pacing",)
+
+    def __init__(self, pacing: Pacing) -> None:
+        super().__init__()
+        self._pacing = pacing
+
+    def __setitem__(self, vin: str, entry: InFlight) -> None:
+        before = self.get(vin)
+        if before is not None:
+            self._pacing.out(before.request_id, -1)
+        super().__setitem__(vin, entry)
+        self._pacing.out(entry.request_id, 1)
+
+    def __delitem__(self, vin: str) -> None:
+        entry = self[vin]
+        super().__delitem__(vin)
+        self._pacing.out(entry.request_id, -1)
+
+    def pop(self, vin: str, *default: Any) -> Any:
+        if vin in self:
+            entry = self[vin]
+            del self[vin]
+            return entry
+        return super().pop(vin, *default)
+
+
 #: What a worker holds for one vehicle: its live session, its delivery in flight, and the
 #: (request_id, sha1, attempts, await_response) of a voided one (never both deliveries).
 VehicleState = tuple[Session | None, InFlight | None, tuple[str, bytes, int, bool] | None]
 
 
 V = TypeVar("V")
+_NOTHING: frozenset[str] = frozenset()
 #: Rows one send may end on its way to a row it can send (failed at max_attempts, or found
 #: past its response timeout after a restart); the next trigger goes on.
 _ENDS_PER_SEND = 16
@@ -189,8 +239,11 @@ class Worker:
         response_timeout_s: float = 300.0,
         on_response: ResponseListener | None = None,
         held: Callable[[], frozenset[str]] | None = None,
+        pacing: Pacing | None = None,
     ) -> None:
         self.name = name
+        #: Campaign pacing (rates, max_in_flight); None: nothing paced.
+        self._pacing = pacing
         #: The request ids whose rows may not start a delivery now (dispatch/gates.py); None: none.
         self._held = held
         self._rows = rows
@@ -206,7 +259,7 @@ class Worker:
         #: the clientid is the VIN, see `_own`.
         self.presence: dict[str, Session] = {}
         #: VIN → the one delivery waiting for its PUBACK.
-        self.inflight: dict[str, InFlight] = {}
+        self.inflight: dict[str, InFlight] = {} if pacing is None else InFlightTable(pacing)
         #: VIN → (request_id, sha1, attempts, await_response) of a delivery published and not
         #: acked whose in-flight entry was voided since: sending it again is a re-send (one more
         #: attempt). While a delivery is in flight, its entry says so instead (one entry per VIN).
@@ -329,10 +382,16 @@ class Worker:
                 if entry.cancelled and not fresh:
                     self._give_up(vin, entry, "cancelled_unacked")
         held = self._held() if self._held is not None else None
+        pacing = self._pacing
+        blocked = pacing.blocked() if pacing is not None else _NOTHING
+        if blocked:
+            held = held | blocked if held else blocked
         for _ in range(_ENDS_PER_SEND):
             found = self._rows.oldest(vin, held) if held else self._rows.oldest(vin)
             if found is None:
                 self._void(vin)
+                if pacing is not None and blocked:
+                    pacing.idle(vin)
                 return
             row, payload = found
             prior = self._attempts(vin, row.request_id, row.sha1)
@@ -359,6 +418,8 @@ class Worker:
             row.request_id, row.sha1, session, self._clock(), attempts, await_response=row.await_response
         )
         self._unacked.pop(vin, None)
+        if pacing is not None:
+            pacing.started(row.request_id)
         self._rows.sent(vin, row, attempts)
         (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
         log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)

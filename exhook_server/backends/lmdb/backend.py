@@ -21,6 +21,7 @@ from exhook_server.backends.lmdb.peers import Group, Peers
 from exhook_server.backends.lmdb.pool import Dispatcher
 from exhook_server.backends.lmdb.rows import StoreRows
 from exhook_server.config import Config
+from exhook_server.dispatch.pacing import Budget, Lease, LocalBudget
 from exhook_server.dispatch.port import Dispatch, DispatchNeeds
 from exhook_server.errors import ConfigError
 from storage.errors import StorageError
@@ -55,6 +56,8 @@ class LmdbBackend:
         self.rows: StoreRows | None = None
         self.peers: Peers | None = None
         self._dispatcher: Dispatcher | None = None
+        #: The campaigns' fleet-wide buckets, in process 0 of a group (`pacing_budget`).
+        self._budget: LocalBudget | None = None
         if not tool:
             self._open()
 
@@ -129,10 +132,38 @@ class LmdbBackend:
             response_timeout_s=cfg.response_timeout_s,
             on_response=needs.on_response,
             held=needs.held,
+            pacing=needs.pacing,
         )
-        self.peers = Peers(group, dispatcher.receive, dispatcher.answer) if group else None
+        self.peers = Peers(group, dispatcher.receive, self._answer) if group else None
         self._dispatcher = dispatcher
         return dispatcher
+
+    def pacing_budget(self, clock_s: Callable[[], float]) -> tuple[Budget, Callable[[int], int]]:
+        """The campaigns' buckets: in this process when alone or process 0 of a group (the
+        others lease from it over the group's links), and this process's share of a
+        max_in_flight (its VINs are its own: a cap split over the processes holds exactly)."""
+        self._budget = LocalBudget(clock_s)
+        group = self.group
+        if group is None or group.size == 1:
+            return self._budget, lambda cap: cap
+        index, size = group.index, group.size
+
+        def share(cap: int) -> int:
+            return cap // size + (1 if index < cap % size else 0)
+
+        if index == 0:
+            return self._budget, share
+        return _GroupBudget(self._peers), share
+
+    def _answer(self, query: tuple[Any, ...]) -> Any:
+        """A peer's question: a lease of process 0's buckets, else one for dispatch."""
+        if query[0] == "lease" and self._budget is not None:
+            return self._budget.take(query[1])
+        if query[0] == "forget" and self._budget is not None:
+            self._budget.drop(query[1])
+            return None
+        assert self._dispatcher is not None
+        return self._dispatcher.answer(query)
 
     def _peers(self) -> Peers:
         assert self.peers is not None
@@ -199,3 +230,17 @@ class LmdbBackend:
 
         assert self.committer is not None
         return plan.apply_plan(self.store, self.committer.submit, path, dry_run=dry_run, progress=progress)
+
+
+class _GroupBudget:
+    """The buckets of process 0 of the group, leased over the group's links."""
+
+    def __init__(self, peers: Callable[[], Peers]) -> None:
+        self._peers = peers
+
+    async def lease(self, asks: list[Lease]) -> list[int]:
+        got: list[int] = await self._peers().ask(0, ("lease", asks))
+        return got
+
+    async def forget(self, request_ids: list[str]) -> None:
+        await self._peers().ask(0, ("forget", request_ids))

@@ -36,7 +36,7 @@ from exhook_server.dispatch.commands import (
     Trigger,
 )
 from exhook_server.dispatch.ring import HashRing
-from exhook_server.dispatch.worker import Kept, OutcomeListener, Publisher, ResponseListener, RowSource, Worker
+from exhook_server.dispatch.worker import Kept, OutcomeListener, Pacing, Publisher, ResponseListener, RowSource, Worker
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
@@ -81,6 +81,7 @@ class Dispatcher:
         response_timeout_s: float = 300.0,
         on_response: ResponseListener | None = None,
         held: Callable[[], frozenset[str]] | None = None,
+        pacing: Pacing | None = None,
     ) -> None:
         if processes > 1 and forward is None:
             raise ValueError("a dispatcher in a group of processes needs a way to forward to them")
@@ -111,6 +112,7 @@ class Dispatcher:
                 response_timeout_s=response_timeout_s,
                 on_response=on_response,
                 held=held,
+                pacing=pacing,
             )
             for n in local
         }

@@ -18,6 +18,7 @@ from exhook_server.aio import Job
 from exhook_server.backends.postgres import pgmode
 from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.config import Config
+from exhook_server.dispatch.pacing import Budget, LocalBudget
 from exhook_server.dispatch.port import Dispatch, DispatchNeeds
 from storage.errors import StorageError
 from storage.model import ApplyReport
@@ -105,6 +106,10 @@ class PgBackend:
             held=needs.held,
         )
         return self._dispatcher
+
+    def pacing_budget(self, clock_s: Callable[[], float]) -> tuple[Budget, Callable[[int], int]]:
+        """The campaigns' buckets: this instance's own for now."""
+        return LocalBudget(clock_s), lambda cap: cap
 
     async def start(self) -> None:
         """Connect the pool, bring the schema to this release, start dispatch."""

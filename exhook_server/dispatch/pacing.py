@@ -1,0 +1,287 @@
+"""Campaign pacing: which requests may not start a delivery now, for their rate or concurrency.
+
+`max_per_minute` (grown by its `ramp`) is one token bucket for the whole fleet, held by a `Budget`
+(one process's, a process group's, or PostgreSQL's); each tick this process leases what it needs
+in chunks of at most `LEASE_S` of the rate, and each start spends one. `max_in_flight` bounds the
+deliveries out (`out`: the workers' in-flight entries). A request without a token or at its cap is
+`blocked()`: its rows are passed over like a held one's. Vehicles that found nothing to send
+meanwhile are remembered (`idle`, bounded) and offered again, a few per token or freed slot, each
+tick: never a scan of the fleet. Not thread-safe: the event loop's thread owns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from exhook_server import metrics
+from exhook_server.dispatch.bucket import TokenBucket
+from exhook_server.policy import Policy
+from storage.errors import StorageError
+from storage.model import now_ms
+
+log = structlog.get_logger("sdv_fanout.pacing")
+
+#: Burst of a campaign's bucket: at most this many seconds of its rate go at once.
+BURST_S = 5.0
+#: A lease asks for at most this many seconds of the rate (what one process may hold unspent).
+LEASE_S = 0.1
+#: How often leases are topped up and idle vehicles offered capacity.
+TICK_S = 0.05
+#: Idle vehicles remembered at most (the oldest forgotten first: their next heartbeat brings them).
+MAX_IDLE = 100_000
+#: Vehicles offered capacity per tick at most, whatever the rates.
+MAX_WAKE = 1000
+
+_NONE: frozenset[str] = frozenset()
+
+
+def burst_of(rate_per_s: float) -> float:
+    """A campaign bucket's burst: `BURST_S` of its rate, one token at least."""
+    return max(1.0, rate_per_s * BURST_S)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Tokens of one request asked of the fleet-wide bucket."""
+
+    request_id: str
+    rate_per_s: float
+    burst: float
+    want: int
+
+
+class Budget(Protocol):
+    """Where the fleet-wide buckets live."""
+
+    async def lease(self, asks: list[Lease]) -> list[int]:
+        """Take up to `want` tokens of each request's bucket (created at one token, its rate and
+        burst set to those given); what each got, in order."""
+        ...
+
+    async def forget(self, request_ids: list[str]) -> None:
+        """The requests' buckets are no longer needed (their policy went)."""
+        ...
+
+
+class LocalBudget:
+    """The buckets in this process's memory: the budget of a process that is alone."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def take(self, asks: list[Lease]) -> list[int]:
+        """`lease`, synchronously."""
+        got = []
+        for ask in asks:
+            bucket = self._buckets.get(ask.request_id)
+            if bucket is None:
+                bucket = self._buckets[ask.request_id] = TokenBucket(ask.rate_per_s, ask.burst, self._clock, tokens=1)
+            elif bucket.rate_per_s != ask.rate_per_s or bucket.burst != ask.burst:
+                bucket.set_rate(ask.rate_per_s, ask.burst)
+            got.append(bucket.take_up_to(ask.want))
+        return got
+
+    async def lease(self, asks: list[Lease]) -> list[int]:
+        return self.take(asks)
+
+    def drop(self, request_ids: list[str]) -> None:
+        """`forget`, synchronously."""
+        for rid in request_ids:
+            self._buckets.pop(rid, None)
+
+    async def forget(self, request_ids: list[str]) -> None:
+        self.drop(request_ids)
+
+
+@dataclass(slots=True)
+class _Paced:
+    policy: Policy
+    #: When the policy was set (epoch ms): its ramp counts from there.
+    set_ms: int
+    #: Tokens leased and not spent yet.
+    tokens: int = 0
+    #: This request's share of max_in_flight here (None: no cap).
+    cap: int | None = None
+
+
+class Pacer:
+    """The paced requests and what each may start now (see the module docstring)."""
+
+    def __init__(
+        self,
+        budget: Budget,
+        *,
+        wall_ms: Callable[[], int] = now_ms,
+        cap_share: Callable[[int], int] = lambda cap: cap,
+        on_wake: Callable[[list[str]], None] | None = None,
+        lease_s: float = LEASE_S,
+        max_idle: int = MAX_IDLE,
+    ) -> None:
+        self._budget = budget
+        self._wall_ms = wall_ms
+        #: This process's part of a request's max_in_flight (the whole of it when alone).
+        self._cap_share = cap_share
+        self.on_wake = on_wake
+        self._lease_s = lease_s
+        self._max_idle = max_idle
+        self._paced: dict[str, _Paced] = {}
+        #: Deliveries in flight here per request id, paced or not (a cap may come later).
+        self._out: collections.Counter[str] = collections.Counter()
+        self._idle: dict[str, None] = {}
+        self._blocked: frozenset[str] = _NONE
+        self._forgotten: list[str] = []
+
+    # -- policies ----------------------------------------------------------------------
+    def set(self, request_id: str, policy: Policy | None, set_ms: int) -> None:
+        """The policy of `request_id` is now `policy` (None: none), set at `set_ms`."""
+        before = self._paced.get(request_id)
+        if policy is None or not policy.paces:
+            if before is not None:
+                del self._paced[request_id]
+                self._forgotten.append(request_id)
+        elif before is None or before.policy != policy or before.set_ms != set_ms:
+            paced = _Paced(policy, set_ms, before.tokens if before else 0)
+            if policy.max_in_flight is not None:
+                paced.cap = self._cap_share(policy.max_in_flight)
+            self._paced[request_id] = paced
+        self._rebuild()
+
+    def replace_all(self, found: Iterable[tuple[str, Policy, int]]) -> None:
+        """Every policy in force: (request id, policy, set_ms)."""
+        seen = set()
+        for rid, policy, set_ms in found:
+            seen.add(rid)
+            self.set(rid, policy, set_ms)
+        for rid in [r for r in self._paced if r not in seen]:
+            self.set(rid, None, 0)
+
+    def policy(self, request_id: str) -> Policy | None:
+        paced = self._paced.get(request_id)
+        return None if paced is None else paced.policy
+
+    # -- the delivery path ---------------------------------------------------------------
+    def blocked(self) -> frozenset[str]:
+        """The request ids whose rows may not start a delivery now."""
+        return self._blocked
+
+    def started(self, request_id: str) -> None:
+        """A delivery of `request_id` was published: it spends a token."""
+        paced = self._paced.get(request_id)
+        if paced is None:
+            return
+        metrics.PACED_STARTS.inc()
+        if paced.policy.max_per_minute is not None:
+            paced.tokens = max(0, paced.tokens - 1)
+            if paced.tokens == 0:
+                self._rebuild()
+
+    def out(self, request_id: str, delta: int) -> None:
+        """A delivery of `request_id` entered (+1) or left (-1) a worker's in-flight table."""
+        count = self._out[request_id] + delta
+        if count > 0:
+            self._out[request_id] = count
+        else:
+            del self._out[request_id]
+        paced = self._paced.get(request_id)
+        if paced is not None and paced.cap is not None and (count >= paced.cap) != (count - delta >= paced.cap):
+            self._rebuild()
+
+    def in_flight(self, request_id: str) -> int:
+        """Deliveries of `request_id` in flight here."""
+        return self._out.get(request_id, 0)
+
+    def idle(self, vin: str) -> None:
+        """`vin` found nothing to send while some request was blocked: offer it capacity later."""
+        idle = self._idle
+        if vin in idle:
+            return
+        if len(idle) >= self._max_idle:
+            del idle[next(iter(idle))]
+        idle[vin] = None
+
+    # -- each tick ---------------------------------------------------------------------
+    async def tick(self) -> None:
+        """Top up the leases of requests that spent tokens, then offer idle vehicles what
+        capacity there is."""
+        if self._forgotten:
+            gone, self._forgotten = self._forgotten, []
+            await self._budget.forget(gone)
+        now = self._wall_ms()
+        asks = []
+        for rid, paced in self._paced.items():
+            rate = paced.policy.rate_per_minute(now - paced.set_ms)
+            if rate is None:
+                continue
+            per_s = rate / 60
+            chunk = max(1, math.ceil(per_s * self._lease_s))
+            if paced.tokens < chunk:
+                asks.append(Lease(rid, per_s, burst_of(per_s), chunk - paced.tokens))
+        if asks:
+            got = await self._budget.lease(asks)
+            for ask, n in zip(asks, got, strict=True):
+                paced_now = self._paced.get(ask.request_id)
+                if paced_now is not None:
+                    paced_now.tokens += n
+            self._rebuild()
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._idle or self.on_wake is None:
+            return
+        room = 0
+        for rid, paced in self._paced.items():
+            if rid in self._blocked:
+                continue
+            free = paced.tokens if paced.policy.max_per_minute is not None else MAX_WAKE
+            if paced.cap is not None:
+                free = min(free, paced.cap - self._out.get(rid, 0))
+            room += max(0, free)
+        # Twice the capacity: some of them have no row of the request that has it.
+        n = min(len(self._idle), 2 * room, MAX_WAKE)
+        if n <= 0:
+            return
+        idle = self._idle
+        vins: list[str] = []
+        for _ in range(n):
+            vin = next(iter(idle))
+            del idle[vin]
+            vins.append(vin)
+        self.on_wake(vins)
+
+    def _full(self, request_id: str, paced: _Paced) -> bool:
+        """No token left, or at its in-flight cap."""
+        if paced.policy.max_per_minute is not None and paced.tokens < 1:
+            return True
+        return paced.cap is not None and self._out.get(request_id, 0) >= paced.cap
+
+    def _rebuild(self) -> None:
+        blocked = [rid for rid, paced in self._paced.items() if self._full(rid, paced)]
+        self._blocked = frozenset(blocked) if blocked else _NONE
+        metrics.CAMPAIGNS_PACED.set(len(self._blocked))
+
+    async def run(self, tick_s: float = TICK_S) -> None:
+        """Forever: `tick` every `tick_s`; a budget that cannot answer is logged once until it
+        answers again (the leases held meanwhile run out: nothing paced starts)."""
+        failing = False
+        while True:
+            try:
+                await self.tick()
+            except (StorageError, TimeoutError, OSError) as exc:  # the store, or process 0 of a group
+                if not failing:
+                    log.error("pacing_budget_unavailable", reason=type(exc).__name__, detail=str(exc))
+                failing = True
+            else:
+                if failing:
+                    log.info("pacing_budget_back")
+                failing = False
+            metrics.PACING_IDLE_VEHICLES.set(len(self._idle))
+            await asyncio.sleep(tick_s)
