@@ -24,9 +24,11 @@ from exhook_server.config import Config
 from exhook_server.dispatch.commands import Session
 from exhook_server.dispatch.port import Dispatch
 from exhook_server.errors import BatchRejected, Reason, StorageError
+from exhook_server.forecast import PendingVins, count_online, forecast
 from exhook_server.housekeeping import run_gc
 from exhook_server.ingest import Ingestor
 from storage.lmdb import outcomes
+from storage.model import now_ms
 from storage.port import Reads
 
 SERVICE_NAME = "sdv.fanout.v1.Admin"
@@ -84,12 +86,17 @@ class AdminServicer:
         dispatcher: Dispatch,
         mqtt_connected: Callable[[], bool],
         ingestor: Ingestor | None = None,
+        pending_vins: PendingVins | None = None,
+        clock: Callable[[], int] = now_ms,
     ) -> None:
         self._cfg = cfg
         self._reads = reads
         self._dispatch = dispatcher
         self._mqtt_connected = mqtt_connected
         self._ingestor = ingestor
+        #: R's pending VINs (Writes.pending_vins), for the forecast's walk on LMDB; None: none.
+        self._pending_vins = pending_vins
+        self._clock = clock
 
     async def GetStats(self, request: apb.GetStatsRequest, context: grpc.aio.ServicerContext) -> apb.Stats:
         stats = await self._reads.stats()
@@ -243,6 +250,31 @@ class AdminServicer:
         if not answer.set_ms:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {request.request_id!r} has no policy in force")
         return answer
+
+    async def Forecast(self, request: apb.ForecastRequest, context: grpc.aio.ServicerContext) -> apb.ForecastReply:
+        """When R's rows of vehicles online now will all have been sent under its policy."""
+        rid = request.request_id
+        walk = None
+        if self._pending_vins is not None:
+            pending_vins = self._pending_vins
+
+            async def walk() -> int:
+                return await count_online(rid, pending_vins, self._dispatch.online_among)
+
+        now = self._clock()
+        found = await forecast(self._reads, rid, now, walk)
+        if found is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no generation of request {rid!r} is stored")
+        assert found is not None
+        return apb.ForecastReply(
+            request_id=rid,
+            pending=found.pending,
+            online_now=found.pending if found.online_now is None else found.online_now,
+            completes_at_ms=found.completes_at_ms or 0,
+            policy=found.policy.decode(),
+            set_ms=found.set_ms,
+            now_ms=now,
+        )
 
     async def _policy_message(self, request_id: str) -> apb.Policy:
         stored = await self._reads.policy(request_id)

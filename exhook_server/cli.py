@@ -157,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
     policy.add_argument("--paused", action="store_true", help="hold every delivery not yet started")
     policy.add_argument("--priority", choices=("high", "normal"), help="the request's rows before normal ones")
     policy.add_argument("--clear", action="store_true", help="clear the policy")
+    policy.add_argument(
+        "--preview",
+        action="store_true",
+        help="when the pending rows of vehicles online now will all have been sent under the policy",
+    )
     _server_arg(policy, "set it through a running server (it also sends the status event)")
     policy.add_argument("--json", action="store_true", help="one JSON object")
     db = sub.add_parser("db", help="the PostgreSQL store (store_url)")
@@ -630,6 +635,11 @@ def _cmd_policy(args: argparse.Namespace) -> int:
     if fields and args.clear:
         print("sdv-fanout: --clear takes no policy fields", file=sys.stderr)
         return 2
+    if args.preview:
+        if not show:
+            print("sdv-fanout: --preview takes no policy fields", file=sys.stderr)
+            return 2
+        return _policy_preview(cfg, args)
     try:
         parsed = BatchParser(cfg).parse(
             Kind.POLICY, cfg.policy_topic, json.dumps({**fields, "request_id": args.request_id}).encode()
@@ -674,6 +684,59 @@ def _cmd_policy(args: argparse.Namespace) -> int:
         print(f"{parsed.request_id}: no policy in force")
     else:
         print(f"{parsed.request_id}: policy set {_iso(set_ms)}: {json.dumps(doc)}")
+    return 0
+
+
+def _policy_preview(cfg: Config, args: argparse.Namespace) -> int:
+    """`policy R --preview`: exhook_server/forecast.py, on the server (`--server`) or the store."""
+    from exhook_server.forecast import forecast
+    from storage.model import now_ms
+
+    rid = args.request_id
+    if args.server is not None:
+        from exhook_server._proto import admin_pb2
+
+        reply = _admin_rpc(cfg, args.server, "Forecast", admin_pb2.ForecastRequest(request_id=rid))
+        shown: dict[str, Any] = {
+            "request_id": rid,
+            "pending": reply.pending,
+            "online_now": reply.online_now,
+            "completes_at_ms": reply.completes_at_ms or None,
+            "policy": json.loads(reply.policy) if reply.policy else None,
+            "now_ms": reply.now_ms,
+        }
+    else:
+        now = now_ms()
+
+        async def read(reads: Reads) -> Any:
+            return await forecast(reads, rid, now)
+
+        found = _on_store(cfg, read)
+        if found is None:
+            raise _NotFound(f"no generation of request {rid!r} is stored")
+        shown = {
+            "request_id": rid,
+            "pending": found.pending,
+            "online_now": found.online_now,
+            "completes_at_ms": found.completes_at_ms,
+            "policy": json.loads(found.policy) if found.policy else None,
+            "now_ms": now,
+        }
+    if args.json:
+        print(json.dumps(shown))
+        return 0
+    online = shown["online_now"]
+    whose = (
+        "(vehicles online now unknown without a server: every row counted)"
+        if online is None
+        else (f"{online} of them of vehicles online now")
+    )
+    print(f"{rid}: {shown['pending']} pending row(s), {whose}")
+    done = shown["completes_at_ms"]
+    if done is None:
+        print("  not all sent under its policy as it stands (paused, or beyond the forecast's reach)")
+    else:
+        print(f"  under its policy all sent by {_iso(done)} (in {max(0, done - shown['now_ms']) / 1000:.0f} s)")
     return 0
 
 

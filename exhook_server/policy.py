@@ -138,6 +138,19 @@ class Policy:
             return float(self.max_per_minute)
         return min(float(self.max_per_minute), ramp.start_per_minute * ramp.factor**steps)
 
+    def open_until(self, now_ms: int) -> int | None:
+        """When the gate open at `now_ms` (`opens_at(now_ms) == now_ms`) closes: the end of the
+        windows open then, and of any that open before that end (None: no window, it stays open)."""
+        if not self.windows:
+            return None
+        until = now_ms
+        for _ in range(MAX_WINDOWS * 64):  # overlapping windows chain; bounded all the same
+            ends = [e for w in self.windows if (e := window_closes_at(w, until)) is not None]
+            if not ends:
+                return until
+            until = max(ends)
+        return until
+
     def opens_at(self, now_ms: int) -> int | None:
         """When a delivery of the request may start, as seen at `now_ms`: `now_ms` itself if now,
         a later epoch ms when start_at or the next window opens it, None while paused."""
@@ -151,15 +164,22 @@ class Policy:
 
 def window_opens_at(window: Window, now_ms: int) -> int:
     """`now_ms` when inside `window`, else the epoch ms its next occurrence starts."""
-    zone = ZoneInfo(window.tz)
-    now = datetime.datetime.fromtimestamp(now_ms / 1000, tz=zone)
-    # The latest start at or before now: a window started then is open if its duration covers now.
-    it = croniter(window.cron, now + datetime.timedelta(microseconds=1))
-    last: datetime.datetime = it.get_prev(datetime.datetime)
-    if _ms(last) + window.duration_s * 1000 > now_ms:
+    if window_closes_at(window, now_ms) is not None:
         return now_ms
+    now = datetime.datetime.fromtimestamp(now_ms / 1000, tz=ZoneInfo(window.tz))
     following: datetime.datetime = croniter(window.cron, now).get_next(datetime.datetime)
     return _ms(following)
+
+
+def window_closes_at(window: Window, now_ms: int) -> int | None:
+    """When the occurrence of `window` open at `now_ms` ends (epoch ms); None when none is open."""
+    now = datetime.datetime.fromtimestamp(now_ms / 1000, tz=ZoneInfo(window.tz))
+    # The latest start at or before now: a window started then is open if its duration covers now.
+    last: datetime.datetime = croniter(window.cron, now + datetime.timedelta(microseconds=1)).get_prev(
+        datetime.datetime
+    )
+    closes = _ms(last) + window.duration_s * 1000
+    return closes if closes > now_ms else None
 
 
 def _ms(when: datetime.datetime) -> int:

@@ -208,6 +208,8 @@ class FanoutServer:
             self.dispatcher,
             lambda: self.delivery is not None and self.delivery.connected,
             self.ingestor,
+            self.backend.writes.pending_vins,
+            clock,
         )
         _serve_also(self._server, self.health, *hooks.SERVICE_NAMES)
         self.admin_health = health.aio.HealthServicer()

@@ -224,3 +224,8 @@ class Reads(Protocol):
     async def policy(self, request_id: str) -> StoredPolicy | None:
         """The campaign policy of `request_id` in force, or None."""
         ...
+
+    async def online_pending(self, request_id: str) -> int | None:
+        """Pending rows of `request_id` whose vehicle is online now, where the store keeps
+        presence (PostgreSQL); None where only the server's memory does (LMDB)."""
+        ...

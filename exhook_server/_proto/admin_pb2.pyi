@@ -309,3 +309,27 @@ class Policy(_message.Message):
     policy: str
     set_ms: int
     def __init__(self, request_id: _Optional[str] = ..., policy: _Optional[str] = ..., set_ms: _Optional[int] = ...) -> None: ...
+
+class ForecastRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ForecastReply(_message.Message):
+    __slots__ = ("request_id", "pending", "online_now", "completes_at_ms", "policy", "set_ms", "now_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    ONLINE_NOW_FIELD_NUMBER: _ClassVar[int]
+    COMPLETES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    SET_MS_FIELD_NUMBER: _ClassVar[int]
+    NOW_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pending: int
+    online_now: int
+    completes_at_ms: int
+    policy: str
+    set_ms: int
+    now_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., pending: _Optional[int] = ..., online_now: _Optional[int] = ..., completes_at_ms: _Optional[int] = ..., policy: _Optional[str] = ..., set_ms: _Optional[int] = ..., now_ms: _Optional[int] = ...) -> None: ...

@@ -84,6 +84,9 @@ class LmdbReads:
         with self._store.read() as txn:  # one lookup: inline
             return policies.policy(txn, self._store.tables, request_id)
 
+    async def online_pending(self, request_id: str) -> int | None:
+        return None  # presence lives in the dispatch workers' memory
+
 
 if TYPE_CHECKING:  # mypy checks that LmdbReads is a storage.port.Reads
     _is_reads: Reads = LmdbReads(Store.__new__(Store))

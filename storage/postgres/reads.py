@@ -100,6 +100,17 @@ async def vehicles_at(conn: Connection, bound: int) -> int:
     return int(await conn.fetchval(_VEHICLES_AT, bound))
 
 
+async def online_pending(conn: Connection, request_id: str) -> int:
+    """Pending rows of `request_id` whose vehicle is in `presence` (the request's rows by their
+    index, one presence probe each)."""
+    return int(await conn.fetchval(_ONLINE_PENDING, request_id))
+
+
+_ONLINE_PENDING = """
+SELECT count(*) FROM rows r WHERE r.request_id = $1 AND EXISTS (SELECT 1 FROM presence p WHERE p.vin = r.vin)
+"""
+
+
 #: What a failure of PostgreSQL or of the way to it looks like from asyncpg.
 
 
@@ -161,6 +172,9 @@ class PgReads:
 
     async def policy(self, request_id: str) -> StoredPolicy | None:
         return await self._read(policies.policy, request_id)
+
+    async def online_pending(self, request_id: str) -> int | None:
+        return await self._read(online_pending, request_id)
 
 
 if TYPE_CHECKING:  # mypy checks that PgReads is a storage.port.Reads

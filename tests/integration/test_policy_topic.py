@@ -99,3 +99,32 @@ def test_admin_and_cli_set_replace_and_clear_a_policy(rig: tuple[Rig, Platform],
     assert platform.events(event="policy", request_id="task_ota_2")[-1]["cleared"] is True
     assert cli.main(["policy", "task_ota_2", "--priority", "high", "--abort", "failed:2:10", "--server", server]) == 2
     assert "bad_policy" in capsys.readouterr().err
+
+
+def test_policy_preview_forecasts_the_rows_of_vehicles_online_now(rig: tuple[Rig, Platform], capsys: Any) -> None:
+    """`policy R --preview`: R's pending rows, those of vehicles online now, and when they will all
+    have been sent under the policy (start_at, then 60 a minute), from the server and offline."""
+    r, _ = rig
+    assert r.srv.server is not None
+    start_at = 4_000_000_000_000  # in 2096: nothing of R goes during the test
+    admin(
+        r,
+        "SetPolicy",
+        admin_pb2.SetPolicyRequest(
+            request_id="task_ota_3", policy=json.dumps({"start_at": start_at, "max_per_minute": 60})
+        ),
+    )
+    v = r.online("V1")
+    poll(lambda: r.srv.run(r.srv.server.dispatcher.group_online()) == ["V1"])
+    r.emqx.publish_batch(["V1", "V2", "V3"], "task_ota_3", "fw")
+    poll(lambda: bool(r.srv.generations("task_ota_3")))
+    cfg = r.srv.server.cfg
+    offline = [["--store-url", cfg.store_url]] if cfg.store_url else []
+    for where in (["--server", f"127.0.0.1:{r.srv.server.admin_port}"], *offline):
+        assert cli.main(["policy", "task_ota_3", "--preview", "--json", *where]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert (shown["pending"], shown["online_now"], shown["completes_at_ms"]) == (3, 1, start_at + 1_000)
+    admin(r, "SetPolicy", admin_pb2.SetPolicyRequest(request_id="task_ota_3", policy='{"paused": true}'))
+    assert cli.main(["policy", "task_ota_3", "--preview", "--server", f"127.0.0.1:{r.srv.server.admin_port}"]) == 0
+    assert "not all sent" in capsys.readouterr().out
+    assert v.received == []
