@@ -22,7 +22,7 @@ import orjson
 from exhook_server.config import MAX_DATA_ID_BYTES, MAX_VIN_BYTES, Config
 from exhook_server.errors import BatchRejected, Reason
 from exhook_server.topics import is_level, level_problem
-from storage.model import FLAG_AWAIT_RESPONSE, now_ms
+from storage.model import FLAG_AWAIT_RESPONSE, FLAG_HIGH_PRIORITY, now_ms
 
 
 class Kind(enum.Enum):
@@ -74,16 +74,17 @@ MAX_EXPIRES_MS = 253_402_300_799_999
 
 @dataclass(frozen=True, slots=True)
 class Lifecycle:
-    """What a batch asks of its rows' life: when they stop being worth sending, and whether the
-    vehicle's answer (not its PUBACK) ends them."""
+    """What a batch asks of its rows' life: when they stop being worth sending, whether the
+    vehicle's answer (not its PUBACK) ends them, and whether they go before its normal rows."""
 
     #: Epoch ms; 0 = never.
     expires_ms: int = 0
     await_response: bool = False
+    high_priority: bool = False
 
     @property
     def flags(self) -> int:
-        return FLAG_AWAIT_RESPONSE if self.await_response else 0
+        return (FLAG_AWAIT_RESPONSE if self.await_response else 0) | (FLAG_HIGH_PRIORITY if self.high_priority else 0)
 
 
 _PLAIN = Lifecycle()
@@ -256,9 +257,10 @@ class BatchParser:
             raise BatchRejected(
                 Reason.RESPONSES_OFF, "await_response needs response_topic_prefix (it is empty)", field="await_response"
             )
-        if not expires_ms and not wait:
+        high = _high_priority(doc.get("priority"))
+        if not expires_ms and not wait and not high:
             return _PLAIN
-        return Lifecycle(expires_ms, wait)
+        return Lifecycle(expires_ms, wait, high)
 
     # -- fields ----------------------------------------------------------------
     def _vins(self, doc: dict[str, Any]) -> tuple[str, ...]:
@@ -337,6 +339,21 @@ def _dry_run(doc: dict[str, Any]) -> bool:
     if not isinstance(value, bool):
         raise BatchRejected(Reason.WRONG_TYPE, "dry_run must be true or false", field="dry_run")
     return value
+
+
+#: A batch's `priority` values: "high" rows go before the vehicle's "normal" ones (the default).
+PRIORITIES = ("normal", "high")
+
+
+def _high_priority(value: Any) -> bool:
+    """Whether a batch's `priority` field asks for high priority (absent: normal)."""
+    if value is None:
+        return False
+    if not isinstance(value, str):
+        raise BatchRejected(Reason.WRONG_TYPE, "priority must be a string", field="priority")
+    if value not in PRIORITIES:
+        raise BatchRejected(Reason.BAD_PRIORITY, 'priority must be "high" or "normal"', field="priority")
+    return value == "high"
 
 
 def _tags(doc: dict[str, Any]) -> Tags:

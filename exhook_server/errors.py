@@ -47,6 +47,8 @@ class Reason(enum.StrEnum):
     BAD_EXPIRES_AT = "bad_expires_at"
     #: await_response asked while response_topic_prefix is empty (responses off).
     RESPONSES_OFF = "responses_off"
+    #: A batch's `priority` that is neither "high" nor "normal".
+    BAD_PRIORITY = "bad_priority"
     #: A policy message with a field that is unknown, of the wrong type or out of range.
     BAD_POLICY = "bad_policy"
     #: A new request id's policy while max_policies are in force.

@@ -20,7 +20,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import orjson
 from croniter import croniter
 
-from exhook_server.batch import instant_ms
+from exhook_server.batch import PRIORITIES, instant_ms
 from exhook_server.errors import BatchRejected, Reason
 
 #: Fields a policy may carry (besides request_id and correlation_id); any other is refused, so a
@@ -28,7 +28,6 @@ from exhook_server.errors import BatchRejected, Reason
 FIELDS = ("max_per_minute", "ramp", "max_in_flight", "abort", "start_at", "windows", "paused", "priority")
 #: Outcomes an abort criterion may count.
 ABORT_OUTCOMES = ("failed", "expired", "answer_failed")
-PRIORITIES = ("normal", "high")
 #: Largest count a rate, cap or minimum takes: a typo beyond it is refused, not obeyed.
 MAX_COUNT = 1_000_000_000
 #: Abort criteria and windows one policy holds at most (each is evaluated in the delivery path).

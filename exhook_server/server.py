@@ -141,7 +141,7 @@ class FanoutServer:
         self.parked = self.ingestor.parked
         self.expiry = ExpirySweep(cfg, self.backend.writes, clock)
         self.delivery: MqttDelivery | None = None
-        #: Campaign policies' gates (paused, start_at, windows): held requests' rows wait.
+        #: Campaign policies' gates (paused, start_at, windows: held requests' rows wait) and priorities.
         self.gates = Gates(clock, on_open=self._gate_opened)
         self.ingestor.campaigns.gates = self.gates
         #: Campaign pacing (max_per_minute, ramp, max_in_flight): blocked requests' rows wait.
@@ -160,6 +160,7 @@ class FanoutServer:
                 connected=lambda: self.delivery is not None and self.delivery.connected,
                 held=self.gates.held,
                 pacing=self.pacer,
+                high=self.gates.high,
             )
         )
         self.ingestor.listeners.append(self.dispatcher.new_batch)

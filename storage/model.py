@@ -25,6 +25,9 @@ def now_ms() -> int:
 
 #: Row flag: the vehicle's answer on the response topic, not its PUBACK, ends the row.
 FLAG_AWAIT_RESPONSE = 1
+#: Row flag: its batch asked `"priority": "high"`: it goes before the vehicle's normal rows. The
+#: PostgreSQL partial index rows_high and sdv_vin_load_many write it as the literal 2.
+FLAG_HIGH_PRIORITY = 2
 
 
 class Row(NamedTuple):
@@ -42,6 +45,11 @@ class Row(NamedTuple):
     @property
     def await_response(self) -> bool:
         return bool(self.flags & FLAG_AWAIT_RESPONSE)
+
+    @property
+    def high_priority(self) -> bool:
+        """Its batch asked for high priority (its request's policy may ask it too: `Gates.high`)."""
+        return bool(self.flags & FLAG_HIGH_PRIORITY)
 
     def expired(self, now_ms: int) -> bool:
         return 0 < self.expires_ms <= now_ms

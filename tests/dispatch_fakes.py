@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from exhook_server.dispatch.commands import Session
 from exhook_server.dispatch.worker import NOTHING_KEPT, Kept
-from storage.lmdb.keys import FLAG_AWAIT_RESPONSE, Row
+from storage.lmdb.keys import FLAG_AWAIT_RESPONSE, FLAG_HIGH_PRIORITY, Row
 from storage.lmdb.outcomes import Outcome
 
 Pair = tuple[str, str, bytes]  # (VIN, request_id, sha1)
@@ -42,6 +42,10 @@ class Pending:
     @property
     def await_response(self) -> bool:
         return bool(self.flags & FLAG_AWAIT_RESPONSE)
+
+    @property
+    def high_priority(self) -> bool:
+        return bool(self.flags & FLAG_HIGH_PRIORITY)
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,14 @@ class MemoryRows:
 
     # -- writes the platform and housekeeping make ------------------------------------------
     def add(
-        self, vin: str, request_id: str, payload: bytes, *, expires_ms: int = 0, await_response: bool = False
+        self,
+        vin: str,
+        request_id: str,
+        payload: bytes,
+        *,
+        expires_ms: int = 0,
+        await_response: bool = False,
+        high_priority: bool = False,
     ) -> None:
         """Store (or replace) the row, as `ops.put_rows`: another payload supersedes the old one;
         a pair that had ended is pending again; a cancel in progress never takes it."""
@@ -120,7 +131,8 @@ class MemoryRows:
             if old is not None:
                 self._end(vin, request_id, old, Outcome.SUPERSEDED)  # its tries go with it
             self.outcomes.pop((vin, request_id, digest), None)  # the same pair again: pending once more
-        self.rows[key] = Pending(self.clock, payload, expires_ms, FLAG_AWAIT_RESPONSE if await_response else 0)
+        flags = (FLAG_AWAIT_RESPONSE if await_response else 0) | (FLAG_HIGH_PRIORITY if high_priority else 0)
+        self.rows[key] = Pending(self.clock, payload, expires_ms, flags)
         self.taken.add((vin, request_id, digest))
 
     def cancel_vins(self, request_id: str, vins: list[str]) -> list[tuple[str, bytes]]:
@@ -182,13 +194,14 @@ class MemoryRows:
         self.outcomes[pair] = Ended(outcome, attempts, response)
 
     # -- the RowSource port ---------------------------------------------------------------------
-    def oldest(self, vin: str, skip: frozenset[str] | None = None) -> tuple[Row, bytes] | None:
-        """The oldest row that may be sent: not acked (hidden), not past its expiry, not taken by
-        a cancel in progress, not of a request in `skip` (held by its campaign policy)."""
+    def deliverable(self, vin: str, skip: frozenset[str] | None = None) -> list[tuple[str, Pending]]:
+        """(request_id, row) of the rows that may be sent: not acked (hidden), not past their
+        expiry, not taken by a cancel in progress, not of a request in `skip` (held by its
+        campaign policy)."""
         hidden = self._hidden()
         now = self.now_ms()
-        mine = [
-            (row.ts, rid, row)
+        return [
+            (rid, row)
             for (v, rid), row in self.rows.items()
             if v == vin
             and hidden.get((v, rid)) != row.sha1
@@ -196,10 +209,17 @@ class MemoryRows:
             and not (rid in self.cancels and row.ts <= self.cancels[rid].cut)
             and not (skip and rid in skip)
         ]
+
+    def oldest(
+        self, vin: str, skip: frozenset[str] | None = None, high: frozenset[str] | None = None
+    ) -> tuple[Row, bytes] | None:
+        """The next row that may be sent (`deliverable`): the oldest of high priority (its flag,
+        or its request id in `high`), else the oldest."""
+        mine = self.deliverable(vin, skip)
         if not mine:
             return None
-        ts, rid, row = min(mine, key=lambda m: (m[0], m[1]))
-        return Row(vin, rid, ts, row.sha1, len(row.payload), row.expires_ms, row.flags), row.payload
+        rid, row = min(mine, key=lambda m: (not (m[1].high_priority or (high and m[0] in high)), m[1].ts, m[0]))
+        return Row(vin, rid, row.ts, row.sha1, len(row.payload), row.expires_ms, row.flags), row.payload
 
     def ack(
         self,

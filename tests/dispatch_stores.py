@@ -24,7 +24,7 @@ from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.dispatch.port import Dispatch
 from exhook_server.dispatch.worker import Publisher
 from storage.lmdb.batches import BatchWritten, RowSpec
-from storage.lmdb.keys import FLAG_AWAIT_RESPONSE
+from storage.lmdb.keys import FLAG_AWAIT_RESPONSE, FLAG_HIGH_PRIORITY
 from storage.lmdb.outcomes import Outcome
 from storage.postgres import batches, expiry, migrate
 from tests.dispatch_fakes import AckCall, CancelJob, Ended, MemoryRows, Pair, Pending
@@ -79,7 +79,14 @@ class SimStore(Protocol):
 
     # -- what the platform and housekeeping write -------------------------------------------
     async def batch(
-        self, vins: list[str], request_id: str, payload: bytes, *, expires_ms: int, await_response: bool
+        self,
+        vins: list[str],
+        request_id: str,
+        payload: bytes,
+        *,
+        expires_ms: int,
+        await_response: bool,
+        high_priority: bool = False,
     ) -> Chunk:
         """Store the rows; the rows of `request_id` they replaced that a cancel in progress had
         taken already (its walk had not come this far): those end cancelled, not superseded."""
@@ -137,6 +144,8 @@ class Wiring:
     defer_acks: bool
     #: Request ids their campaign policy holds now (exhook_server/dispatch/gates.py).
     held: Callable[[], frozenset[str]] | None = None
+    #: Request ids whose campaign policy says priority high now.
+    high: Callable[[], frozenset[str]] | None = None
 
 
 #: Builds a store and its dispatcher.
@@ -159,6 +168,7 @@ class MemoryStore:
             vin_from_clientid=w.vin_from_clientid,
             response_timeout_s=w.response_timeout_s,
             held=w.held,
+            high=w.high,
         )
         for worker in d.workers.values():
             worker._clock = w.clock  # the pool takes no clock; its workers do
@@ -173,10 +183,24 @@ class MemoryStore:
         return t
 
     async def batch(
-        self, vins: list[str], request_id: str, payload: bytes, *, expires_ms: int, await_response: bool
+        self,
+        vins: list[str],
+        request_id: str,
+        payload: bytes,
+        *,
+        expires_ms: int,
+        await_response: bool,
+        high_priority: bool = False,
     ) -> Chunk:
         for vin in vins:
-            self.view.add(vin, request_id, payload, expires_ms=expires_ms, await_response=await_response)
+            self.view.add(
+                vin,
+                request_id,
+                payload,
+                expires_ms=expires_ms,
+                await_response=await_response,
+                high_priority=high_priority,
+            )
         return []  # MemoryRows ends every replaced row superseded, behind a cancel's cut or not
 
     async def cancel_vins(self, request_id: str, vins: list[str]) -> Chunk:
@@ -320,9 +344,17 @@ class PgStore:
         return ack
 
     async def batch(
-        self, vins: list[str], request_id: str, payload: bytes, *, expires_ms: int, await_response: bool
+        self,
+        vins: list[str],
+        request_id: str,
+        payload: bytes,
+        *,
+        expires_ms: int,
+        await_response: bool,
+        high_priority: bool = False,
     ) -> Chunk:
-        spec = RowSpec(expires_ms=expires_ms, flags=FLAG_AWAIT_RESPONSE if await_response else 0)
+        flags = (FLAG_AWAIT_RESPONSE if await_response else 0) | (FLAG_HIGH_PRIORITY if high_priority else 0)
+        spec = RowSpec(expires_ms=expires_ms, flags=flags)
         now_ms = self._write_ms()
         written = await batches.store_batch(self._conn, vins, request_id, payload, now_ms, spec=spec)
         assert isinstance(written, BatchWritten)
@@ -441,6 +473,7 @@ def open_postgresql(dsn: str, monkeypatch: pytest.MonkeyPatch) -> OpenStore:
             heartbeat_window_s=0.0,
             clock=w.clock,
             held=w.held,
+            high=w.high,
         )
         store.dispatcher.start()
         return store

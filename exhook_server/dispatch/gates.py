@@ -1,11 +1,11 @@
-"""Which requests may not start a delivery now: the gates of their campaign policies.
+"""Which requests may not start a delivery now, and which go first: their campaign policies.
 
 A request is held while its policy is `paused`, before its `start_at`, or outside all of its
-`windows` (exhook_server/policy.py decides each). `Gates` keeps the policies in force in memory
-(set at once by this process, refreshed from the store by `run` so that every process and
-instance follows each change within `refresh_s`) and answers `held()` from a set recomputed at
-most once per `recheck_ms`, so the delivery path pays a set lookup, not a cron evaluation. When
-a request's gate opens, `on_open` is told, to offer its rows to their vehicles again.
+`windows` (exhook_server/policy.py decides each); `high()` names those whose policy says priority
+"high". `Gates` keeps the policies in force in memory (set at once by this process, refreshed from
+the store by `run`, so every process and instance follows a change within `refresh_s`) and answers
+`held()` from a set recomputed at most once per `recheck_ms`: the delivery path pays a set lookup.
+When a request's gate opens, `on_open` is told, to offer its rows to their vehicles again.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class Gates:
         self._checked_ms: int | None = None
         #: Told of every policy in force after each reload: (request id, policy, set_ms).
         self.on_reload: Callable[[list[tuple[str, Policy, int]]], None] | None = None
+        #: request ids whose policy says priority "high" (a new set object on every change).
+        self._high: frozenset[str] = _NONE
 
     def set(self, request_id: str, policy: Policy | None) -> None:
         """The policy of `request_id` is now `policy` (None: none)."""
@@ -56,11 +58,15 @@ class Gates:
             self._gated[request_id] = policy
         else:
             self._gated.pop(request_id, None)
+        high = policy is not None and policy.priority == "high"
+        if high != (request_id in self._high):
+            self._high = self._high | {request_id} if high else self._high - {request_id}
         self._recheck()
 
     def replace_all(self, found: list[StoredPolicy]) -> None:
         """Every policy in force, as the store has them."""
         gated = {}
+        high = set()
         read: dict[str, tuple[bytes, Policy | None]] = {}
         for stored in found:
             before = self._read.get(stored.request_id)
@@ -75,7 +81,11 @@ class Gates:
             read[stored.request_id] = (stored.doc, policy)
             if policy is not None and (policy.paused or policy.start_at_ms or policy.windows):
                 gated[stored.request_id] = policy
+            if policy is not None and policy.priority == "high":
+                high.add(stored.request_id)
         self._gated, self._read = gated, read
+        if high != self._high:
+            self._high = frozenset(high)
         self._recheck()
         if self.on_reload is not None:
             self.on_reload([(s.request_id, p, s.set_ms) for s in found if (p := read[s.request_id][1]) is not None])
@@ -88,6 +98,11 @@ class Gates:
         if checked is None or self._clock() - checked >= self._recheck_ms:
             self._recheck()
         return self._held
+
+    def high(self) -> frozenset[str]:
+        """The request ids whose policy gives their rows high priority (the same object until
+        the set changes, so a caller may keep what it derived from it)."""
+        return self._high
 
     def _recheck(self) -> None:
         now = self._clock()

@@ -101,3 +101,5 @@ class DispatchNeeds:
     held: Callable[[], frozenset[str]] | None = None
     #: Campaign pacing (max_per_minute, ramp, max_in_flight; dispatch/pacing.py); None: none.
     pacing: Pacing | None = None
+    #: The request ids whose policy gives their rows high priority now (dispatch/gates.py).
+    high: Callable[[], frozenset[str]] | None = None

@@ -69,9 +69,13 @@ NOTHING_KEPT = Kept()
 class RowSource(Protocol):
     """The storage port dispatch needs."""
 
-    def oldest(self, vin: str, skip: frozenset[str] | None = None) -> tuple[Row, bytes] | None:
-        """The oldest pending row of `vin` with its payload, or None; rows of the request ids in
-        `skip` (held by their campaign policy) are passed over, the next row goes instead."""
+    def oldest(
+        self, vin: str, skip: frozenset[str] | None = None, high: frozenset[str] | None = None
+    ) -> tuple[Row, bytes] | None:
+        """The next pending row of `vin` with its payload, or None: its high-priority rows (their
+        batch asked it, or their request id is in `high`) oldest first, then the others oldest
+        first. Rows of the request ids in `skip` (held by their campaign policy) are passed over,
+        the next row goes instead."""
         ...
 
     def ack(
@@ -240,12 +244,15 @@ class Worker:
         on_response: ResponseListener | None = None,
         held: Callable[[], frozenset[str]] | None = None,
         pacing: Pacing | None = None,
+        high: Callable[[], frozenset[str]] | None = None,
     ) -> None:
         self.name = name
         #: Campaign pacing (rates, max_in_flight); None: nothing paced.
         self._pacing = pacing
         #: The request ids whose rows may not start a delivery now (dispatch/gates.py); None: none.
         self._held = held
+        #: The request ids whose policy gives their rows high priority (dispatch/gates.py).
+        self._high = high
         self._rows = rows
         self._publisher = publisher
         self._timeout = inflight_timeout_s
@@ -386,8 +393,12 @@ class Worker:
         blocked = pacing.blocked() if pacing is not None else _NOTHING
         if blocked:
             held = held | blocked if held else blocked
+        high = self._high() if self._high is not None else None
         for _ in range(_ENDS_PER_SEND):
-            found = self._rows.oldest(vin, held) if held else self._rows.oldest(vin)
+            if high:
+                found = self._rows.oldest(vin, held or None, high)
+            else:
+                found = self._rows.oldest(vin, held) if held else self._rows.oldest(vin)
             if found is None:
                 self._void(vin)
                 if pacing is not None and blocked:

@@ -175,6 +175,9 @@ def put_rows(
     txn.cursor(t.by_request).putmulti(keys.request_index_entries(request_id, stored_vins))
     if spec.expires_ms:
         txn.cursor(t.deadlines).putmulti(keys.deadline_entries(spec.expires_ms, request_id, stored_vins))
+    if spec.flags & keys.FLAG_HIGH_PRIORITY:  # kept queue heads may have been overtaken (Store.queue_head)
+        raw = txn.get(keys.HIGH_ROWS_STORED, db=t.meta)
+        txn.put(keys.HIGH_ROWS_STORED, keys.encode_u64((0 if raw is None else keys.decode_u64(raw)) + 1), db=t.meta)
     return RowsPut(replaced, frozenset(superseded), tuple(refused))
 
 

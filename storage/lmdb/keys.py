@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 from storage.model import COUNT_NAMES as COUNT_NAMES
 from storage.model import FLAG_AWAIT_RESPONSE as FLAG_AWAIT_RESPONSE
+from storage.model import FLAG_HIGH_PRIORITY as FLAG_HIGH_PRIORITY
 from storage.model import Row as Row
 from storage.model import generation_key
 
@@ -34,6 +36,8 @@ _AWAITED = struct.Struct(">20sHQ")
 _SESSION_SEP = "\x1f"
 
 BLOB_HEAD_SIZE = _BLOB_HEAD.size
+#: `meta` key: batches that stored high-priority rows so far (u64), see `Store.high_rows_stored`.
+HIGH_ROWS_STORED = b"high_rows_stored"
 
 
 def row_key(vin: str, request_id: str) -> bytes:
@@ -77,10 +81,23 @@ def row_awaits(value: bytes | memoryview) -> bool:
     return len(value) != _ROW.size and bool(value[_ROW_EXT.size - 1] & FLAG_AWAIT_RESPONSE)
 
 
-def row_order(request_id: bytes, value: bytes | memoryview) -> tuple[bytes, bytes]:
-    """A row's place in delivery order (ts, then request id) without decoding it: the
-    timestamp is big-endian, and UTF-8 byte order is code point order."""
-    return bytes(value[:8]), request_id
+def row_high(value: bytes | memoryview) -> bool:
+    """Whether a row value has FLAG_HIGH_PRIORITY, without decoding the rest."""
+    return len(value) != _ROW.size and bool(value[_ROW_EXT.size - 1] & FLAG_HIGH_PRIORITY)
+
+
+_HIGH_LANE = b"\x00"
+_NORMAL_LANE = b"\x01"
+
+
+def row_order(
+    request_id: bytes, value: bytes | memoryview, high: AbstractSet[bytes] | None = None
+) -> tuple[bytes, bytes]:
+    """A row's place in delivery order without decoding it: high priority first (its flag, or
+    its request id in `high`), then its timestamp (big-endian), then its request id (UTF-8 byte
+    order is code point order)."""
+    lane = _HIGH_LANE if row_high(value) or (high and request_id in high) else _NORMAL_LANE
+    return lane + bytes(value[:8]), request_id
 
 
 def row_sha1(value: bytes | memoryview) -> bytes:

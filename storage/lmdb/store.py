@@ -261,8 +261,9 @@ class Store:
             return True
 
     # -- queries ---------------------------------------------------------------
-    def _queue(self, txn: lmdb.Transaction, vin: str) -> list[keys.Row]:
-        """A vehicle's rows in delivery order: oldest first, then by request id."""
+    def _queue(self, txn: lmdb.Transaction, vin: str, high: AbstractSet[str] | None = None) -> list[keys.Row]:
+        """A vehicle's rows in delivery order: high priority first (their batch asked it, or
+        their request id is in `high`), oldest first, then by request id."""
         prefix = keys.vin_prefix(vin)
         rows = []
         cur = txn.cursor(self.tables.ids)
@@ -271,7 +272,7 @@ class Store:
                 if not bytes(key).startswith(prefix):
                     break
                 rows.append(keys.decode_row(key, value))
-        rows.sort(key=lambda r: (r.ts_ms, r.request_id))
+        rows.sort(key=lambda r: (not (r.high_priority or (high and r.request_id in high)), r.ts_ms, r.request_id))
         return rows
 
     def _visible_rows(
@@ -372,24 +373,30 @@ class Store:
             return self._queue(txn, vin)
 
     def oldest(
-        self, vin: str, hidden: Mapping[str, bytes] | None = None, held: AbstractSet[str] | None = None
+        self,
+        vin: str,
+        hidden: Mapping[str, bytes] | None = None,
+        held: AbstractSet[str] | None = None,
+        high: AbstractSet[str] | None = None,
     ) -> tuple[tuple[keys.Row, bytes] | None, int]:
         """The vehicle's next request and its payload (None when nothing is deliverable), and
         how many rows it has pending besides the hidden ones, from one snapshot and one pass
         comparing raw bytes (no decode, no sort). A row whose blob is missing is skipped, as it
-        can never be delivered.
+        can never be delivered. Next: its oldest high-priority row (its batch asked it, or its
+        request id is in `high`), else its oldest row.
 
         `hidden` maps request ids to the sha1 of rows to pass over: acked, their delete not
         committed yet. A row replaced since (another sha1) is not hidden. Rows of the request ids
         in `held` are passed over too (and not counted).
         """
         prefix = keys.vin_prefix(vin)
+        high_ids = {rid.encode() for rid in high} if high else None
         count = 0
         with self.read() as txn:
             best: tuple[tuple[bytes, bytes], bytes] | None = None
             for rid, value in self._visible_rows(txn, prefix, hidden, held):
                 count += 1
-                order = keys.row_order(rid, value)
+                order = keys.row_order(rid, value, high_ids)
                 if best is None or order < best[0]:
                     best = (order, bytes(value))
             if best is None:
@@ -402,7 +409,7 @@ class Store:
             # over what the first pass passes over (hidden, expired, taken by a cancel).
             cancels = self._cancel_cuts(txn)
             now = now_ms()
-            for row in self._queue(txn, vin):
+            for row in self._queue(txn, vin, high):
                 if hidden and hidden.get(row.request_id) == row.sha1:
                     continue
                 if held and row.request_id in held:
@@ -414,19 +421,23 @@ class Store:
                     return (row, bytes(blob[keys.BLOB_HEAD_SIZE :])), count
         return None, count
 
-    def queue_head(self, vin: str, n: int, hidden: Mapping[str, bytes] | None = None) -> tuple[list[keys.Row], int]:
-        """The vehicle's first `n` rows in delivery order, and how many it has in all, from one
-        pass that decodes only those `n`. Rows `hidden` names (request id → sha1: acked, their
-        delete not committed yet) are left out, unless replaced since (another sha1).
+    def queue_head(
+        self, vin: str, n: int, hidden: Mapping[str, bytes] | None = None, high: AbstractSet[str] | None = None
+    ) -> tuple[list[keys.Row], int]:
+        """The vehicle's first `n` rows in delivery order (`high` as in `oldest`), and how many
+        it has in all, from one pass that decodes only those `n`. Rows `hidden` names (request
+        id → sha1: acked, their delete not committed yet) are left out, unless replaced since.
 
-        Rows only ever join a queue at its end (they are stamped when stored), so a head read
-        once stays the head while it is being delivered: callers may keep it and check each row
+        Normal rows only ever join a queue at its end (they are stamped when stored), so a head
+        read once stays the head while it is being delivered, until a high-priority row is
+        stored (`high_rows_stored`) or `high` changes: callers may keep it and check each row
         with `payload_if_current` instead of scanning the whole queue again for every delivery.
         """
         prefix = keys.vin_prefix(vin)
+        high_ids = {rid.encode() for rid in high} if high else None
         with self.read() as txn:
             entries = [
-                (keys.row_order(rid, value), rid, bytes(value))
+                (keys.row_order(rid, value, high_ids), rid, bytes(value))
                 for rid, value in self._visible_rows(txn, prefix, hidden)
             ]
         head = heapq.nsmallest(n, entries) if len(entries) > n else sorted(entries)
@@ -445,6 +456,13 @@ class Store:
                 return None
             blob = txn.get(row.sha1, db=self.tables.data)
             return None if blob is None else bytes(blob[keys.BLOB_HEAD_SIZE :])
+
+    def high_rows_stored(self) -> int:
+        """How many batches stored high-priority rows since the store was created (a counter in
+        `meta`, written with them): a change says a kept queue head may have been overtaken."""
+        with self.read() as txn:
+            raw = txn.get(keys.HIGH_ROWS_STORED, db=self.tables.meta)
+            return 0 if raw is None else keys.decode_u64(raw)
 
     def blob(self, sha1: bytes) -> bytes | None:
         """The stored payload for `sha1`, or None when it is gone."""

@@ -10,7 +10,7 @@ locked to the end of the caller's transaction) serves the Admin API. The bulk fi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from storage import model
@@ -86,16 +86,22 @@ async def load(conn: Connection, vin: str, now_ms: int, rows: int) -> Loaded:
 
 
 async def load_many(
-    conn: Connection, vins: Sequence[str], now_ms: int, rows: int, held: Sequence[str] = ()
+    conn: Connection,
+    vins: Sequence[str],
+    now_ms: int,
+    rows: int,
+    held: Sequence[str] = (),
+    high: Collection[str] = (),
 ) -> dict[str, Loaded]:
-    """The state of each of `vins` with its first `rows` deliverable rows (those of the request
+    """The state of each of `vins` with its first `rows` deliverable rows in delivery order (high
+    priority first: flagged by their batch, or of the request ids in `high`; those of the request
     ids in `held` passed over), in one snapshot and without a lock (`sdv_vin_load_many`, one
     round trip): a batch's `save_many` checks it is still so."""
     presence: dict[str, str] = {}
     markers: dict[str, tuple[Marker, str]] = {}
     found: dict[str, list[tuple[model.Row, bytes]]] = {}
-    query = "SELECT * FROM sdv_vin_load_many($1::text[], $2, $3, $4::text[])"
-    for r in await conn.fetch(query, list(vins), now_ms, rows, list(held)):
+    query = "SELECT * FROM sdv_vin_load_many($1::text[], $2, $3, $4::text[], $5::text[])"
+    for r in await conn.fetch(query, list(vins), now_ms, rows, list(held), list(high)):
         vin, kind = r["vin"], r["kind"]
         if kind == "p":
             presence[vin] = r["session"]
@@ -106,7 +112,10 @@ async def load_many(
     out = {}
     for vin in vins:
         marker, token = markers.get(vin, (None, None))
-        queue = sorted(found.get(vin, ()), key=lambda rp: (rp[0].ts_ms, rp[0].request_id))
+        queue = sorted(
+            found.get(vin, ()),
+            key=lambda rp: (not (rp[0].high_priority or rp[0].request_id in high), rp[0].ts_ms, rp[0].request_id),
+        )
         out[vin] = Loaded(presence.get(vin), marker, queue, token)
     return out
 

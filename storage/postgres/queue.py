@@ -1,7 +1,8 @@
 """A vehicle's queue on PostgreSQL: its pending rows, the next one to deliver, its backlog.
 
 The answers of `Store.pending`, `Store.oldest` and `Store.backlog` (storage/lmdb/store.py). Delivery
-order is the row's store time, then its request id (byte order: the columns are COLLATE "C").
+order: rows whose batch asked high priority first, then by store time, then by request id (byte
+order: the columns are COLLATE "C"); dispatch adds the requests whose policy says high.
 A row is deliverable unless it is past its expires_at or a cancel of every vehicle in progress
 took it by its cut (`Store._visible_rows`).
 """
@@ -25,7 +26,7 @@ SELECT q.*, (SELECT data FROM blobs b WHERE b.sha1 = q.sha1) AS data FROM (
     FROM rows r LEFT JOIN cancels c ON c.request_id = r.request_id
     WHERE r.vin = $1 AND NOT (r.expires_ms > 0 AND r.expires_ms <= $4)
         AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms) AND {_NOT_HIDDEN}
-    ORDER BY r.ts_ms, r.request_id LIMIT 1) q
+    ORDER BY (r.flags & 2) = 0, r.ts_ms, r.request_id LIMIT 1) q
 """
 # Its blob is gone (lost data, never the normal case): the first deliverable row that has one.
 _OLDEST_WITH_BLOB = f"""
@@ -33,7 +34,7 @@ SELECT {_COLUMNS}, b.data
 FROM rows r JOIN blobs b ON b.sha1 = r.sha1 LEFT JOIN cancels c ON c.request_id = r.request_id
 WHERE r.vin = $1 AND NOT (r.expires_ms > 0 AND r.expires_ms <= $4)
     AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms) AND {_NOT_HIDDEN}
-ORDER BY r.ts_ms, r.request_id LIMIT 1
+ORDER BY (r.flags & 2) = 0, r.ts_ms, r.request_id LIMIT 1
 """
 
 
@@ -43,7 +44,8 @@ def _row(vin: str, r: Record) -> model.Row:
 
 async def pending(conn: Connection, vin: str) -> list[model.Row]:
     """The vehicle's pending rows in delivery order (deliverable or not)."""
-    found = await conn.fetch(f"SELECT {_COLUMNS} FROM rows r WHERE r.vin = $1 ORDER BY r.ts_ms, r.request_id", vin)
+    query = f"SELECT {_COLUMNS} FROM rows r WHERE r.vin = $1 ORDER BY (r.flags & 2) = 0, r.ts_ms, r.request_id"
+    found = await conn.fetch(query, vin)
     return [_row(vin, r) for r in found]
 
 

@@ -192,6 +192,12 @@ REJECTIONS = [
     ("bad_expires_at", "$SDV-FANOUT", json.dumps({**GOOD, "expires_at": -1}).encode()),
     ("bad_expires_at", "$SDV-FANOUT", json.dumps({**GOOD, "expires_at": 10**16}).encode()),
     ("wrong_type", "$SDV-FANOUT", json.dumps({**GOOD, "await_response": "yes"}).encode()),
+    ("bad_priority", "$SDV-FANOUT", json.dumps({**GOOD, "priority": "HIGH"}).encode()),
+    (
+        "bad_priority",
+        "$SDV-FANOUT/trigger",
+        json.dumps({"ids": ["V1"], "request_id": "t", "data_id": "d", "priority": ""}).encode(),
+    ),
     # Cancels are validated like batches.
     ("missing_field", "$SDV-FANOUT/cancel", json.dumps({"ids": ["VIN1"]}).encode()),
     ("bad_request_id", "$SDV-FANOUT/cancel", json.dumps({"request_id": "a/b"}).encode()),

@@ -27,6 +27,8 @@ Invariants, checked at every step against the store's view (`MemoryRows`, or Pos
   the deliveries out;
 - never a row of a request its campaign policy holds (paused at random, resumed with its rows
   offered again, as the server does when a gate opens): the oldest row not held goes instead;
+- never a normal row while a high-priority one of that vehicle may be sent (high per batch, or
+  per request by its policy, switched at random): high rows go first, oldest first;
 - at the end every row is drained and every pair the store took has exactly one outcome;
   a cancelled pair the vehicle PUBACKed later was amended.
 """
@@ -124,9 +126,16 @@ class Fleet:
         self.events: Counter[str] = Counter()
         #: Request ids held by their campaign policy now (the dispatcher's gates).
         self.held: set[str] = set()
+        #: Request ids whose campaign policy says priority high now (the dispatcher's gates).
+        self.high: frozenset[str] = frozenset()
+        #: Priorities are drawn apart, so the other events' stream stays what each seed gave before.
+        self.prio_rng = random.Random(rng.random())
 
     def held_now(self) -> frozenset[str]:
         return frozenset(self.held)
+
+    def high_now(self) -> frozenset[str]:
+        return self.high
 
     def clock(self) -> float:
         return self.now
@@ -171,9 +180,13 @@ class Fleet:
             return
         if request_id in self.held:
             self.violations.append(f"{where}: published while its campaign policy holds it")
-        oldest = self.rows.oldest(vin, self.held_now())
+        oldest = self.rows.oldest(vin, self.held_now(), self.high)
         if oldest is None or (oldest[0].request_id, oldest[1]) != (request_id, payload):
             self.violations.append(f"{where}: not the oldest row the store may send ({oldest and oldest[0]})")
+        if not (row.high_priority or request_id in self.high):
+            first = [r for r, p in self.rows.deliverable(vin, self.held_now()) if p.high_priority or r in self.high]
+            if first:
+                self.violations.append(f"{where}: a normal row sent while high-priority {first[0]} may be sent")
         if 0 < row.expires_ms <= self.now * 1000:
             self.violations.append(f"{where}: published past its expires_at")
         job = self.rows.cancels.get(request_id)
@@ -281,7 +294,16 @@ async def simulate(
     named = (lambda clientid: True) if vin_from_clientid else None
     # Acked rows end at once, or with a later commit (LMDB's group committer; memory only).
     link = lambda: fleet.link_up  # noqa: E731
-    wiring = Wiring(fleet, fleet.clock, link, named, RESPONSE_TIMEOUT_S, defer_acks=seed % 2 == 0, held=fleet.held_now)
+    wiring = Wiring(
+        fleet,
+        fleet.clock,
+        link,
+        named,
+        RESPONSE_TIMEOUT_S,
+        defer_acks=seed % 2 == 0,
+        held=fleet.held_now,
+        high=fleet.high_now,
+    )
     fleet.store = await open_store(wiring)
     try:
         await run(fleet, steps, events)
@@ -386,8 +408,12 @@ async def run(fleet: Fleet, steps: int, events: str = "hooks") -> None:
             payload = rng.choice([b"shared", rid.encode(), rng.randbytes(8)])
             expires_ms = int(fleet.now * 1000) + rng.randint(2_000, 60_000) if rng.random() < 0.25 else 0
             awaited = rng.random() < 0.3
+            high = fleet.prio_rng.random() < 0.2
+            fleet.events["high_batch"] += high
             durable_write()
-            taken = await store.batch(batch, rid, payload, expires_ms=expires_ms, await_response=awaited)
+            taken = await store.batch(
+                batch, rid, payload, expires_ms=expires_ms, await_response=awaited, high_priority=high
+            )
             for vin, digest in taken:  # replaced behind a cancel's cut: that cancel took the old row
                 fleet.cancelled_at[vin, rid, digest] = fleet.step
             d.new_batch(batch)
@@ -431,6 +457,10 @@ async def run(fleet: Fleet, steps: int, events: str = "hooks") -> None:
             fleet.events["expired"] += len(await store.expire_due())
         elif r < 0.95:
             store.commit_acks()
+        elif r < 0.97 and fleet.prio_rng.random() < 0.3:  # a policy gives a campaign high priority, or takes it
+            rid = rng.choice(rids)
+            fleet.high = fleet.high - {rid} if rid in fleet.high else fleet.high | {rid}
+            fleet.events["high_policy"] += 1
         elif r < 0.97:  # a campaign paused, or resumed: its rows are offered to their vehicles again
             rid = rng.choice(rids)
             if rid in fleet.held:
@@ -567,3 +597,4 @@ def test_random_fleet_keeps_invariants_and_drains(
     assert {"delivered", "superseded", "cancelled", "expired", "responded", "failed"} <= outcomes.keys(), outcomes
     assert fleet.events["answer_accepted"] and fleet.events["answer_ignored"], fleet.events
     assert fleet.events["puback_forged"], fleet.events
+    assert fleet.events["high_batch"] and fleet.events["high_policy"], fleet.events

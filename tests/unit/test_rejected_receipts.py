@@ -82,6 +82,8 @@ def test_the_one_bad_vin_of_ten_thousand_is_named(tmp_path: Path) -> None:
         ({"data_encoding": "rot13"}, "bad_data_encoding", "data_encoding"),
         ({"batch_id": ""}, "bad_batch_id", "batch_id"),
         ({"await_response": "yes"}, "wrong_type", "await_response"),
+        ({"priority": "urgent"}, "bad_priority", "priority"),
+        ({"priority": 1}, "wrong_type", "priority"),
     ],
 )
 def test_the_field_at_fault_is_named(tmp_path: Path, doc: dict[str, Any], reason: str, field: str) -> None:

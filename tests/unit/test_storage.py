@@ -268,3 +268,40 @@ def test_long_queue_drains_in_order_with_a_pass_per_head(store: Store) -> None:
     assert rows.rows_scanned <= 4 * 200 + 32 * 32, rows.rows_scanned
     writer.close()
     assert store.row_count() == 0
+
+
+def test_a_kept_queue_head_is_overtaken_by_high_priority_rows(store: Store) -> None:
+    """A long queue's kept head is read again when a high-priority row is stored (its batch asked
+    it) or the requests whose policy says high change: the high rows go next, oldest first, and
+    the normal rows follow in their order."""
+    from exhook_server.backends.lmdb.rows import StoreRows
+    from storage.model import FLAG_HIGH_PRIORITY, RowSpec
+
+    writer = GroupCommitter(store, lazy_delay_s=0.0)
+    for i in range(100):
+        writer.submit(batch_op(store, ["VIN1"], f"task_a_{i:03d}", f"p{i}".encode(), now=1000 + i)).result(10)
+    rows = StoreRows(store, writer)
+    delivered: list[str] = []
+    high = frozenset[str]()
+
+    def deliver() -> None:
+        found = rows.oldest("VIN1", None, high)
+        assert found is not None
+        delivered.append(found[0].request_id)
+        assert rows.ack("VIN1", found[0].request_id, hashlib.sha1(found[1]).digest())
+
+    for _ in range(3):
+        deliver()
+    spec = RowSpec(flags=FLAG_HIGH_PRIORITY)
+    op = functools.partial(
+        batches.store_batch, t=store.tables, vins=["VIN1"], request_id="task_r_1", blob=b"r", spec=spec
+    )
+    writer.submit(functools.partial(op, now_ms=5000)).result(10)
+    deliver()
+    high = frozenset({"task_a_090"})  # its policy says high now
+    deliver()
+    deliver()
+    assert delivered == ["task_a_000", "task_a_001", "task_a_002", "task_r_1", "task_a_090", "task_a_003"]
+    assert store.high_rows_stored() == 1
+    writer.close()
+    assert [r.request_id for r in store.pending("VIN1")][:1] == ["task_a_004"]

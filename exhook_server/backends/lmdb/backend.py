@@ -133,6 +133,7 @@ class LmdbBackend:
             on_response=needs.on_response,
             held=needs.held,
             pacing=needs.pacing,
+            high=needs.high,
         )
         self.peers = Peers(group, dispatcher.receive, self._answer) if group else None
         self._dispatcher = dispatcher

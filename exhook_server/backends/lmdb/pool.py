@@ -82,6 +82,7 @@ class Dispatcher:
         on_response: ResponseListener | None = None,
         held: Callable[[], frozenset[str]] | None = None,
         pacing: Pacing | None = None,
+        high: Callable[[], frozenset[str]] | None = None,
     ) -> None:
         if processes > 1 and forward is None:
             raise ValueError("a dispatcher in a group of processes needs a way to forward to them")
@@ -113,6 +114,7 @@ class Dispatcher:
                 on_response=on_response,
                 held=held,
                 pacing=pacing,
+                high=high,
             )
             for n in local
         }

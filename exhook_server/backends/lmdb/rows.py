@@ -40,8 +40,9 @@ class StoreRows:
     A vehicle back online with a long queue is drained one delivery at a time, and finding the
     oldest row is a pass over its whole queue, so the drain would cost O(rows²). For such queues the
     head of the queue (its first quarter, in delivery order) is kept between deliveries and checked
-    row by row instead: a pass per quarter of the queue, not per delivery. New rows only join at the
-    end of a queue, so the head stays right.
+    row by row instead: a pass per quarter of the queue, not per delivery. New normal rows only join
+    at the end of a queue, so the head stays right; a high-priority row stored since, or a change of
+    the requests whose policy says high, makes every head be read again.
     """
 
     def __init__(self, store: Store, committer: GroupCommitter) -> None:
@@ -53,6 +54,8 @@ class StoreRows:
         self._lock = threading.Lock()
         #: vin → the rows at the head of its long queue, in delivery order (dispatch loop only).
         self._heads: OrderedDict[str, deque[Row]] = OrderedDict()  # (also its first row, until acked)
+        #: What the heads were read under: `Store.high_rows_stored` and the high request ids.
+        self._heads_read: tuple[int, frozenset[str]] = (-1, frozenset())
         #: Rows read by passes over queues, for tests and benchmarks.
         self.rows_scanned = 0
         #: Acked rows to end, in order, not yet taken by a commit (see `batches.DeleteRows`;
@@ -65,16 +68,24 @@ class StoreRows:
         #: delivery per vehicle); the store's count of the older ones bridges the restart.
         self._started_ms = now_ms()
 
-    def oldest(self, vin: str, skip: frozenset[str] | None = None) -> tuple[Row, bytes] | None:
+    def oldest(
+        self, vin: str, skip: frozenset[str] | None = None, high: frozenset[str] | None = None
+    ) -> tuple[Row, bytes] | None:
         with self._lock:
             hidden = self._deleting.get(vin)
             hidden = dict(hidden) if hidden else None
         if skip:
             # Some requests are held by their campaign policy: one pass that passes over their
             # rows (the kept head is for queues that drain in order, and stays as it is).
-            found, count = self._store.oldest(vin, hidden, skip)
+            found, count = self._store.oldest(vin, hidden, skip, high)
             self.rows_scanned += count
             return found
+        # A kept head is overtaken by a high-priority row stored since, or a change of the
+        # requests whose policy says high: then every head is read again.
+        overtaken = (self._store.high_rows_stored(), high or frozenset())
+        if overtaken != self._heads_read:
+            self._heads.clear()
+            self._heads_read = overtaken
         head = self._heads.get(vin)
         if head is not None:
             self._heads.move_to_end(vin)
@@ -82,10 +93,10 @@ class StoreRows:
             if found is not None:
                 return found
             del self._heads[vin]  # used up: read the next head
-        found, count = self._store.oldest(vin, hidden)
+        found, count = self._store.oldest(vin, hidden, None, high)
         self.rows_scanned += count
         if count > _HEAD_ROWS:  # a long queue: keep its head for the next deliveries
-            rows, count = self._store.queue_head(vin, min(_HEAD_MAX_ROWS, count // 4), hidden)
+            rows, count = self._store.queue_head(vin, min(_HEAD_MAX_ROWS, count // 4), hidden, high)
             self.rows_scanned += count
             self._heads[vin] = deque(rows)
             if len(self._heads) > _HEADS_MAX:

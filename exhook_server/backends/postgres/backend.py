@@ -104,6 +104,7 @@ class PgBackend:
             batch_max=cfg.dispatch_batch_max,
             event_timeout_s=cfg.ingest_timeout_s,
             held=needs.held,
+            high=needs.high,
         )
         return self._dispatcher
 

@@ -135,7 +135,10 @@ class _EventRows:
         self._rows = rows
         self.ends: list[tuple[str, bytes, Outcome, int, bytes]] = []
 
-    def oldest(self, vin: str, skip: frozenset[str] | None = None) -> tuple[Row, bytes] | None:
+    def oldest(
+        self, vin: str, skip: frozenset[str] | None = None, high: frozenset[str] | None = None
+    ) -> tuple[Row, bytes] | None:
+        # The rows are in delivery order as loaded (with the same `high`): the first one goes.
         ended = {(rid, sha1) for rid, sha1, *_ in self.ends}
         for row, payload in self._rows:
             if (row.request_id, row.sha1) not in ended and not (skip and row.request_id in skip):
@@ -258,10 +261,13 @@ class SharedDispatcher:
         event_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
         held: Callable[[], frozenset[str]] | None = None,
+        high: Callable[[], frozenset[str]] | None = None,
     ) -> None:
         self._pool = pool
         #: Request ids held by their campaign policy (dispatch/gates.py): their rows are not loaded.
         self._held = held
+        #: Request ids whose policy gives their rows high priority (dispatch/gates.py).
+        self._high = high
         self._publisher = publisher
         self._inflight_timeout_s = inflight_timeout_s
         self._response_timeout_s = response_timeout_s
@@ -435,7 +441,8 @@ class SharedDispatcher:
         async with self._pool.acquire() as conn:
             async with asyncio.timeout(self._event_timeout_s):
                 held = self._held() if self._held is not None else frozenset()
-                loaded = await pgd.load_many(conn, [q.vin for q in batch], now_ms, _PREFETCH, sorted(held))
+                high = self._high() if self._high is not None else frozenset()
+                loaded = await pgd.load_many(conn, [q.vin for q in batch], now_ms, _PREFETCH, sorted(held), high)
                 trips = 1
                 decided = [self._decide(q, loaded[q.vin], now, held) for q in batch]
                 saving = sorted((d for d in decided if d.save is not None), key=lambda d: d.queued.vin)

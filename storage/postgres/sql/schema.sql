@@ -27,7 +27,7 @@ CREATE TABLE rows (
     sha1        bytea    NOT NULL,
     size        integer  NOT NULL,
     expires_ms  bigint   NOT NULL DEFAULT 0,   -- 0: never expires
-    flags       smallint NOT NULL DEFAULT 0,   -- storage.model.FLAG_AWAIT_RESPONSE
+    flags       smallint NOT NULL DEFAULT 0,   -- storage.model.FLAG_AWAIT_RESPONSE, FLAG_HIGH_PRIORITY
     PRIMARY KEY (vin, request_id)
 );
 -- The vehicle's queue, oldest first (and its backlog count for max_pending).
@@ -38,6 +38,9 @@ CREATE INDEX rows_retention ON rows (ts_ms);
 CREATE INDEX rows_deadlines ON rows (expires_ms) WHERE expires_ms > 0;
 -- A request's pending vehicles in VIN order: cancel, and a cancel of every vehicle in chunks.
 CREATE INDEX rows_request ON rows (request_id, vin);
+-- A vehicle's rows whose batch asked for high priority (flag 2, storage.model.FLAG_HIGH_PRIORITY),
+-- oldest first: they go before its other rows (functions/vehicle_batches.sql).
+CREATE INDEX rows_high ON rows (vin, ts_ms, request_id) WHERE (flags & 2) <> 0;
 
 -- Vehicles whose backlog was last counted at half of max_pending_per_vehicle or more: the backlog
 -- bound counts these on every new row, the others on a sample (functions/bound.sql).

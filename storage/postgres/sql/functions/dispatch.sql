@@ -18,7 +18,7 @@ BEGIN
     PERFORM pg_advisory_xact_lock(sdv_lock_class('vehicle'), hashtext(p_vin));
     RETURN QUERY SELECT l.kind, l.session, l.request_id, l.sha1, l.sent_ms, l.attempts, l.await_response,
         l.acked_ms, l.cancelled, l.voided, l.ts_ms, l.size, l.expires_ms, l.flags, l.data
-        FROM sdv_vin_load_many(ARRAY[p_vin], p_now, p_rows, '{}'::text[]) l;
+        FROM sdv_vin_load_many(ARRAY[p_vin], p_now, p_rows, '{}'::text[], '{}'::text[]) l;
 END
 $$;
 

@@ -15,11 +15,15 @@ CREATE OR REPLACE FUNCTION sdv_marker_token(p_vin text) RETURNS text LANGUAGE sq
 $$;
 
 -- sdv_vin_load's reads for many vehicles in one snapshot, without a lock: per vehicle its
--- presence ('p'), its first p_rows deliverable rows with payloads ('r'; rows of the request ids
--- p_held names are passed over: their campaign policy holds them, exhook_server/dispatch/gates.py)
--- and its delivery ('s', with its token). One index probe per vehicle and table (LATERAL ... LIMIT keeps the planner
--- from hashing whole tables).
-CREATE OR REPLACE FUNCTION sdv_vin_load_many(p_vins text[], p_now bigint, p_rows integer, p_held text[])
+-- presence ('p'), its first p_rows deliverable rows with payloads in delivery order ('r') and its
+-- delivery ('s', with its token). Delivery order: high priority first (flag 2, FLAG_HIGH_PRIORITY
+-- of storage/model.py: its batch asked it; or its request id in p_high: its policy says so),
+-- oldest first, then by request id. Rows of the request ids p_held names are passed over: their
+-- campaign policy holds them (exhook_server/dispatch/gates.py). One index probe per vehicle and
+-- lane (LATERAL ... LIMIT keeps the planner from hashing whole tables; flagged rows through the
+-- partial index rows_high, p_high's through the primary key).
+CREATE OR REPLACE FUNCTION sdv_vin_load_many(
+    p_vins text[], p_now bigint, p_rows integer, p_held text[], p_high text[])
 RETURNS TABLE (
     vin text, kind text, session text, request_id text, sha1 bytea, sent_ms bigint, attempts integer,
     await_response boolean, acked_ms bigint, cancelled boolean, voided boolean,
@@ -35,12 +39,27 @@ RETURNS TABLE (
            r.ts_ms, r.size, r.expires_ms, r.flags, r.data, NULL
     FROM unnest(p_vins) AS v(vin)
     CROSS JOIN LATERAL (
-        SELECT r.request_id, r.sha1, r.ts_ms, r.size, r.expires_ms, r.flags, b.data
-        FROM rows r JOIN blobs b ON b.sha1 = r.sha1 LEFT JOIN cancels c ON c.request_id = r.request_id
-        WHERE r.vin = v.vin AND NOT (r.expires_ms > 0 AND r.expires_ms <= p_now)
-            AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms)
-            AND NOT (r.request_id = ANY (p_held))
-        ORDER BY r.ts_ms, r.request_id LIMIT p_rows) r
+        SELECT q.* FROM (
+            (SELECT 0 AS lane, r.request_id, r.sha1, r.ts_ms, r.size, r.expires_ms, r.flags, b.data
+             FROM rows r JOIN blobs b ON b.sha1 = r.sha1 LEFT JOIN cancels c ON c.request_id = r.request_id
+             WHERE r.vin = v.vin AND (r.flags & 2) <> 0
+                AND NOT (r.expires_ms > 0 AND r.expires_ms <= p_now)
+                AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms) AND NOT (r.request_id = ANY (p_held))
+             ORDER BY r.ts_ms, r.request_id LIMIT p_rows)
+            UNION ALL
+            (SELECT 0, r.request_id, r.sha1, r.ts_ms, r.size, r.expires_ms, r.flags, b.data
+             FROM rows r JOIN blobs b ON b.sha1 = r.sha1 LEFT JOIN cancels c ON c.request_id = r.request_id
+             WHERE r.vin = v.vin AND r.request_id = ANY (p_high) AND (r.flags & 2) = 0
+                AND NOT (r.expires_ms > 0 AND r.expires_ms <= p_now)
+                AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms) AND NOT (r.request_id = ANY (p_held)))
+            UNION ALL
+            (SELECT 1, r.request_id, r.sha1, r.ts_ms, r.size, r.expires_ms, r.flags, b.data
+             FROM rows r JOIN blobs b ON b.sha1 = r.sha1 LEFT JOIN cancels c ON c.request_id = r.request_id
+             WHERE r.vin = v.vin AND (r.flags & 2) = 0 AND NOT (r.request_id = ANY (p_high))
+                AND NOT (r.expires_ms > 0 AND r.expires_ms <= p_now)
+                AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms) AND NOT (r.request_id = ANY (p_held))
+             ORDER BY r.ts_ms, r.request_id LIMIT p_rows)
+        ) q ORDER BY q.lane, q.ts_ms, q.request_id LIMIT p_rows) r
     UNION ALL
     SELECT v.vin, 's', s.session::text, s.request_id::text, s.sha1, s.sent_ms, s.attempts,
            s.await_response, s.acked_ms, s.cancelled, s.voided, NULL, NULL, NULL, NULL, NULL,

@@ -1,0 +1,62 @@
+"""The priority lane, on both stores: a vehicle's high-priority requests (asked per batch, or by
+their request's policy, stored before or after it) go before its normal ones whatever their age,
+oldest first among equals, one in flight at a time. Real mosquitto, the EMQX-faithful hook driver."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testkit.harness import poll
+from tests.integration.test_delivery_e2e import Rig, make_rig
+
+
+@pytest.fixture(params=["lmdb", "postgresql"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Every test here runs on both stores."""
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def rig(tmp_path: Path, make_server: Any) -> Iterator[Rig]:
+    yield from make_rig(tmp_path, make_server)
+
+
+def policy(rig: Rig, request_id: str, **fields: Any) -> None:
+    reply = rig.emqx.publish("$SDV-FANOUT/policy", json.dumps({"request_id": request_id, **fields}).encode())
+    assert reply is not None and reply.message.headers["allow_publish"] == "false"
+
+
+def test_a_high_priority_batch_overtakes_the_queued_normal_ones(rig: Rig) -> None:
+    v = rig.emqx.vehicle("VIN1")
+    v.auto_ack = False
+    v.connect()
+    v.subscribe()
+    for n in range(3):
+        rig.emqx.publish_batch(["VIN1"], f"task_ota_{n}", f"fw{n}")
+    v.wait_for(1)  # task_ota_0 is out: one in flight, the other two queued
+    rig.emqx.publish_batch(["VIN1"], "task_recall_1", "recall", priority="high")
+    assert len(v.received) == 1
+    for n in range(2, 5):
+        assert v.ack_pending() == 1
+        v.wait_for(n)
+    assert rig.rids(v) == ["task_ota_0", "task_recall_1", "task_ota_1", "task_ota_2"]
+
+
+def test_a_policy_gives_and_takes_priority_of_rows_stored_before_it(rig: Rig) -> None:
+    for rid in ("task_a_1", "task_b_1", "task_c_1"):
+        rig.emqx.publish_batch(["VIN2"], rid, rid)
+    rig.emqx.publish_batch(["VIN2"], "task_r_1", "recall", priority="high")
+    policy(rig, "task_b_1", priority="high")
+    policy(rig, "task_c_1", priority="high")
+    policy(rig, "task_c_1", priority="normal")  # a later policy takes it back
+    policy(rig, "task_r_1", priority="normal")  # the batch's own priority stays
+    v = rig.online("VIN2")
+    v.wait_for(4)
+    # High first, oldest first among them (b was stored before r); then the normal ones by age.
+    assert rig.rids(v) == ["task_b_1", "task_r_1", "task_a_1", "task_c_1"]
+    poll(lambda: rig.rows() == 0)
