@@ -280,7 +280,8 @@ class AdminServicer:
         stored = await self._reads.policy(request_id)
         if stored is None:
             return apb.Policy(request_id=request_id)
-        return apb.Policy(request_id=request_id, policy=stored.doc.decode(), set_ms=stored.set_ms)
+        aborted = "" if stored.aborted is None else stored.aborted.decode()
+        return apb.Policy(request_id=request_id, policy=stored.doc.decode(), set_ms=stored.set_ms, aborted=aborted)
 
 
 def method_handlers(servicer: AdminServicer) -> dict[str, grpc.RpcMethodHandler]:

@@ -2,9 +2,10 @@
 
 `Campaigns.apply` takes a checked policy message (`batch.PolicyDoc`), validates its fields
 (exhook_server/policy.py: `bad_policy`), stores it through `Writes.set_policy` (durable when it
-returns; `policies_full` past max_policies) and only then emits the status event `policy` on the
-request's status topic, echoing what is in force (`"cleared": true` instead once cleared). The topic, the
-Admin API and the CLI all go through it.
+returns; `policies_full` past max_policies; a request aborted under its former policy is open
+again) and only then emits the status event `policy` on the request's status topic, echoing what
+is in force (`"cleared": true` instead once cleared). The topic, the Admin API and the CLI all go
+through it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import structlog
 
 from exhook_server import metrics
+from exhook_server.abort import Aborts
 from exhook_server.batch import PolicyDoc
 from exhook_server.config import Config
 from exhook_server.dispatch.gates import Gates
@@ -39,6 +41,8 @@ class Campaigns:
         self.gates: Gates | None = None
         #: This process's pacing, told the same way.
         self.pacer: Pacer | None = None
+        #: This process's abort watch: a policy with criteria is judged at once.
+        self.aborts: Aborts | None = None
 
     async def apply(self, message: PolicyDoc, status: StatusPublisher | None = None) -> Policy | None:
         """Validate, store and report one policy message; the policy now in force (None: none).
@@ -56,6 +60,8 @@ class Campaigns:
             self.gates.set(rid, policy)
         if self.pacer is not None:
             self.pacer.set(rid, policy, set_ms)
+        if self.aborts is not None and policy is not None and policy.abort:
+            self.aborts.watch(rid)
         shown = None if policy is None else policy.as_doc()
         metrics.POLICIES_SET.labels("cleared" if policy is None else "set").inc()
         log.info("policy_set", request_id=rid, policy=shown, replaced=had)

@@ -84,6 +84,11 @@ class Cancels:
         log.info("cancel_started", request_id=request_id, vins=None if vins is None else len(vins), more=first.more)
         return self._finish(request_id, first, tags.correlation_id)
 
+    def walk(self, first: CancelChunk) -> asyncio.Task[CancelResult]:
+        """Finish a cancel of every vehicle whose first chunk someone else committed (an abort:
+        exhook_server/abort.py), as `cancel` finishes its own."""
+        return self._finish(first.request_id, first, None)
+
     def _finish(
         self, request_id: str, first: CancelChunk | None, correlation_id: str | None
     ) -> asyncio.Task[CancelResult]:
@@ -112,6 +117,7 @@ class Cancels:
             await asyncio.wait([previous])
         in_flight = 0
         total = 0
+        reason = None if chunk is None else chunk.reason
         if chunk is None:
             chunk = await self._logged_chunk(request_id)
         while True:
@@ -126,14 +132,20 @@ class Cancels:
                 raise
             total = chunk.total  # cumulative over the chunks of one cancel
             correlation_id = correlation_id or chunk.correlation_id
+            reason = reason or chunk.reason
             if following is None:
                 break
             chunk = await following
         metrics.CANCELS.inc()
-        log.info("request_cancelled", request_id=request_id, cancelled=total, in_flight=in_flight)
+        log.info("request_cancelled", request_id=request_id, cancelled=total, in_flight=in_flight, reason=reason)
         if self.status is not None:
             self.status.emit(
-                "cancelled", request_id, cancelled=total, in_flight=in_flight, correlation_id=correlation_id
+                "cancelled",
+                request_id,
+                cancelled=total,
+                in_flight=in_flight,
+                correlation_id=correlation_id,
+                reason=reason,
             )
         return CancelResult(request_id, total, in_flight)
 

@@ -501,11 +501,13 @@ def _cmd_request(args: argparse.Namespace) -> int:
         found = [_stored_generation(g) for g in _on_store(cfg, read)]
         if not found:
             raise _NotFound(f"no generation of request {args.request_id!r} is stored")
-    policy = _policy_in_force(cfg, args.server, args.request_id)
+    policy, aborted = _policy_in_force(cfg, args.server, args.request_id)
     if args.json:
         shown: dict[str, Any] = {"request_id": args.request_id, "generations": found}
         if policy is not None:  # only then: the answer of a request without one is as it was
             shown["policy"] = policy
+        if aborted is not None:
+            shown["aborted"] = aborted
         print(json.dumps(shown))
         return 0
     print(f"{args.request_id}: {len(found)} generation{'s' if len(found) > 1 else ''}, newest first")
@@ -513,26 +515,35 @@ def _cmd_request(args: argparse.Namespace) -> int:
         print(f"  sha1 {g['sha1']}  {_generation_line(g)}")
     if policy is not None:
         print(f"  policy in force: {json.dumps(policy)}")
+    if aborted is not None:
+        print(f"  aborted (batches refused until a new policy): {json.dumps(aborted)}")
     return 0
 
 
-def _policy_in_force(cfg: Config, server: str | None, request_id: str) -> dict[str, Any] | None:
-    """The campaign policy of `request_id` in force (from the server's Admin API with `server`),
-    or None."""
+def _policy_in_force(
+    cfg: Config, server: str | None, request_id: str
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The campaign policy of `request_id` in force and its abort, if any (from the server's Admin
+    API with `server`); (None, None) without a policy."""
     if server is not None:
         from exhook_server._proto import admin_pb2
 
         try:
             reply = _admin_rpc(cfg, server, "GetPolicy", admin_pb2.GetPolicyRequest(request_id=request_id))
         except _NotFound:
-            return None
-        return json.loads(reply.policy) if reply.policy else None
+            return None, None
+        return (
+            json.loads(reply.policy) if reply.policy else None,
+            json.loads(reply.aborted) if reply.aborted else None,
+        )
 
     async def read(reads: Reads) -> Any:
         return await reads.policy(request_id)
 
     stored = _on_store(cfg, read)
-    return None if stored is None else dict(json.loads(stored.doc))
+    if stored is None:
+        return None, None
+    return dict(json.loads(stored.doc)), None if stored.aborted is None else dict(json.loads(stored.aborted))
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:

@@ -53,6 +53,9 @@ class Reason(enum.StrEnum):
     BAD_POLICY = "bad_policy"
     #: A new request id's policy while max_policies are in force.
     POLICIES_FULL = "policies_full"
+    #: A batch of a request whose campaign was aborted (its policy's abort criterion), until a
+    #: new policy for the request re-opens it.
+    ABORTED = "aborted"
 
 
 class FanoutError(Exception):

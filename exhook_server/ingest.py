@@ -42,7 +42,7 @@ from exhook_server.errors import BatchRejected, EarlyTriggersFull, Reason, Stora
 from exhook_server.parked import ParkedTriggers
 from exhook_server.status import StatusPublisher
 from exhook_server.topics import is_level
-from storage.errors import CommitTimeout
+from storage.errors import CommitTimeout, RequestAborted
 from storage.model import BatchWritten, Duplicate, RowSpec, now_ms
 from storage.port import Writes
 
@@ -138,7 +138,10 @@ class Ingestor:
     async def _store_parsed(self, parsed: Parsed) -> None:
         now = self._clock()
         if isinstance(parsed, Batch):
-            written = await self._writes.store_batch(*self._batch_args(parsed, now))
+            try:
+                written = await self._writes.store_batch(*self._batch_args(parsed, now))
+            except RequestAborted as exc:
+                raise BatchRejected(Reason.ABORTED, str(exc), request_id=parsed.request_id) from None
             if isinstance(written, Duplicate):
                 self._duplicate(written, parsed.tags)
                 return
@@ -184,6 +187,8 @@ class Ingestor:
                 raise BatchRejected(
                     Reason.EARLY_TRIGGERS_FULL, str(exc), data_id=trig.data_id, request_id=trig.request_id
                 ) from None
+            except RequestAborted as exc:
+                raise BatchRejected(Reason.ABORTED, str(exc), request_id=trig.request_id) from None
             if isinstance(result, Duplicate):
                 self._duplicate(result, trig.tags)
             elif result.batch is None:
@@ -203,7 +208,10 @@ class Ingestor:
         refused: tuple[str, ...] = ()
         duplicate = False
         if preview.batch is not None:
-            written = await self._writes.preview_batch(*self._batch_args(preview.batch, now))
+            try:
+                written = await self._writes.preview_batch(*self._batch_args(preview.batch, now))
+            except RequestAborted as exc:  # what the batch would get: its rejected event, dry_run
+                raise BatchRejected(Reason.ABORTED, str(exc), request_id=preview.request_id) from None
             if isinstance(written, Duplicate):
                 duplicate = True
             else:

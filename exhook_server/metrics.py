@@ -193,6 +193,9 @@ VEHICLES_AT_BOUND = Gauge(
     multiprocess_mode="livemostrecent",
 )
 CANCELS = Counter("sdv_fanout_cancels_total", "Cancels finished (their rows ended cancelled)")
+ABORTS = Counter(
+    "sdv_fanout_aborts_total", "Campaigns aborted by an abort criterion of their policy (counted where recorded)"
+)
 POLICIES_SET = Counter(
     "sdv_fanout_policies_total", "Campaign policy messages applied, by change (set, cleared)", ["change"]
 )

@@ -57,6 +57,15 @@ class AbortCriterion:
     ratio: float
     min_finished: int
 
+    def as_doc(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, "ratio": self.ratio, "min_finished": self.min_finished}
+
+    def crossed(self, counts: Mapping[str, int]) -> bool:
+        """Whether `counts` (a request's `finished` pairs and its count of each abort outcome)
+        cross this criterion: at least `min_finished` finished, `outcome`'s share at least `ratio`."""
+        finished = counts["finished"]
+        return finished >= self.min_finished and counts[self.outcome] / finished >= self.ratio
+
 
 @dataclass(frozen=True, slots=True)
 class Window:
@@ -92,9 +101,7 @@ class Policy:
         if self.max_in_flight is not None:
             doc["max_in_flight"] = self.max_in_flight
         if self.abort:
-            doc["abort"] = [
-                {"outcome": c.outcome, "ratio": c.ratio, "min_finished": c.min_finished} for c in self.abort
-            ]
+            doc["abort"] = [c.as_doc() for c in self.abort]
         if self.start_at_ms is not None:
             doc["start_at"] = self.start_at_ms
         if self.windows:

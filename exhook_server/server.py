@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from exhook_server import acks, admin, catchup, emqx_sync, events, hooks, housekeeping, memory
+from exhook_server.abort import Aborts
 from exhook_server.aio import Job, cancel_all, in_daemon_thread
 from exhook_server.backends.backend import Backend, open_backend
 from exhook_server.backends.lmdb.backend import LmdbBackend
@@ -149,12 +150,15 @@ class FanoutServer:
         self.pacer = Pacer(budget, wall_ms=clock, cap_share=cap_share, on_wake=self._offer_capacity)
         self.ingestor.campaigns.pacer = self.pacer
         self.gates.on_reload = self.pacer.replace_all
+        #: Campaign policies' abort criteria, judged on the outcomes of their requests.
+        self.aborts = Aborts(cfg, self.reads, self.backend.writes, self.gates, self.cancels, self.status, clock)
+        self.ingestor.campaigns.aborts = self.aborts
         vin_re = re.compile(cfg.vin_pattern)
         self.dispatcher: Dispatch = self.backend.dispatcher(
             DispatchNeeds(
                 publisher=self,  # publishes through self.delivery once it exists (see publish)
                 vin_from_clientid=(lambda c: vin_re.fullmatch(c) is not None) if cfg.vin_from_clientid else None,
-                on_outcome=self._vehicle_outcome if cfg.status_per_vehicle else None,
+                on_outcome=self._outcome,
                 on_response=self._response,
                 sender=self._sender,
                 connected=lambda: self.delivery is not None and self.delivery.connected,
@@ -166,6 +170,8 @@ class FanoutServer:
         self.ingestor.listeners.append(self.dispatcher.new_batch)
         self.ingestor.online_among = self.dispatcher.online_among
         self.cancels.listener = self.dispatcher.cancelled
+        self.cancels.outcome_listeners.append(self.aborts.outcome)
+        self.expiry.outcome_listeners.append(self.aborts.outcome)
         if cfg.status_per_vehicle:
             self.cancels.outcome_listeners.append(self._vehicle_outcome)
             self.expiry.outcome_listeners.append(self._vehicle_outcome)
@@ -260,6 +266,12 @@ class FanoutServer:
             self.status.link_up()
         else:
             self.status.link_down()
+
+    def _outcome(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
+        """An outcome dispatch reports: judged for its campaign's abort, and sent per vehicle when asked."""
+        self.aborts.outcome(vin, request_id, sha1, outcome, attempts)
+        if self.cfg.status_per_vehicle:
+            self._vehicle_outcome(vin, request_id, sha1, outcome, attempts)
 
     def _vehicle_outcome(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
         self.status.emit("vehicle", request_id, vin=vin, sha1=sha1.hex(), outcome=outcome.label, attempts=attempts)
@@ -427,6 +439,7 @@ class FanoutServer:
             if self.delivery.connected:  # the last receipts, while the broker still answers
                 await self.status.drain(min(grace_s, _STATUS_DRAIN_S))
             await asyncio.to_thread(self.delivery.stop)
+        await self.aborts.stop()
         await self.backend.stop()
         await cancel_all(self._tasks)
         await self.ingestor.stop()

@@ -5,6 +5,7 @@ StorageError            the store could not do what was asked; nothing was commi
 ├── LockTimeout         PostgreSQL: a statement waited too long for a lock someone else holds
 ├── EarlyTriggersFull   too many triggers are waiting for their data
 ├── PoliciesFull        as many campaign policies are in force as max_policies allows
+├── RequestAborted      the request's campaign was aborted: its batches are refused
 ├── PlanError           the directory is not a GC plan this build can apply
 └── CommitTimeout       a write did not commit within its deadline (it may still land later)
 """
@@ -24,6 +25,11 @@ class EarlyTriggersFull(StorageError):
 
 class PoliciesFull(StorageError):
     """As many campaign policies are in force as the bound allows; a new request id's is refused."""
+
+
+class RequestAborted(StorageError):
+    """The request's campaign was aborted by its policy's criterion; a batch of it is refused
+    until a new policy for the request re-opens it."""
 
 
 class PlanError(StorageError):

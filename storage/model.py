@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import orjson
+
 # -- the clock ---------------------------------------------------------------------------
 
 
@@ -93,6 +95,21 @@ class Outcome(enum.IntEnum):
     @property
     def label(self) -> str:
         return COUNT_NAMES[self.value]
+
+
+#: The "status" values of an answer that count as a failed answer (abort criterion `answer_failed`).
+FAILED_ANSWERS = ("failed", "rejected")
+
+
+def answer_failed(response: bytes) -> bool:
+    """Whether a vehicle's answer is a JSON object whose "status" is "failed" or "rejected" (an
+    answer cut at max_response_bytes that no longer parses is not). Twin: sdv_answer_failed
+    (storage/postgres/sql/functions/outcomes.sql)."""
+    try:
+        doc = orjson.loads(response)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("status"), str) and doc["status"] in FAILED_ANSWERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +261,8 @@ class CancelChunk:
     #: A cancel of every vehicle has more rows to go (run `cancel_chunk` again).
     more: bool
     correlation_id: str | None = None
+    #: Why the cancel was started when not by a cancel message: "aborted" (a campaign's abort).
+    reason: str | None = None
 
 
 # -- housekeeping ------------------------------------------------------------------------
@@ -262,6 +281,9 @@ class StoredPolicy:
     request_id: str
     doc: bytes
     set_ms: int
+    #: The abort of the request under this policy (criterion, counts, at_ms as JSON), if one
+    #: happened: its batches are refused until a new policy replaces this one.
+    aborted: bytes | None = None
 
 
 @dataclass(slots=True)

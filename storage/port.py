@@ -142,6 +142,13 @@ class Writes(Protocol):
         """Every campaign policy in force, by request id (dispatch loads them at start-up)."""
         ...
 
+    async def abort(self, request_id: str, doc: bytes, now_ms: int, max_rows: int) -> CancelChunk | None:
+        """Record `doc` as the abort of `request_id` under its policy in force and start its cancel
+        of every vehicle (reason "aborted"), in one transaction; from then on its batches raise
+        RequestAborted. None, writing nothing, when it has no policy or that policy was aborted
+        already (by another process or instance: exactly one abort wins)."""
+        ...
+
     async def pending_vins(self, request_id: str, after: str, limit: int) -> list[str]:
         """Up to `limit` VINs with a pending row of `request_id`, in VIN order past `after`."""
         ...
@@ -228,4 +235,8 @@ class Reads(Protocol):
     async def online_pending(self, request_id: str) -> int | None:
         """Pending rows of `request_id` whose vehicle is online now, where the store keeps
         presence (PostgreSQL); None where only the server's memory does (LMDB)."""
+
+    async def outcome_counts(self, request_id: str) -> tuple[list[Generation], int]:
+        """The generations of `request_id` (as `generations`) and how many of its answers had
+        "status" failed or rejected (`model.answer_failed`), read together."""
         ...

@@ -51,9 +51,11 @@ class Gates:
         self.on_reload: Callable[[list[tuple[str, Policy, int]]], None] | None = None
         #: request ids whose policy says priority "high" (a new set object on every change).
         self._high: frozenset[str] = _NONE
+        #: Requests aborted under their policy in force (as last read, or aborted since here).
+        self._aborted: set[str] = set()
 
     def set(self, request_id: str, policy: Policy | None) -> None:
-        """The policy of `request_id` is now `policy` (None: none)."""
+        """The policy of `request_id` is now `policy` (None: none); a new policy re-opens an aborted request."""
         if policy is not None and (policy.paused or policy.start_at_ms or policy.windows):
             self._gated[request_id] = policy
         else:
@@ -61,7 +63,25 @@ class Gates:
         high = policy is not None and policy.priority == "high"
         if high != (request_id in self._high):
             self._high = self._high | {request_id} if high else self._high - {request_id}
+        if policy is None:
+            self._read.pop(request_id, None)
+        else:
+            self._read[request_id] = (policy.encode(), policy)
+        self._aborted.discard(request_id)
         self._recheck()
+
+    def policy(self, request_id: str) -> Policy | None:
+        """The policy of `request_id` in force, as this process knows it."""
+        found = self._read.get(request_id)
+        return None if found is None else found[1]
+
+    def aborted(self, request_id: str) -> bool:
+        """Whether `request_id` stands aborted under its policy in force, as this process knows it."""
+        return request_id in self._aborted
+
+    def mark_aborted(self, request_id: str) -> None:
+        """`request_id` was aborted (here or, as the store answered, elsewhere) until the next reload says."""
+        self._aborted.add(request_id)
 
     def replace_all(self, found: list[StoredPolicy]) -> None:
         """Every policy in force, as the store has them."""
@@ -86,6 +106,7 @@ class Gates:
         self._gated, self._read = gated, read
         if high != self._high:
             self._high = frozenset(high)
+        self._aborted = {stored.request_id for stored in found if stored.aborted is not None}
         self._recheck()
         if self.on_reload is not None:
             self.on_reload([(s.request_id, p, s.set_ms) for s in found if (p := read[s.request_id][1]) is not None])

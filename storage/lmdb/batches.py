@@ -14,7 +14,7 @@ from typing import Any
 import lmdb
 import orjson
 
-from storage.lmdb import cancel, keys, outcomes, queue
+from storage.lmdb import cancel, keys, outcomes, policies, queue
 from storage.lmdb.tables import Tables
 from storage.model import PLAIN as PLAIN
 from storage.model import BatchWritten as BatchWritten
@@ -194,6 +194,7 @@ def store_batch(
     """Seed-000 batch: the blob once, then one row per VIN; nothing if `batch_id` was stored."""
     if (dup := find_duplicate(txn, t, batch_id)) is not None:
         return dup
+    policies.refuse_aborted(txn, t, request_id)
     sha1 = sha1_of(blob)
     new_blob = put_blob(txn, t, sha1, blob, now_ms)
     put = put_rows(txn, t, vins, request_id, sha1, len(blob), now_ms, spec)

@@ -61,9 +61,11 @@ def start_cancel_all(
     now_ms: int,
     max_rows: int,
     correlation_id: str | None = None,
+    reason: str | None = None,
 ) -> CancelChunk:
     """Record a cancel of every vehicle of `request_id` and run its first chunk. A second one
-    while the first runs moves the cut to now and starts the walk over (keeping the count)."""
+    while the first runs moves the cut to now and starts the walk over (keeping the count).
+    `reason`: why, when not by a cancel message ("aborted"), reported with every chunk."""
     key = request_id.encode()
     raw = txn.get(key, db=t.cancels)
     job: dict[str, Any] = {"cut": now_ms, "after": "", "done": 0}
@@ -73,6 +75,8 @@ def start_cancel_all(
         job["done"] = int(old["done"])
     if correlation_id is not None:
         job["correlation_id"] = correlation_id
+    if reason is not None:
+        job["reason"] = reason
     txn.put(key, orjson.dumps(job), db=t.cancels)
     return cancel_chunk(txn, t, request_id, now_ms, max_rows)
 
@@ -109,7 +113,7 @@ def cancel_chunk(txn: lmdb.Transaction, t: Tables, request_id: str, now_ms: int,
         txn.put(key, orjson.dumps(job), db=t.cancels)
     else:
         txn.delete(key, db=t.cancels)
-    return CancelChunk(request_id, tuple(done), job["done"], more, job.get("correlation_id"))
+    return CancelChunk(request_id, tuple(done), job["done"], more, job.get("correlation_id"), job.get("reason"))
 
 
 def count_taken(txn: lmdb.Transaction, t: Tables, request_id: str, rows: int) -> None:

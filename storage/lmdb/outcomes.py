@@ -11,6 +11,7 @@ last change is that old.
 from __future__ import annotations
 
 import heapq
+import struct
 from collections.abc import Iterable
 
 import lmdb
@@ -21,9 +22,11 @@ from storage.model import Generation as Generation
 from storage.model import Outcome as Outcome
 from storage.model import OutcomeRecord as OutcomeRecord
 from storage.model import PageKey as PageKey
+from storage.model import answer_failed
 
 _TOTAL = 0
 _PENDING = 1
+_COUNT = struct.Struct(">Q")
 
 
 def _bump(txn: lmdb.Transaction, t: Tables, request_id: str, sha1: bytes, now_ms: int, deltas: dict[int, int]) -> None:
@@ -102,6 +105,22 @@ def end(
     txn.put(okey, keys.outcome_value(now_ms, stored_ms, attempts, outcome.value, response), db=t.outcomes)
     txn.put(keys.timed_key(now_ms, okey), b"", db=t.outcome_expiry)
     _bump(txn, t, request_id, sha1, now_ms, {_PENDING: -1, outcome.value: 1})
+    _count_answer(txn, t, request_id, outcome, response)
+
+
+def _count_answer(txn: lmdb.Transaction, t: Tables, request_id: str, outcome: Outcome, response: bytes) -> None:
+    """A failed answer (`model.answer_failed`) counts for its request, in the transaction that
+    records it (the `answer_failed` abort criterion reads the count)."""
+    if outcome is Outcome.RESPONDED and response and answer_failed(response):
+        key = request_id.encode()
+        raw = txn.get(key, db=t.answers_failed)
+        txn.put(key, _COUNT.pack((0 if raw is None else _COUNT.unpack(raw)[0]) + 1), db=t.answers_failed)
+
+
+def answers_failed(txn: lmdb.Transaction, t: Tables, request_id: str) -> int:
+    """The answers of `request_id` whose "status" was failed or rejected."""
+    raw = txn.get(request_id.encode(), db=t.answers_failed)
+    return 0 if raw is None else int(_COUNT.unpack(raw)[0])
 
 
 def outcome_of(txn: lmdb.Transaction, t: Tables, vin: str, request_id: str, sha1: bytes) -> Outcome | None:
@@ -136,6 +155,7 @@ def amend_cancelled(
     )
     txn.put(keys.timed_key(now_ms, okey), b"", db=t.outcome_expiry)
     _bump(txn, t, request_id, sha1, now_ms, {Outcome.CANCELLED.value: -1, outcome.value: 1})
+    _count_answer(txn, t, request_id, outcome, response)
     return True
 
 

@@ -15,7 +15,7 @@ import lmdb
 import orjson
 
 from storage.errors import EarlyTriggersFull
-from storage.lmdb import batches, keys
+from storage.lmdb import batches, keys, policies
 from storage.lmdb.tables import Tables
 from storage.model import (
     PLAIN,
@@ -176,6 +176,7 @@ def store_trigger(
     and in the rows they name); nothing if `batch_id` was stored (or parked) before."""
     if (dup := batches.find_duplicate(txn, t, batch_id)) is not None:
         return dup
+    policies.refuse_aborted(txn, t, request_id)
     alias = txn.get(data_id.encode(), db=t.aliases)
     if alias is not None:
         sha1, _ = keys.decode_alias(alias)

@@ -1,8 +1,10 @@
-"""LMDB: campaign policies, one per request id in the `policies` table.
+"""LMDB: campaign policies, one per request id in the `policies` table, and their aborts (`aborts`).
 
 A policy is set or cleared in one write transaction of the group committer (durable when the
 call returns); reads are short snapshots. The store keeps the policy's JSON as given and never
-reads it: exhook_server/policy.py validated it before, and reads it back.
+reads it: exhook_server/policy.py validated it before, and reads it back. An abort is recorded
+with the start of its cancel in one transaction, once per policy: setting or clearing the policy
+removes it (the request is open again); while it stands, a batch of the request is refused.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ import struct
 
 import lmdb
 
-from storage.errors import PoliciesFull
-from storage.lmdb import keys
+from storage.errors import PoliciesFull, RequestAborted
+from storage.lmdb import cancel, keys
 from storage.lmdb.tables import Tables
-from storage.model import StoredPolicy
+from storage.model import CancelChunk, StoredPolicy
 
 _SET_MS = struct.Struct(">Q")
 
@@ -33,19 +35,42 @@ def set_policy(
             txn.delete(key, db=t.policies)
     else:
         txn.put(key, _SET_MS.pack(now_ms) + doc, db=t.policies)
+    txn.delete(key, db=t.aborts)  # a new policy (or none) re-opens an aborted request
     return had
 
 
-def _decode(key: bytes, value: bytes | memoryview) -> StoredPolicy:
+def abort(
+    txn: lmdb.Transaction, t: Tables, *, request_id: str, doc: bytes, now_ms: int, max_rows: int
+) -> CancelChunk | None:
+    """Record the abort `doc` of `request_id` under its policy in force and start the cancel of
+    every vehicle of it (reason "aborted"), in this transaction; None, writing nothing, when it has
+    no policy or was aborted under it already (by another process). Twin: postgres/batches.abort."""
+    key = request_id.encode()
+    if txn.get(key, db=t.policies) is None or txn.get(key, db=t.aborts) is not None:
+        return None
+    txn.put(key, doc, db=t.aborts)
+    return cancel.start_cancel_all(txn, t, request_id, now_ms, max_rows, reason="aborted")
+
+
+def refuse_aborted(txn: lmdb.Transaction, t: Tables, request_id: str) -> None:
+    """RequestAborted when `request_id` stands aborted (a batch of it is refused)."""
+    if txn.get(request_id.encode(), db=t.aborts) is not None:
+        raise RequestAborted(f"request {request_id!r} was aborted by its campaign policy; a new policy re-opens it")
+
+
+def _decode(txn: lmdb.Transaction, t: Tables, key: bytes, value: bytes | memoryview) -> StoredPolicy:
     raw = bytes(value)
-    return StoredPolicy(key.decode(), raw[_SET_MS.size :], _SET_MS.unpack_from(raw)[0])
+    aborted = txn.get(key, db=t.aborts)
+    return StoredPolicy(
+        key.decode(), raw[_SET_MS.size :], _SET_MS.unpack_from(raw)[0], None if aborted is None else bytes(aborted)
+    )
 
 
 def policy(txn: lmdb.Transaction, t: Tables, request_id: str) -> StoredPolicy | None:
     """The policy of `request_id`, or None."""
     key = request_id.encode()
     value = txn.get(key, db=t.policies)
-    return None if value is None else _decode(key, value)
+    return None if value is None else _decode(txn, t, key, value)
 
 
 def pending_vins(txn: lmdb.Transaction, t: Tables, request_id: str, after: str, limit: int) -> list[str]:
@@ -65,4 +90,4 @@ def pending_vins(txn: lmdb.Transaction, t: Tables, request_id: str, after: str, 
 
 def all_policies(txn: lmdb.Transaction, t: Tables) -> list[StoredPolicy]:
     """Every policy in force, by request id."""
-    return [_decode(bytes(k), v) for k, v in txn.cursor(t.policies)]
+    return [_decode(txn, t, bytes(k), v) for k, v in txn.cursor(t.policies)]

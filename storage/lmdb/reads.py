@@ -87,6 +87,11 @@ class LmdbReads:
     async def online_pending(self, request_id: str) -> int | None:
         return None  # presence lives in the dispatch workers' memory
 
+    async def outcome_counts(self, request_id: str) -> tuple[list[Generation], int]:
+        with self._store.read() as txn:  # a few lookups of one request: inline
+            t = self._store.tables
+            return outcomes.generations(txn, t, request_id), outcomes.answers_failed(txn, t, request_id)
+
 
 if TYPE_CHECKING:  # mypy checks that LmdbReads is a storage.port.Reads
     _is_reads: Reads = LmdbReads(Store.__new__(Store))

@@ -13,8 +13,9 @@ import lmdb
 #: 2 added the outcome tables (gens, outcomes, outcome_expiry, batches, batch_expiry); 3 the
 #: lifecycle ones (deadlines, backlogs, by_request, cancels), longer rows for expires_at and
 #: flags, and the `responded` count; 4 the delivery attempts (tries, awaited), so that they
-#: outlive a restart; 5 the campaign policies. An older store is upgraded when a writer opens it.
-SCHEMA_VERSION = 5
+#: outlive a restart; 5 the campaign policies; 6 their aborts and the failed answers per request.
+#: An older store is upgraded when a writer opens it.
+SCHEMA_VERSION = 6
 DB_NAMES = (
     "data",
     "touched",
@@ -35,9 +36,12 @@ DB_NAMES = (
     "tries",
     "awaited",
     "policies",
+    "aborts",
+    "answers_failed",
 )
 #: Tables each schema version added, for a clear error when a reader opens an older store.
-ADDED_IN = {name: (2 if i < 12 else 3 if i < 16 else 4 if i < 18 else 5) for i, name in enumerate(DB_NAMES) if i >= 7}
+_FIRST_OF = ((12, 2), (16, 3), (18, 4), (19, 5), (len(DB_NAMES), 6))  # (index past the last table, version)
+ADDED_IN = {name: next(v for end, v in _FIRST_OF if i < end) for i, name in enumerate(DB_NAMES) if i >= 7}
 
 #: A named database's handle (what `txn.get(key, db=...)` takes).
 Db: TypeAlias = lmdb._Database
@@ -78,3 +82,8 @@ class Tables:
     awaited: Db
     #: request_id → its campaign policy: set_ms (8 bytes, big-endian) + the policy's JSON.
     policies: Db
+    #: request_id → the abort of its campaign under the policy in force (JSON): its batches are
+    #: refused until a new policy replaces that one (storage/lmdb/policies.py).
+    aborts: Db
+    #: request_id → its answers whose "status" is failed or rejected (8 bytes, big-endian).
+    answers_failed: Db

@@ -218,6 +218,11 @@ class LmdbWrites:
         with self._store.read() as txn:
             return policies.all_policies(txn, self._t)
 
+    async def abort(self, request_id: str, doc: bytes, now_ms: int, max_rows: int) -> cancel.CancelChunk | None:
+        return await self._commit(
+            policies.abort, rows=max_rows, solo=True, request_id=request_id, doc=doc, now_ms=now_ms, max_rows=max_rows
+        )
+
     async def pending_vins(self, request_id: str, after: str, limit: int) -> list[str]:
         with self._store.read() as txn:
             return policies.pending_vins(txn, self._t, request_id, after, limit)

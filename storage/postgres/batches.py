@@ -172,6 +172,12 @@ async def touch_blob(conn: Connection, sha1: bytes, now_ms: int) -> bool:
     return bool(await conn.fetchval("SELECT sdv_touch_blob($1, $2, $3)", sha1, now_ms, TOUCH_EVERY_MS))
 
 
+async def refuse_aborted(conn: Connection, request_id: str) -> None:
+    """In the caller's transaction: RequestAborted (through `errors.as_storage_error`) when
+    `request_id` stands aborted (`sdv_refuse_aborted`)."""
+    await conn.execute("SELECT sdv_refuse_aborted($1)", request_id)
+
+
 async def put_rows(
     conn: Connection,
     vins: Sequence[str],
@@ -257,22 +263,47 @@ async def start_cancel_all(
     """Record a cancel of every vehicle of `request_id` and run its first chunk
     (`cancel.start_cancel_all`); a second one while the first runs moves the cut to now and starts
     the walk over, keeping the count."""
+    return await retrying(
+        conn,
+        f"cancel of {request_id}",
+        lambda: _start_cancel_all(conn, request_id, now_ms, max_rows, correlation_id, None),
+    )
 
-    async def body() -> CancelChunk:
-        # Exclusive: batches of the request in progress commit first, later ones see the cut.
+
+async def _start_cancel_all(
+    conn: Connection, request_id: str, now_ms: int, max_rows: int, correlation_id: str | None, reason: str | None
+) -> CancelChunk:
+    # Exclusive: batches of the request in progress commit first, later ones see the cut.
+    await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", LockClass.REQUEST, request_id)
+    await conn.execute(
+        """INSERT INTO cancels AS c (request_id, cut_ms, after_vin, done, correlation_id, reason)
+           VALUES ($1, $2, '', 0, $3, $4)
+           ON CONFLICT (request_id) DO UPDATE SET cut_ms = greatest(c.cut_ms, EXCLUDED.cut_ms),
+               after_vin = '', correlation_id = EXCLUDED.correlation_id, reason = EXCLUDED.reason""",
+        request_id,
+        now_ms,
+        correlation_id,
+        reason,
+    )
+    return await _cancel_chunk(conn, request_id, now_ms, max_rows)
+
+
+async def abort(conn: Connection, request_id: str, doc: bytes, now_ms: int, max_rows: int) -> CancelChunk | None:
+    """Record the abort `doc` of `request_id` under its policy in force and start its cancel of
+    every vehicle (reason "aborted"), in one transaction; None when it has no policy or that
+    policy was aborted already (by any instance: the conditional update lets one win). Twin:
+    storage.lmdb.policies.abort. From its commit on, sdv_refuse_aborted refuses its batches."""
+
+    async def body() -> CancelChunk | None:
         await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", LockClass.REQUEST, request_id)
-        await conn.execute(
-            """INSERT INTO cancels AS c (request_id, cut_ms, after_vin, done, correlation_id)
-               VALUES ($1, $2, '', 0, $3)
-               ON CONFLICT (request_id) DO UPDATE SET cut_ms = greatest(c.cut_ms, EXCLUDED.cut_ms),
-                   after_vin = '', correlation_id = EXCLUDED.correlation_id""",
-            request_id,
-            now_ms,
-            correlation_id,
+        won = await conn.fetchval(
+            "UPDATE policies SET aborted = $2 WHERE request_id = $1 AND aborted IS NULL RETURNING true", request_id, doc
         )
-        return await _cancel_chunk(conn, request_id, now_ms, max_rows)
+        if not won:
+            return None
+        return await _start_cancel_all(conn, request_id, now_ms, max_rows, None, "aborted")
 
-    return await retrying(conn, f"cancel of {request_id}", body)
+    return await retrying(conn, f"abort of {request_id}", body)
 
 
 async def cancel_chunk(conn: Connection, request_id: str, now_ms: int, max_rows: int) -> CancelChunk:
@@ -283,7 +314,8 @@ async def cancel_chunk(conn: Connection, request_id: str, now_ms: int, max_rows:
 
 async def _cancel_chunk(conn: Connection, request_id: str, now_ms: int, max_rows: int) -> CancelChunk:
     job = await conn.fetchrow(
-        "SELECT cut_ms, after_vin, done, correlation_id FROM cancels WHERE request_id = $1 FOR UPDATE", request_id
+        "SELECT cut_ms, after_vin, done, correlation_id, reason FROM cancels WHERE request_id = $1 FOR UPDATE",
+        request_id,
     )
     if job is None:
         return CancelChunk(request_id, (), 0, False)
@@ -304,4 +336,4 @@ async def _cancel_chunk(conn: Connection, request_id: str, now_ms: int, max_rows
     else:
         await conn.execute("DELETE FROM cancels WHERE request_id = $1", request_id)
     done = tuple(sorted((e.vin, e.sha1) for e in ended))
-    return CancelChunk(request_id, done, total, more, job["correlation_id"])
+    return CancelChunk(request_id, done, total, more, job["correlation_id"], job["reason"])

@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import asyncpg
 
-from storage.errors import LockTimeout, StorageError
+from storage.errors import LockTimeout, RequestAborted, StorageError
 
 T = TypeVar("T")
 
@@ -30,6 +30,10 @@ RETRYABLE = (
 )
 
 
+#: What sdv_refuse_aborted (sql/functions/batches.sql) raises for a batch of an aborted request.
+ABORTED_SQLSTATE = "SDVAB"
+
+
 async def as_storage_error(work: Awaitable[T]) -> T:
     """The result of `work`; a database failure comes out as StorageError."""
     try:
@@ -38,6 +42,8 @@ async def as_storage_error(work: Awaitable[T]) -> T:
         raise_if_cancelling()
         if isinstance(exc, LockNotAvailable):
             raise LockTimeout(f"PostgreSQL: {exc}") from exc
+        if getattr(exc, "sqlstate", None) == ABORTED_SQLSTATE:
+            raise RequestAborted("the request was aborted by its campaign policy; a new policy re-opens it") from None
         raise StorageError(f"PostgreSQL: {type(exc).__name__}: {exc}") from exc
 
 

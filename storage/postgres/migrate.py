@@ -33,6 +33,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (9, "0009_policies.sql"),
     (10, "0010_held_requests.sql"),
     (11, "0011_priority.sql"),
+    (12, "0012_campaign_aborts.sql"),
 )
 #: The version sql/schema.sql describes: the last migration's.
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -44,7 +45,7 @@ FUNCTION_FILES = ("batches.sql", "rows.sql", "bound.sql", "outcomes.sql", "dispa
 #: function is a new schema version (a migration, with no statement if no table changes): a server
 #: of the previous release then refuses the database, where at the same version it would apply its
 #: own functions again over the new ones during a rolling update.
-FUNCTIONS_SHA256 = "0866576f6e495f1dddb09a22034cdbf80966236ee2a9a18abdeb2b22e01031e2"
+FUNCTIONS_SHA256 = "47ce35f18b7b162f6a86ce328fdb76d3a9702475f7c09232dd30d05f41128dcd"
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (

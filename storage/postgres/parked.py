@@ -186,6 +186,7 @@ async def store_trigger(
     async def body() -> TriggerWritten | Duplicate:
         if batch_id is not None and (dup := await batches.claim_batch_id(conn, batch_id, request_id, now_ms)):
             return dup
+        await batches.refuse_aborted(conn, request_id)
         await _lock_data(conn, data_id, shared=True)
         known = await conn.fetchrow(_KNOWN_DATA, data_id)
         if known is not None:

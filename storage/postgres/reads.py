@@ -111,6 +111,12 @@ SELECT count(*) FROM rows r WHERE r.request_id = $1 AND EXISTS (SELECT 1 FROM pr
 """
 
 
+async def outcome_counts(conn: Connection, request_id: str) -> tuple[list[Generation], int]:
+    """The generations of `request_id` and its failed answers (`answer_failures`), in the caller's snapshot."""
+    failed = await conn.fetchval("SELECT count(*) FROM answer_failures WHERE request_id = $1", request_id)
+    return await outcomes.generations(conn, request_id), int(failed)
+
+
 #: What a failure of PostgreSQL or of the way to it looks like from asyncpg.
 
 
@@ -175,6 +181,9 @@ class PgReads:
 
     async def online_pending(self, request_id: str) -> int | None:
         return await self._read(online_pending, request_id)
+
+    async def outcome_counts(self, request_id: str) -> tuple[list[Generation], int]:
+        return await self._read(outcome_counts, request_id)
 
 
 if TYPE_CHECKING:  # mypy checks that PgReads is a storage.port.Reads

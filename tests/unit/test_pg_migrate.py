@@ -28,6 +28,7 @@ TABLES = {
     "presence",
     "gen_deltas",
     "policies",
+    "answer_failures",
 }
 
 

@@ -167,7 +167,9 @@ CREATE TABLE cancels (
     cut_ms          bigint NOT NULL,
     after_vin       text COLLATE "C" NOT NULL DEFAULT '',
     done            bigint NOT NULL DEFAULT 0,
-    correlation_id  text
+    correlation_id  text,
+    -- Why it was started when not by a cancel message: "aborted" (a campaign's abort).
+    reason          text COLLATE "C"
 );
 
 -- A request's campaign policy: its JSON as exhook_server/policy.py validated it (the store does not
@@ -175,8 +177,20 @@ CREATE TABLE cancels (
 CREATE TABLE policies (
     request_id  text COLLATE "C" PRIMARY KEY,
     doc         bytea  NOT NULL,
-    set_ms      bigint NOT NULL
+    set_ms      bigint NOT NULL,
+    -- The abort of the request under this policy (criterion and counts as JSON): while it stands,
+    -- sdv_store_batch refuses the request's batches; a new policy (or none) removes it.
+    aborted     bytea
 );
+
+-- One row per answer whose "status" was failed or rejected (sdv_answer_failed), appended by
+-- sdv_end_row in the answer's transaction (never updated: answers of one campaign do not queue on
+-- a counter row); the `answer_failed` abort criterion counts them per request.
+CREATE TABLE answer_failures (
+    request_id  text COLLATE "C" NOT NULL,
+    ended_ms    bigint NOT NULL
+);
+CREATE INDEX answer_failures_request ON answer_failures (request_id);
 
 -- Who is online, and on which connection (an encoded exhook_server.dispatch.commands.Session).
 -- UNLOGGED: written on every subscribe and disconnect, never worth a WAL flush; it is empty after a

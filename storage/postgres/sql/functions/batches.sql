@@ -64,6 +64,19 @@ BEGIN
     END IF;
 END $$;
 
+-- A batch of a request whose campaign was aborted is refused (SQLSTATE SDVAB, RequestAborted in
+-- Python; twin: storage.lmdb.policies.refuse_aborted). Under the request's shared lock, as
+-- sdv_put_rows takes it: an abort (batches.abort, exclusive) either committed before, and is seen
+-- here, or waits for this batch, whose rows its cancel then takes.
+CREATE OR REPLACE FUNCTION sdv_refuse_aborted(p_request_id text)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(sdv_lock_class('request'), hashtext(p_request_id));
+    IF EXISTS (SELECT 1 FROM policies WHERE request_id = p_request_id AND aborted IS NOT NULL) THEN
+        RAISE EXCEPTION USING ERRCODE = 'SDVAB', MESSAGE = 'sdv: request aborted by its campaign policy';
+    END IF;
+END $$;
+
 -- A seed-format batch (storage.lmdb.batches.store_batch): nothing if `p_batch_id` was stored (taken false,
 -- and the first receipt), else the blob once and a row per VIN (sdv_put_rows) and, under a batch
 -- id, its receipt.
@@ -83,6 +96,7 @@ BEGIN
             RETURN;
         END IF;
     END IF;
+    PERFORM sdv_refuse_aborted(p_request_id);
     new_blob := sdv_put_blob(p_sha1, p_blob, p_now, p_touch_every);
     SELECT r.replaced, r.superseded, r.refused INTO replaced, superseded, refused
         FROM sdv_put_rows(p_vins, p_request_id, p_sha1, length(p_blob), p_now, p_expires, p_flags, p_max_pending) r;

@@ -1,6 +1,22 @@
 -- A pending pair's end (storage.postgres.batches.delete_row_if, and each pair sdv_vin_save ends):
 -- the same rules as storage.lmdb.batches.delete_row_if and the same lock order (the row, then its
--- outcome record; gen_deltas is appended to, never locked).
+-- outcome record; gen_deltas and answer_failures are appended to, never locked).
+
+-- Whether an answer is a JSON object whose "status" is "failed" or "rejected"; one that does not
+-- parse (cut at max_response_bytes, not UTF-8, not JSON) is not. Twin: storage.model.answer_failed.
+CREATE OR REPLACE FUNCTION sdv_answer_failed(p_response bytea)
+RETURNS boolean LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    v_doc jsonb;
+BEGIN
+    IF p_response IS NULL OR length(p_response) = 0 THEN
+        RETURN false;
+    END IF;
+    v_doc := convert_from(p_response, 'UTF8')::jsonb;
+    RETURN jsonb_typeof(v_doc -> 'status') = 'string' AND v_doc ->> 'status' IN ('failed', 'rejected');
+EXCEPTION WHEN others THEN
+    RETURN false;
+END $$;
 
 -- End the pending pair (p_vin, p_request_id, p_sha1) with outcome p_code (a slot of
 -- storage.model.COUNT_NAMES, storage.model.Outcome), recorded at p_now (0: when its row was
@@ -13,6 +29,7 @@ RETURNS boolean LANGUAGE plpgsql SET jit = off AS $$
 DECLARE
     c_pending CONSTANT smallint := sdv_count_slot('pending');
     c_cancelled CONSTANT smallint := sdv_count_slot('cancelled');
+    c_responded CONSTANT smallint := sdv_count_slot('responded');
     v_stored bigint;
     v_when bigint := p_now;
     v_from smallint := c_pending;
@@ -48,5 +65,8 @@ BEGIN
                             expired, failed, responded)
     VALUES (p_request_id, p_sha1, v_when, v_change[1], v_change[2], v_change[3], v_change[4], v_change[5],
             v_change[6], v_change[7], v_change[8]);
+    IF p_code = c_responded AND sdv_answer_failed(p_response) THEN
+        INSERT INTO answer_failures (request_id, ended_ms) VALUES (p_request_id, v_when);
+    END IF;
     RETURN true;
 END $$;
