@@ -167,7 +167,7 @@ async def seed(p: Proc, clock: Clock, rid: str, expiring: int, rest: int) -> Non
 def test_a_crossed_criterion_cancels_the_rest_once_and_refuses_until_a_new_policy(opener: Opener) -> None:
     """20 of 20 finished expired (ratio 0.5, min 10): R is aborted, its 300 other rows end cancelled
     with reason aborted (in chunks), one `aborted` event; another process judging the same counts
-    records nothing; R's batches are refused `aborted` until a new policy."""
+    records nothing; R's batches (and their previews) are refused `aborted` until a new policy."""
 
     async def body(handle: Handle, cfg: Config, clock: Clock) -> None:
         p = process(cfg, handle, clock)
@@ -196,6 +196,10 @@ def test_a_crossed_criterion_cancels_the_rest_once_and_refuses_until_a_new_polic
                 [rejected] = proc.heard.of("rejected")
                 assert (rejected["reason"], rejected["request_id"]) == ("aborted", "task_ota_1")
             assert await publish(p.ingestor, Kind.BATCH, "$SDV-FANOUT", batch(["V9"], "task_other_1", "x"))
+            preview = batch(["V9"], "task_ota_1", "x", dry_run=True)  # says what the batch would get
+            assert not await publish(p.ingestor, Kind.BATCH, "$SDV-FANOUT", preview)
+            dry = p.heard.of("rejected")[-1]
+            assert (dry["reason"], dry["dry_run"]) == ("aborted", True)
 
             assert await publish(other.ingestor, Kind.POLICY, POLICY, policy("task_ota_1", max_in_flight=5))
             assert (await handle.writes.policies())[0].aborted is None
