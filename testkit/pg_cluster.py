@@ -206,10 +206,11 @@ class PgCluster:
         poll(lambda: not any(pid_alive(p) for p in pids), timeout_s=10, interval_s=0.02)
 
     def stop(self) -> None:
-        """Stop the server (`pg_ctl stop -m fast`, SIGKILL if that fails) and delete its dir; idempotent."""
+        """Stop the server and delete its dir; idempotent. The data goes with the dir, so the stop is
+        `-m immediate` (no shutdown checkpoint to write first), SIGKILL if that fails."""
         if self.pid and pid_alive(self.pid):
             with contextlib.suppress(PgError, subprocess.TimeoutExpired):
-                self._server_cmd("pg_ctl", "stop", "-D", str(self.data_dir), "-m", "fast", "-w", "-t", "15")
+                self._server_cmd("pg_ctl", "stop", "-D", str(self.data_dir), "-m", "immediate", "-w", "-t", "15")
             if self._processes():
                 self.kill()
         self.pid = 0
