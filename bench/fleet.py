@@ -4,7 +4,7 @@
 
 Per EMQX version, one broker, one `sdv-fanout serve` (LMDB, the default processes) provisioned by
 `sdv-fanout emqx sync` with the EMQX API configured (vehicle_events = auto: mqtt), and one fleet
-process: every vehicle on one asyncio loop (a minimal MQTT 5 client below), PUBACKing each
+process: every vehicle on one asyncio loop (testkit/vehicle.py), PUBACKing each
 delivery at once. Paired rounds, alternating:
 
 * raw: one publisher process sends each vehicle its next message when that vehicle's PUBACK
@@ -26,7 +26,6 @@ import json
 import os
 import signal
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -34,116 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from testkit.mqtt import connect
+from testkit.vehicle import Delivery, Vehicle
+
 WINDOW = 1000  # unacknowledged QoS 1 publishes of the raw publisher at most
-
-
-# -- a minimal MQTT 5 client (QoS 0/1, no keepalive, no properties) ------------------------------
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n % 128, n // 128
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _s(text: str) -> bytes:
-    raw = text.encode()
-    return struct.pack("!H", len(raw)) + raw
-
-
-def _packet(kind: int, body: bytes) -> bytes:
-    return bytes([kind]) + _varint(len(body)) + body
-
-
-class Mqtt(asyncio.Protocol):
-    """One MQTT 5 connection: `on_publish(topic, payload)` per message (QoS 1 PUBACKed at once),
-    `on_puback(pid)` per PUBACK of ours."""
-
-    def __init__(self, clientid: str, username: str = "") -> None:
-        self.clientid, self.username = clientid, username
-        self.on_publish: Any = None
-        self.on_puback: Any = None
-        self._buf = b""
-        self._pid = 0
-        self.connected = asyncio.get_running_loop().create_future()
-        self.subacked: asyncio.Future[None] | None = None
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        flags = 0x02 | (0x80 if self.username else 0)
-        body = _s("MQTT") + bytes([5, flags]) + struct.pack("!H", 0) + b"\x00" + _s(self.clientid)
-        if self.username:
-            body += _s(self.username)
-        transport.write(_packet(0x10, body))
-
-    def next_pid(self) -> int:
-        self._pid = self._pid % 65535 + 1
-        return self._pid
-
-    def subscribe(self, filters: list[tuple[str, int]]) -> asyncio.Future[None]:
-        self.subacked = asyncio.get_running_loop().create_future()
-        body = struct.pack("!H", self.next_pid()) + b"\x00" + b"".join(_s(f) + bytes([q]) for f, q in filters)
-        assert self.transport is not None
-        self.transport.write(_packet(0x82, body))
-        return self.subacked
-
-    def publish(self, topic: str, payload: bytes, qos: int = 1) -> int:
-        pid = self.next_pid() if qos else 0
-        body = _s(topic) + (struct.pack("!H", pid) if qos else b"") + b"\x00" + payload
-        assert self.transport is not None
-        self.transport.write(_packet(0x30 | qos << 1, body))
-        return pid
-
-    def data_received(self, data: bytes) -> None:
-        buf = self._buf + data
-        pos, end = 0, len(buf)
-        while pos + 2 <= end:
-            length, shift, i = 0, 0, pos + 1
-            while i < end:
-                byte = buf[i]
-                length |= (byte & 0x7F) << shift
-                i += 1
-                if not byte & 0x80:
-                    break
-                shift += 7
-            else:
-                break
-            if i + length > end:
-                break
-            self._handle(buf[pos], buf[i : i + length])
-            pos = i + length
-        self._buf = buf[pos:]
-
-    def _handle(self, kind: int, body: bytes) -> None:
-        t = kind & 0xF0
-        if t == 0x30:
-            n = struct.unpack_from("!H", body)[0]
-            topic = body[2 : 2 + n].decode()
-            pos = 2 + n
-            if kind & 0x06:
-                pid = body[pos : pos + 2]
-                pos += 2
-                assert self.transport is not None
-                self.transport.write(b"\x40\x02" + pid)
-            plen = body[pos]  # properties: shorter than 128 bytes here
-            self.on_publish(topic, body[pos + 1 + plen :])
-        elif t == 0x40 and self.on_puback is not None:
-            self.on_puback(struct.unpack_from("!H", body)[0])
-        elif t == 0x20 and not self.connected.done():
-            self.connected.set_result(body[1] == 0)
-        elif t == 0x90 and self.subacked is not None and not self.subacked.done():
-            self.subacked.set_result(None)
-
-
-async def connect(port: int, clientid: str, username: str = "") -> Mqtt:
-    loop = asyncio.get_running_loop()
-    _, proto = await loop.create_connection(lambda: Mqtt(clientid, username), "127.0.0.1", port)
-    assert await proto.connected, f"{clientid}: CONNACK refused"
-    return proto
 
 
 def vins_of(prefix: str, n: int) -> list[str]:
@@ -171,20 +64,17 @@ async def fleet_main(args: argparse.Namespace) -> None:
     order_ok = [True]
     last_rid: dict[str, str] = {}
     done = asyncio.Event()
-    beat_sent: dict[tuple[int, int], float] = {}
     beat_lat: list[float] = []
-    beats_done = asyncio.Event()
 
     def on_delivery(vin: str) -> Any:
-        def handle(topic: str, payload: bytes) -> None:
-            rid = topic.rsplit("/", 1)[1]
-            key = (vin, rid)
+        def handle(d: Delivery) -> None:
+            key = (vin, d.request_id)
             if key in state["seen"]:
                 state["dups"] += 1
             state["seen"].add(key)
-            if last_rid.get(vin, "") > rid:
+            if last_rid.get(vin, "") > d.request_id:
                 order_ok[0] = False
-            last_rid[vin] = rid
+            last_rid[vin] = d.request_id
             if state["signal"]:
                 os.write(signal_fd, (vin + "\n").encode())
             state["got"] += 1
@@ -194,22 +84,16 @@ async def fleet_main(args: argparse.Namespace) -> None:
 
         return handle
 
-    clients = []
-    for i, vin in enumerate(vins):
-        c = await connect(args.port, vin)
-        c.on_publish = on_delivery(vin)
+    async def beat(v: Vehicle) -> None:
+        sent = time.perf_counter()
+        await v.aheartbeat("heartbeat")
+        beat_lat.append(time.perf_counter() - sent)
 
-        def on_puback(pid: int, i: int = i) -> None:
-            sent = beat_sent.pop((i, pid), None)
-            if sent is not None:
-                beat_lat.append(time.perf_counter() - sent)
-                if not beat_sent:
-                    beats_done.set()
-
-        c.on_puback = on_puback
-        await c.subscribe([(f"agent/{vin}/proxy/request/+", 1)])
-        clients.append(c)
-    _emit({"ready": len(clients)})
+    vehicles = [Vehicle(args.port, vin) for vin in vins]
+    for v in vehicles:
+        v.on_delivery = on_delivery(v.vin)
+        await v.aonline()
+    _emit({"ready": len(vehicles)})
     async for cmd in _commands():
         if cmd["cmd"] == "expect":
             state.update(armed=cmd["n"], got=0, signal=cmd.get("signal", False), seen=set(), dups=0)
@@ -221,16 +105,14 @@ async def fleet_main(args: argparse.Namespace) -> None:
             _emit({"done": {"last": state["last"], "dups": state["dups"], "in_order": order_ok[0]}})
         elif cmd["cmd"] == "beats":  # `n` heartbeats spread over the fleet at `rate` per second
             beat_lat.clear()
-            beats_done.clear()
             started = time.perf_counter()
+            beats = []
             for k in range(cmd["n"]):
-                i = k % len(clients)
                 delay = started + k / cmd["rate"] - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                pid = clients[i].publish(f"ecp/{vins[i]}/heartbeat", b"{}")
-                beat_sent[(i, pid)] = time.perf_counter()
-            await asyncio.wait_for(beats_done.wait(), 120)
+                beats.append(asyncio.create_task(beat(vehicles[k % len(vehicles)])))
+            await asyncio.wait_for(asyncio.gather(*beats), 120)
             lat = sorted(beat_lat)
             _emit(
                 {
@@ -252,7 +134,6 @@ async def raw_main(args: argparse.Namespace) -> None:
     vins = vins_of(args.prefix, args.vehicles)
     pub = await connect(args.port, "raw-publisher")
     free = asyncio.Semaphore(WINDOW)
-    pub.on_puback = lambda pid: free.release()
     queue: asyncio.Queue[str] = asyncio.Queue()
     reader = asyncio.StreamReader()
     loop = asyncio.get_running_loop()
@@ -279,7 +160,9 @@ async def raw_main(args: argparse.Namespace) -> None:
                 continue
             nxt[vin] = k + 1
             await free.acquire()
-            pub.publish(f"agent/{vin}/proxy/request/{cmd['round']}-{k:04d}", payload)
+            acked = pub.publish(f"agent/{vin}/proxy/request/{cmd['round']}-{k:04d}", payload)
+            assert acked is not None
+            acked.add_done_callback(lambda _f: free.release())
             sent += 1
         _emit({"sent": sent})
     pump.cancel()
@@ -465,10 +348,9 @@ def run_version(version: str, args: argparse.Namespace, workdir: Path) -> dict[s
 
 _PLAIN_SUBSCRIBER = """
 import asyncio, sys
-from bench.fleet import connect
+from testkit.mqtt import connect
 async def main():
     c = await connect(int(sys.argv[1]), "plain-subscriber")
-    c.on_publish = lambda t, p: None
     await c.subscribe([("ecp/+/heartbeat", 0)])
     print("ready", flush=True)
     await asyncio.Event().wait()
@@ -479,15 +361,13 @@ asyncio.run(main())
 async def platform_main(args: argparse.Namespace) -> None:
     vins = vins_of(args.prefix, args.vehicles)
     pub = await connect(args.port, "sdv-platform-bench")
-    acked: dict[int, asyncio.Future[None]] = {}
-    pub.on_puback = lambda pid: acked.pop(pid).set_result(None)
     _emit({"ready": 1})
     async for cmd in _commands():
         for k in range(cmd["requests"]):
             doc = {"ids": vins, "request_id": f"task_{cmd['round']}_{k:04d}", "data": "x" * 64}
-            pid = pub.publish("$SDV-FANOUT", json.dumps(doc).encode())
-            acked[pid] = asyncio.get_running_loop().create_future()
-            await acked[pid]
+            acked = pub.publish("$SDV-FANOUT", json.dumps(doc).encode())
+            assert acked is not None
+            await acked
         _emit({"published": cmd["requests"]})
 
 

@@ -7,7 +7,7 @@ What runs (all on 127.0.0.1, all stopped at the end, also on Ctrl-C):
   EMQX's ExHook side. `--broker auto|emqx|sim` chooses; the first lines say which runs;
 * the real server, `sdv-fanout serve` (`--processes`, default one per CPU), as a child process
   with delivery enabled to that broker;
-* a **fleet** of real paho MQTT 5 vehicles in a few child processes (demo/fleet.py): each
+* a **fleet** of real MQTT 5 vehicles in a few child processes (demo/fleet.py): each
   connects and subscribes to `agent/<VIN>/proxy/request/+`, takes a little time before each
   PUBACK, heartbeats now and then; some come online late, some drop and reconnect clean, some
   drop before their PUBACK and resume their persistent session; most answer the requests that
@@ -62,7 +62,7 @@ from typing import IO, Any
 import structlog
 
 from demo.brokers import BATCH_TOPIC, CANCEL_TOPIC, Broker, Choice, batch_payload, cancel_payload, choose, make_broker
-from demo.fleet import REQUEST_PREFIX, RESPONSE_PREFIX, sha16
+from demo.fleet import sha16
 from demo.platform import (
     STATUS_FILTER,
     Cancel,
@@ -82,6 +82,7 @@ from exhook_server.config import Config
 from storage.lmdb.store import Store
 from testkit.emqx_real import EmqxError
 from testkit.emqx_sim import LOOPBACK
+from testkit.vehicle import REQUEST_PREFIX, RESPONSE_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 VIN_FORMAT = "SDVDEMO{:010d}"  # 17 characters, like a real VIN
@@ -624,7 +625,7 @@ class Demo:
         self.start_fleet(specs, broker, clientids[0], awaited)
         n = {r: len(v) for r, v in by_role.items()}
         print(
-            f"  fleet     {len(vins)} paho MQTT 5 vehicles in {len(self.fleet)} process(es), subscribed to "
+            f"  fleet     {len(vins)} MQTT 5 vehicles in {len(self.fleet)} process(es), subscribed to "
             f"{REQUEST_PREFIX.replace('{VIN}', '<VIN>')}/+ (PUBACK after 5-40 ms, heartbeat every 3-6 s)"
             + (" on EMQX" if broker.kind == "emqx" else " through FakeEmqx")
         )

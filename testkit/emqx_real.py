@@ -4,8 +4,8 @@
 tarballs of `RELEASES` in `SDV_FANOUT_EMQX_RELEASES`, `<repo>/../shared/emqx`, `/work/shared/emqx`,
 unpacking each once into `$XDG_CACHE_HOME/sdv-fanout/emqx/<stem>` (under a lock, renamed into place
 when complete). `EmqxBroker` runs one node on free loopback ports with its own node name, cookie,
-data and log dirs under `workdir`; `stop()` leaves no process of it behind. `Vehicle`, `Fleet`
-and `Platform` are real paho MQTT 5 clients of such a broker (the fleet and the batch publisher).
+data and log dirs under `workdir`; `stop()` leaves no process of it behind. `Platform` is the batch
+publisher, a real paho MQTT 5 client of such a broker (its vehicles: testkit/vehicle.py).
 """
 
 from __future__ import annotations
@@ -23,23 +23,19 @@ import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, NamedTuple
+from typing import IO, Any
 
 import paho.mqtt.client as mqtt
 import structlog
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-from paho.mqtt.reasoncodes import ReasonCode
 
-from testkit.emqx_sim import LOOPBACK, Acker, free_port, free_ports, release_paho
+from testkit.emqx_sim import LOOPBACK, free_port, free_ports, release_paho
 from testkit.harness import ROOT, poll
 
 log = structlog.get_logger("sdv_fanout.testkit.emqx_real")
@@ -645,240 +641,8 @@ class EmqxBroker:
 
 
 # ---------------------------------------------------------------------------------------------
-# MQTT clients of a real broker: vehicles and the platform
+# the platform: an MQTT client of a real broker (the vehicles: testkit/vehicle.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def _wait_clear(event: threading.Event, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while event.is_set():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-class Delivery(NamedTuple):
-    """One request a vehicle received: its request id (last topic level), payload, DUP flag."""
-
-    request_id: str
-    payload: bytes
-    dup: bool
-    #: Its MQTT 5 Message-Expiry-Interval as received (None: it had none).
-    expiry_s: int | None = None
-
-
-class Vehicle:
-    """A vehicle as the fleet runs it: a real paho MQTT 5 client, clientid = VIN, manual PUBACKs.
-
-    Each request is acked `hold_s` after it arrives (never while `auto_ack` is False: `ack_held()`
-    sends them), so a second request sent before the first PUBACK shows in `max_unacked`. Every
-    `connect()` is a new TCP connection; the previous one is closed without DISCONNECT.
-    """
-
-    def __init__(
-        self,
-        broker: EmqxBroker,
-        vin: str,
-        *,
-        clientid: str | None = None,
-        hold_s: float = 0.0,
-        auto_ack: bool = True,
-        session_expiry_s: int = 0,
-        request_prefix: str = "agent/{VIN}/proxy/request",
-        acker: Acker | None = None,
-    ) -> None:
-        self.broker = broker
-        self.vin = vin
-        self.clientid = clientid or vin
-        self.hold_s = hold_s
-        self.auto_ack = auto_ack
-        self.session_expiry_s = session_expiry_s
-        self.request_prefix = request_prefix.replace("{VIN}", vin)
-        self.received: list[Delivery] = []
-        self.max_unacked = 0
-        self.disconnect_reason: int | None = None
-        self._acker = acker
-        self._lock = threading.Lock()
-        self._unacked = 0
-        self._held: list[tuple[mqtt.Client, int]] = []
-        self._client: mqtt.Client | None = None
-        self._connected = threading.Event()
-        self._session_present = False
-
-    @property
-    def request_filter(self) -> str:
-        """`agent/<VIN>/proxy/request/+`."""
-        return self.request_prefix + "/+"
-
-    def request_ids(self) -> list[str]:
-        """The request ids received, in arrival order (redeliveries included)."""
-        with self._lock:
-            return [d.request_id for d in self.received]
-
-    def connect(self, *, clean_start: bool = True, timeout_s: float = 10) -> bool:
-        """A new connection (CONNACK awaited); returns the broker's session-present flag."""
-        self.close()
-        client = mqtt.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=self.clientid,
-            protocol=mqtt.MQTTv5,
-            manual_ack=True,
-            reconnect_on_failure=False,
-        )
-        connected = threading.Event()
-        self._connected = connected
-
-        def on_connect(_c: Any, _u: Any, flags: Any, rc: ReasonCode, _p: Any) -> None:
-            self._session_present = bool(flags.session_present)
-            if not rc.is_failure:
-                connected.set()
-
-        def on_disconnect(_c: Any, _u: Any, _f: Any, rc: ReasonCode, _p: Any) -> None:
-            self.disconnect_reason = rc.value
-            connected.clear()
-
-        client.on_connect = on_connect
-        client.on_disconnect = on_disconnect
-        client.on_message = lambda c, _u, m: self._on_message(c, m)
-        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        props.SessionExpiryInterval = self.session_expiry_s
-        client.connect(self.broker.host, self.broker.mqtt_port, keepalive=30, clean_start=clean_start, properties=props)
-        self._client = client
-        client.loop_start()
-        if not connected.wait(timeout_s):
-            raise EmqxError(f"{self.clientid}: no CONNACK within {timeout_s} s")
-        return self._session_present
-
-    @property
-    def connected(self) -> bool:
-        """True while the current connection is up."""
-        return self._connected.is_set()
-
-    def _on_message(self, client: mqtt.Client, msg: mqtt.MQTTMessage) -> None:
-        with self._lock:
-            expiry = getattr(msg.properties, "MessageExpiryInterval", None)
-            self.received.append(Delivery(msg.topic.rsplit("/", 1)[-1], bytes(msg.payload), bool(msg.dup), expiry))
-            self._unacked += 1
-            self.max_unacked = max(self.max_unacked, self._unacked)
-            if not self.auto_ack:
-                self._held.append((client, msg.mid))
-                return
-        if self.hold_s > 0 and self._acker is not None:
-            self._acker.later(self.hold_s, lambda: self._ack(client, msg.mid))
-        else:
-            self._ack(client, msg.mid)
-
-    def _ack(self, client: mqtt.Client, mid: int) -> None:
-        if client is not self._client:
-            return  # that connection is gone: its session (if any) redelivers
-        with self._lock:
-            self._unacked -= 1
-        client.ack(mid, 1)
-
-    def ack_held(self) -> int:
-        """PUBACK every request held back while `auto_ack` was False; returns how many."""
-        with self._lock:
-            held, self._held = self._held, []
-        for client, mid in held:
-            self._ack(client, mid)
-        return len(held)
-
-    def _require(self) -> mqtt.Client:
-        if self._client is None:
-            raise EmqxError(f"{self.clientid} is not connected")
-        return self._client
-
-    def subscribe(self, topic_filter: str | None = None, timeout_s: float = 10) -> None:
-        """SUBSCRIBE (default: the request filter) at QoS 1 and wait for the SUBACK."""
-        client = self._require()
-        done = threading.Event()
-        codes: list[ReasonCode] = []
-
-        def on_subscribe(_c: Any, _u: Any, _mid: int, rcs: list[ReasonCode], _p: Any) -> None:
-            codes.extend(rcs)
-            done.set()
-
-        client.on_subscribe = on_subscribe
-        client.subscribe(topic_filter or self.request_filter, qos=1)
-        if not done.wait(timeout_s) or any(rc.is_failure for rc in codes):
-            raise EmqxError(f"{self.clientid}: SUBACK {codes or 'missing'}")
-
-    def heartbeat(self, kind: str = "online", *, qos: int = 1, timeout_s: float = 10) -> None:
-        """Publish `ecp/<VIN>/<kind>`; at QoS 1 wait for its PUBACK (EMQX ran the hook by then)."""
-        self.publish(f"ecp/{self.vin}/{kind}", b"{}", qos=qos, timeout_s=timeout_s)
-
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, timeout_s: float = 10) -> None:
-        """Publish; at QoS 1 wait for its PUBACK (EMQX ran the message.publish hook by then)."""
-        info = self._require().publish(topic, payload, qos=qos)
-        if qos > 0:
-            info.wait_for_publish(timeout_s)
-
-    def respond(self, request_id: str, payload: bytes) -> None:
-        """The vehicle's answer to `request_id` on `agent/<VIN>/proxy/response/<request_id>`."""
-        self.publish(f"agent/{self.vin}/proxy/response/{request_id}", payload)
-
-    def drop(self) -> None:
-        """Close the TCP connection without DISCONNECT (a vehicle losing its network)."""
-        client, self._client = self._client, None
-        if client is None:
-            return
-        sock = client.socket()
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
-        client.loop_stop()
-        release_paho(client)
-        with self._lock:
-            self._held.clear()
-            self._unacked = 0
-
-    def disconnect(self, timeout_s: float = 10) -> None:
-        """A clean DISCONNECT (sent before the connection closes)."""
-        client = self._client
-        if client is not None:
-            client.disconnect()
-            if not _wait_clear(self._connected, timeout_s):
-                raise EmqxError(f"{self.clientid}: DISCONNECT not sent within {timeout_s} s")
-        self.drop()
-
-    close = drop
-
-
-class Fleet:
-    """Vehicles sharing one Acker; `close()` closes them all (no DISCONNECT) and stops the acker."""
-
-    def __init__(self, broker: EmqxBroker) -> None:
-        self.broker = broker
-        self.acker = Acker()
-        self.vehicles: list[Vehicle] = []
-
-    def vehicle(self, vin: str, **kw: Any) -> Vehicle:
-        """A new vehicle (not connected yet)."""
-        v = Vehicle(self.broker, vin, acker=self.acker, **kw)
-        self.vehicles.append(v)
-        return v
-
-    def online(self, vins: list[str], **kw: Any) -> list[Vehicle]:
-        """Vehicles connected and subscribed to their request filter."""
-        out = []
-        for vin in vins:
-            v = self.vehicle(vin, **kw)
-            v.connect()
-            v.subscribe()
-            out.append(v)
-        return out
-
-    def close(self) -> None:
-        for v in self.vehicles:
-            v.close()
-        self.acker.stop()
-
-    def __enter__(self) -> Fleet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Platform:
@@ -949,15 +713,11 @@ def running_emqx(version: str, workdir: Path, **kw: Any) -> Iterator[EmqxBroker]
 __all__ = [
     "EXHOOK_PROTOCOL",
     "RELEASES",
-    "Acker",
-    "Delivery",
     "EmqxApiError",
     "EmqxBroker",
     "EmqxError",
     "EmqxUnavailable",
-    "Fleet",
     "Platform",
-    "Vehicle",
     "available_versions",
     "cache_dir",
     "exhook_protocol",

@@ -1,13 +1,13 @@
 """Fleet processes for tests and benches: a slice of the fleet, or the raw reference publisher.
 
-paho's select() loop caps one process at about 330 clients, so bench/e2e.py
+paho's select() loop caps one process at about 330 clients (the sim vehicles), so bench/e2e.py
 spreads the fleet over several of these. Roles:
 
 * `sim`: vehicles driven by testkit/emqx_sim.py's FakeEmqx (real paho MQTT 5 clients on
   mosquitto; the driver calls our ExHook RPCs as EMQX would: connect, subscribe,
   and one `message.acked` per PUBACK), phase by phase, reporting every receive time; with
   `--expect k`, one shot: {"done": {vin: [topic, ...]}} once each vehicle got k messages.
-* `raw`: plain paho MQTT 5 subscribers (clientid `<clientid-prefix><VIN>`) on
+* `raw`: testkit/vehicle.py's vehicles (clientid `<clientid-prefix><VIN>`) on
   `<prefix>/<VIN>/proxy/request/+` for each of the comma-separated `--prefix`es, QoS 1,
   acking each message as it arrives; with `signal`, each then publishes a QoS 0
   `<ack-prefix>/<VIN>` so the publisher can keep one message in flight per VIN.
@@ -26,6 +26,7 @@ messages (or the deadline passed). Publisher: {"cmd": "run", ...} → {"done": {
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import random
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -40,11 +42,12 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from exhook_server._proto import exhook_v3_pb2 as pb
-from testkit.emqx_sim import LOOPBACK, FakeEmqx, Vehicle
+from testkit.emqx_sim import LOOPBACK, FakeEmqx
+from testkit.emqx_sim import Vehicle as SimulatorVehicle
+from testkit.mqtt import run as run_on_loop
+from testkit.vehicle import RESPONSE_PREFIX, Delivery, Vehicle
 
 POLL_S = 0.1  # progress polls with a deadline; the timings come from receive stamps, not from these
-
-RESPONSE_PREFIX = "agent/{VIN}/proxy/response"  # response_topic_prefix's default
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -153,7 +156,7 @@ class _Answering(_Stamped):
     """A sim vehicle's received log whose append (in the clientid's hook lane, after the PUBACK and
     its message.acked call) first publishes the vehicle's answer when the phase asks for it."""
 
-    def __init__(self, fleet: SimFleet, vehicle: Vehicle) -> None:
+    def __init__(self, fleet: SimFleet, vehicle: SimulatorVehicle) -> None:
         super().__init__()
         self.fleet = fleet
         self.vehicle = vehicle
@@ -215,7 +218,7 @@ class SimFleet(Fleet):
         out["answers"] = dict(self.answers - before)
         return out
 
-    def answer(self, v: Vehicle, request_topic: str) -> None:
+    def answer(self, v: SimulatorVehicle, request_topic: str) -> None:
         """The vehicle's answer to a request: message.publish as EMQX calls it, then routed."""
         conn = v._conn
         if conn is None or conn.state != "open":
@@ -245,7 +248,8 @@ class SimFleet(Fleet):
 
 
 class RawFleet(Fleet):
-    """Plain paho subscribers: QoS 1, PUBACK as each message arrives, optional ack signal."""
+    """testkit/vehicle.py's vehicles on every prefix's request topics, PUBACKing each message as
+    it arrives, then (in a phase with "signal") publishing the ack signal."""
 
     def __init__(
         self,
@@ -259,61 +263,28 @@ class RawFleet(Fleet):
         super().__init__(vins)
         self.logs: dict[str, list[tuple[str, float, float]]] = {}
         self.signal = False
-        self.closing = False
-        self.errors: list[str] = []
-        self.clients: list[mqtt.Client] = []
-        subscribed = threading.Semaphore(0)
-        for vin in vins:
-            self.logs[vin] = []
-            c = mqtt.Client(
-                CallbackAPIVersion.VERSION2,
-                client_id=f"{clientid_prefix}{vin}",
-                protocol=mqtt.MQTTv5,
-                manual_ack=True,
-                reconnect_on_failure=False,
-            )
-            c.on_connect = self._on_connect(vin, prefixes)
-            c.on_subscribe = lambda *_a: subscribed.release()
-            c.on_message = self._on_message(vin, f"{ack_prefix}/{vin}")
-            c.on_disconnect = self._on_disconnect(vin)
-            c.connect(LOOPBACK, mqtt_port, keepalive=60, clean_start=True)
-            c.loop_start()
-            self.clients.append(c)
-        deadline = time.monotonic() + timeout_s
-        for _ in vins:
-            if not subscribed.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise SystemExit(f"raw fleet: not every subscriber subscribed within {timeout_s} s")
+        self.vehicles = [Vehicle(mqtt_port, vin, clientid=f"{clientid_prefix}{vin}") for vin in vins]
+        for v in self.vehicles:
+            v.on_delivery = self._on_delivery(v, f"{ack_prefix}/{v.vin}")
 
-    def _on_connect(self, vin: str, prefixes: list[str]) -> Any:
-        topics = [(f"{prefix}/{vin}/proxy/request/+", SubscribeOptions(qos=1)) for prefix in prefixes]
+        async def online(v: Vehicle) -> None:
+            await v.aconnect()
+            await v.asubscribe(*(f"{prefix}/{v.vin}/proxy/request/+" for prefix in prefixes))
 
-        def on_connect(client: mqtt.Client, _u: Any, _flags: Any, rc: Any, _props: Any) -> None:
-            if rc.is_failure:
-                self.errors.append(f"{vin}: CONNACK {rc}")
-                return
-            client.subscribe(topics)  # one SUBSCRIBE, one SUBACK
+        async def all_online() -> None:
+            await asyncio.gather(*map(online, self.vehicles))
 
-        return on_connect
+        run_on_loop(all_online(), timeout_s)
 
-    def _on_disconnect(self, vin: str) -> Any:
-        def on_disconnect(_c: Any, _u: Any, _flags: Any, rc: Any, _props: Any) -> None:
-            if not self.closing:
-                self.errors.append(f"{vin}: disconnected {rc}")
+    def _on_delivery(self, v: Vehicle, ack_topic: str) -> Callable[[Delivery], None]:
+        log = self.logs[v.vin] = []
 
-        return on_disconnect
+        def on_delivery(d: Delivery) -> None:  # after its PUBACK (the signal follows it, as ack -> hook)
+            if self.signal and v.conn is not None:
+                v.conn.publish(ack_topic, d.request_id.encode(), qos=0)  # on the loop: sent at once
+            log.append((d.request_id, d.time, time.time()))
 
-    def _on_message(self, vin: str, ack_topic: str) -> Any:
-        log = self.logs[vin]
-
-        def on_message(client: mqtt.Client, _u: Any, message: mqtt.MQTTMessage) -> None:
-            t = time.time()
-            rid = message.topic.rsplit("/", 1)[1]
-            client.ack(message.mid, message.qos)  # PUBACK first, then the signal (as ack → hook)
-            if self.signal:
-                client.publish(ack_topic, rid.encode(), qos=0)
-            log.append((rid, t, time.time()))
-
-        return on_message
+        return on_delivery
 
     def count(self, vin: str) -> int:
         return len(self.logs[vin])
@@ -326,15 +297,13 @@ class RawFleet(Fleet):
         return super().phase(cmd)
 
     def check(self) -> None:
-        if self.errors:
-            raise RuntimeError(f"raw fleet: {len(self.errors)} error(s); first: {self.errors[0]}")
+        lost = [v.vin for v in self.vehicles if not v.connected]
+        if lost:
+            raise RuntimeError(f"raw fleet: {len(lost)} vehicle(s) disconnected; first: {lost[0]}")
 
     def close(self) -> None:
-        self.closing = True
-        for c in self.clients:
-            c.disconnect()
-        for c in self.clients:
-            c.loop_stop()
+        for v in self.vehicles:
+            v.close()
 
 
 # -- the raw reference publisher -----------------------------------------------------------------

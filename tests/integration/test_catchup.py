@@ -25,18 +25,10 @@ import asyncpg
 import pytest
 
 from storage.lmdb.store import Store
-from testkit.emqx_real import (
-    EmqxApiError,
-    EmqxBroker,
-    Fleet,
-    Platform,
-    Vehicle,
-    find_release,
-    running_emqx,
-    where_looked,
-)
+from testkit.emqx_real import EmqxApiError, EmqxBroker, Platform, find_release, running_emqx, where_looked
 from testkit.emqx_sim import free_port
 from testkit.harness import SubprocessServer, poll
+from testkit.vehicle import Fleet, Vehicle
 from tests.integration.test_multi_instance import metric, signal_all, stop
 from tests.integration.test_real_emqx import Throttle
 

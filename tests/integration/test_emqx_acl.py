@@ -16,13 +16,11 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion
 
 from testkit.emqx_real import EmqxBroker, available_versions, file_authorization, running_emqx, where_looked
-from testkit.emqx_sim import release_paho
 from testkit.harness import ROOT, poll
+from testkit.vehicle import Vehicle
 
 pytestmark = pytest.mark.slow
 if not available_versions():
@@ -104,38 +102,27 @@ _ids = itertools.count()
 
 
 class Probe:
-    """A bare MQTT 5 client: SUBACK and PUBACK reason codes, and every message it receives."""
+    """A client of any clientid (testkit's vehicle): SUBACK and PUBACK reason codes, and the topic
+    of every message it receives."""
 
     def __init__(self, broker: EmqxBroker, clientid: str, username: str | None = None) -> None:
-        self.clientid = clientid
-        self.received: list[str] = []
-        self._pubacks: dict[int, int] = {}
-        self._subacks: dict[int, list[int]] = {}
-        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=clientid, protocol=mqtt.MQTTv5)
-        if username:
-            c.username_pw_set(username)
-        c.on_publish = lambda _c, _u, mid, rc, _p: self._pubacks.__setitem__(mid, rc.value)
-        c.on_subscribe = lambda _c, _u, mid, rcs, _p: self._subacks.__setitem__(mid, [rc.value for rc in rcs])
-        c.on_message = lambda _c, _u, msg: self.received.append(msg.topic)
-        c.connect(broker.host, broker.mqtt_port, keepalive=30)
-        c.loop_start()
-        self.c = c
-        poll(c.is_connected, DEADLINE_S)
+        self.v = Vehicle(broker, clientid, username=username or "")
+        self.v.connect()
+
+    @property
+    def received(self) -> list[str]:
+        return [d.topic for d in self.v.received]
 
     def subscribe(self, filters: list[str]) -> dict[str, int]:
         """One SUBSCRIBE of every filter at QoS 1: filter -> its SUBACK reason code."""
-        _, mid = self.c.subscribe([(f, 1) for f in filters])
-        return dict(zip(filters, poll(lambda: self._subacks.get(mid), DEADLINE_S), strict=True))
+        return dict(zip(filters, self.v.subscribe(*filters, check=False), strict=True))
 
-    def publish(self, topic: str, payload: bytes = b"{}") -> int:
+    def publish(self, topic: str, payload: bytes = b"{}") -> int | None:
         """Publish at QoS 1: the PUBACK reason code."""
-        mid = self.c.publish(topic, payload, qos=1).mid
-        return int(poll(lambda: self._pubacks.get(mid, -1) + 1, DEADLINE_S)) - 1
+        return self.v.publish(topic, payload)
 
     def close(self) -> None:
-        self.c.disconnect()
-        self.c.loop_stop()
-        release_paho(self.c)
+        self.v.close()
 
 
 @pytest.fixture(scope="module", params=BROKERS, ids=[f"emqx{v}-no_match-{m}" for v, m in BROKERS])

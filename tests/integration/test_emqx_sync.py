@@ -10,22 +10,20 @@ and the client's list of writes both show.
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
 from exhook_server import cli, emqx_sync
 from exhook_server.config import Config
 from exhook_server.emqx_api import EmqxApi
 from testkit.emqx_real import EmqxBroker, EmqxError, available_versions, where_looked
-from testkit.emqx_sim import free_port, release_paho
+from testkit.emqx_sim import free_port
 from testkit.harness import SubprocessServer, poll
+from testkit.vehicle import Fleet
 from tests.certs import make_pki
 
 pytestmark = pytest.mark.slow
@@ -246,26 +244,12 @@ def test_fresh_broker_gets_entry_and_rule_then_a_second_sync_changes_nothing(
 
 def ack_a_request(rig: Rig, vin: str) -> None:
     """A vehicle PUBACKs a message on its request topic: EMQX runs message.acked for it."""
-    got = threading.Event()
-    vehicle = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=vin, protocol=mqtt.MQTTv5)
-    vehicle.on_message = lambda *_: got.set()
-    sender = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{vin}-sender", protocol=mqtt.MQTTv5)
-    try:
-        vehicle.connect(rig.broker.host, rig.broker.mqtt_port)
-        vehicle.loop_start()
-        subscribed = threading.Event()
-        vehicle.on_subscribe = lambda *_: subscribed.set()
-        vehicle.subscribe(f"agent/{vin}/proxy/request/+", qos=1)
-        assert subscribed.wait(10)
-        sender.connect(rig.broker.host, rig.broker.mqtt_port)
-        sender.loop_start()
-        sender.publish(f"agent/{vin}/proxy/request/r1", b"x", qos=1).wait_for_publish(10)
-        assert got.wait(10)
-    finally:
-        for c in (vehicle, sender):
-            c.disconnect()
-            c.loop_stop()
-            release_paho(c)
+    with Fleet(rig.broker) as fleet:
+        [vehicle] = fleet.online([vin])
+        sender = fleet.vehicle(f"{vin}-sender")
+        sender.connect()
+        sender.publish(f"agent/{vin}/proxy/request/r1", b"x")
+        assert poll(lambda: vehicle.received, 10)
 
 
 @pytest.mark.parametrize("rig", RESTARTING, indirect=True)

@@ -27,17 +27,10 @@ import pytest
 from storage.lmdb.batches import sha1_of
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import Store
-from testkit.emqx_real import (
-    EmqxBroker,
-    Fleet,
-    Platform,
-    Vehicle,
-    available_versions,
-    running_emqx,
-    where_looked,
-)
+from testkit.emqx_real import EmqxBroker, Platform, available_versions, running_emqx, where_looked
 from testkit.emqx_sim import free_port
 from testkit.harness import BIN, SubprocessServer, poll
+from testkit.vehicle import Fleet, Vehicle
 
 pytestmark = pytest.mark.slow
 if not available_versions():  # one line in the summary, saying where releases were looked for

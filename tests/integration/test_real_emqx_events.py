@@ -26,9 +26,7 @@ from exhook_server import emqx_sync
 from exhook_server.config import Config
 from testkit.emqx_real import (
     EmqxBroker,
-    Fleet,
     Platform,
-    Vehicle,
     _descendants,
     file_authorization,
     find_release,
@@ -37,6 +35,7 @@ from testkit.emqx_real import (
 )
 from testkit.emqx_sim import free_port
 from testkit.harness import BIN, ROOT, SubprocessServer, poll
+from testkit.vehicle import Fleet, Vehicle
 from tests.integration import test_real_emqx
 from tests.integration.test_real_emqx import DEADLINE_S, EXHOOK, SETUPS, Fanout, fleet_gets_each_once_one_at_a_time
 from tests.integration.test_real_emqx_rule_acks import Client

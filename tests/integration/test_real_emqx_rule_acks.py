@@ -13,15 +13,14 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion
 from prometheus_client.parser import text_string_to_metric_families
 
 from exhook_server.acks import rule_body
 from exhook_server.config import Config
-from testkit.emqx_real import EmqxBroker, Fleet, Platform, Vehicle, find_release, running_emqx, where_looked
+from testkit.emqx_real import EmqxBroker, Platform, find_release, running_emqx, where_looked
 from testkit.harness import ROOT, SubprocessServer, poll
+from testkit.vehicle import Fleet, Vehicle
 from tests.integration import test_real_emqx
 from tests.integration.test_real_emqx import (
     DEADLINE_S,
@@ -98,35 +97,23 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 class Client:
-    """A bare MQTT 5 client (the forger): connects, publishes at QoS 1, reports PUBACK codes."""
+    """A bare MQTT 5 client (the forger, testkit's vehicle): publishes at QoS 1, reports PUBACK codes."""
 
     def __init__(self, broker: EmqxBroker, clientid: str, username: str | None = None) -> None:
-        self.codes: dict[int, int] = {}
-        self.granted: list[int] = []
-        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=clientid, protocol=mqtt.MQTTv5)
-        if username:
-            self.c.username_pw_set(username)
-        self.c.on_publish = lambda _c, _u, mid, rc, _p: self.codes.__setitem__(mid, rc.value)
-        self.c.on_subscribe = lambda _c, _u, _m, rcs, _p: self.granted.extend(rc.value for rc in rcs)
-        self.c.connect(broker.host, broker.mqtt_port, keepalive=30)
-        self.c.loop_start()
-        poll(self.c.is_connected, DEADLINE_S)
+        self.v = Vehicle(broker, clientid, username=username or "")
+        self.v.connect()
 
-    def publish(self, topic: str, payload: bytes) -> int:
+    def publish(self, topic: str, payload: bytes) -> int | None:
         """Publish at QoS 1; the PUBACK reason code."""
-        info = self.c.publish(topic, payload, qos=1)
-        return int(poll(lambda: self.codes.get(info.mid, -1) + 1, DEADLINE_S)) - 1
+        return self.v.publish(topic, payload)
 
     def subscribe(self, topic: str) -> int:
         """Subscribe at QoS 1; the SUBACK reason code."""
-        before = len(self.granted)
-        self.c.subscribe(topic, qos=1)
-        poll(lambda: len(self.granted) > before, DEADLINE_S)
-        return self.granted[-1]
+        [code] = self.v.subscribe(topic, check=False)
+        return code
 
     def close(self) -> None:
-        self.c.disconnect()
-        self.c.loop_stop()
+        self.v.close()
 
 
 def holding_vehicle(fleet: Fleet, prefix: str) -> tuple[str, Vehicle]:

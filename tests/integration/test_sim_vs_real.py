@@ -23,9 +23,10 @@ import grpc
 import pytest
 
 from exhook_server.hooks import MESSAGE_HOOKS
-from testkit.emqx_real import EmqxBroker, Platform, Vehicle, available_versions, running_emqx, where_looked
+from testkit.emqx_real import EmqxBroker, Platform, available_versions, running_emqx, where_looked
 from testkit.emqx_sim import HOOK_RPC, FakeEmqx, Mosquitto
 from testkit.harness import InProcessServer, poll
+from testkit.vehicle import Vehicle
 
 pytestmark = pytest.mark.slow
 if not available_versions():  # one line in the summary, saying where releases were looked for
