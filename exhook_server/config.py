@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import socket
@@ -258,6 +259,11 @@ class Config:
     # How often rows past their expires_at are ended `expired` (a vehicle's queue skips them
     # at once anyway; this only makes the outcome and counts prompt).
     expiry_sweep_interval_s: float = 1.0
+    # Delivery starts per second of this instance at most (its processes share it evenly), so a
+    # reconnect storm of a whole fleet turns into deliveries at a rate the broker and the
+    # vehicles' backends take; when it binds, high priority goes first and request ids take
+    # turns. 0 = off: the broker's own limits and one in flight per vehicle bound it already.
+    max_deliveries_per_s: float = 0.0
     # Vehicles conventionally use their VIN as MQTT clientid: resolve session.resumed by it
     # when no subscription of that client has been seen since start-up.
     vin_from_clientid: bool = True
@@ -619,6 +625,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("max_response_bytes must be 0..1048576")
     if cfg.processes < 0:
         raise ConfigError("processes must be >= 0 (0 = one per CPU)")
+    if not (math.isfinite(cfg.max_deliveries_per_s) and 0 <= cfg.max_deliveries_per_s <= 1_000_000):
+        raise ConfigError("max_deliveries_per_s must be 0 (off) up to 1000000")
     if not 0 <= cfg.ack_commit_delay_ms <= 10_000:
         raise ConfigError("ack_commit_delay_ms must be between 0 and 10000")
     if cfg.workers < 0 or cfg.mqtt_max_inflight <= 0 or cfg.inflight_timeout_s <= 0:

@@ -97,6 +97,15 @@ CAMPAIGNS_PACED = Gauge(
 PACED_STARTS = Counter(
     "sdv_fanout_paced_starts_total", "Deliveries started of requests whose policy bounds their rate or concurrency"
 )
+DELIVERIES_DEFERRED = Counter(
+    "sdv_fanout_deliveries_deferred_total",
+    "Delivery starts deferred by max_deliveries_per_s (a vehicle then waits for a token of this process)",
+)
+DELIVERIES_WAITING = Gauge(
+    "sdv_fanout_delivery_budget_waiting",
+    "Online vehicles waiting for a token of max_deliveries_per_s to start their next delivery",
+    multiprocess_mode="livesum",
+)
 PACING_IDLE_VEHICLES = Gauge(
     "sdv_fanout_pacing_idle_vehicles",
     "Online vehicles with nothing to send while a paced request waits for capacity (offered it when it returns)",

@@ -31,6 +31,7 @@ from exhook_server.backends.lmdb.peers import Group
 from exhook_server.backends.postgres.backend import PgBackend
 from exhook_server.config import Config, join_host_port, split_host_port
 from exhook_server.delivery import MqttDelivery
+from exhook_server.dispatch.budget import DeliveryBudget
 from exhook_server.dispatch.gates import Gates
 from exhook_server.dispatch.pacing import Pacer
 from exhook_server.dispatch.port import Dispatch, DispatchNeeds
@@ -153,6 +154,12 @@ class FanoutServer:
         #: Campaign policies' abort criteria, judged on the outcomes of their requests.
         self.aborts = Aborts(cfg, self.reads, self.backend.writes, self.gates, self.cancels, self.status, clock)
         self.ingestor.campaigns.aborts = self.aborts
+        #: This process's share of max_deliveries_per_s (None: off).
+        self.budget = (
+            DeliveryBudget(cfg.max_deliveries_per_s / cfg.process_count, lambda: clock() / 1000, self._offer_token)
+            if cfg.max_deliveries_per_s
+            else None
+        )
         vin_re = re.compile(cfg.vin_pattern)
         self.dispatcher: Dispatch = self.backend.dispatcher(
             DispatchNeeds(
@@ -165,6 +172,7 @@ class FanoutServer:
                 held=self.gates.held,
                 pacing=self.pacer,
                 high=self.gates.high,
+                budget=self.budget,
             )
         )
         self.ingestor.listeners.append(self.dispatcher.new_batch)
@@ -298,6 +306,10 @@ class FanoutServer:
         """A paced request may start more deliveries: offer it to these idle vehicles."""
         self.dispatcher.new_batch(vins)
 
+    def _offer_token(self, vins: list[str]) -> None:
+        """The delivery budget granted these waiting vehicles a token: offer them their next row."""
+        self.dispatcher.new_batch(vins)
+
     async def _offer(self, request_id: str) -> None:
         after = ""
         while True:  # one page of VINs at a time: bounded reads, any number of vehicles
@@ -390,6 +402,8 @@ class FanoutServer:
             asyncio.create_task(self.gates.run(self.backend.writes.policies, self.cfg.policy_refresh_s), name="gates")
         )
         self._tasks.append(asyncio.create_task(self.pacer.run(), name="pacing"))
+        if self.budget is not None:
+            self._tasks.append(asyncio.create_task(self.budget.run(), name="delivery-budget"))
         # Store-wide work: on LMDB once per data dir; on PostgreSQL every instance sweeps (their
         # statements skip what another holds) and resumes what a crash left, and one instance at
         # a time (the leader) reports progress and collects.

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from exhook_server.dispatch.commands import EndReason, Session
 from exhook_server.dispatch.ring import HashRing
-from exhook_server.dispatch.worker import OutcomeListener, Pacing, Publisher, ResponseListener
+from exhook_server.dispatch.worker import OutcomeListener, Pacing, Publisher, ResponseListener, StartBudget
 
 
 class Dispatch(Protocol):
@@ -103,3 +103,5 @@ class DispatchNeeds:
     pacing: Pacing | None = None
     #: The request ids whose policy gives their rows high priority now (dispatch/gates.py).
     high: Callable[[], frozenset[str]] | None = None
+    #: This process's delivery budget (max_deliveries_per_s, dispatch/budget.py); None: unbounded.
+    budget: StartBudget | None = None

@@ -136,6 +136,18 @@ class Pacing(Protocol):
         ...
 
 
+class StartBudget(Protocol):
+    """How fast this process starts deliveries (dispatch/budget.py: max_deliveries_per_s)."""
+
+    def admit(self, vin: str, request_id: str, high: bool) -> bool:
+        """May `vin` start its delivery of `request_id` now (False: it is offered again later)?"""
+        ...
+
+    def forget(self, vin: str) -> None:
+        """`vin` went offline."""
+        ...
+
+
 #: Told when dispatch ends a pair: (vin, request_id, sha1, outcome, attempts).
 OutcomeListener = Callable[[str, str, bytes, Outcome, int], None]
 #: Told of an accepted answer: (vin, request_id, sha1, the answer's first bytes, its full size).
@@ -245,8 +257,11 @@ class Worker:
         held: Callable[[], frozenset[str]] | None = None,
         pacing: Pacing | None = None,
         high: Callable[[], frozenset[str]] | None = None,
+        budget: StartBudget | None = None,
     ) -> None:
         self.name = name
+        #: This process's delivery budget (max_deliveries_per_s); None: unbounded.
+        self._budget = budget
         #: Campaign pacing (rates, max_in_flight); None: nothing paced.
         self._pacing = pacing
         #: The request ids whose rows may not start a delivery now (dispatch/gates.py); None: none.
@@ -421,6 +436,12 @@ class Worker:
             break
         else:
             return  # the next trigger goes on
+        budget = self._budget
+        if budget is not None:
+            lane = row.high_priority or (high is not None and row.request_id in high)
+            if not budget.admit(vin, row.request_id, lane):
+                self._void(vin)  # what was out is not out any more: the budget offers the vehicle again
+                return
         if not self._publisher.publish(vin, row.request_id, payload, expires_ms=row.expires_ms):
             return  # no broker connection: BrokerBack will try again
         attempts = prior + 1
@@ -639,6 +660,8 @@ class Worker:
         current = self.presence.get(cmd.vin)
         if current is not None and current.same_connection(cmd.session):
             del self.presence[cmd.vin]
+            if self._budget is not None:
+                self._budget.forget(cmd.vin)
         entry = self.inflight.get(cmd.vin)
         gone = cmd.reason in (EndReason.DISCARDED, EndReason.TERMINATED)
         # OFFLINE keeps the entry: a resume redelivers it, a clean subscribe or the timeout replaces it.

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from testkit.harness import poll
+from testkit.harness import StepClock, poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
 
 
@@ -60,3 +60,34 @@ def test_a_policy_gives_and_takes_priority_of_rows_stored_before_it(rig: Rig) ->
     # High first, oldest first among them (b was stored before r); then the normal ones by age.
     assert rig.rids(v) == ["task_b_1", "task_r_1", "task_a_1", "task_c_1"]
     poll(lambda: rig.rows() == 0)
+
+
+def test_the_delivery_budget_starts_at_its_rate_high_priority_first(tmp_path: Path, make_server: Any) -> None:
+    """max_deliveries_per_s 1 (one process) on the server's step clock: five vehicles with queued
+    rows come online; one starts (the burst), the others wait; each second of the clock one more
+    starts, the vehicle whose row is high priority first although it came last."""
+    clock = StepClock()
+    rigs = make_rig(tmp_path, make_server, clock=clock, max_deliveries_per_s=1.0, processes=1)
+    rig = next(rigs)
+    try:
+        budget = rig.srv.server.budget
+        assert budget is not None
+        for n in range(1, 5):
+            rig.emqx.publish_batch([f"VIN{n}"], "task_ota_1", "fw")
+        rig.emqx.publish_batch(["VIN5"], "task_recall_1", "recall", priority="high")
+        fleet = [rig.online(f"VIN{n}") for n in range(1, 5)]
+
+        def started() -> int:
+            return sum(len(v.received) for v in fleet)
+
+        poll(lambda: budget.waiting() == 3 and started() == 1)
+        fleet.append(rig.online("VIN5"))  # the last to come: its row is high priority
+        poll(lambda: budget.waiting() == 4)
+        assert fleet[4].received == []
+        clock.advance(1.0)
+        fleet[4].wait_for(1)  # the recall goes first
+        poll(lambda: budget.waiting() == 3 and started() == 2)
+        clock.advance(1.0)
+        poll(lambda: budget.waiting() == 2 and started() == 3)
+    finally:
+        rigs.close()

@@ -57,6 +57,8 @@ def test_blank_list_entries_are_refused(tmp_path: Path, name: str, raw: str) -> 
         ({"SDV_FANOUT_MAP_MAX_BYTES": "1024"}, "map_max_bytes"),
         ({"SDV_FANOUT_CATCHUP_SESSION_EXPIRY_S": "0"}, "catchup_session_expiry_s"),
         ({"SDV_FANOUT_CATCHUP_CLIENTID": "x" * 257}, "catchup_clientid"),
+        ({"SDV_FANOUT_MAX_DELIVERIES_PER_S": "-1"}, "max_deliveries_per_s"),
+        ({"SDV_FANOUT_MAX_DELIVERIES_PER_S": "nan"}, "max_deliveries_per_s"),
     ],
 )
 def test_bad_settings_are_refused_with_the_setting_named(env: dict[str, str], message: str) -> None:

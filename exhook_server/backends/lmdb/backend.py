@@ -134,6 +134,7 @@ class LmdbBackend:
             held=needs.held,
             pacing=needs.pacing,
             high=needs.high,
+            budget=needs.budget,
         )
         self.peers = Peers(group, dispatcher.receive, self._answer) if group else None
         self._dispatcher = dispatcher

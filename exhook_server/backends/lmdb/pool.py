@@ -36,7 +36,16 @@ from exhook_server.dispatch.commands import (
     Trigger,
 )
 from exhook_server.dispatch.ring import HashRing
-from exhook_server.dispatch.worker import Kept, OutcomeListener, Pacing, Publisher, ResponseListener, RowSource, Worker
+from exhook_server.dispatch.worker import (
+    Kept,
+    OutcomeListener,
+    Pacing,
+    Publisher,
+    ResponseListener,
+    RowSource,
+    StartBudget,
+    Worker,
+)
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
@@ -83,6 +92,7 @@ class Dispatcher:
         held: Callable[[], frozenset[str]] | None = None,
         pacing: Pacing | None = None,
         high: Callable[[], frozenset[str]] | None = None,
+        budget: StartBudget | None = None,
     ) -> None:
         if processes > 1 and forward is None:
             raise ValueError("a dispatcher in a group of processes needs a way to forward to them")
@@ -115,6 +125,7 @@ class Dispatcher:
                 held=held,
                 pacing=pacing,
                 high=high,
+                budget=budget,
             )
             for n in local
         }

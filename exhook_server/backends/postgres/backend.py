@@ -105,6 +105,7 @@ class PgBackend:
             event_timeout_s=cfg.ingest_timeout_s,
             held=needs.held,
             high=needs.high,
+            budget=needs.budget,
         )
         return self._dispatcher
 

@@ -48,6 +48,7 @@ from exhook_server.dispatch.worker import (
     OutcomeListener,
     Publisher,
     ResponseListener,
+    StartBudget,
     VehicleState,
     Worker,
 )
@@ -262,8 +263,11 @@ class SharedDispatcher:
         clock: Callable[[], float] = time.time,
         held: Callable[[], frozenset[str]] | None = None,
         high: Callable[[], frozenset[str]] | None = None,
+        budget: StartBudget | None = None,
     ) -> None:
         self._pool = pool
+        #: This instance's delivery budget (max_deliveries_per_s); None: unbounded.
+        self._budget = budget
         #: Request ids held by their campaign policy (dispatch/gates.py): their rows are not loaded.
         self._held = held
         #: Request ids whose policy gives their rows high priority (dispatch/gates.py).
@@ -444,7 +448,7 @@ class SharedDispatcher:
                 high = self._high() if self._high is not None else frozenset()
                 loaded = await pgd.load_many(conn, [q.vin for q in batch], now_ms, _PREFETCH, sorted(held), high)
                 trips = 1
-                decided = [self._decide(q, loaded[q.vin], now, held) for q in batch]
+                decided = [self._decide(q, loaded[q.vin], now, held, high) for q in batch]
                 saving = sorted((d for d in decided if d.save is not None), key=lambda d: d.queued.vin)
                 if saving:
                     # In VIN order: the save deletes rows in the store's lock order.
@@ -473,9 +477,16 @@ class SharedDispatcher:
             self._report(d)
         return again
 
-    def _decide(self, q: _Queued, loaded: pgd.Loaded, now: float, held: frozenset[str] = frozenset()) -> _Decided:
+    def _decide(
+        self,
+        q: _Queued,
+        loaded: pgd.Loaded,
+        now: float,
+        held: frozenset[str] = frozenset(),
+        high: frozenset[str] = frozenset(),
+    ) -> _Decided:
         """The worker's rules on one vehicle's loaded state (read with the request ids `held`
-        passed over): what its event changed."""
+        passed over, in delivery order with those in `high` first): what its event changed."""
         vin = q.vin
         sends = _Sends(self._connected)
         reports = _Reports()
@@ -491,6 +502,8 @@ class SharedDispatcher:
             response_timeout_s=self._response_timeout_s,
             on_response=reports.response,
             held=(lambda: held) if held else None,
+            high=(lambda: high) if high else None,
+            budget=self._budget,
         )
         before = _state(loaded)
         worker.restore(vin, before)
