@@ -12,8 +12,8 @@ import pyarrow as pa
 from storage.model import COUNT_NAMES
 
 FORMAT = "sdv-fanout-export"
-#: Changes only when a table that readers already know changes. Adding a table (outcomes and
-#: generations came later) does not: older jobs ignore it, and a job that needs it checks the
+#: Changes only when a table that readers already know changes. Adding a table (outcomes,
+#: generations and policies came later) does not: older jobs ignore it, and a job that needs it checks the
 #: manifest's counts for it. 2 (store schema 3, request lifecycle): rows gained `expires_at_ms`
 #: and `await_response`, outcomes the `responded` outcome with `response` and `response_bytes`,
 #: generations the `responded` count. The jobs in spark/ read 1 and 2 (a column version 1 lacks
@@ -63,4 +63,10 @@ OUTCOMES_SCHEMA = pa.schema(
 GENERATIONS_SCHEMA = pa.schema(
     [("request_id", pa.string()), ("sha1", pa.string()), ("first_ms", pa.int64()), ("last_ms", pa.int64())]
     + [(name, pa.int64()) for name in COUNT_NAMES]
+)
+#: One per campaign policy in force: its fields as set (`policy`, JSON as stored and echoed), when
+#: it was set, and the request's abort under it (`aborted`: JSON with criterion, counts, at_ms; null
+#: while not aborted). The stores keep both as given and the export copies them unread.
+POLICIES_SCHEMA = pa.schema(
+    [("request_id", pa.string()), ("policy", pa.string()), ("set_ms", pa.int64()), ("aborted", pa.string())]
 )

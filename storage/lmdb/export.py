@@ -1,5 +1,5 @@
 """LMDB → Parquet export: one consistent snapshot of rows, blobs (metadata only), aliases,
-outcome records (with the vehicles' answers) and generation counts.
+outcome records (with the vehicles' answers), generation counts and campaign policies.
 
 The Spark jobs in spark/ read exports, never the live store. One read transaction gives the
 snapshot, so the generation counts and the rows and outcomes they count are of the same instant;
@@ -26,8 +26,9 @@ from storage.export_format import FORMAT as FORMAT
 from storage.export_format import FORMAT_VERSION as FORMAT_VERSION
 from storage.export_format import GENERATIONS_SCHEMA as GENERATIONS_SCHEMA
 from storage.export_format import OUTCOMES_SCHEMA as OUTCOMES_SCHEMA
+from storage.export_format import POLICIES_SCHEMA as POLICIES_SCHEMA
 from storage.export_format import ROWS_SCHEMA as ROWS_SCHEMA
-from storage.lmdb import keys
+from storage.lmdb import keys, policies
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import Store, now_ms
 from storage.lmdb.tables import SCHEMA_VERSION
@@ -74,7 +75,7 @@ def _response_size(item: tuple[Any, ...]) -> int:
 
 
 def export(store: Store, out: str | os.PathLike[str], progress: Progress | None = None) -> dict[str, Any]:
-    """Write OUT/{rows,blobs,aliases,outcomes,generations}/part-00000.parquet, then OUT/manifest.json
+    """Write OUT/{rows,blobs,aliases,outcomes,generations,policies}/part-00000.parquet, then OUT/manifest.json
     (last: an export without it is incomplete); returns the manifest."""
     out = Path(out)
     tick = progress or (lambda n: None)
@@ -126,12 +127,18 @@ def export(store: Store, out: str | os.PathLike[str], progress: Progress | None 
                 first_ms, last_ms, gen_counts = keys.decode_gen(v)
                 yield request_id, sha1.hex(), first_ms, last_ms, *gen_counts
 
+        def campaigns() -> Iterator[tuple[Any, ...]]:
+            for p in policies.all_policies(txn, t):
+                aborted = None if p.aborted is None else p.aborted.decode()
+                yield p.request_id, p.doc.decode(), p.set_ms, aborted
+
         counts = {
             "rows": _write(out / "rows", ROWS_SCHEMA, _batched(rows()), tick),
             "blobs": _write(out / "blobs", BLOBS_SCHEMA, _batched(blobs()), tick),
             "aliases": _write(out / "aliases", ALIASES_SCHEMA, _batched(aliases()), tick),
             "outcomes": _write(out / "outcomes", OUTCOMES_SCHEMA, _batched(ended(), _response_size), tick),
             "generations": _write(out / "generations", GENERATIONS_SCHEMA, _batched(generations()), tick),
+            "policies": _write(out / "policies", POLICIES_SCHEMA, _batched(campaigns()), tick),
         }
     manifest = {
         "format": FORMAT,

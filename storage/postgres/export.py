@@ -59,10 +59,15 @@ _GENERATIONS = f"""
 SELECT request_id, encode(sha1, 'hex'), first_ms, last_ms, {", ".join(model.COUNT_NAMES)}
 FROM generation_counts ORDER BY request_id, sha1
 """
+# The policy and its abort as stored (JSON bytes, never read here), as text.
+_POLICIES = """
+SELECT request_id, convert_from(doc, 'UTF8'), set_ms, convert_from(aborted, 'UTF8')
+FROM policies ORDER BY request_id
+"""
 # Planner estimates (no scan): a progress bar's total. -1 (PostgreSQL 14+) or 0: never analysed.
 _ESTIMATES = """
 SELECT coalesce(sum(greatest(reltuples, 0)), 0)::int8 FROM pg_class
-WHERE oid = ANY(ARRAY['rows', 'blobs', 'aliases', 'outcomes', 'generations']::regclass[])
+WHERE oid = ANY(ARRAY['rows', 'blobs', 'aliases', 'outcomes', 'generations', 'policies']::regclass[])
 """
 
 
@@ -140,7 +145,7 @@ async def _outcomes(conn: Connection) -> AsyncIterator[list[tuple[Any, ...]]]:
 
 
 async def export(conn: Connection, out: str | os.PathLike[str], progress: Progress | None = None) -> dict[str, Any]:
-    """Write OUT/{rows,blobs,aliases,outcomes,generations}/part-00000.parquet from the database of
+    """Write OUT/{rows,blobs,aliases,outcomes,generations,policies}/part-00000.parquet from the database of
     `conn` (an asyncpg connection, outside any transaction), then OUT/manifest.json (last: an
     export without it is incomplete); returns the manifest, the LMDB export's to the key."""
     out = Path(out)
@@ -163,6 +168,9 @@ async def export(conn: Connection, out: str | os.PathLike[str], progress: Progre
             "outcomes": await _write(out / "outcomes", export_format.OUTCOMES_SCHEMA, _outcomes(conn), tick),
             "generations": await _write(
                 out / "generations", export_format.GENERATIONS_SCHEMA, _chunks(_cursor(conn, _GENERATIONS)), tick
+            ),
+            "policies": await _write(
+                out / "policies", export_format.POLICIES_SCHEMA, _chunks(_cursor(conn, _POLICIES)), tick
             ),
         }
     manifest = {

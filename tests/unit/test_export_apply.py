@@ -32,7 +32,7 @@ def test_export_is_a_faithful_snapshot(env: tuple[Store, GroupCommitter], tmp_pa
     put(writer, store, ["V1"], "task_b_1", b"two", now)
     writer.submit(functools.partial(parked.store_data, t=store.tables, data_id="d9", blob=b"two", now_ms=now)).result()
     manifest = export(store, tmp_path / "out")
-    assert manifest["counts"] == {"rows": 3, "blobs": 2, "aliases": 1, "outcomes": 0, "generations": 2}
+    assert manifest["counts"] == {"rows": 3, "blobs": 2, "aliases": 1, "outcomes": 0, "generations": 2, "policies": 0}
     assert manifest["snapshot_ms"] >= now and manifest["schema_version"] == SCHEMA_VERSION
     assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == manifest
     rows = {(r["vin"], r["request_id"]): r for r in read(tmp_path / "out", "rows")}
@@ -52,6 +52,7 @@ def test_empty_store_exports_empty_tables(env: tuple[Store, GroupCommitter], tmp
         "aliases": 0,
         "outcomes": 0,
         "generations": 0,
+        "policies": 0,
     }
     assert read(tmp_path / "out", "rows") == []
 

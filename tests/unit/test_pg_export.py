@@ -26,21 +26,25 @@ import storage.export_format as export_format
 import storage.lmdb.export as lmdb_export
 from storage.errors import StorageError
 from storage.lmdb import keys
+from storage.lmdb import policies as lmdb_policies
 from storage.lmdb.batches import sha1_of
 from storage.lmdb.export import export as export_lmdb
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import SCHEMA_VERSION as LMDB_SCHEMA_VERSION
+from storage.postgres import batches as pg_batches
 from storage.postgres import export as pg_export
+from storage.postgres import policies as pg_policies
 from storage.postgres.migrate import SCHEMA_VERSION as PG_SCHEMA_VERSION
 from testkit.harness import BIN
 from testkit.pg_cluster import PgCluster
 from tests.unit import test_store_parity as parity
 from tests.unit import test_store_parity_more as more
 
-TABLES = ("rows", "blobs", "aliases", "outcomes", "generations")
+TABLES = ("rows", "blobs", "aliases", "outcomes", "generations", "policies")
 STEP = 2_000  # > TOUCH_EVERY_MS: PostgreSQL rewrites a blob's touched_ms at most once a second
 HOUR = 3_600_000
 DAY = 24 * HOUR
+T0 = 1_000_000
 LONG_ANSWER = bytes(range(256)) * 20  # 5,120 bytes, not UTF-8: past INLINE_ANSWER_BYTES
 
 
@@ -48,17 +52,34 @@ LONG_ANSWER = bytes(range(256)) * 20  # 5,120 bytes, not UTF-8: past INLINE_ANSW
 def sides(tmp_path: Path, pg_dsn: str) -> Iterator[tuple[more.LmdbSide, more.PgSide]]:
     """An empty LMDB store and the emptied PostgreSQL database."""
     lmdb_side, pg_side = more.LmdbSide(tmp_path / "lmdb"), more.PgSide(pg_dsn)
-    pg_side._run(pg_side.conn.execute(f"TRUNCATE {parity._TABLES}"))
+    pg_side._run(pg_side.conn.execute(f"TRUNCATE {parity._TABLES}, policies"))
     yield lmdb_side, pg_side
     lmdb_side.close()
     pg_side.close()
 
 
-def campaign(store: more.Side, t0: int = 1_000_000) -> None:
+PACED = b'{"max_per_minute":600,"ramp":{"start_per_minute":60,"factor":2.0,"every_s":60}}'
+GUARDED = b'{"abort":[{"outcome":"failed","ratio":0.1,"min_finished":10}]}'
+ABORTED = b'{"criterion":{"outcome":"failed","ratio":0.1,"min_finished":10},"counts":{"finished":10},"at_ms":7}'
+
+
+def set_policy(store: more.Side, rid: str, doc: bytes, now: int, aborted: bytes | None = None) -> None:
+    """`rid`'s campaign policy `doc` set at `now`, and aborted with `aborted` (its JSON) if given."""
+    if isinstance(store, more.LmdbSide):
+        store._write(lmdb_policies.set_policy, request_id=rid, doc=doc, now_ms=now, max_count=10)
+        if aborted is not None:
+            assert store._write(lmdb_policies.abort, request_id=rid, doc=aborted, now_ms=now, max_rows=10)
+    else:
+        store._run(pg_policies.set_policy(store.conn, rid, doc, now, 10))
+        if aborted is not None:
+            assert store._run(pg_batches.abort(store.conn, rid, aborted, now, 10))
+
+
+def campaign(store: more.Side, t0: int = T0) -> None:
     """Every kind of record an export holds: pending rows (expiring, awaiting an answer, taken by
     a cancel-all left half done), blobs, aliases, and outcomes of each kind (a cancelled pair
-    amended by its PUBACK, answers empty, short and long) with their generation counts; one
-    trigger stays parked (not exported)."""
+    amended by its PUBACK, answers empty, short and long) with their generation counts, a policy
+    in force and an aborted one; one trigger stays parked (not exported)."""
     clock = iter(range(t0, t0 + 1_000 * STEP, STEP))
     opened = sha1_of(b"open")
     store.batch(["V1", "V2", "V3", "V4"], "task_ota_1", b"fw1", next(clock), "batch-1")
@@ -83,6 +104,8 @@ def campaign(store: more.Side, t0: int = 1_000_000) -> None:
     store.op("store_data", data_id="d1", blob=b"payload-d1", now_ms=next(clock))
     more.trigger(store, "d1", ["V1", "V2"], "task_d_1", next(clock), batch_id="batch-d")
     assert more.trigger(store, "d2", ["V3"], "task_e_1", next(clock)).early  # parked: its data never came
+    set_policy(store, "task_ota_1", PACED, next(clock))
+    set_policy(store, "task_gone_1", GUARDED, next(clock), ABORTED)  # no rows left: the abort cuts none
 
 
 def tables(out: Path) -> dict[str, pa.Table]:
@@ -142,7 +165,23 @@ def test_both_stores_export_the_same_tables_and_manifest(
     assert (from_pg["store"], from_pg["schema_version"]) == ("postgresql", database_version)
     assert database_version == PG_SCHEMA_VERSION
     assert (from_lmdb["store"], from_lmdb["schema_version"]) == ("lmdb", LMDB_SCHEMA_VERSION)
-    assert from_pg["counts"] == {"rows": 9, "blobs": 8, "aliases": 1, "outcomes": 12, "generations": 8}
+    assert from_pg["counts"] == {
+        "rows": 9,
+        "blobs": 8,
+        "aliases": 1,
+        "outcomes": 12,
+        "generations": 8,
+        "policies": 2,
+    }
+    assert pg_tables["policies"].to_pylist() == [
+        {
+            "request_id": "task_gone_1",
+            "policy": GUARDED.decode(),
+            "set_ms": T0 + 20 * STEP,
+            "aborted": ABORTED.decode(),
+        },
+        {"request_id": "task_ota_1", "policy": PACED.decode(), "set_ms": T0 + 19 * STEP, "aborted": None},
+    ]
     assert json.loads((tmp_path / "pg-export" / "manifest.json").read_text()) == from_pg
     ended = {(r["vin"], r["request_id"]): r for r in pg_tables["outcomes"].to_pylist()}
     assert {r["outcome"] for r in ended.values()} == {
@@ -239,7 +278,7 @@ def test_the_export_is_one_snapshot_while_writers_go_on(
         done.append(n)
 
     manifest = pg_side._run(pg_export.export(pg_side.conn, tmp_path / "out", progress=progress))
-    assert manifest["counts"] == {"rows": 2, "blobs": 1, "aliases": 0, "outcomes": 0, "generations": 1}
+    assert manifest["counts"] == {"rows": 2, "blobs": 1, "aliases": 0, "outcomes": 0, "generations": 1, "policies": 0}
     got = tables(tmp_path / "out")
     assert [g["pending"] for g in got["generations"].to_pylist()] == [2]
     assert len(pg_side.rows()) == 3  # the writes did commit
