@@ -24,7 +24,6 @@ import structlog
 from exhook_server import metrics
 from exhook_server.dispatch.bucket import TokenBucket
 from exhook_server.policy import Policy
-from storage.errors import StorageError
 from storage.model import now_ms
 
 log = structlog.get_logger("sdv_fanout.pacing")
@@ -70,6 +69,11 @@ class Budget(Protocol):
         """The requests' buckets are no longer needed (their policy went)."""
         ...
 
+    async def out(self, request_ids: list[str]) -> dict[str, int] | None:
+        """The deliveries out of each request, fleet-wide, where another process or instance may
+        end them (PostgreSQL); None where this process sees every one end (its workers count)."""
+        ...
+
 
 class LocalBudget:
     """The buckets in this process's memory: the budget of a process that is alone."""
@@ -100,6 +104,9 @@ class LocalBudget:
 
     async def forget(self, request_ids: list[str]) -> None:
         self.drop(request_ids)
+
+    async def out(self, request_ids: list[str]) -> dict[str, int] | None:
+        return None
 
 
 @dataclass(slots=True)
@@ -138,6 +145,7 @@ class Pacer:
         self._out: collections.Counter[str] = collections.Counter()
         self._idle: dict[str, None] = {}
         self._blocked: frozenset[str] = _NONE
+        self._caps: dict[str, int] = {}
         self._forgotten: list[str] = []
 
     # -- policies ----------------------------------------------------------------------
@@ -153,6 +161,14 @@ class Pacer:
             if policy.max_in_flight is not None:
                 paced.cap = self._cap_share(policy.max_in_flight)
             self._paced[request_id] = paced
+            log.info(
+                "campaign_paced",
+                request_id=request_id,
+                max_per_minute=policy.max_per_minute,
+                ramp=policy.as_doc().get("ramp"),
+                max_in_flight=policy.max_in_flight,
+                cap_here=paced.cap,
+            )
         self._rebuild()
 
     def replace_all(self, found: Iterable[tuple[str, Policy, int]]) -> None:
@@ -186,6 +202,8 @@ class Pacer:
 
     def out(self, request_id: str, delta: int) -> None:
         """A delivery of `request_id` entered (+1) or left (-1) a worker's in-flight table."""
+        if not delta:
+            return
         count = self._out[request_id] + delta
         if count > 0:
             self._out[request_id] = count
@@ -194,6 +212,14 @@ class Pacer:
         paced = self._paced.get(request_id)
         if paced is not None and paced.cap is not None and (count >= paced.cap) != (count - delta >= paced.cap):
             self._rebuild()
+
+    def observe(self, request_id: str, count: int) -> None:
+        """`count` deliveries of `request_id` are out fleet-wide, as counted in the store."""
+        self.out(request_id, count - self._out.get(request_id, 0))
+
+    def caps(self) -> dict[str, int]:
+        """Request id → its max_in_flight share here, for those that have one."""
+        return self._caps
 
     def in_flight(self, request_id: str) -> int:
         """Deliveries of `request_id` in flight here."""
@@ -215,6 +241,11 @@ class Pacer:
         if self._forgotten:
             gone, self._forgotten = self._forgotten, []
             await self._budget.forget(gone)
+        if self._caps:
+            counted = await self._budget.out(sorted(self._caps))
+            if counted is not None:
+                for rid in self._caps:
+                    self.observe(rid, counted.get(rid, 0))
         now = self._wall_ms()
         asks = []
         for rid, paced in self._paced.items():
@@ -265,6 +296,7 @@ class Pacer:
 
     def _rebuild(self) -> None:
         blocked = [rid for rid, paced in self._paced.items() if self._full(rid, paced)]
+        self._caps = {rid: paced.cap for rid, paced in self._paced.items() if paced.cap is not None}
         self._blocked = frozenset(blocked) if blocked else _NONE
         metrics.CAMPAIGNS_PACED.set(len(self._blocked))
 
@@ -275,7 +307,7 @@ class Pacer:
         while True:
             try:
                 await self.tick()
-            except (StorageError, TimeoutError, OSError) as exc:  # the store, or process 0 of a group
+            except Exception as exc:  # the store, process 0 of a group: pacing must go on
                 if not failing:
                     log.error("pacing_budget_unavailable", reason=type(exc).__name__, detail=str(exc))
                 failing = True

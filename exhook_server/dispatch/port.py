@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from exhook_server.dispatch.commands import EndReason, Session
+from exhook_server.dispatch.pacing import Pacer
 from exhook_server.dispatch.ring import HashRing
-from exhook_server.dispatch.worker import OutcomeListener, Pacing, Publisher, ResponseListener, StartBudget
+from exhook_server.dispatch.worker import OutcomeListener, Publisher, ResponseListener, StartBudget
 
 
 class Dispatch(Protocol):
@@ -100,7 +101,7 @@ class DispatchNeeds:
     #: The request ids whose campaign policy holds their rows now (dispatch/gates.py); None: none.
     held: Callable[[], frozenset[str]] | None = None
     #: Campaign pacing (max_per_minute, ramp, max_in_flight; dispatch/pacing.py); None: none.
-    pacing: Pacing | None = None
+    pacing: Pacer | None = None
     #: The request ids whose policy gives their rows high priority now (dispatch/gates.py).
     high: Callable[[], frozenset[str]] | None = None
     #: This process's delivery budget (max_deliveries_per_s, dispatch/budget.py); None: unbounded.

@@ -24,6 +24,9 @@ class LockClass(enum.IntEnum):
     DATA = 0x5345
     #: A VIN: one vehicle event at a time across instances (`sdv_vin_load` takes it).
     VEHICLE = 0x5346
+    #: A request id's in-flight count: a batch of vehicle events that may start deliveries of a
+    #: request with max_in_flight counts them and saves its sends under it (exclusive, waited for).
+    PACING = 0x5347
 
 
 #: The single-key lock every schema change holds ("SDVFANOU" as a bigint): one fixed key, so the

@@ -34,18 +34,27 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (10, "0010_held_requests.sql"),
     (11, "0011_priority.sql"),
     (12, "0012_campaign_aborts.sql"),
+    (13, "0013_pacing.sql"),
 )
 #: The version sql/schema.sql describes: the last migration's.
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 #: The functions, in files of sql/functions/ applied in this order after the tables (and after the
 #: generated ones of `constants`); a function's arguments or result type change through a
 #: migration that drops the old one first.
-FUNCTION_FILES = ("batches.sql", "rows.sql", "bound.sql", "outcomes.sql", "dispatch.sql", "vehicle_batches.sql")
+FUNCTION_FILES = (
+    "batches.sql",
+    "rows.sql",
+    "bound.sql",
+    "outcomes.sql",
+    "dispatch.sql",
+    "vehicle_batches.sql",
+    "pacing.sql",
+)
 #: `functions_sha256()` as of SCHEMA_VERSION (tests/unit/test_pg_schema.py checks it). A change of a
 #: function is a new schema version (a migration, with no statement if no table changes): a server
 #: of the previous release then refuses the database, where at the same version it would apply its
 #: own functions again over the new ones during a rolling update.
-FUNCTIONS_SHA256 = "47ce35f18b7b162f6a86ce328fdb76d3a9702475f7c09232dd30d05f41128dcd"
+FUNCTIONS_SHA256 = "660a2d265ae616ddaba21ce36a845c87fe12d207509ca3a24337f98d4e0daa4a"
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (

@@ -19,6 +19,12 @@ TOPIC = "$SDV-FANOUT/policy"
 VINS = [f"VIN{n}" for n in range(6)]
 
 
+@pytest.fixture(params=["lmdb", "postgresql"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Every test here runs on both stores."""
+    return request.param  # type: ignore[no-any-return]
+
+
 @pytest.fixture
 def clock() -> StepClock:
     return StepClock()
@@ -52,21 +58,18 @@ def holding(fleet: list[Vehicle], rid: str) -> int:
 def test_never_more_than_max_in_flight_out_and_a_freed_slot_goes_to_a_waiting_vehicle(rig: Rig) -> None:
     """Cap 2 over 6 vehicles holding their PUBACKs: 2 get the campaign, the others their next
     request; each PUBACK of it lets one more vehicle have it, never 3 out at once."""
-    assert rig.srv.server is not None
-    pacer = rig.srv.server.pacer
     policy(rig, "task_cap_1", max_in_flight=2)
     cars = fleet(rig, auto_ack=False)
     rig.emqx.publish_batch(VINS, "task_cap_1", b"fw")
     poll(lambda: holding(cars, "task_cap_1") == 2)
     rig.emqx.publish_batch(VINS, "task_free_1", b"cfg")  # not capped: goes to the 4 with nothing out
     poll(lambda: sum(len(v.received) for v in cars) == 2 + 4)
-    assert holding(cars, "task_cap_1") == 2 and pacer.in_flight("task_cap_1") == 2
+    assert holding(cars, "task_cap_1") == 2
     while holding(cars, "task_cap_1") < len(VINS):
         before = holding(cars, "task_cap_1")
         for v in cars:  # every delivery out is PUBACKed: one slot of the cap frees at least
             v.ack_pending()
         poll(lambda b=before: holding(cars, "task_cap_1") > b)  # type: ignore[misc]
-        assert pacer.in_flight("task_cap_1") <= 2
         assert holding(cars, "task_cap_1") <= before + 2
     assert [rig.rids(v).count("task_cap_1") for v in cars] == [1] * len(VINS)
 

@@ -29,6 +29,7 @@ TABLES = {
     "gen_deltas",
     "policies",
     "answer_failures",
+    "pacing_buckets",
 }
 
 

@@ -13,17 +13,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from exhook_server import housekeeping
+from exhook_server import housekeeping, metrics
 from exhook_server.aio import Job
 from exhook_server.backends.postgres import pgmode
 from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.config import Config
-from exhook_server.dispatch.pacing import Budget, LocalBudget
+from exhook_server.dispatch.pacing import Budget, Lease
 from exhook_server.dispatch.port import Dispatch, DispatchNeeds
 from storage.errors import StorageError
 from storage.model import ApplyReport
 from storage.port import Reads, Writes
 from storage.postgres import connect, migrate
+from storage.postgres import pacing as pg_pacing
 from storage.postgres.errors import PostgresError
 from storage.postgres.plan import PgTarget
 from storage.postgres.reads import PgReads
@@ -106,12 +107,14 @@ class PgBackend:
             held=needs.held,
             high=needs.high,
             budget=needs.budget,
+            pacing=needs.pacing,
         )
         return self._dispatcher
 
     def pacing_budget(self, clock_s: Callable[[], float]) -> tuple[Budget, Callable[[int], int]]:
-        """The campaigns' buckets: this instance's own for now."""
-        return LocalBudget(clock_s), lambda cap: cap
+        """The campaigns' buckets in the database, leased by every instance; max_in_flight
+        counted there too (any instance may end a delivery another started)."""
+        return _PgBudget(self._connected_pool, lambda: round(clock_s() * 1000)), lambda cap: cap
 
     async def start(self) -> None:
         """Connect the pool, bring the schema to this release, start dispatch."""
@@ -191,3 +194,30 @@ class PgBackend:
                 return await asyncio.to_thread(plan.apply_plan_to, target, path, dry_run=dry_run, progress=progress)
         except PostgresError as exc:
             raise StorageError(f"gc apply on store_url failed: {exc}") from None
+
+
+class _PgBudget:
+    """Campaign buckets and in-flight counts in the database (storage/postgres/pacing.py): one
+    statement per tick for every request that needs tokens, one for every capped request."""
+
+    def __init__(self, pool: Callable[[], Pool], now_ms: Callable[[], int]) -> None:
+        self._pool = pool
+        self._now_ms = now_ms
+
+    async def lease(self, asks: list[Lease]) -> list[int]:
+        async with self._pool().acquire() as conn:
+            got = await pg_pacing.lease(
+                conn, [(a.request_id, a.rate_per_s, a.burst, a.want) for a in asks], self._now_ms()
+            )
+        metrics.DB_ROUND_TRIPS.labels("pacing").inc()
+        return [got.get(a.request_id, 0) for a in asks]
+
+    async def forget(self, request_ids: list[str]) -> None:
+        async with self._pool().acquire() as conn:
+            await pg_pacing.forget(conn, request_ids)
+
+    async def out(self, request_ids: list[str]) -> dict[str, int] | None:
+        async with self._pool().acquire() as conn:
+            counted = await pg_pacing.out(conn, request_ids)
+        metrics.DB_ROUND_TRIPS.labels("pacing").inc()
+        return counted

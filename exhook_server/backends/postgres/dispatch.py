@@ -40,12 +40,14 @@ from exhook_server.dispatch.commands import (
     Sweep,
     Trigger,
 )
+from exhook_server.dispatch.pacing import Pacer
 from exhook_server.dispatch.ring import HashRing
 from exhook_server.dispatch.worker import (
     NOTHING_KEPT,
     InFlight,
     Kept,
     OutcomeListener,
+    Pacing,
     Publisher,
     ResponseListener,
     StartBudget,
@@ -54,6 +56,7 @@ from exhook_server.dispatch.worker import (
 )
 from storage.model import Outcome, Row
 from storage.postgres import dispatch as pgd
+from storage.postgres import pacing as pg_pacing
 from storage.postgres.errors import RETRYABLE
 from storage.postgres.types import Pool
 
@@ -126,6 +129,34 @@ def _marker(state: VehicleState) -> pgd.Marker | None:
         rid, sha1, attempts, await_response = voided
         return pgd.Marker(rid, sha1, "", 0, attempts, await_response, voided=True)
     return None
+
+
+class _BatchPacing:
+    """Pacing as one batch of vehicle events sees it: the instance's tokens (`Pacer`), and the
+    room left under each capped request's max_in_flight as counted for this batch."""
+
+    def __init__(self, pacer: Pacer, room: dict[str, int]) -> None:
+        self._pacer = pacer
+        self._room = room
+        self.full = {rid for rid, left in room.items() if left <= 0}
+
+    def blocked(self) -> frozenset[str]:
+        blocked = self._pacer.blocked()
+        return blocked | self.full if self.full else blocked
+
+    def started(self, request_id: str) -> None:
+        self._pacer.started(request_id)
+        left = self._room.get(request_id)
+        if left is not None:
+            self._room[request_id] = left - 1
+            if left <= 1:
+                self.full.add(request_id)
+
+    def out(self, request_id: str, delta: int) -> None:
+        pass  # counted in the database (sdv_pacing_out), not by a worker that lives for one event
+
+    def idle(self, vin: str) -> None:
+        self._pacer.idle(vin)
 
 
 class _EventRows:
@@ -264,10 +295,13 @@ class SharedDispatcher:
         held: Callable[[], frozenset[str]] | None = None,
         high: Callable[[], frozenset[str]] | None = None,
         budget: StartBudget | None = None,
+        pacing: Pacer | None = None,
     ) -> None:
         self._pool = pool
         #: This instance's delivery budget (max_deliveries_per_s); None: unbounded.
         self._budget = budget
+        #: Campaign pacing: rates from this instance's leases, max_in_flight counted in the database.
+        self._pacing = pacing
         #: Request ids held by their campaign policy (dispatch/gates.py): their rows are not loaded.
         self._held = held
         #: Request ids whose policy gives their rows high priority (dispatch/gates.py).
@@ -446,18 +480,35 @@ class SharedDispatcher:
             async with asyncio.timeout(self._event_timeout_s):
                 held = self._held() if self._held is not None else frozenset()
                 high = self._high() if self._high is not None else frozenset()
+                pacing = self._pacing
+                if pacing is not None and pacing.blocked():
+                    held = held | pacing.blocked()
                 loaded = await pgd.load_many(conn, [q.vin for q in batch], now_ms, _PREFETCH, sorted(held), high)
                 trips = 1
-                decided = [self._decide(q, loaded[q.vin], now, held, high) for q in batch]
-                saving = sorted((d for d in decided if d.save is not None), key=lambda d: d.queued.vin)
-                if saving:
-                    # In VIN order: the save deletes rows in the store's lock order.
-                    verdicts = await pgd.save_many(conn, now_ms, [d.save for d in saving if d.save is not None])
-                    trips += 1
-                    for d, (verdict, done) in zip(saving, verdicts, strict=True):
-                        assert d.save is not None
-                        d.verdict = verdict
-                        d.ended = frozenset((e[0], e[1]) for e, ok in zip(d.save.ends, done, strict=False) if ok)
+                caps = pacing.caps() if pacing is not None else {}
+                capped = sorted({r.request_id for lo in loaded.values() for r, _ in lo.rows if r.request_id in caps})
+                # Sends of a request with max_in_flight are counted, decided and saved under its
+                # PACING lock, in one transaction: no two batches, on any instance, overshoot it.
+                async with conn.transaction() if capped else contextlib.nullcontext():
+                    room: dict[str, int] = {}
+                    if capped:
+                        out = await pg_pacing.out(conn, capped)
+                        room = {rid: caps[rid] - out.get(rid, 0) for rid in capped}
+                        trips += 1
+                    view = _BatchPacing(pacing, room) if pacing is not None else None
+                    decided = [self._decide(q, loaded[q.vin], now, held, high, view) for q in batch]
+                    saving = sorted((d for d in decided if d.save is not None), key=lambda d: d.queued.vin)
+                    if saving:
+                        # In VIN order: the save deletes rows in the store's lock order.
+                        verdicts = await pgd.save_many(conn, now_ms, [d.save for d in saving if d.save is not None])
+                        trips += 1
+                        for d, (verdict, done) in zip(saving, verdicts, strict=True):
+                            assert d.save is not None
+                            d.verdict = verdict
+                            d.ended = frozenset((e[0], e[1]) for e, ok in zip(d.save.ends, done, strict=False) if ok)
+                if capped and pacing is not None:
+                    for rid in capped:  # what this batch counted and started, until the next count
+                        pacing.observe(rid, caps[rid] - room[rid])
                 # A batch's filter reads presence and the slot outside the vehicles' locks: it
                 # may have found a vehicle offline or its slot taken just before this save, whose
                 # load read the queue before the batch committed, brought it online or freed the
@@ -484,6 +535,7 @@ class SharedDispatcher:
         now: float,
         held: frozenset[str] = frozenset(),
         high: frozenset[str] = frozenset(),
+        pacing: Pacing | None = None,
     ) -> _Decided:
         """The worker's rules on one vehicle's loaded state (read with the request ids `held`
         passed over, in delivery order with those in `high` first): what its event changed."""
@@ -504,6 +556,7 @@ class SharedDispatcher:
             held=(lambda: held) if held else None,
             high=(lambda: high) if high else None,
             budget=self._budget,
+            pacing=pacing,
         )
         before = _state(loaded)
         worker.restore(vin, before)

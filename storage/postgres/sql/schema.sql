@@ -222,3 +222,14 @@ CREATE INDEX vin_state_sent ON vin_state (sent_ms) WHERE request_id IS NOT NULL;
 -- A broker reconnect voids the deliveries its instance's client sent.
 CREATE INDEX vin_state_sender ON vin_state (sender) WHERE request_id IS NOT NULL;
 CREATE INDEX vin_state_acked ON vin_state (acked_ms) WHERE acked_ms IS NOT NULL;
+-- max_in_flight counts a request's deliveries out (sdv_pacing_out).
+CREATE INDEX vin_state_out ON vin_state (request_id) WHERE request_id IS NOT NULL AND NOT voided;
+
+-- A paced request's fleet-wide token bucket: every instance leases its tokens from this row
+-- (sdv_pacing_lease, functions/pacing.sql). Tokens accrue from stamp_ms at the rate the lease
+-- gives, up to its burst.
+CREATE TABLE pacing_buckets (
+    request_id  text COLLATE "C" PRIMARY KEY,
+    tokens      double precision NOT NULL,
+    stamp_ms    bigint NOT NULL
+);
