@@ -27,6 +27,7 @@ from exhook_server.errors import BatchRejected, Reason, StorageError
 from exhook_server.forecast import PendingVins, count_online, forecast
 from exhook_server.housekeeping import run_gc
 from exhook_server.ingest import Ingestor
+from exhook_server.lanes import in_delivery_order
 from storage.lmdb import outcomes
 from storage.model import now_ms
 from storage.port import Reads
@@ -141,7 +142,7 @@ class AdminServicer:
                 )
             )
         rows, ended = await self._reads.vehicle(vin, min(request.outcomes_limit or _DEFAULT_OUTCOMES, _MAX_OUTCOMES))
-        for row in rows:
+        for row, high in await in_delivery_order(self._reads, rows):
             out.pending.add(
                 request_id=row.request_id,
                 ts_ms=row.ts_ms,
@@ -149,6 +150,7 @@ class AdminServicer:
                 size=row.size,
                 expires_at_ms=row.expires_ms,
                 await_response=row.await_response,
+                priority="high" if high else "normal",
             )
         out.outcomes.extend(outcome_message(o) for o in ended)
         out.backlog = len(rows)

@@ -359,7 +359,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _pending_entry(
-    request_id: str, ts_ms: int, sha1_hex: str, size: int, expires_ms: int, wait: bool
+    request_id: str, ts_ms: int, sha1_hex: str, size: int, expires_ms: int, wait: bool, priority: str
 ) -> dict[str, Any]:
     """One pending row as `inspect` shows it, read from the store or from the Admin API."""
     return {
@@ -370,6 +370,7 @@ def _pending_entry(
         "size": int(size),
         "expires_at_ms": int(expires_ms) or None,
         "await_response": wait,
+        "priority": priority or "normal",
     }
 
 
@@ -401,7 +402,8 @@ def _served_vehicle(cfg: Config, server: str, vin: str) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "vin": vin,
         "pending": [
-            _pending_entry(p.request_id, p.ts_ms, p.sha1, p.size, p.expires_at_ms, p.await_response) for p in m.pending
+            _pending_entry(p.request_id, p.ts_ms, p.sha1, p.size, p.expires_at_ms, p.await_response, p.priority)
+            for p in m.pending
         ],
         "outcomes": [
             _outcome_entry(o.request_id, o.sha1, o.outcome, o.ts_ms, o.stored_ms, o.attempts, o.response)
@@ -430,14 +432,18 @@ def _served_vehicle(cfg: Config, server: str, vin: str) -> dict[str, Any]:
 def _stored_vehicle(cfg: Config, vin: str) -> dict[str, Any]:
     """`inspect`'s document from the store itself."""
 
-    async def read(reads: Reads) -> tuple[list[Row], list[OutcomeRecord]]:
-        return await reads.vehicle(vin, _INSPECT_OUTCOMES)
+    from exhook_server.lanes import in_delivery_order
+
+    async def read(reads: Reads) -> tuple[list[tuple[Row, bool]], list[OutcomeRecord]]:
+        rows, ended = await reads.vehicle(vin, _INSPECT_OUTCOMES)
+        return await in_delivery_order(reads, rows), ended
 
     rows, ended = _on_store(cfg, read)
     return {
         "vin": vin,
         "pending": [
-            _pending_entry(r.request_id, r.ts_ms, r.sha1.hex(), r.size, r.expires_ms, r.await_response) for r in rows
+            _pending_entry(r.request_id, r.ts_ms, r.sha1.hex(), r.size, r.expires_ms, r.await_response, lane)
+            for r, lane in ((r, "high" if high else "normal") for r, high in rows)
         ],
         "outcomes": [
             _outcome_entry(o.request_id, o.sha1.hex(), o.outcome.label, o.ts_ms, o.stored_ms, o.attempts, o.response)
@@ -473,6 +479,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for i, p in enumerate(pending, 1):
             extra = f"  expires {_iso(p['expires_at_ms'])}" if p["expires_at_ms"] else ""
             extra += "  awaits response" if p["await_response"] else ""
+            extra += "  high priority" if p["priority"] == "high" else ""
             print(f"{i:>4}  {p['request_id']:<32} {p['time']}  {p['size']:>9} B  sha1 {p['sha1']}{extra}")
     if recent:
         print(f"{vin}: recent outcomes, newest first")

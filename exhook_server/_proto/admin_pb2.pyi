@@ -85,20 +85,22 @@ class InFlight(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sha1: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., age_ms: _Optional[int] = ..., acking: _Optional[bool] = ..., attempts: _Optional[int] = ..., await_response: _Optional[bool] = ..., acked_age_ms: _Optional[int] = ..., cancelled: _Optional[bool] = ...) -> None: ...
 
 class Pending(_message.Message):
-    __slots__ = ("request_id", "ts_ms", "sha1", "size", "expires_at_ms", "await_response")
+    __slots__ = ("request_id", "ts_ms", "sha1", "size", "expires_at_ms", "await_response", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TS_MS_FIELD_NUMBER: _ClassVar[int]
     SHA1_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
     AWAIT_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ts_ms: int
     sha1: str
     size: int
     expires_at_ms: int
     await_response: bool
-    def __init__(self, request_id: _Optional[str] = ..., ts_ms: _Optional[int] = ..., sha1: _Optional[str] = ..., size: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., await_response: _Optional[bool] = ...) -> None: ...
+    priority: str
+    def __init__(self, request_id: _Optional[str] = ..., ts_ms: _Optional[int] = ..., sha1: _Optional[str] = ..., size: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., await_response: _Optional[bool] = ..., priority: _Optional[str] = ...) -> None: ...
 
 class Vehicle(_message.Message):
     __slots__ = ("vin", "online", "session", "in_flight", "pending", "worker", "outcomes", "backlog", "at_backlog_bound")

@@ -14,7 +14,7 @@ import pytest
 
 from exhook_server import cli
 from exhook_server._proto import admin_pb2
-from testkit.harness import SubprocessServer
+from testkit.harness import ExHookClient, SubprocessServer
 
 pytestmark = pytest.mark.slow
 
@@ -61,3 +61,28 @@ def test_a_policy_outlives_kill_9(tmp_path: Path, store_env: dict[str, str], cap
     assert json.loads(capsys.readouterr().out)["policy"] == policy
     assert cli.main(["policy", "task_ota_1", "--priority", "high", "--json", *store]) == 0
     assert json.loads(capsys.readouterr().out)["policy"] == {"priority": "high"}
+
+
+def test_a_batchs_priority_and_a_policys_outlive_kill_9(tmp_path: Path, store_env: dict[str, str], capsys: Any) -> None:
+    """Once their hooks answered, a batch's `"priority": "high"` (a row flag) and a policy's are
+    in the store a SIGKILLed server left: the vehicle's queue reads high priority first."""
+    data_dir = tmp_path / "lmdb"
+    srv = SubprocessServer(data_dir, env=store_env)
+    try:
+        hooks = ExHookClient(srv.port)
+        for rid, extra in (("task_a_1", {}), ("task_b_1", {}), ("task_r_1", {"priority": "high"})):
+            doc = {"ids": ["VIN1"], "request_id": rid, "data": rid, **extra}
+            reply = hooks.publish("$SDV-FANOUT", json.dumps(doc).encode())
+            assert reply.message.headers["allow_publish"] == "false"
+        reply = hooks.publish("$SDV-FANOUT/policy", json.dumps({"request_id": "task_b_1", "priority": "high"}).encode())
+        assert reply.message.headers["allow_publish"] == "false"
+    finally:
+        srv.kill()
+    store = ["--store-url", store_env["SDV_FANOUT_STORE_URL"]] if store_env else ["--data-dir", str(data_dir)]
+    assert cli.main(["inspect", "VIN1", "--json", *store]) == 0
+    pending = json.loads(capsys.readouterr().out)["pending"]
+    assert [(p["request_id"], p["priority"]) for p in pending] == [
+        ("task_b_1", "high"),
+        ("task_r_1", "high"),
+        ("task_a_1", "normal"),
+    ]

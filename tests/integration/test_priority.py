@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from exhook_server import cli
 from testkit.harness import StepClock, poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
 
@@ -47,7 +48,7 @@ def test_a_high_priority_batch_overtakes_the_queued_normal_ones(rig: Rig) -> Non
     assert rig.rids(v) == ["task_ota_0", "task_recall_1", "task_ota_1", "task_ota_2"]
 
 
-def test_a_policy_gives_and_takes_priority_of_rows_stored_before_it(rig: Rig) -> None:
+def test_a_policy_gives_and_takes_priority_of_rows_stored_before_it(rig: Rig, capsys: Any) -> None:
     for rid in ("task_a_1", "task_b_1", "task_c_1"):
         rig.emqx.publish_batch(["VIN2"], rid, rid)
     rig.emqx.publish_batch(["VIN2"], "task_r_1", "recall", priority="high")
@@ -55,6 +56,15 @@ def test_a_policy_gives_and_takes_priority_of_rows_stored_before_it(rig: Rig) ->
     policy(rig, "task_c_1", priority="high")
     policy(rig, "task_c_1", priority="normal")  # a later policy takes it back
     policy(rig, "task_r_1", priority="normal")  # the batch's own priority stays
+    # inspect shows the queue in delivery order with each row's priority (from the server here).
+    assert cli.main(["inspect", "VIN2", "--json", "--server", f"127.0.0.1:{rig.srv.server.admin_port}"]) == 0
+    shown = json.loads(capsys.readouterr().out)["pending"]
+    assert [(p["request_id"], p["priority"]) for p in shown] == [
+        ("task_b_1", "high"),
+        ("task_r_1", "high"),
+        ("task_a_1", "normal"),
+        ("task_c_1", "normal"),
+    ]
     v = rig.online("VIN2")
     v.wait_for(4)
     # High first, oldest first among them (b was stored before r); then the normal ones by age.
