@@ -33,6 +33,8 @@ EXPORT_SCHEMAS = {
     "attempts long, response binary, response_bytes long",
     "generations": "request_id string, sha1 string, first_ms long, last_ms long, total long, pending long, "
     "delivered long, superseded long, cancelled long, expired long, failed long, responded long",
+    # The policy and its abort as JSON text (storage/export_format.POLICIES_SCHEMA).
+    "policies": "request_id string, policy string, set_ms long, aborted string",
 }
 #: Version-2 columns whose null in a version-1 export means something else than null: no answer
 #: was awaited, none responded. (`expires_at_ms`, `response` and `response_bytes` are null for

@@ -5,7 +5,8 @@
 
 A generation is one (request_id, payload sha1). REPORT gets generations.csv, by_task_type.csv,
 delivered_over_time.csv, delivered_by_task_type.csv, count_check.csv (counts that differ from a
-recount), report.png, report.json and README.md; spark/README.md describes each.
+recount), campaigns.csv and rate_per_minute.csv (requests with a campaign policy), report.png,
+report.json and README.md; spark/README.md describes each.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from spark import (
     write_bytes,
     write_json,
 )
+from spark.campaign_policy import CAMPAIGN_COLUMNS, RATE_COLUMNS, policy_section
 
 REPORT_FORMAT = "sdv-fanout-campaign-report"
 #: The states a (VIN, generation) can be in: pending (a row holds it), or how it ended. Their names are
@@ -133,6 +135,11 @@ expired (its `expires_at` passed, or the retention period) or failed (refused by
 | `count_check.csv` | generations whose counts differ from a recount of pending rows and outcome records; \
 `records_collected`: only ended counts are higher and pending agrees (GC removed outcome records older \
 than `outcome_retention_s`; the counts keep them); `mismatch`: anything else, worth a look |
+| `campaigns.csv` | per request with a campaign policy ({campaigns}): the policy as set, deliveries per minute \
+(peak, and against the policy's rate), time inside and outside its windows and deliveries in each, its abort \
+(time, criterion, counts then, pairs cancelled by it and those that ended otherwise after it) |
+| `rate_per_minute.csv` | per such request and UTC minute with a delivery: deliveries (PUBACK time standing for \
+the start) and what its rate allowed in that minute (`policy_per_minute`, the ramp included) |
 | `report.png` | deliveries and answers over time (all, and by task type) |
 | `report.json` | everything above as JSON |
 
@@ -445,6 +452,8 @@ def build_report(spark: SparkSession, export_uri: str, out_uri: str, bucket_ms: 
     lasts = [totals[f"last_{o}_ms"] for o in REACHED if totals[f"last_{o}_ms"] is not None]
     width = bucket_width_ms(min(firsts), max(lasts), bucket_ms) if firsts else bucket_ms or BUCKET_LADDER_MS[0]
     series, type_series = delivered_series(tables["outcomes"], width)
+    campaigns, rates = policy_section(spark, export_uri, manifest, tables["outcomes"], stored)
+    totals["campaigns"] = len(campaigns)
 
     files = {
         "generations.csv": (GENERATION_COLUMNS, generations),
@@ -452,6 +461,8 @@ def build_report(spark: SparkSession, export_uri: str, out_uri: str, bucket_ms: 
         "delivered_over_time.csv": (SERIES_COLUMNS, series),
         "delivered_by_task_type.csv": (TYPE_SERIES_COLUMNS, type_series),
         "count_check.csv": (CHECK_COLUMNS, checks),
+        "campaigns.csv": (CAMPAIGN_COLUMNS, campaigns),
+        "rate_per_minute.csv": (RATE_COLUMNS, rates),
     }
     for name, (columns, records) in files.items():
         write_bytes(spark, child(out_uri, name), csv_bytes(columns, records))
@@ -471,6 +482,7 @@ def build_report(spark: SparkSession, export_uri: str, out_uri: str, bucket_ms: 
         total=totals["total"],
         **{c: totals[c] for c in STATES},
         bucket_ms=width,
+        campaigns=len(campaigns),
         checks=", ".join(f"{n} {k}" for k, n in totals["checks"].items()),
     )
     write_bytes(spark, child(out_uri, "README.md"), text.encode())

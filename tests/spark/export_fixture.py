@@ -16,6 +16,7 @@ from storage.lmdb.export import (
     FORMAT_VERSION,
     GENERATIONS_SCHEMA,
     OUTCOMES_SCHEMA,
+    POLICIES_SCHEMA,
     ROWS_SCHEMA,
 )
 
@@ -26,6 +27,7 @@ SCHEMAS = {
     "aliases": ALIASES_SCHEMA,
     "outcomes": OUTCOMES_SCHEMA,
     "generations": GENERATIONS_SCHEMA,
+    "policies": POLICIES_SCHEMA,
 }
 
 #: The columns export format 2 added, with the value a record that leaves them out gets; an export
@@ -73,6 +75,7 @@ def write_export(
     parts: int = 1,
     outcomes: Iterable[Record] | None = None,
     generations: Iterable[Record] | None = None,
+    policies: Iterable[Record] | None = None,
     version: int = FORMAT_VERSION,
 ) -> dict[str, Any]:
     """Write OUT/{rows,blobs,aliases}/part-NNNNN.parquet and OUT/manifest.json; returns the manifest.
@@ -80,10 +83,11 @@ def write_export(
     Records are tuples in schema order (rows: vin, request_id, ts_ms, sha1, size, expires_at_ms,
     await_response; blobs: sha1, created_ms, touched_ms, size; aliases: data_id, sha1, ts_ms; outcomes:
     vin, request_id, sha1 hex, outcome, ended_ms, stored_ms, attempts, response, response_bytes;
-    generations: request_id, sha1 hex, first_ms, last_ms, then the eight counts) or dicts; the columns
+    generations: request_id, sha1 hex, first_ms, last_ms, then the eight counts; policies: request_id,
+    policy JSON, set_ms, aborted JSON or None) or dicts; the columns
     of ADDED_IN_2 may be left off (the end of a tuple) and take their "nothing" value. `version` 1
-    writes an export from before them. `outcomes` and `generations` are written only when given
-    (without them: an export of a server from before they existed). `parts` splits each non-empty
+    writes an export from before them. `outcomes`, `generations` and `policies` are written only when
+    given (without them: an export of a server from before they existed). `parts` splits each non-empty
     table into that many part files; an empty table still gets one part file with the schema.
     """
     counts = {}
@@ -93,6 +97,7 @@ def write_export(
         ("aliases", aliases),
         ("outcomes", outcomes),
         ("generations", generations),
+        ("policies", policies),
     ]
     for name, records in tables:
         if records is None:

@@ -14,6 +14,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
+from exhook_server.policy import Policy
 from spark import ExportError, require_tables
 from spark.campaign_job import (
     CHECK_COLLECTED,
@@ -418,3 +419,110 @@ def test_an_export_without_outcomes_is_refused() -> None:
     """An export from before outcomes and generations existed gets a clear error, not an empty report."""
     with pytest.raises(ExportError, match="outcomes, generations"):
         require_tables({"counts": {"rows": 1, "blobs": 1, "aliases": 0}}, "x", "rows", "outcomes", "generations")
+
+
+DAY = 24 * H
+DAY0 = SNAP - SNAP % DAY  # midnight UTC of the snapshot's day (the snapshot is at 08:26)
+PACED = {"max_per_minute": 60, "ramp": {"start_per_minute": 10, "factor": 2.0, "every_s": 30}}
+PACED_SET_MS = DAY0 + 6 * H + 17_000  # 17 s into a minute: the ramp steps mid-minute
+WINDOWED = {"windows": [{"cron": "0 2 * * *", "duration_s": 7200, "tz": "UTC"}]}
+WINDOWED_FIRST_MS = DAY0 - DAY + 3 * H  # an hour into yesterday's window
+GUARDED = {"abort": [{"outcome": "failed", "ratio": 0.2, "min_finished": 10}]}
+ABORT_MS = DAY0 + 7 * H
+
+
+def policy_export(out: Path) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """A paced campaign, one with a daily window (pending still), an aborted one and a paused one
+    with no rows; their outcome records and generation counts."""
+    rng = random.Random(26)
+    ended: list[tuple[Any, ...]] = []
+    rows: list[tuple[Any, ...]] = []
+
+    def end(rid: str, outcome: str, at: int, stored: int) -> None:
+        ended.append((f"V{len(ended):04d}", rid, "ab" * 20, outcome, at, stored, 1))
+
+    for _ in range(150):
+        end("task_paced_1", "delivered", PACED_SET_MS + rng.randrange(6 * 60_000), PACED_SET_MS - 1_000)
+    for outcome in ("failed", "responded"):  # not in the achieved rate: no PUBACK time kept
+        end("task_paced_1", outcome, PACED_SET_MS + 70_000, PACED_SET_MS - 1_000)
+    for day, n in ((DAY0 - DAY, 10), (DAY0, 30)):
+        lo = max(day + 2 * H, WINDOWED_FIRST_MS)
+        for _ in range(n):
+            end("task_window_1", "delivered", lo + rng.randrange(day + 4 * H - lo), WINDOWED_FIRST_MS)
+    for _ in range(4):  # outside every window (a delivery started inside may end outside)
+        end("task_window_1", "delivered", DAY0 + 4 * H + rng.randrange(H), WINDOWED_FIRST_MS)
+    rows.append(("V9999", "task_window_1", WINDOWED_FIRST_MS, bytes.fromhex("ab" * 20), 10))
+    plan = [("delivered", -1, 8), ("failed", -1, 3), ("cancelled", -1, 1), ("cancelled", 0, 20)]
+    plan += [("delivered", 1, 2), ("failed", 1, 1)]
+    for outcome, side, n in plan:
+        for _ in range(n):
+            at = ABORT_MS + (side * (1 + rng.randrange(60_000)) if side else 0)
+            end("task_abort_1", outcome, at, ABORT_MS - 10 * 60_000)
+    gens = []
+    for rid in ("task_paced_1", "task_window_1", "task_abort_1"):
+        mine = [e for e in ended if e[1] == rid]
+        pending = sum(1 for r in rows if r[1] == rid)
+        counts = Counter(e[3] for e in mine)
+        first = min(e[5] for e in mine)
+        total = len(mine) + pending
+        gens.append((rid, "ab" * 20, first, max(e[4] for e in mine), total, pending, *(counts[c] for c in COUNTS[2:])))
+    aborted = {"criterion": GUARDED["abort"][0], "counts": {"finished": 12, "failed": 3}, "at_ms": ABORT_MS}
+    policies = [
+        ("task_abort_1", json.dumps(GUARDED), ABORT_MS - H, json.dumps(aborted)),
+        ("task_idle_1", json.dumps({"paused": True}), DAY0, None),
+        ("task_paced_1", json.dumps(PACED), PACED_SET_MS, None),
+        ("task_window_1", json.dumps(WINDOWED), WINDOWED_FIRST_MS, None),
+    ]
+    write_export(out, rows, [], [], SNAP, outcomes=ended, generations=gens, policies=policies)
+    return ended, gens
+
+
+def reference_allowed(set_ms: int, minute_ms: int) -> float:
+    """What PACED allows in one minute: its rate at each millisecond of it, summed."""
+    policy = Policy.decode(json.dumps(PACED).encode())
+    return sum(policy.rate_per_minute(t - set_ms) or 0.0 for t in range(minute_ms, minute_ms + 60_000)) / 60_000
+
+
+def test_campaign_policies_in_the_report_equal_a_python_reference(spark: Any, tmp_path: Path) -> None:
+    """Per request with a policy: deliveries per minute against its (ramping) rate, time inside and
+    outside its windows with the deliveries in each, and its abort point, as a reference computes them."""
+    ended, _ = policy_export(tmp_path / "export")
+    summary = build_report(spark, str(tmp_path / "export"), str(tmp_path / "report"))
+    assert summary["totals"]["campaigns"] == 4
+    got = {c["request_id"]: c for c in read_csv(tmp_path / "report" / "campaigns.csv")}
+    assert sorted(got) == ["task_abort_1", "task_idle_1", "task_paced_1", "task_window_1"]
+
+    per_minute = Counter(e[4] - e[4] % 60_000 for e in ended if e[1] == "task_paced_1" and e[3] == "delivered")
+    rates = [r for r in read_csv(tmp_path / "report" / "rate_per_minute.csv") if r["request_id"] == "task_paced_1"]
+    assert [(int(r["minute_ms"]), int(r["delivered"])) for r in rates] == sorted(per_minute.items())
+    for r in rates:
+        limit = reference_allowed(PACED_SET_MS, int(r["minute_ms"]))
+        assert float(r["policy_per_minute"]) == pytest.approx(limit, abs=0.001)
+        assert float(r["ratio"]) == pytest.approx(int(r["delivered"]) / limit, abs=0.001)
+    assert float(rates[0]["policy_per_minute"]) == pytest.approx(10 * 47 / 60 + 20 * 13 / 60, abs=0.001)
+    assert float(rates[-1]["policy_per_minute"]) == pytest.approx(60, abs=0.001)
+    paced = got["task_paced_1"]
+    assert (int(paced["delivered"]), int(paced["minutes"]), paced["max_per_minute"]) == (150, len(rates), "60")
+    assert int(paced["peak_per_minute"]) == max(per_minute.values())
+    assert paced["window_open_ms"] == "" and paced["aborted_ms"] == ""
+
+    windowed = got["task_window_1"]
+    in_window = [e for e in ended if e[1] == "task_window_1" and 2 * H <= e[4] % DAY < 4 * H]
+    assert (int(windowed["delivered_in_window"]), int(windowed["delivered_outside_window"])) == (len(in_window), 4)
+    span = SNAP - WINDOWED_FIRST_MS  # rows still pending: up to the snapshot
+    assert (int(windowed["span_start_ms"]), int(windowed["span_end_ms"])) == (WINDOWED_FIRST_MS, SNAP)
+    assert (int(windowed["window_open_ms"]), int(windowed["window_closed_ms"])) == (3 * H, span - 3 * H)
+    assert windowed["windows_truncated"] == "False"
+
+    aborted = got["task_abort_1"]
+    assert (int(aborted["aborted_ms"]), aborted["abort_outcome"], float(aborted["abort_ratio"])) == (
+        ABORT_MS,
+        "failed",
+        0.2,
+    )
+    assert json.loads(aborted["abort_counts"]) == {"failed": 3, "finished": 12}
+    assert (int(aborted["cancelled_by_abort"]), int(aborted["ended_after_abort"])) == (20, 3)
+
+    idle = got["task_idle_1"]
+    assert (int(idle["delivered"]), idle["window_open_ms"], idle["peak_per_minute"]) == (0, "", "")
+    assert json.loads(idle["policy"]) == {"paused": True}

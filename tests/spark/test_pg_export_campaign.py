@@ -35,5 +35,8 @@ def test_campaign_report_is_the_same_from_either_store(
     totals = from_pg["totals"]
     assert (totals["delivered"], totals["responded"], totals["pending"]) == (2, 3, 9)
     assert totals["checks"][CHECK_MISMATCH] == 0
+    campaigns = {c["request_id"]: c for c in from_pg["tables"]["campaigns"]}
+    assert (campaigns["task_ota_1"]["max_per_minute"], campaigns["task_ota_1"]["aborted_ms"]) == (600, None)
+    assert (campaigns["task_gone_1"]["aborted_ms"], campaigns["task_gone_1"]["abort_outcome"]) == (7, "failed")
     for name in ("generations.csv", "by_task_type.csv", "delivered_over_time.csv", "count_check.csv"):
         assert (tmp_path / "pg-report" / name).read_bytes() == (tmp_path / "lmdb-report" / name).read_bytes(), name
