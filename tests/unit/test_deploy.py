@@ -603,3 +603,25 @@ def test_emqx_sync_job_and_the_pods_want_the_same_from_emqx(root: Path, tmp_path
     for e in container(root)["env"]:
         if e["name"].startswith("SDV_FANOUT_EMQX_API_"):
             assert e["valueFrom"]["secretKeyRef"]["optional"] is True
+
+
+def test_grafana_dashboard_has_a_campaigns_row() -> None:
+    """The "Campaigns" row charts every campaign-control metric: policies, held and paced campaigns,
+    paced starts, aborts, vehicles waiting for capacity, the delivery budget and previews."""
+    panels = dashboard_panels()
+    [row] = [p for p in panels if p["type"] == "row" and p["title"] == "Campaigns"]
+    below = [p for p in panels if p["type"] != "row" and p["gridPos"]["y"] > row["gridPos"]["y"]]
+    campaign = {
+        metrics.POLICIES_SET,
+        metrics.CAMPAIGNS_HELD,
+        metrics.CAMPAIGNS_PACED,
+        metrics.PACED_STARTS,
+        metrics.ABORTS,
+        metrics.PACING_IDLE_VEHICLES,
+        metrics.DELIVERIES_DEFERRED,
+        metrics.DELIVERIES_WAITING,
+        metrics.BATCHES_PREVIEWED,
+    }
+    names = {m._name for m in campaign}
+    used = {n.removesuffix("_total") for p in below for n in queried(p)}
+    assert names <= used, names - used
