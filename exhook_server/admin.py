@@ -28,6 +28,7 @@ from exhook_server.forecast import PendingVins, count_online, forecast
 from exhook_server.housekeeping import run_gc
 from exhook_server.ingest import Ingestor
 from exhook_server.lanes import in_delivery_order
+from storage.latency import latency_ms
 from storage.lmdb import outcomes
 from storage.model import now_ms
 from storage.port import Reads
@@ -182,7 +183,14 @@ class AdminServicer:
         found = await self._reads.generations(request.request_id)
         if not found:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no generation of request {request.request_id!r} is stored")
-        return apb.RequestStatus(request_id=request.request_id, generations=map(generation_message, found))
+        latency = await self._reads.latency(request.request_id)
+        shown = []
+        for g in found:
+            message = generation_message(g)
+            for stage, values in latency_ms(latency.get(g.sha1, {})).items():
+                getattr(message.latency_ms, stage).CopyFrom(apb.Percentiles(**values))
+            shown.append(message)
+        return apb.RequestStatus(request_id=request.request_id, generations=shown)
 
     async def ListRequests(
         self, request: apb.ListRequestsRequest, context: grpc.aio.ServicerContext

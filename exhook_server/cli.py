@@ -25,9 +25,11 @@ from exhook_server.backends.backend import open_backend
 from exhook_server.config import ENV_PREFIX, SECRET_SETTINGS, Config, join_host_port, load, loopback, split_host_port
 from exhook_server.emqx_api import EmqxApiError
 from exhook_server.errors import ConfigError, StorageError
+from storage.latency import STAGES, latency_ms
 from storage.model import COUNT_NAMES
 
 if TYPE_CHECKING:
+    from storage.latency import Counts
     from storage.model import ApplyReport, GcReport, Generation, OutcomeRecord, PageKey, Row
     from storage.port import Reads, Writes
 
@@ -310,6 +312,21 @@ def _served_generation(m: Any) -> dict[str, Any]:
     return _generation(m.request_id, m.sha1, counts, m.first_ms, m.last_ms)
 
 
+def _with_latency(g: dict[str, Any], latency: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+    """`g` with its `latency_ms` (`request R` only, and only once a latency is counted: the
+    answer of a generation without one is as it was)."""
+    return {**g, "latency_ms": {s: {k: int(v) for k, v in p.items()} for s, p in latency.items()}} if latency else g
+
+
+def _served_latency(m: Any) -> dict[str, dict[str, int]]:
+    """The `latency_ms` of an Admin `Generation` message, by stage that has one."""
+    return {
+        stage: {name: getattr(getattr(m.latency_ms, stage), name) for name in ("p50", "p90", "p99")}
+        for stage in STAGES
+        if m.HasField("latency_ms") and getattr(m.latency_ms, stage).ByteSize()
+    }
+
+
 def _generation_line(g: Mapping[str, Any]) -> str:
     """A generation's counts on one line, then when it first and last changed."""
     counts = "  ".join(f"{name} {g['counts'][name]}" for name in COUNT_NAMES)
@@ -499,13 +516,14 @@ def _cmd_request(args: argparse.Namespace) -> int:
         from exhook_server._proto import admin_pb2
 
         reply = _admin_rpc(cfg, args.server, "GetRequest", admin_pb2.GetRequestRequest(request_id=args.request_id))
-        found = [_served_generation(m) for m in reply.generations]
+        found = [_with_latency(_served_generation(m), _served_latency(m)) for m in reply.generations]
     else:
 
-        async def read(reads: Reads) -> list[Generation]:
-            return await reads.generations(args.request_id)
+        async def read(reads: Reads) -> tuple[list[Generation], dict[bytes, Counts]]:
+            return await reads.generations(args.request_id), await reads.latency(args.request_id)
 
-        found = [_stored_generation(g) for g in _on_store(cfg, read)]
+        stored, latency = _on_store(cfg, read)
+        found = [_with_latency(_stored_generation(g), latency_ms(latency.get(g.sha1, {}))) for g in stored]
         if not found:
             raise _NotFound(f"no generation of request {args.request_id!r} is stored")
     policy, aborted = _policy_in_force(cfg, args.server, args.request_id)
@@ -520,6 +538,8 @@ def _cmd_request(args: argparse.Namespace) -> int:
     print(f"{args.request_id}: {len(found)} generation{'s' if len(found) > 1 else ''}, newest first")
     for g in found:
         print(f"  sha1 {g['sha1']}  {_generation_line(g)}")
+        for stage, p in g.get("latency_ms", {}).items():
+            print(f"    {stage} (ms): p50 {p['p50']}  p90 {p['p90']}  p99 {p['p99']}")
     if policy is not None:
         print(f"  policy in force: {json.dumps(policy)}")
     if aborted is not None:

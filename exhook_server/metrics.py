@@ -208,6 +208,15 @@ ABORTS = Counter(
 POLICIES_SET = Counter(
     "sdv_fanout_policies_total", "Campaign policy messages applied, by change (set, cleared)", ["change"]
 )
+DELIVERY_LATENCY = Histogram(
+    "sdv_fanout_delivery_latency_seconds",
+    "Per delivery: stage delivered = its row stored -> the vehicle's PUBACK; answered = PUBACK -> its answer",
+    ["stage"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0),
+)
+LATENCY_DROPPED = Counter(
+    "sdv_fanout_latency_dropped_total", "Latency samples not counted: MAX_KEYS counters waiting for the store"
+)
 RESPONSES = Counter(
     "sdv_fanout_responses_total",
     "Vehicle answers on the response topic, by result (accepted, late, forged, not_awaited)",

@@ -41,6 +41,7 @@ from exhook_server.group import HOOK_SET_CONFIRMED, write_ready_file
 from exhook_server.health import HealthStates
 from exhook_server.hookset import HookSetWatch
 from exhook_server.ingest import Ingestor
+from exhook_server.latency import Latencies
 from exhook_server.preflight import bind_error
 from exhook_server.progress import ProgressReporter
 from exhook_server.status import StatusPublisher, answer_fields
@@ -160,6 +161,8 @@ class FanoutServer:
             if cfg.max_deliveries_per_s
             else None
         )
+        #: Deliveries' latencies per generation, written to the store every second.
+        self.latencies = Latencies(self.backend.writes)
         vin_re = re.compile(cfg.vin_pattern)
         self.dispatcher: Dispatch = self.backend.dispatcher(
             DispatchNeeds(
@@ -173,6 +176,7 @@ class FanoutServer:
                 pacing=self.pacer,
                 high=self.gates.high,
                 budget=self.budget,
+                on_latency=self.latencies.observe,
             )
         )
         self.ingestor.listeners.append(self.dispatcher.new_batch)
@@ -404,6 +408,7 @@ class FanoutServer:
         self._tasks.append(asyncio.create_task(self.pacer.run(), name="pacing"))
         if self.budget is not None:
             self._tasks.append(asyncio.create_task(self.budget.run(), name="delivery-budget"))
+        self._tasks.append(asyncio.create_task(self.latencies.run(), name="latency"))
         # Store-wide work: on LMDB once per data dir; on PostgreSQL every instance sweeps (their
         # statements skip what another holds) and resumes what a crash left, and one instance at
         # a time (the leader) reports progress and collects.
@@ -456,6 +461,7 @@ class FanoutServer:
         await self.aborts.stop()
         await self.backend.stop()
         await cancel_all(self._tasks)
+        await self.latencies.flush()  # the last second's counts
         await self.ingestor.stop()
         self.status.close()
         await self.backend.close()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from storage.errors import CommitTimeout
+from storage.latency import Counts, Increment
 from storage.model import (
     PLAIN,
     BatchWritten,
@@ -149,6 +150,11 @@ class Writes(Protocol):
         already (by another process or instance: exactly one abort wins)."""
         ...
 
+    async def add_latency(self, increments: Sequence[Increment]) -> None:
+        """Add to the latency counts of generations: (request id, sha1, stage, bucket, count)
+        each (storage/latency.py). LMDB: with the next commit (a crash may lose that window's)."""
+        ...
+
     async def pending_vins(self, request_id: str, after: str, limit: int) -> list[str]:
         """Up to `limit` VINs with a pending row of `request_id`, in VIN order past `after`."""
         ...
@@ -230,6 +236,11 @@ class Reads(Protocol):
 
     async def policy(self, request_id: str) -> StoredPolicy | None:
         """The campaign policy of `request_id` in force, or None."""
+        ...
+
+    async def latency(self, request_id: str) -> dict[bytes, Counts]:
+        """The delivery latency counts of each generation of `request_id` that has any, by sha1
+        (storage/latency.py: stage -> bucket -> count)."""
         ...
 
     async def online_pending(self, request_id: str) -> int | None:

@@ -233,18 +233,38 @@ class Counts(_message.Message):
     def __init__(self, total: _Optional[int] = ..., pending: _Optional[int] = ..., delivered: _Optional[int] = ..., superseded: _Optional[int] = ..., cancelled: _Optional[int] = ..., expired: _Optional[int] = ..., failed: _Optional[int] = ..., responded: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "sha1", "counts", "first_ms", "last_ms")
+    __slots__ = ("request_id", "sha1", "counts", "first_ms", "last_ms", "latency_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SHA1_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     FIRST_MS_FIELD_NUMBER: _ClassVar[int]
     LAST_MS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sha1: str
     counts: Counts
     first_ms: int
     last_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., sha1: _Optional[str] = ..., counts: _Optional[_Union[Counts, _Mapping]] = ..., first_ms: _Optional[int] = ..., last_ms: _Optional[int] = ...) -> None: ...
+    latency_ms: Latency
+    def __init__(self, request_id: _Optional[str] = ..., sha1: _Optional[str] = ..., counts: _Optional[_Union[Counts, _Mapping]] = ..., first_ms: _Optional[int] = ..., last_ms: _Optional[int] = ..., latency_ms: _Optional[_Union[Latency, _Mapping]] = ...) -> None: ...
+
+class Percentiles(_message.Message):
+    __slots__ = ("p50", "p90", "p99")
+    P50_FIELD_NUMBER: _ClassVar[int]
+    P90_FIELD_NUMBER: _ClassVar[int]
+    P99_FIELD_NUMBER: _ClassVar[int]
+    p50: int
+    p90: int
+    p99: int
+    def __init__(self, p50: _Optional[int] = ..., p90: _Optional[int] = ..., p99: _Optional[int] = ...) -> None: ...
+
+class Latency(_message.Message):
+    __slots__ = ("delivered", "answered")
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    delivered: Percentiles
+    answered: Percentiles
+    def __init__(self, delivered: _Optional[_Union[Percentiles, _Mapping]] = ..., answered: _Optional[_Union[Percentiles, _Mapping]] = ...) -> None: ...
 
 class RequestStatus(_message.Message):
     __slots__ = ("request_id", "generations")

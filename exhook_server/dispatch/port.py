@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from exhook_server.dispatch.commands import EndReason, Session
 from exhook_server.dispatch.pacing import Pacer
 from exhook_server.dispatch.ring import HashRing
-from exhook_server.dispatch.worker import OutcomeListener, Publisher, ResponseListener, StartBudget
+from exhook_server.dispatch.worker import LatencyListener, OutcomeListener, Publisher, ResponseListener, StartBudget
 
 
 class Dispatch(Protocol):
@@ -106,3 +106,5 @@ class DispatchNeeds:
     high: Callable[[], frozenset[str]] | None = None
     #: This process's delivery budget (max_deliveries_per_s, dispatch/budget.py); None: unbounded.
     budget: StartBudget | None = None
+    #: Told of each delivery's latencies (exhook_server/latency.py); None: nobody.
+    on_latency: LatencyListener | None = None

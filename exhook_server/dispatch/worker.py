@@ -36,7 +36,7 @@ from exhook_server.dispatch.commands import (
     Sweep,
     Trigger,
 )
-from storage.model import Outcome, Row
+from storage.model import Outcome, Row, now_ms
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
@@ -152,6 +152,9 @@ class StartBudget(Protocol):
 OutcomeListener = Callable[[str, str, bytes, Outcome, int], None]
 #: Told of an accepted answer: (vin, request_id, sha1, the answer's first bytes, its full size).
 ResponseListener = Callable[[str, str, bytes, bytes, int], None]
+#: Told of a delivery's latency: (vin, request_id, sha1, stage, ms, whether the pair ends with it).
+#: Stages (storage/latency.py): "delivered" = stored -> PUBACK, "answered" = PUBACK -> answer.
+LatencyListener = Callable[[str, str, bytes, str, int, bool], None]
 
 
 @dataclass(slots=True)
@@ -168,6 +171,8 @@ class InFlight:
     acked_at: float | None = None
     #: Its row was cancelled while out: the outcome follows what the vehicle does with it.
     cancelled: bool = False
+    #: When its row was stored (epoch ms; 0: not known here), for the stored -> PUBACK latency.
+    stored_ms: int = 0
 
 
 class InFlightTable(dict[str, InFlight]):
@@ -258,10 +263,15 @@ class Worker:
         pacing: Pacing | None = None,
         high: Callable[[], frozenset[str]] | None = None,
         budget: StartBudget | None = None,
+        on_latency: LatencyListener | None = None,
+        wall_ms: Callable[[], int] = now_ms,
     ) -> None:
         self.name = name
         #: This process's delivery budget (max_deliveries_per_s); None: unbounded.
         self._budget = budget
+        #: Told of each delivery's latencies; `wall_ms` is the clock rows are stored by.
+        self._on_latency = on_latency
+        self._wall_ms = wall_ms
         #: Campaign pacing (rates, max_in_flight); None: nothing paced.
         self._pacing = pacing
         #: The request ids whose rows may not start a delivery now (dispatch/gates.py); None: none.
@@ -447,7 +457,13 @@ class Worker:
         attempts = prior + 1
         resend = attempts > 1
         self.inflight[vin] = InFlight(
-            row.request_id, row.sha1, session, self._clock(), attempts, await_response=row.await_response
+            row.request_id,
+            row.sha1,
+            session,
+            self._clock(),
+            attempts,
+            await_response=row.await_response,
+            stored_ms=row.ts_ms,
         )
         self._unacked.pop(vin, None)
         if pacing is not None:
@@ -530,6 +546,7 @@ class Worker:
         metrics.DELIVERIES_ACKED.labels("deleted" if deleted else "kept").inc()
         if deleted:
             self._ended(vin, rid, digest, Outcome.DELIVERED, attempts)
+            self._delivered(vin, self.inflight.get(vin), rid, digest, ends=True)
         voided = self._unacked.get(vin)
         if voided is not None and voided[0] == rid and voided[1] == digest:
             del self._unacked[vin]
@@ -539,6 +556,13 @@ class Worker:
         if entry is not None and entry.request_id == rid and entry.sha1 == digest:
             del self.inflight[vin]
         self._try_send(vin, Trigger.NEW_BATCH)
+
+    def _delivered(self, vin: str, entry: InFlight | None, request_id: str, sha1: bytes, *, ends: bool) -> None:
+        """The first PUBACK of the delivery `entry`: its stored -> PUBACK latency, when known."""
+        if self._on_latency is None or entry is None or not entry.stored_ms:
+            return
+        if entry.request_id == request_id and entry.sha1 == sha1:
+            self._on_latency(vin, request_id, sha1, "delivered", self._wall_ms() - entry.stored_ms, ends)
 
     def _took(self, vin: str, request_id: str, sha1: bytes, kept: Kept, session: Session) -> Kept:
         """`kept` of a delivery awaiting its answer that `session` PUBACKed now (unless it had
@@ -577,6 +601,7 @@ class Worker:
             if entry.acked_at is None:
                 entry.acked_at = self._clock()
                 self._rows.awaiting(vin, cmd.request_id, cmd.sha1, entry.attempts, cmd.session)
+                self._delivered(vin, entry, cmd.request_id, cmd.sha1, ends=False)
             return True
         voided = self._unacked.get(vin)
         if entry is None and voided is not None and voided[:2] == (cmd.request_id, cmd.sha1) and voided[3]:
@@ -612,6 +637,9 @@ class Worker:
             vin, rid, entry.sha1, outcome=Outcome.RESPONDED, attempts=entry.attempts, response=cmd.payload
         ):
             self._ended(vin, rid, entry.sha1, Outcome.RESPONDED, entry.attempts)
+            if self._on_latency is not None and entry.acked_at is not None:
+                answered = round((self._clock() - entry.acked_at) * 1000)
+                self._on_latency(vin, rid, entry.sha1, "answered", answered, True)
             if self._on_response is not None:
                 self._on_response(vin, rid, entry.sha1, cmd.payload, cmd.size)
         self._try_send(vin, Trigger.NEW_BATCH)

@@ -18,7 +18,7 @@ from typing import Any
 
 import lmdb
 
-from storage.lmdb import keys, parked, queue
+from storage.lmdb import keys, latency, parked, queue
 from storage.lmdb.store import Store
 from storage.lmdb.store import now_ms as clock_ms
 from storage.lmdb.tables import Db, Tables
@@ -93,6 +93,7 @@ def expire_generations(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: 
                 break
     for key in doomed:
         txn.delete(key, db=t.gens)
+        latency.forget(txn, t, key)
     return len(doomed)
 
 

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from storage.errors import StorageError
-from storage.lmdb import gc, outcomes, policies
+from storage.latency import Counts
+from storage.lmdb import gc, latency, outcomes, policies
 from storage.lmdb.keys import Row
 from storage.lmdb.outcomes import Generation, OutcomeRecord, PageKey
 from storage.lmdb.store import Stats, Store
@@ -83,6 +84,10 @@ class LmdbReads:
     async def policy(self, request_id: str) -> StoredPolicy | None:
         with self._store.read() as txn:  # one lookup: inline
             return policies.policy(txn, self._store.tables, request_id)
+
+    async def latency(self, request_id: str) -> dict[bytes, Counts]:
+        with self._store.read() as txn:  # one prefix range: inline
+            return latency.of_request(txn, self._store.tables, request_id)
 
     async def online_pending(self, request_id: str) -> int | None:
         return None  # presence lives in the dispatch workers' memory

@@ -208,7 +208,7 @@ class Store:
                 txn.put(b"created_at_ms", str(now_ms()).encode())
                 return SCHEMA_VERSION
             version = int(raw)
-            if version in (1, 2, 3, 4, 5) and not self.readonly:
+            if version in (1, 2, 3, 4, 5, 6) and not self.readonly:
                 if version == 1:
                     _upgrade_from_1(txn, self.tables)
                 if version < 3:
@@ -216,7 +216,8 @@ class Store:
                 # 3 → 4: the attempt tables start empty (opened above): rows out for delivery
                 # count from 0 once more, as they did after any restart before. 4 → 5: no
                 # request has a policy yet (its table was created empty above). 5 → 6: no campaign
-                # was aborted, no failed answer counted (their tables start empty).
+                # was aborted, no failed answer counted (their tables start empty). 6 → 7: no
+                # latency was counted yet (likewise).
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode(), db=self.tables.meta)
                 return SCHEMA_VERSION
         if version != SCHEMA_VERSION:

@@ -13,9 +13,9 @@ import lmdb
 #: 2 added the outcome tables (gens, outcomes, outcome_expiry, batches, batch_expiry); 3 the
 #: lifecycle ones (deadlines, backlogs, by_request, cancels), longer rows for expires_at and
 #: flags, and the `responded` count; 4 the delivery attempts (tries, awaited), so that they
-#: outlive a restart; 5 the campaign policies; 6 their aborts and the failed answers per request.
-#: An older store is upgraded when a writer opens it.
-SCHEMA_VERSION = 6
+#: outlive a restart; 5 the campaign policies; 6 their aborts and the failed answers per request;
+#: 7 the delivery latencies. An older store is upgraded when a writer opens it.
+SCHEMA_VERSION = 7
 DB_NAMES = (
     "data",
     "touched",
@@ -38,9 +38,10 @@ DB_NAMES = (
     "policies",
     "aborts",
     "answers_failed",
+    "latency",
 )
 #: Tables each schema version added, for a clear error when a reader opens an older store.
-_FIRST_OF = ((12, 2), (16, 3), (18, 4), (19, 5), (len(DB_NAMES), 6))  # (index past the last table, version)
+_FIRST_OF = ((12, 2), (16, 3), (18, 4), (19, 5), (21, 6), (len(DB_NAMES), 7))  # (index past the last table, version)
 ADDED_IN = {name: next(v for end, v in _FIRST_OF if i < end) for i, name in enumerate(DB_NAMES) if i >= 7}
 
 #: A named database's handle (what `txn.get(key, db=...)` takes).
@@ -87,3 +88,5 @@ class Tables:
     aborts: Db
     #: request_id → its answers whose "status" is failed or rejected (8 bytes, big-endian).
     answers_failed: Db
+    #: gens key + stage + bucket → latencies counted there (storage/lmdb/latency.py).
+    latency: Db

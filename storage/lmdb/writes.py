@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from storage.lmdb import batches, cancel, parked, policies, queue
+from storage.latency import Increment
+from storage.lmdb import batches, cancel, latency, parked, policies, queue
 from storage.lmdb.batches import PLAIN, RowSpec
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
@@ -124,6 +125,11 @@ class LmdbWrites:
             batch_id=batch_id,
             spec=spec,
         )
+
+    async def add_latency(self, increments: Sequence[Increment]) -> None:
+        # Lazy: with the next commit that happens anyway (a crash loses at most that window's).
+        future = self._committer.submit(functools.partial(latency.add, t=self._t, increments=increments), lazy=True)
+        await durable_within(self._waker.wrap(future), self._timeout_s)
 
     async def store_data(
         self, data_id: str, blob: bytes, now_ms: int, max_rows: int, max_pending: int

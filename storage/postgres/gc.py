@@ -28,6 +28,12 @@ WITH doomed AS (
     SELECT request_id, sha1 FROM generations WHERE pending = 0 AND last_ms < $1
     ORDER BY request_id, sha1 LIMIT $2 FOR UPDATE SKIP LOCKED)
 DELETE FROM generations g USING doomed d WHERE g.request_id = d.request_id AND g.sha1 = d.sha1
+RETURNING g.request_id, g.sha1
+"""
+# A generation's latency counts go with it (in the same transaction).
+_EXPIRE_LATENCY = """
+DELETE FROM gen_latency l USING unnest($1::text[], $2::bytea[]) AS d(request_id, sha1)
+WHERE l.request_id = d.request_id AND l.sha1 = d.sha1
 """
 _EXPIRE_BATCH_IDS = """
 WITH doomed AS (
@@ -82,8 +88,13 @@ async def expire_outcomes(conn: Connection, cutoff_ms: int, limit: int) -> int:
 
 
 async def expire_generations(conn: Connection, cutoff_ms: int, limit: int) -> int:
-    """Up to `limit` generations with nothing pending and no change since `cutoff_ms`."""
-    return await _delete_old(conn, _EXPIRE_GENERATIONS, cutoff_ms, limit)
+    """Up to `limit` generations with nothing pending and no change since `cutoff_ms`, with their
+    latency counts."""
+    async with conn.transaction():
+        gone = await conn.fetch(_EXPIRE_GENERATIONS, cutoff_ms, limit)
+        if gone:
+            await conn.execute(_EXPIRE_LATENCY, [r["request_id"] for r in gone], [r["sha1"] for r in gone])
+    return len(gone)
 
 
 async def expire_batch_ids(conn: Connection, cutoff_ms: int, limit: int) -> int:

@@ -35,6 +35,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (11, "0011_priority.sql"),
     (12, "0012_campaign_aborts.sql"),
     (13, "0013_pacing.sql"),
+    (14, "0014_latency.sql"),
 )
 #: The version sql/schema.sql describes: the last migration's.
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from storage import model
 from storage.errors import StorageError
+from storage.latency import Counts
 from storage.model import GcReport, Generation, OutcomeRecord, PageKey, Stats, StoredPolicy
 from storage.port import GcSettings, Reads
 from storage.postgres import gc as pg_gc
-from storage.postgres import outcomes, policies, queue
+from storage.postgres import latency, outcomes, policies, queue
 from storage.postgres.errors import as_storage_error
 from storage.postgres.types import Connection, Pool, fetch_one
 
@@ -184,6 +185,9 @@ class PgReads:
 
     async def outcome_counts(self, request_id: str) -> tuple[list[Generation], int]:
         return await self._read(outcome_counts, request_id)
+
+    async def latency(self, request_id: str) -> dict[bytes, Counts]:
+        return await self._read(latency.of_request, request_id)
 
 
 if TYPE_CHECKING:  # mypy checks that PgReads is a storage.port.Reads

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
+from storage.latency import Increment
 from storage.model import (
     PLAIN,
     BatchWritten,
@@ -21,7 +22,7 @@ from storage.model import (
     TriggerWritten,
 )
 from storage.port import Writes, durable_within
-from storage.postgres import batches, expiry, parked, policies
+from storage.postgres import batches, expiry, latency, parked, policies
 from storage.postgres.errors import as_storage_error
 from storage.postgres.types import Connection, Pool
 
@@ -64,6 +65,9 @@ class PgWrites:
         spec: RowSpec = PLAIN,
     ) -> BatchWritten | Duplicate:
         return await self._run(batches.preview_batch, vins, request_id, blob, now_ms, batch_id, spec)
+
+    async def add_latency(self, increments: Sequence[Increment]) -> None:
+        await self._run(latency.add, increments)
 
     async def store_data(self, data_id: str, blob: bytes, now_ms: int, max_rows: int, max_pending: int) -> DataWritten:
         return await self._run(parked.store_data, data_id, blob, now_ms, max_rows, max_pending)

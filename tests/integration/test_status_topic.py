@@ -16,7 +16,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from exhook_server import cli
 from storage.lmdb.batches import sha1_of
+from storage.model import now_ms
 from testkit.harness import poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
 from tests.integration.test_ingest import REJECTIONS
@@ -117,6 +119,31 @@ def test_a_preview_counts_the_online_vehicles_and_sends_nothing(rig: Rig, platfo
     rig.emqx.publish_batch(["V1"], "task_ota_2", "fw2")
     v.wait_for(1)
     assert rig.rids(v) == ["task_ota_2"] and platform.events(event="accepted", request_id="task_ota_1") == []
+
+
+def test_progress_completed_and_request_carry_the_generations_latencies(
+    rig: Rig, platform: Platform, capsys: Any
+) -> None:
+    """stored -> PUBACK (the vehicle away at least 300 ms) and PUBACK -> answer percentiles, from the
+    store: in `completed` (with the last delivery's) and in `request R --json`."""
+    published = now_ms()
+    rig.emqx.publish_batch(["V1"], "task_ota_9", "fw", await_response=True)
+    platform.wait(event="accepted", request_id="task_ota_9")
+    poll(lambda: now_ms() - published >= 300)  # the vehicle stays away this long at least
+    v = rig.online("V1")
+    v.wait_for(1)
+    v.respond("task_ota_9", b'{"status": "succeeded"}')
+    [done] = platform.wait(event="completed", request_id="task_ota_9")
+    bound = (now_ms() - published) * 1.05
+    delivered, answered = done["latency_ms"]["delivered"], done["latency_ms"]["answered"]
+    assert 0.95 * 300 <= delivered["p50"] == delivered["p99"] <= bound and 0 <= answered["p50"] <= bound
+    assert rig.srv.server is not None
+    cfg = rig.srv.server.cfg
+    offline = [["--store-url", cfg.store_url]] if cfg.store_url else []
+    for where in (["--server", f"127.0.0.1:{rig.srv.server.admin_port}"], *offline):
+        assert cli.main(["request", "task_ota_9", "--json", *where]) == 0
+        [generation] = json.loads(capsys.readouterr().out)["generations"]
+        assert generation["latency_ms"] == done["latency_ms"]
 
 
 def test_a_parked_trigger_gets_its_receipt_when_its_data_arrives(rig: Rig, platform: Platform) -> None:

@@ -30,6 +30,7 @@ TABLES = {
     "policies",
     "answer_failures",
     "pacing_buckets",
+    "gen_latency",
 }
 
 

@@ -31,7 +31,8 @@ T = TypeVar("T")
 #: A stored pair's outcome record: (vin, request_id, sha1, ended ms, stored ms, attempts, code, response).
 Record = tuple[str, str, bytes, int, int, int, int, bytes]
 _TABLES = (
-    "blobs, rows, aliases, early_triggers, generations, gen_deltas, outcomes, batches, cancels, vin_state, presence"
+    "blobs, rows, aliases, early_triggers, generations, gen_deltas, outcomes, batches, cancels, vin_state, presence,"
+    " gen_latency"
 )
 
 

@@ -126,9 +126,7 @@ def store(
     """Each store in turn, empty, with the clock of retention's outcomes pinned to NOW."""
     monkeypatch.setattr(gc, "clock_ms", lambda: NOW)
     monkeypatch.setattr(expiry, "clock_ms", lambda: NOW)
-    side: Side = (
-        LmdbSide(tmp_path / "lmdb") if each_store == "lmdb" else _empty_pg(request.getfixturevalue("pg_dsn"))
-    )
+    side: Side = LmdbSide(tmp_path / "lmdb") if each_store == "lmdb" else _empty_pg(request.getfixturevalue("pg_dsn"))
     yield side
     side.close()
 
@@ -177,6 +175,12 @@ def _populate(store: Side) -> None:
 
 def test_one_pass_deletes_what_is_past_retention_and_keeps_the_rest(store: Side) -> None:
     _populate(store)
+    counted_ms = [
+        ("task_done_1", sha1(b"done"), "delivered", 40, 2),
+        ("task_mixed_1", sha1(b"mixed"), "answered", 7, 1),
+    ]
+    store.op("add_latency", increments=counted_ms)
+    store.op("add_latency", increments=counted_ms[1:])
     before = store.records()
     report = store.collect(now_ms=NOW, **SETTINGS)
     assert counted(report) == {
@@ -212,6 +216,8 @@ def test_one_pass_deletes_what_is_past_retention_and_keeps_the_rest(store: Side)
         ("G2", "task_grace_2", Outcome.DELIVERED),
     }
     assert ("task_done_1", sha1(b"done")) not in store.generations()
+    assert store.op("latency", request_id="task_done_1") == {}  # gone with its generation
+    assert store.op("latency", request_id="task_mixed_1") == {sha1(b"mixed"): {"answered": {7: 2}}}
     assert parity.counts_of(store, "task_mixed_1", b"mixed") == {"total": 3, "pending": 1, "failed": 1, "responded": 1}
     assert_recount_plus_forgotten(store, before - store.records())
     again = store.collect(now_ms=NOW, **SETTINGS)  # nothing left to do but keep the recent blob

@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 
 from storage.errors import EarlyTriggersFull
-from storage.lmdb import batches, gc, outcomes, parked, queue
+from storage.lmdb import batches, gc, latency, outcomes, parked, queue
 from storage.lmdb.batches import (
     BatchWritten,
     DataWritten,
@@ -31,6 +31,7 @@ from storage.lmdb.batches import sha1_of as sha1
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import now_ms
 from storage.postgres import expiry
+from storage.postgres import latency as pg_latency
 from storage.postgres import outcomes as pg_outcomes
 from storage.postgres import parked as pg_parked
 from storage.postgres import queue as pg_queue
@@ -43,6 +44,7 @@ _LMDB_WRITES: dict[str, Callable[..., Any]] = {
     "expire_early": parked.expire_early,
     "expire_due": queue.expire_due,
     "expire_rows": gc.expire_rows,
+    "add_latency": latency.add,
 }
 _LMDB_READS: dict[str, Callable[..., Any]] = {
     "waiting_data_ids": parked.waiting_data_ids,
@@ -51,6 +53,7 @@ _LMDB_READS: dict[str, Callable[..., Any]] = {
     "generation": outcomes.generation,
     "all_generations": outcomes.all_generations,
     "vehicle_outcomes": outcomes.vehicle_outcomes,
+    "latency": latency.of_request,
 }
 _PG: dict[str, Callable[..., Any]] = {
     "store_data": pg_parked.store_data,
@@ -68,6 +71,8 @@ _PG: dict[str, Callable[..., Any]] = {
     "pending": pg_queue.pending,
     "oldest": pg_queue.oldest,
     "backlog": pg_queue.backlog,
+    "add_latency": pg_latency.add,
+    "latency": pg_latency.of_request,
 }
 
 

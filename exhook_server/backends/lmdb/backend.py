@@ -135,6 +135,7 @@ class LmdbBackend:
             pacing=needs.pacing,
             high=needs.high,
             budget=needs.budget,
+            on_latency=needs.on_latency,
         )
         self.peers = Peers(group, dispatcher.receive, self._answer) if group else None
         self._dispatcher = dispatcher

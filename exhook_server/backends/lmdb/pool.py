@@ -38,6 +38,7 @@ from exhook_server.dispatch.commands import (
 from exhook_server.dispatch.ring import HashRing
 from exhook_server.dispatch.worker import (
     Kept,
+    LatencyListener,
     OutcomeListener,
     Pacing,
     Publisher,
@@ -93,6 +94,7 @@ class Dispatcher:
         pacing: Pacing | None = None,
         high: Callable[[], frozenset[str]] | None = None,
         budget: StartBudget | None = None,
+        on_latency: LatencyListener | None = None,
     ) -> None:
         if processes > 1 and forward is None:
             raise ValueError("a dispatcher in a group of processes needs a way to forward to them")
@@ -126,6 +128,7 @@ class Dispatcher:
                 pacing=pacing,
                 high=high,
                 budget=budget,
+                on_latency=on_latency,
             )
             for n in local
         }

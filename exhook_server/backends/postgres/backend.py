@@ -108,6 +108,7 @@ class PgBackend:
             high=needs.high,
             budget=needs.budget,
             pacing=needs.pacing,
+            on_latency=needs.on_latency,
         )
         return self._dispatcher
 

@@ -46,6 +46,7 @@ from exhook_server.dispatch.worker import (
     NOTHING_KEPT,
     InFlight,
     Kept,
+    LatencyListener,
     OutcomeListener,
     Pacing,
     Publisher,
@@ -97,6 +98,9 @@ def _state(loaded: pgd.Loaded) -> VehicleState:
         return presence, None, None
     if m.voided:
         return presence, None, (m.request_id, m.sha1, m.attempts, m.await_response)
+    # The row out is usually among the vehicle's first rows loaded (the oldest deliverable):
+    # its stored time gives the stored -> PUBACK latency (unknown otherwise: none is counted).
+    stored = next((r.ts_ms for r, _ in loaded.rows if (r.request_id, r.sha1) == (m.request_id, m.sha1)), 0)
     entry = InFlight(
         m.request_id,
         m.sha1,
@@ -106,6 +110,7 @@ def _state(loaded: pgd.Loaded) -> VehicleState:
         m.await_response,
         None if m.acked_ms is None else m.acked_ms / 1000,
         m.cancelled,
+        stored,
     )
     return presence, entry, None
 
@@ -225,12 +230,16 @@ class _Reports:
     def __init__(self) -> None:
         self.outcomes: list[tuple[str, str, bytes, Outcome, int]] = []
         self.responses: list[tuple[str, str, bytes, bytes, int]] = []
+        self.latencies: list[tuple[str, str, bytes, str, int, bool]] = []
 
     def outcome(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
         self.outcomes.append((vin, request_id, sha1, outcome, attempts))
 
     def response(self, vin: str, request_id: str, sha1: bytes, payload: bytes, size: int) -> None:
         self.responses.append((vin, request_id, sha1, payload, size))
+
+    def latency(self, vin: str, request_id: str, sha1: bytes, stage: str, ms: int, ends: bool) -> None:
+        self.latencies.append((vin, request_id, sha1, stage, ms, ends))
 
 
 @dataclass(slots=True)
@@ -296,12 +305,14 @@ class SharedDispatcher:
         high: Callable[[], frozenset[str]] | None = None,
         budget: StartBudget | None = None,
         pacing: Pacer | None = None,
+        on_latency: LatencyListener | None = None,
     ) -> None:
         self._pool = pool
         #: This instance's delivery budget (max_deliveries_per_s); None: unbounded.
         self._budget = budget
         #: Campaign pacing: rates from this instance's leases, max_in_flight counted in the database.
         self._pacing = pacing
+        self._on_latency = on_latency
         #: Request ids held by their campaign policy (dispatch/gates.py): their rows are not loaded.
         self._held = held
         #: Request ids whose policy gives their rows high priority (dispatch/gates.py).
@@ -557,6 +568,8 @@ class SharedDispatcher:
             high=(lambda: high) if high else None,
             budget=self._budget,
             pacing=pacing,
+            on_latency=reports.latency,
+            wall_ms=lambda: round(now * 1000),
         )
         before = _state(loaded)
         worker.restore(vin, before)
@@ -584,6 +597,10 @@ class SharedDispatcher:
         for vin_, rid, sha1, payload, size in d.reports.responses:
             if (rid, sha1) in d.ended and self._on_response is not None:
                 self._on_response(vin_, rid, sha1, payload, size)
+        for vin_, rid, sha1, stage, ms, ends in d.reports.latencies:
+            # A latency that ends its pair counts when this event ended it, as its outcome does.
+            if (not ends or (rid, sha1) in d.ended) and self._on_latency is not None:
+                self._on_latency(vin_, rid, sha1, stage, ms, ends)
         if d.queued.future is not None and not d.queued.future.done():
             d.queued.future.set_result(d.result)
 

@@ -191,6 +191,17 @@ CREATE TABLE answer_failures (
     ended_ms    bigint NOT NULL
 );
 CREATE INDEX answer_failures_request ON answer_failures (request_id);
+-- The delivery latencies of a generation (stored -> PUBACK, PUBACK -> answer: `stage` is the
+-- index in storage.latency.STAGES) as counts in storage/latency.py's log buckets; every instance
+-- adds its own (storage/postgres/latency.py); GC drops them with their generation.
+CREATE TABLE gen_latency (
+    request_id  text COLLATE "C" NOT NULL,
+    sha1        bytea    NOT NULL,
+    stage       smallint NOT NULL,
+    bucket      smallint NOT NULL,
+    n           bigint   NOT NULL,
+    PRIMARY KEY (request_id, sha1, stage, bucket)
+);
 
 -- Who is online, and on which connection (an encoded exhook_server.dispatch.commands.Session).
 -- UNLOGGED: written on every subscribe and disconnect, never worth a WAL flush; it is empty after a
