@@ -360,6 +360,12 @@ class FanoutServer:
         if self.group is not None:
             port = self.group.port
         await self.backend.start()
+        # The policies in force before any vehicle event: a paused or paced campaign must not
+        # slip out while the refresh loop has not read them yet (it retries a failure).
+        try:
+            self.gates.replace_all(await self.backend.writes.policies())
+        except StorageError as exc:
+            log.error("policies_not_loaded", reason=type(exc).__name__, detail=str(exc))
         if self.cfg.mqtt_url:
             self.delivery = MqttDelivery(
                 self.cfg,

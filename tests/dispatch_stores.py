@@ -21,6 +21,7 @@ import pytest
 from exhook_server.backends.lmdb.pool import Dispatcher
 from exhook_server.backends.postgres import dispatch as shared
 from exhook_server.backends.postgres.dispatch import SharedDispatcher
+from exhook_server.dispatch.pacing import Pacer
 from exhook_server.dispatch.port import Dispatch
 from exhook_server.dispatch.worker import Publisher
 from storage.lmdb.batches import BatchWritten, RowSpec
@@ -146,6 +147,8 @@ class Wiring:
     held: Callable[[], frozenset[str]] | None = None
     #: Request ids whose campaign policy says priority high now.
     high: Callable[[], frozenset[str]] | None = None
+    #: Campaign pacing (exhook_server/dispatch/pacing.py; memory only).
+    pacing: Pacer | None = None
 
 
 #: Builds a store and its dispatcher.
@@ -169,6 +172,7 @@ class MemoryStore:
             response_timeout_s=w.response_timeout_s,
             held=w.held,
             high=w.high,
+            pacing=w.pacing,
         )
         for worker in d.workers.values():
             worker._clock = w.clock  # the pool takes no clock; its workers do

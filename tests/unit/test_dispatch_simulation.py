@@ -29,6 +29,10 @@ Invariants, checked at every step against the store's view (`MemoryRows`, or Pos
   offered again, as the server does when a gate opens): the oldest row not held goes instead;
 - never a normal row while a high-priority one of that vehicle may be sent (high per batch, or
   per request by its policy, switched at random): high rows go first, oldest first;
+- campaign pacing (memory): never more than max_in_flight deliveries of the capped request
+  holding a slot, never more starts of the rated one than its first token plus its rate since
+  the policy, never a row of a request without capacity (the oldest row with capacity goes);
+  idle vehicles are offered capacity as the pacer ticks;
 - at the end every row is drained and every pair the store took has exactly one outcome;
   a cancelled pair the vehicle PUBACKed later was amended.
 """
@@ -45,6 +49,8 @@ import pytest
 import structlog.testing
 
 from exhook_server.dispatch.commands import EndReason, Session
+from exhook_server.dispatch.pacing import LocalBudget, Pacer
+from exhook_server.policy import Policy
 from storage.lmdb.outcomes import Outcome
 from testkit.pg_cluster import PgCluster
 from tests.dispatch_fakes import MemoryRows, Pair, sha1
@@ -61,6 +67,9 @@ PG_STEPS = 800
 #: Rows a cancel of every vehicle ends per transaction (max_rows_per_commit).
 CANCEL_CHUNK = 7
 RESPONSE_TIMEOUT_S = 30.0
+#: Paced campaigns (memory): one with max_in_flight, one with max_per_minute, from the start.
+CAPPED, CAP = "task_ota_0", 2
+RATED, PER_MINUTE = "task_cfg_1", 3
 
 #: An `ack` call the worker must make: (vin, request_id, sha1, outcome, attempts, response).
 Expected = tuple[str, str, bytes, Outcome, int, bytes]
@@ -130,9 +139,18 @@ class Fleet:
         self.high: frozenset[str] = frozenset()
         #: Priorities are drawn apart, so the other events' stream stays what each seed gave before.
         self.prio_rng = random.Random(rng.random())
+        #: Campaign pacing on the fleet's clock (memory only), and when its policies were set.
+        self.pacer: Pacer | None = None
+        self.paced_since = self.now
+        self.rated_starts = 0
 
     def held_now(self) -> frozenset[str]:
         return frozenset(self.held)
+
+    def skip_now(self) -> frozenset[str]:
+        """What the worker passes over now: held requests, and those without capacity."""
+        blocked = self.pacer.blocked() if self.pacer is not None else frozenset()
+        return frozenset(self.held) | blocked
 
     def high_now(self) -> frozenset[str]:
         return self.high
@@ -178,13 +196,26 @@ class Fleet:
         if row is None or row.payload != payload:
             self.violations.append(f"{where}: published, and it is not that VIN's row")
             return
-        if request_id in self.held:
-            self.violations.append(f"{where}: published while its campaign policy holds it")
-        oldest = self.rows.oldest(vin, self.held_now(), self.high)
+        skip = self.skip_now()
+        if request_id in skip:
+            self.violations.append(f"{where}: published while its campaign policy holds it (or it has no capacity)")
+        if request_id == CAPPED and self.pacer is not None:
+            out = sum(
+                1
+                for o in self.vehicles.values()
+                if o is not v and o.last is not None and o.last.request_id == CAPPED and self.holds_slot(o.last)
+            )
+            if out + 1 > CAP:
+                self.violations.append(f"{where}: {out + 1} deliveries of it out, max_in_flight {CAP}")
+        if request_id == RATED and self.pacer is not None:
+            self.rated_starts += 1
+            if self.rated_starts > 1 + PER_MINUTE / 60 * (self.now - self.paced_since) + 1e-9:
+                self.violations.append(f"{where}: start {self.rated_starts} beyond {PER_MINUTE}/min since the policy")
+        oldest = self.rows.oldest(vin, skip, self.high)
         if oldest is None or (oldest[0].request_id, oldest[1]) != (request_id, payload):
             self.violations.append(f"{where}: not the oldest row the store may send ({oldest and oldest[0]})")
         if not (row.high_priority or request_id in self.high):
-            first = [r for r, p in self.rows.deliverable(vin, self.held_now()) if p.high_priority or r in self.high]
+            first = [r for r, p in self.rows.deliverable(vin, skip) if p.high_priority or r in self.high]
             if first:
                 self.violations.append(f"{where}: a normal row sent while high-priority {first[0]} may be sent")
         if 0 < row.expires_ms <= self.now * 1000:
@@ -294,6 +325,14 @@ async def simulate(
     named = (lambda clientid: True) if vin_from_clientid else None
     # Acked rows end at once, or with a later commit (LMDB's group committer; memory only).
     link = lambda: fleet.link_up  # noqa: E731
+    if open_store is open_memory:
+        fleet.pacer = Pacer(
+            LocalBudget(fleet.clock),
+            wall_ms=lambda: int(fleet.now * 1000),
+            on_wake=lambda vins: fleet.store.dispatcher.new_batch(vins),
+        )
+        fleet.pacer.set(CAPPED, Policy(max_in_flight=CAP), int(fleet.now * 1000))
+        fleet.pacer.set(RATED, Policy(max_per_minute=PER_MINUTE), int(fleet.now * 1000))
     wiring = Wiring(
         fleet,
         fleet.clock,
@@ -303,6 +342,7 @@ async def simulate(
         defer_acks=seed % 2 == 0,
         held=fleet.held_now,
         high=fleet.high_now,
+        pacing=fleet.pacer,
     )
     fleet.store = await open_store(wiring)
     try:
@@ -331,6 +371,9 @@ async def run(fleet: Fleet, steps: int, events: str = "hooks") -> None:
     rids = [f"task_{t}_{n}" for t in ("ota", "cfg") for n in range(4)]
 
     async def settle() -> None:
+        if fleet.pacer is not None:
+            fleet.events["paced_blocked"] += bool(fleet.pacer.blocked())
+            await fleet.pacer.tick()  # leases tokens, offers idle vehicles what capacity there is
         await store.settle()
         if fleet.unchecked:
             await store.refresh({vin for vin, *_ in fleet.unchecked})
@@ -598,3 +641,5 @@ def test_random_fleet_keeps_invariants_and_drains(
     assert fleet.events["answer_accepted"] and fleet.events["answer_ignored"], fleet.events
     assert fleet.events["puback_forged"], fleet.events
     assert fleet.events["high_batch"] and fleet.events["high_policy"], fleet.events
+    if store_kind == "memory":
+        assert fleet.events["paced_blocked"] and fleet.rated_starts, fleet.events
