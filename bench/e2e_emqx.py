@@ -58,7 +58,7 @@ def run_ours(rig: Rig, side: str, tag: str, seed: int, requests: int | None = No
         arm_fleets(rig.fleets, k, rig.args.deadline_s)
         hooks0 = rig.exhook_counts(exhook)
         meter = rig.meter(side)
-        t0 = rig.platform.publish(topic, payloads, rig.args.deadline_s)
+        t0 = rig.platform.publish_all(topic, payloads, rig.args.deadline_s)
         done = collect_fleets(rig.fleets, len(rig.vins) * k, rig.args.deadline_s)
         out = result(t0, done, meter)
         rig.settle()

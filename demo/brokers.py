@@ -13,15 +13,10 @@ from __future__ import annotations
 import base64
 import json
 import re
-import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
-from paho.mqtt.reasoncodes import ReasonCode
 
 from exhook_server._proto import exhook_v3_pb2 as pb
 from testkit.emqx_real import (
@@ -34,6 +29,7 @@ from testkit.emqx_real import (
     where_looked,
 )
 from testkit.emqx_sim import LOOPBACK, FakeEmqx, Mosquitto
+from testkit.mqtt import Client, MqttError
 
 BATCH_TOPIC = "$SDV-FANOUT"
 #: The server's default `cancel_topic`: `{"request_id": R}` ends every pending row of R `cancelled`.
@@ -225,10 +221,7 @@ class EmqxSetup:
 
     def __init__(self, version: str, log_dir: Path) -> None:
         self.broker = EmqxBroker(version, log_dir)
-        self._platform: mqtt.Client | None = None
-        self._acks: dict[int, ReasonCode] = {}
-        self._acked = threading.Condition()
-        self._connected = threading.Event()
+        self._platform: Client | None = None
         self._errors: list[str] = []
 
     @property
@@ -260,39 +253,18 @@ class EmqxSetup:
         return [h["name"] for h in hooks]
 
     def _connect_platform(self) -> None:
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="sdv-platform", protocol=mqtt.MQTTv5)
-        client.username_pw_set("platform")
-
-        def on_publish(_c: Any, _u: Any, mid: int, rc: ReasonCode, _props: Any) -> None:
-            with self._acked:
-                self._acks[mid] = rc
-                self._acked.notify_all()
-
-        def on_connect(_c: Any, _u: Any, _flags: Any, rc: ReasonCode, _props: Any) -> None:
-            if not rc.is_failure:
-                self._connected.set()
-
-        client.on_connect = on_connect
-        client.on_publish = on_publish
-        client.connect(LOOPBACK, self.broker.mqtt_port, keepalive=60)
-        client.loop_start()
-        self._platform = client
-        if not self._connected.wait(PUBACK_TIMEOUT_S):
-            raise EmqxError("the platform's MQTT client could not connect to EMQX")
+        self._platform = Client(self.broker, "sdv-platform", username="platform")
+        try:
+            self._platform.connect()
+        except MqttError as exc:
+            raise EmqxError("the platform's MQTT client could not connect to EMQX") from exc
 
     def publish(self, topic: str, payload: bytes) -> None:
         assert self._platform is not None
-        info = self._platform.publish(topic, payload, qos=1)
-        what = f"{topic} {payload[:80]!r}"
-        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-            raise RuntimeError(f"{what}: publish failed: {info.rc}")
-        with self._acked:
-            # EMQX sends the PUBACK after message.publish returned, i.e. after the server's commit.
-            if not self._acked.wait_for(lambda: info.mid in self._acks, PUBACK_TIMEOUT_S):
-                raise RuntimeError(f"{what}: no PUBACK from EMQX within {PUBACK_TIMEOUT_S:g} s")
-            rc = self._acks.pop(info.mid)
-        if rc.is_failure:
-            raise RuntimeError(f"{what}: EMQX refused it: {rc}")
+        # EMQX sends the PUBACK after message.publish returned, i.e. after the server's commit.
+        rc = self._platform.publish(topic, payload, timeout_s=PUBACK_TIMEOUT_S)
+        if rc is None or rc >= 0x80:
+            raise RuntimeError(f"{topic} {payload[:80]!r}: EMQX refused it: reason 0x{rc or 0:02x}")
 
     def fleet_spec(self, delivery_clientid: str) -> dict[str, Any]:
         return {"broker": "emqx", "mqtt_port": self.broker.mqtt_port}
@@ -313,8 +285,7 @@ class EmqxSetup:
 
     def stop(self) -> None:
         if self._platform is not None:
-            self._platform.disconnect()
-            self._platform.loop_stop()
+            self._platform.close()
         self.broker.stop()
 
 

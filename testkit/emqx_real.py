@@ -5,7 +5,7 @@ tarballs of `RELEASES` in `SDV_FANOUT_EMQX_RELEASES`, `<repo>/../shared/emqx`, `
 unpacking each once into `$XDG_CACHE_HOME/sdv-fanout/emqx/<stem>` (under a lock, renamed into place
 when complete). `EmqxBroker` runs one node on free loopback ports with its own node name, cookie,
 data and log dirs under `workdir`; `stop()` leaves no process of it behind. `Platform` is the batch
-publisher, a real paho MQTT 5 client of such a broker (its vehicles: testkit/vehicle.py).
+publisher, a real MQTT 5 client of such a broker (testkit/mqtt.py; its vehicles: testkit/vehicle.py).
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-import paho.mqtt.client as mqtt
 import structlog
-from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
-from testkit.emqx_sim import LOOPBACK, free_port, free_ports, release_paho
+from testkit.emqx_sim import LOOPBACK, free_port, free_ports
 from testkit.harness import ROOT, poll
+from testkit.mqtt import Client
 
 log = structlog.get_logger("sdv_fanout.testkit.emqx_real")
 
@@ -641,53 +640,37 @@ class EmqxBroker:
 
 
 # ---------------------------------------------------------------------------------------------
-# the platform: an MQTT client of a real broker (the vehicles: testkit/vehicle.py)
+# the platform: an MQTT client of a real broker
 # ---------------------------------------------------------------------------------------------
 
 
-class Platform:
+class Platform(Client):
     """The SDV platform: publishes batches at QoS 1 and waits for each PUBACK (= stored or refused)."""
 
     def __init__(self, broker: EmqxBroker, clientid: str = "sdv-platform", username: str | None = None) -> None:
-        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=clientid, protocol=mqtt.MQTTv5)
-        if username:
-            self._client.username_pw_set(username)  # deploy/emqx/acl.conf knows the platform by it
-        self._codes: dict[int, tuple[int]] = {}  # mid -> (PUBACK reason code,)
-        self._client.on_publish = lambda _c, _u, mid, rc, _p: self._codes.__setitem__(mid, (rc.value,))
-        self._client.connect(broker.host, broker.mqtt_port, keepalive=30)
-        self._client.loop_start()
+        super().__init__(broker, clientid, username=username or "")  # deploy/emqx/acl.conf knows it by username
+        self.connect()
 
-    def publish(self, topic: str, payload: bytes, timeout_s: float = 10) -> int:
-        """Publish at QoS 1; return the PUBACK reason code."""
-        info = self._client.publish(topic, payload, qos=1)
-        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-            raise EmqxError(f"publish on {topic!r} failed: {info.rc}")
-        (code,) = poll(lambda: self._codes.pop(info.mid, None), timeout_s)
-        return int(code)
-
-    def batch(self, vins: list[str], request_id: str, data: str, topic: str = "$SDV-FANOUT", **extra: Any) -> int:
+    def batch(
+        self, vins: list[str], request_id: str, data: str, topic: str = "$SDV-FANOUT", **extra: Any
+    ) -> int | None:
         """A seed-format batch `{"ids", "request_id", "data", **extra}`; returns the PUBACK reason code."""
         doc = {"ids": vins, "request_id": request_id, "data": data, **extra}
         return self.publish(topic, json.dumps(doc).encode())
 
-    def cancel(self, request_id: str, vins: list[str] | None = None) -> int:
+    def cancel(self, request_id: str, vins: list[str] | None = None) -> int | None:
         """`{"request_id", "ids"?}` on `$SDV-FANOUT/cancel`; returns the PUBACK reason code."""
         doc: dict[str, Any] = {"request_id": request_id} | ({"ids": vins} if vins is not None else {})
         return self.publish("$SDV-FANOUT/cancel", json.dumps(doc).encode())
 
-    def data(self, data_id: str, payload: bytes) -> int:
+    def data(self, data_id: str, payload: bytes) -> int | None:
         """The plugin format's data message on `$SDV-FANOUT/data/<data_id>`."""
         return self.publish(f"$SDV-FANOUT/data/{data_id}", payload)
 
-    def trigger(self, vins: list[str], request_id: str, data_id: str) -> int:
+    def trigger(self, vins: list[str], request_id: str, data_id: str) -> int | None:
         """The plugin format's trigger on `$SDV-FANOUT/trigger`."""
         doc = {"ids": vins, "request_id": request_id, "data_id": data_id}
         return self.publish("$SDV-FANOUT/trigger", json.dumps(doc).encode())
-
-    def close(self) -> None:
-        self._client.disconnect()
-        self._client.loop_stop()
-        release_paho(self._client)
 
 
 def file_authorization(acl: Path, *, no_match: str = "deny") -> dict[str, str]:

@@ -1,22 +1,19 @@
 """The rig of bench/e2e_emqx.py: one real EMQX node with a fleet listener whose zone allows one
 message in flight, two `sdv-fanout serve` registered as its ExHooks (acks through the hook, acks
 through the rule of ack_topic_prefix, side by side on their own topics), the rule, a platform that
-publishes batches QoS 1 with a window, raw fleet processes and the raw publisher."""
+publishes batches QoS 1 all at once, raw fleet processes and the raw publisher."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 
 from exhook_server.acks import rule_body
 from exhook_server.config import Config
@@ -24,6 +21,7 @@ from storage.lmdb.store import Store
 from testkit.emqx_real import EmqxBroker, EmqxError
 from testkit.emqx_sim import LOOPBACK, free_port
 from testkit.harness import SubprocessServer
+from testkit.mqtt import Client, run
 from testkit.plumbing import (
     Child,
     CpuMeter,
@@ -44,44 +42,25 @@ RULE_ACKS_TOPIC = f"{RULE_BATCH}/acked"
 ACCEPTED_PUBACK = (0, 16)  # success, or "no matching subscribers" (a batch is never routed)
 
 
-class BatchPublisher:
-    """The SDV platform: one paho MQTT 5 client publishing batches on `$SDV-FANOUT`, QoS 1."""
+class BatchPublisher(Client):
+    """The SDV platform: one MQTT 5 client publishing batches on `$SDV-FANOUT`, QoS 1, all at once."""
 
     def __init__(self, port: int) -> None:
-        self.acked = threading.Semaphore(0)
-        self.bad: list[str] = []
-        connected = threading.Event()
-        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="sdv-platform", protocol=mqtt.MQTTv5)
-        c.max_inflight_messages_set(50)
-        c.on_connect = lambda *_a: connected.set()
-        c.on_publish = self._on_publish
-        c.connect(LOOPBACK, port, keepalive=60, clean_start=True)
-        c.loop_start()
-        self.client = c
-        if not connected.wait(10):
-            raise RuntimeError("platform: no CONNACK")
+        super().__init__(port, "sdv-platform")
+        self.connect()
 
-    def _on_publish(self, _c: Any, _u: Any, mid: int, rc: Any, _props: Any) -> None:
-        if rc.value not in ACCEPTED_PUBACK:
-            self.bad.append(f"mid {mid}: {rc}")
-        self.acked.release()
-
-    def publish(self, topic: str, payloads: Sequence[bytes], deadline_s: float) -> float:
+    def publish_all(self, topic: str, payloads: Sequence[bytes], deadline_s: float) -> float:
         """Publish every batch; returns the time.time() just before the first; waits for the PUBACKs."""
-        t0 = time.time()
-        for payload in payloads:
-            self.client.publish(topic, payload, qos=1)
-        deadline = time.monotonic() + deadline_s
-        for _ in payloads:
-            if not self.acked.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise RuntimeError("platform: a batch got no PUBACK")
-        if self.bad:
-            raise RuntimeError(f"platform: batches refused: {self.bad[:3]}")
-        return t0
 
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
+        async def publish() -> tuple[float, list[int | None]]:
+            t0 = time.time()
+            return t0, await asyncio.gather(*(self.apublish(topic, p, timeout_s=deadline_s) for p in payloads))
+
+        t0, codes = run(publish(), deadline_s + 1)
+        bad = [code for code in codes if code not in ACCEPTED_PUBACK]
+        if bad:
+            raise RuntimeError(f"platform: batches refused: {bad[:3]}")
+        return t0
 
 
 def batch(vins: list[str], request_id: str, payload: bytes) -> bytes:

@@ -2,9 +2,10 @@
 
 `connect()` opens one `Connection` and returns it after a granted CONNACK (session-present kept);
 SUBACKs and PUBACKs come back as futures of their reason codes; each PUBLISH received goes to
-`on_message` on the loop and is acknowledged only by `puback()`. `run()` runs a coroutine on the
-process's one shared loop thread, for callers that are not on a loop. It sends QoS 0/1 only, and
-no will, AUTH or topic alias (no client of ours uses them); keepalive PINGREQs are sent.
+`on_message` on the loop and is acknowledged only by `puback()`. `Client` is one client's
+connection on the process's one shared loop thread, driven from other threads (its `a`-coroutines
+from code on a loop). It sends QoS 0/1 only, and no will, AUTH or topic alias (no client of ours
+uses them); keepalive PINGREQs are sent.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 LOOPBACK = "127.0.0.1"
+TIMEOUT_S = 10.0  # a CONNACK, SUBACK or PUBACK, or the broker closing a connection we half-closed
 T = TypeVar("T")
 
 CONNECT, CONNACK, PUBLISH, PUBACK, SUBSCRIBE, SUBACK = 0x10, 0x20, 0x30, 0x40, 0x82, 0x90
@@ -312,4 +314,107 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         raise
 
 
-__all__ = ["LOOPBACK", "Connection", "Message", "MqttError", "connect", "run", "shared_loop"]
+class HasMqttPort(Protocol):
+    @property
+    def mqtt_port(self) -> int: ...
+
+
+class Client:
+    """A client whose connection lives on the shared loop: QoS 1 messages it receives are recorded
+    and PUBACKed at once (a subclass decides otherwise in `_on_message`). Each connect is a new TCP
+    connection; the previous one is closed without DISCONNECT."""
+
+    def __init__(
+        self,
+        broker: int | HasMqttPort,
+        clientid: str,
+        *,
+        username: str = "",
+        keepalive_s: int = 60,
+        session_expiry_s: int = 0,
+    ) -> None:
+        self.port = broker if isinstance(broker, int) else broker.mqtt_port
+        self.clientid = clientid
+        self.username = username
+        self.keepalive_s = keepalive_s
+        self.session_expiry_s = session_expiry_s
+        self.received: list[Message] = []
+        self.conn: Connection | None = None
+
+    @property
+    def connected(self) -> bool:
+        """True while the current connection is up."""
+        return self.conn is not None and not self.conn.is_closed
+
+    @property
+    def disconnect_reason(self) -> int | None:
+        """The reason code of the broker's DISCONNECT on the current connection (0x8E: taken over)."""
+        return None if self.conn is None else self.conn.disconnect_reason
+
+    def _on_message(self, conn: Connection, m: Message) -> None:
+        self.received.append(m)
+        if m.qos:
+            conn.puback(m.pid)
+
+    async def aconnect(self, clean_start: bool = True) -> bool:
+        """A new connection (CONNACK awaited); the broker's session-present flag."""
+        if self.conn is not None:
+            self.conn.abort()
+        try:
+            self.conn = await connect(
+                self.port,
+                self.clientid,
+                username=self.username,
+                clean_start=clean_start,
+                keepalive_s=self.keepalive_s,
+                session_expiry_s=self.session_expiry_s,
+                on_message=self._on_message,
+            )
+        except OSError as exc:
+            raise MqttError(f"{self.clientid}: no connection: {exc}") from exc
+        return self.conn.session_present
+
+    async def asubscribe(self, *filters: str, qos: int = 1) -> list[int]:
+        """One SUBSCRIBE of the filters: the SUBACK's reason codes."""
+        return await self._answer(self._require().subscribe([(f, qos) for f in filters]))
+
+    async def apublish(self, topic: str, payload: bytes, qos: int = 1, timeout_s: float = TIMEOUT_S) -> int | None:
+        """Publish; at QoS 1 the PUBACK's reason code (EMQX ran message.publish by then)."""
+        fut = self._require().publish(topic, payload, qos)
+        if fut is None:
+            return None
+        return await self._answer(fut, timeout_s)
+
+    async def _answer(self, fut: asyncio.Future[T], timeout_s: float = TIMEOUT_S) -> T:
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError as exc:
+            raise MqttError(f"{self.clientid}: no answer from the broker within {timeout_s} s") from exc
+
+    def _require(self) -> Connection:
+        if self.conn is None or self.conn.is_closed:
+            raise MqttError(f"{self.clientid} is not connected")
+        return self.conn
+
+    async def _abort(self) -> None:
+        if self.conn is not None:
+            self.conn.abort()
+
+    def connect(self, *, clean_start: bool = True) -> bool:
+        """A new connection (CONNACK awaited); returns the broker's session-present flag."""
+        return run(self.aconnect(clean_start), TIMEOUT_S + 1)
+
+    def subscribe(self, *filters: str, qos: int = 1) -> list[int]:
+        """SUBSCRIBE and wait for the SUBACK; its reason codes."""
+        return run(self.asubscribe(*filters, qos=qos), TIMEOUT_S + 1)
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, timeout_s: float = TIMEOUT_S) -> int | None:
+        """Publish; at QoS 1 wait for the PUBACK and return its reason code."""
+        return run(self.apublish(topic, payload, qos, timeout_s), timeout_s + 1)
+
+    def close(self) -> None:
+        """Close the connection at once (no DISCONNECT, no wait)."""
+        run(self._abort(), TIMEOUT_S)
+
+
+__all__ = ["LOOPBACK", "Client", "Connection", "Message", "MqttError", "connect", "run", "shared_loop"]

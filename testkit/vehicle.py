@@ -5,33 +5,23 @@ every delivery in arrival order (redeliveries included); it PUBACKs each at once
 it arrived, or not until `ack_held()` (auto_ack False); it heartbeats on `ecp/<VIN>/<kind>` and
 answers on `agent/<VIN>/proxy/response/<request_id>`. session_expiry_s > 0 keeps its session, which
 `connect(clean_start=False)` resumes. Each connect is a new TCP connection; `drop()` loses the
-network (no DISCONNECT). All vehicles of a process share one asyncio loop (testkit/mqtt.py): the
-blocking methods are for other threads, the `a`-prefixed coroutines for code on a loop.
+network (no DISCONNECT). All vehicles of a process share one asyncio loop (testkit/mqtt.py's
+Client): the blocking methods are for other threads, the `a`-prefixed coroutines for code on a loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from testkit import mqtt
+from testkit.mqtt import TIMEOUT_S, HasMqttPort, MqttError, run
 
 REQUEST_PREFIX = "agent/{VIN}/proxy/request"
 #: The server's default response_topic_prefix: a vehicle answers on `<prefix>/<request_id>`.
 RESPONSE_PREFIX = "agent/{VIN}/proxy/response"
-TIMEOUT_S = 10.0  # a CONNACK, SUBACK or PUBACK, or the broker closing a dropped connection
-T = TypeVar("T")
-
-
-class VehicleError(RuntimeError):
-    """The broker refused or did not answer (CONNACK, SUBACK, PUBACK), or the vehicle is offline."""
-
-
-class HasMqttPort(Protocol):
-    @property
-    def mqtt_port(self) -> int: ...
 
 
 class Delivery(mqtt.Message):
@@ -42,9 +32,11 @@ class Delivery(mqtt.Message):
         return self.topic.rsplit("/", 1)[-1]
 
 
-class Vehicle:
+class Vehicle(mqtt.Client):
     """One vehicle; `unacked` holds the deliveries of its last connection not PUBACKed yet (until
     the next connect)."""
+
+    received: list[Delivery]  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -59,26 +51,25 @@ class Vehicle:
         request_prefix: str = REQUEST_PREFIX,
         keepalive_s: int = 60,
     ) -> None:
-        self.port = broker if isinstance(broker, int) else broker.mqtt_port
+        super().__init__(
+            broker,
+            clientid or vin,
+            username=vin if username is None else username,  # "": none sent
+            keepalive_s=keepalive_s,
+            session_expiry_s=session_expiry_s,
+        )
         self.vin = vin
-        self.clientid = clientid or vin
-        self.username = vin if username is None else username  # "": none sent
         self.hold_s = hold_s
         self.auto_ack = auto_ack
-        self.session_expiry_s = session_expiry_s
         self.request_prefix = request_prefix.replace("{VIN}", vin)
-        self.keepalive_s = keepalive_s
-        self.received: list[Delivery] = []
         self.unacked: list[tuple[mqtt.Connection, Delivery]] = []
         #: (delivery, time.time() just before its PUBACK went out), in PUBACK order.
         self.acks: list[tuple[Delivery, float]] = []
         self.max_unacked = 0
         #: Called on the loop for each delivery, after its PUBACK if that went out at once.
         self.on_delivery: Callable[[Delivery], None] | None = None
-        self.conn: mqtt.Connection | None = None
         self._dropped: mqtt.Connection | None = None
 
-    # -- views -------------------------------------------------------------------------------------
     @property
     def request_filter(self) -> str:
         """`agent/<VIN>/proxy/request/+`."""
@@ -89,46 +80,21 @@ class Vehicle:
         """Does the session outlive the connection (Session-Expiry-Interval > 0)?"""
         return self.session_expiry_s > 0
 
-    @property
-    def connected(self) -> bool:
-        """True while the current connection is up."""
-        return self.conn is not None and not self.conn.is_closed
-
-    @property
-    def disconnect_reason(self) -> int | None:
-        """The reason code of the broker's DISCONNECT on the current connection (0x8E: taken over)."""
-        return None if self.conn is None else self.conn.disconnect_reason
-
     def request_ids(self) -> list[str]:
         """The request ids received, in arrival order (redeliveries included)."""
         return [d.request_id for d in list(self.received)]
 
     # -- on the loop -------------------------------------------------------------------------------
     async def aconnect(self, clean_start: bool = True) -> bool:
-        """A new connection (the previous one closed without DISCONNECT); the session-present flag."""
-        self._abort()
         self.unacked.clear()
-        try:
-            conn = await mqtt.connect(
-                self.port,
-                self.clientid,
-                username=self.username,
-                clean_start=clean_start,
-                keepalive_s=self.keepalive_s,
-                session_expiry_s=self.session_expiry_s,
-                on_message=self._on_message,
-            )
-        except (OSError, mqtt.MqttError) as exc:
-            raise VehicleError(f"{self.clientid}: no connection: {exc}") from exc
-        self.conn = conn
-        return conn.session_present
+        return await super().aconnect(clean_start)
 
     async def asubscribe(self, *filters: str, qos: int = 1, check: bool = True) -> list[int]:
         """One SUBSCRIBE (default: the request filter); the SUBACK's reason codes (raises on a
         refused one if `check`)."""
-        codes = await self._answer(self._require().subscribe([(f, qos) for f in filters or (self.request_filter,)]))
+        codes = await super().asubscribe(*(filters or (self.request_filter,)), qos=qos)
         if check and any(c >= 0x80 for c in codes):
-            raise VehicleError(f"{self.clientid}: SUBACK {codes}")
+            raise MqttError(f"{self.clientid}: SUBACK {codes}")
         return codes
 
     async def aonline(self) -> None:
@@ -136,22 +102,9 @@ class Vehicle:
         await self.aconnect()
         await self.asubscribe()
 
-    async def apublish(self, topic: str, payload: bytes, qos: int = 1, timeout_s: float = TIMEOUT_S) -> int | None:
-        """Publish; at QoS 1 the PUBACK's reason code (EMQX ran message.publish by then)."""
-        fut = self._require().publish(topic, payload, qos)
-        if fut is None:
-            return None
-        return await self._answer(fut, timeout_s)
-
     async def aheartbeat(self, kind: str = "online", qos: int = 1, timeout_s: float = TIMEOUT_S) -> int | None:
         """Publish `ecp/<VIN>/<kind>`; at QoS 1 the PUBACK's reason code (EMQX ran the hook by then)."""
         return await self.apublish(f"ecp/{self.vin}/{kind}", b"{}", qos, timeout_s)
-
-    async def _answer(self, fut: asyncio.Future[T], timeout_s: float = TIMEOUT_S) -> T:
-        try:
-            return await asyncio.wait_for(fut, timeout_s)
-        except (TimeoutError, mqtt.MqttError) as exc:
-            raise VehicleError(f"{self.clientid}: no answer from the broker: {exc!r}") from exc
 
     def _on_message(self, conn: mqtt.Connection, m: mqtt.Message) -> None:
         if conn is self._dropped:
@@ -181,58 +134,24 @@ class Vehicle:
     async def _ack_held(self) -> int:
         return sum(self._ack(conn, d) for conn, d in list(self.unacked))
 
-    async def _drop(self, timeout_s: float) -> None:
-        conn = self.conn
-        if conn is None:
-            return
-        self._dropped = conn
-        conn.half_close()
-        await asyncio.wait([conn.closed], timeout=timeout_s)
-        self._abort()
-
-    async def _disconnect(self, timeout_s: float) -> None:
+    async def _close_then(self, close: Callable[[mqtt.Connection], None], timeout_s: float) -> None:
         conn = self._require()
-        conn.disconnect()
+        close(conn)
         await asyncio.wait([conn.closed], timeout=timeout_s)
-        if not conn.is_closed:
-            raise VehicleError(f"{self.clientid}: DISCONNECT not done within {timeout_s} s")
-        self._abort()
-
-    async def _close(self) -> None:
-        self._abort()
-
-    def _abort(self) -> None:
-        if self.conn is not None:
-            self.conn.abort()
-
-    def _require(self) -> mqtt.Connection:
-        if self.conn is None or self.conn.is_closed:
-            raise VehicleError(f"{self.clientid} is not connected")
-        return self.conn
+        await self._abort()
 
     # -- blocking, from any other thread -------------------------------------------------------------
-    def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float = TIMEOUT_S) -> T:
-        return mqtt.run(coro, timeout_s + 1)
-
-    def connect(self, *, clean_start: bool = True) -> bool:
-        """A new connection (CONNACK awaited); returns the broker's session-present flag."""
-        return self._run(self.aconnect(clean_start))
+    def subscribe(self, *filters: str, qos: int = 1, check: bool = True) -> list[int]:
+        """SUBSCRIBE (default: the request filter) and wait for the SUBACK; its reason codes."""
+        return run(self.asubscribe(*filters, qos=qos, check=check), TIMEOUT_S + 1)
 
     def reconnect(self, clean_start: bool) -> bool:
         """Connect again on a new TCP connection: the broker resumes the session or starts clean."""
         return self.connect(clean_start=clean_start)
 
-    def subscribe(self, *filters: str, qos: int = 1, check: bool = True) -> list[int]:
-        """SUBSCRIBE (default: the request filter) and wait for the SUBACK; its reason codes."""
-        return self._run(self.asubscribe(*filters, qos=qos, check=check))
-
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1) -> int | None:
-        """Publish; at QoS 1 wait for the PUBACK and return its reason code."""
-        return self._run(self.apublish(topic, payload, qos))
-
     def heartbeat(self, kind: str = "online", *, qos: int = 1, timeout_s: float = TIMEOUT_S) -> int | None:
         """Publish `ecp/<VIN>/<kind>`; at QoS 1 wait for its PUBACK (EMQX ran the hook by then)."""
-        return self._run(self.aheartbeat(kind, qos, timeout_s), timeout_s)
+        return run(self.aheartbeat(kind, qos, timeout_s), timeout_s + 1)
 
     def respond(self, request_id: str, payload: bytes) -> int | None:
         """The answer to `request_id` on `agent/<VIN>/proxy/response/<request_id>`, QoS 1, PUBACKed."""
@@ -240,20 +159,21 @@ class Vehicle:
 
     def ack_held(self) -> int:
         """PUBACK every delivery of the current connection not PUBACKed yet; returns how many."""
-        return self._run(self._ack_held())
+        return run(self._ack_held(), TIMEOUT_S)
 
     def drop(self, timeout_s: float = TIMEOUT_S) -> None:
         """Lose the network: TCP FIN without DISCONNECT, then wait (bounded) until the broker closed
         its side too, i.e. it noticed. What was not PUBACKed stays with the broker's session."""
-        self._run(self._drop(timeout_s), timeout_s)
+
+        def half_close(conn: mqtt.Connection) -> None:
+            self._dropped = conn
+            conn.half_close()
+
+        run(self._close_then(half_close, timeout_s), timeout_s + 1)
 
     def disconnect(self, timeout_s: float = TIMEOUT_S) -> None:
-        """A clean DISCONNECT; returns once the connection is closed."""
-        self._run(self._disconnect(timeout_s), timeout_s)
-
-    def close(self) -> None:
-        """Close the connection at once (no DISCONNECT, no wait)."""
-        self._run(self._close())
+        """A clean DISCONNECT; returns once the connection is closed (bounded)."""
+        run(self._close_then(mqtt.Connection.disconnect, timeout_s), timeout_s + 1)
 
 
 class Fleet:
@@ -276,7 +196,7 @@ class Fleet:
         async def all_online() -> None:
             await asyncio.gather(*(v.aonline() for v in vehicles))
 
-        mqtt.run(all_online(), TIMEOUT_S * 2 + len(vins) * 0.01)
+        run(all_online(), TIMEOUT_S * 2 + len(vins) * 0.01)
         return vehicles
 
     def close(self) -> None:

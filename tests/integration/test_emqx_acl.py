@@ -20,7 +20,7 @@ import pytest
 
 from testkit.emqx_real import EmqxBroker, available_versions, file_authorization, running_emqx, where_looked
 from testkit.harness import ROOT, poll
-from testkit.vehicle import Vehicle
+from testkit.mqtt import Client
 
 pytestmark = pytest.mark.slow
 if not available_versions():
@@ -102,27 +102,26 @@ _ids = itertools.count()
 
 
 class Probe:
-    """A client of any clientid (testkit's vehicle): SUBACK and PUBACK reason codes, and the topic
-    of every message it receives."""
+    """A bare MQTT 5 client: SUBACK and PUBACK reason codes, and every message it receives."""
 
     def __init__(self, broker: EmqxBroker, clientid: str, username: str | None = None) -> None:
-        self.v = Vehicle(broker, clientid, username=username or "")
-        self.v.connect()
+        self.c = Client(broker, clientid, username=username or "")
+        self.c.connect()
 
     @property
     def received(self) -> list[str]:
-        return [d.topic for d in self.v.received]
+        return [m.topic for m in self.c.received]
 
     def subscribe(self, filters: list[str]) -> dict[str, int]:
         """One SUBSCRIBE of every filter at QoS 1: filter -> its SUBACK reason code."""
-        return dict(zip(filters, self.v.subscribe(*filters, check=False), strict=True))
+        return dict(zip(filters, self.c.subscribe(*filters), strict=True))
 
     def publish(self, topic: str, payload: bytes = b"{}") -> int | None:
         """Publish at QoS 1: the PUBACK reason code."""
-        return self.v.publish(topic, payload)
+        return self.c.publish(topic, payload)
 
     def close(self) -> None:
-        self.v.close()
+        self.c.close()
 
 
 @pytest.fixture(scope="module", params=BROKERS, ids=[f"emqx{v}-no_match-{m}" for v, m in BROKERS])

@@ -4,7 +4,7 @@ One broker and one `sdv-fanout serve` subprocess per version for the whole modul
 through EMQX's REST API: on 5.8.9 a group of two processes on LMDB (events forwarded between
 them), on 5.9.1 two instances on PostgreSQL (`--processes 2 --store-url`: the kernel spreads
 EMQX's pool connections over both, each handles whatever hook it gets, the database decides).
-Vehicles are real paho MQTT 5 clients and the platform publishes real batches. Each test uses its
+Vehicles are real MQTT 5 clients (testkit/vehicle.py) and the platform publishes real batches. Each test uses its
 own VINs, so tests share the server without seeing each other's rows. Everything is on loopback
 and every process is stopped at the end.
 """

@@ -20,6 +20,7 @@ from exhook_server.acks import rule_body
 from exhook_server.config import Config
 from testkit.emqx_real import EmqxBroker, Platform, find_release, running_emqx, where_looked
 from testkit.harness import ROOT, SubprocessServer, poll
+from testkit.mqtt import Client as MqttClient
 from testkit.vehicle import Fleet, Vehicle
 from tests.integration import test_real_emqx
 from tests.integration.test_real_emqx import (
@@ -96,24 +97,17 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             fanout.stop()
 
 
-class Client:
-    """A bare MQTT 5 client (the forger, testkit's vehicle): publishes at QoS 1, reports PUBACK codes."""
+class Client(MqttClient):
+    """A bare MQTT 5 client (the forger): publishes and subscribes at QoS 1, reports reason codes."""
 
     def __init__(self, broker: EmqxBroker, clientid: str, username: str | None = None) -> None:
-        self.v = Vehicle(broker, clientid, username=username or "")
-        self.v.connect()
+        super().__init__(broker, clientid, username=username or "")
+        self.connect()
 
-    def publish(self, topic: str, payload: bytes) -> int | None:
-        """Publish at QoS 1; the PUBACK reason code."""
-        return self.v.publish(topic, payload)
-
-    def subscribe(self, topic: str) -> int:
+    def subscribe(self, topic: str) -> int:  # type: ignore[override]
         """Subscribe at QoS 1; the SUBACK reason code."""
-        [code] = self.v.subscribe(topic, check=False)
+        [code] = super().subscribe(topic)
         return code
-
-    def close(self) -> None:
-        self.v.close()
 
 
 def holding_vehicle(fleet: Fleet, prefix: str) -> tuple[str, Vehicle]:
