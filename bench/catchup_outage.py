@@ -20,14 +20,12 @@ from typing import Any
 
 import structlog
 
+from testkit.catchup import Rig, batch, hold_acks, hooks_reach, release_acks
 from testkit.emqx_real import EmqxError, Platform, find_release, running_emqx
-from testkit.harness import poll
+from testkit.harness import Throttle, poll, signal_all
 from testkit.pg_cluster import PgCluster
 from testkit.plumbing import say
 from testkit.vehicle import Fleet
-from tests.integration.test_catchup import Rig, batch, hold_acks, hooks_reach, release_acks
-from tests.integration.test_multi_instance import signal_all
-from tests.integration.test_real_emqx import Throttle
 
 #: How long the catch-up and the deliveries may take after the restart.
 DEADLINE_S = 300.0

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -359,3 +360,50 @@ def put(writer: Any, store: Any, vins: list[str], rid: str, blob: bytes, at: int
     writer.submit(
         functools.partial(batches.store_batch, t=store.tables, vins=vins, request_id=rid, blob=blob, now_ms=at)
     ).result()
+
+
+def signal_all(srv: SubprocessServer, sig: int) -> None:
+    """`sig` to the instance's every process (SIGSTOP of a parent alone stops no server child)."""
+    for pid in {srv.proc.pid, *srv.pids}:
+        os.kill(pid, sig)
+
+
+def stop(srv: SubprocessServer) -> None:
+    """Whatever state it is in (running, stopped, killed): gone and reaped afterwards; a drain
+    that overruns its shutdown timeout is a failure (after a kill -9)."""
+    if srv.proc.poll() is not None:
+        srv.kill()  # already dead: reaps it and closes its log
+        return
+    signal_all(srv, signal.SIGCONT)
+    try:
+        srv.terminate(timeout_s=15)
+    except BaseException:
+        srv.kill()
+        raise
+
+
+def metric(srv: SubprocessServer, name: str, labels: str = "") -> float:
+    """A counter or gauge from the instance's /metrics, summed over the series whose labels
+    contain `labels` (e.g. 'purpose="batch_filter"')."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.split("{")[0].split(" ")[0] == name and labels in line
+    )
+
+
+class Throttle:
+    """True at most once per period (a vehicle's heartbeat interval)."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self._next = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.period_s
+        return True

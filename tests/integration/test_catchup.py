@@ -12,129 +12,35 @@ test discards at the end (EMQX would keep it for a week and queue the next tests
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import json
 import signal
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import asyncpg
 import pytest
 
-from storage.lmdb.store import Store
-from testkit.emqx_real import EmqxApiError, EmqxBroker, Platform, find_release, running_emqx, where_looked
+from testkit.catchup import (
+    DEADLINE_S,
+    EXHOOK,
+    REQUEST_TIMEOUT,
+    Rig,
+    batch,
+    discard_session,
+    hold_acks,
+    hooks_reach,
+    ids,
+    pg_rows,
+    release_acks,
+    session_held,
+)
+from testkit.emqx_real import EmqxBroker, Platform, find_release, running_emqx, where_looked
 from testkit.emqx_sim import free_port
-from testkit.harness import SubprocessServer, poll
+from testkit.harness import SubprocessServer, Throttle, poll, signal_all, stop
 from testkit.vehicle import Fleet, Vehicle
-from tests.integration.test_multi_instance import metric, signal_all, stop
-from tests.integration.test_real_emqx import Throttle
 
 pytestmark = pytest.mark.slow
 
 VERSION = "5.8.9"
-EXHOOK = "sdv-fanout"
-#: How long EMQX waits for a hook call of a stopped server before it routes the batch.
-REQUEST_TIMEOUT = "1s"
-DEADLINE_S = 30.0
-#: The topics the catch-up session subscribes to (the default batch topics).
-FILTERS = {"$SDV-FANOUT", "$SDV-FANOUT/trigger", "$SDV-FANOUT/data/#", "$SDV-FANOUT/cancel"}
-
-_ids = itertools.count()
-
-
-class Rig:
-    """A broker, and one server (a group or two instances) registered with it, restartable in place."""
-
-    def __init__(self, broker: EmqxBroker, workdir: Path, store_url: str) -> None:
-        n = next(_ids)
-        self.broker = broker
-        self.port = free_port()
-        self.data_dir = workdir / f"lmdb-{n}"
-        self.clientid = f"sdv-fanout-catchup-test{n}"
-        self.env = {
-            "SDV_FANOUT_MQTT_URL": broker.url,
-            "SDV_FANOUT_PROCESSES": "2",
-            "SDV_FANOUT_CATCHUP_CLIENTID": self.clientid,
-            "SDV_FANOUT_INFLIGHT_TIMEOUT_S": "5",
-        }
-        self.store_url = store_url
-        if store_url:
-            self.env["SDV_FANOUT_STORE_URL"] = store_url
-        #: Every server run of the test, for its logs.
-        self.runs: list[SubprocessServer] = []
-        self.start()
-        broker.register_exhook(
-            EXHOOK, f"http://127.0.0.1:{self.port}", pool_size=2, request_timeout=REQUEST_TIMEOUT, auto_reconnect="1s"
-        )
-
-    @property
-    def srv(self) -> SubprocessServer:
-        return self.runs[-1]
-
-    def start(self) -> None:
-        self.runs.append(SubprocessServer(self.data_dir, "--listen", f"127.0.0.1:{self.port}", env=self.env))
-
-    def session_held(self) -> bool:
-        return session_held(self.broker, self.clientid)
-
-    def rows(self, vins: list[str]) -> int:
-        """Pending rows of these VINs, committed (LMDB read-only, or SQL)."""
-        if self.store_url:
-            return pg_rows(self.store_url, vins)
-        with Store(self.data_dir, readonly=True) as store:
-            return sum(len(store.pending(v)) for v in vins)
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        return [e for run in self.runs for e in run.events() if e.get("event") == name]
-
-    def set_exhook(self, enable: bool) -> None:
-        """Enable or disable our ExHook in EMQX (disabled: EMQX calls no hook and routes every batch)."""
-        conf = self.broker.api("GET", f"/exhooks/{EXHOOK}")
-        body = {k: conf[k] for k in ("name", "url", "pool_size", "request_timeout", "failed_action", "auto_reconnect")}
-        self.broker.api("PUT", f"/exhooks/{EXHOOK}", {**body, "enable": enable})
-        if enable:
-            self.broker.wait_exhook(EXHOOK)
-
-    def close(self) -> None:
-        stop(self.srv)
-        discard_session(self.broker, self.clientid)
-
-
-def pg_rows(store_url: str, vins: list[str]) -> int:
-    """Pending rows of these VINs in a PostgreSQL store."""
-
-    async def count() -> int:
-        conn = await asyncpg.connect(store_url)
-        try:
-            return int(await conn.fetchval("SELECT count(*) FROM rows WHERE vin = ANY($1::text[])", vins))
-        finally:
-            await conn.close()
-
-    return asyncio.run(count())
-
-
-def session_held(broker: EmqxBroker, clientid: str) -> bool:
-    """The catch-up client connected and subscribed to every batch topic."""
-    try:
-        client = broker.api("GET", f"/clients/{clientid}")
-    except EmqxApiError as exc:
-        if exc.status == 404:
-            return False
-        raise
-    subs = broker.api("GET", f"/subscriptions?clientid={clientid}&limit=100")["data"]
-    return bool(client.get("connected")) and {s["topic"] for s in subs} >= FILTERS
-
-
-def discard_session(broker: EmqxBroker, clientid: str) -> None:
-    """End a catch-up session: it would queue later tests' batches for a week."""
-    try:
-        broker.api("DELETE", f"/clients/{clientid}")
-    except EmqxApiError as exc:
-        if exc.status != 404:
-            raise
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +56,7 @@ def rig(request: pytest.FixtureRequest, broker: EmqxBroker, tmp_path: Path) -> I
     store = getattr(request, "param", "lmdb")
     store_url = ""
     if store == "postgresql":
-        store_url = request.getfixturevalue("pg_cluster").new_database(f"catchup_{next(_ids)}")
+        store_url = request.getfixturevalue("pg_cluster").new_database(f"catchup_{next(ids)}")
     r = Rig(broker, tmp_path, store_url)
     try:
         poll(r.session_held, DEADLINE_S, interval_s=0.1)
@@ -162,16 +68,12 @@ def rig(request: pytest.FixtureRequest, broker: EmqxBroker, tmp_path: Path) -> I
 @pytest.fixture
 def fleet(broker: EmqxBroker) -> Iterator[tuple[Fleet, Platform]]:
     f = Fleet(broker)
-    platform = Platform(broker, clientid=f"sdv-platform-catchup-{next(_ids)}")
+    platform = Platform(broker, clientid=f"sdv-platform-catchup-{next(ids)}")
     try:
         yield f, platform
     finally:
         platform.close()
         f.close()
-
-
-def batch(vins: list[str], rid: str, **extra: Any) -> bytes:
-    return json.dumps({"ids": vins, "request_id": rid, "data": rid, **extra}).encode()
 
 
 def each_gets_each(vehicles: list[Vehicle], rids: list[str]) -> None:
@@ -191,32 +93,6 @@ def each_gets_each(vehicles: list[Vehicle], rids: list[str]) -> None:
         assert Counter(v.request_ids()) == Counter(rids), (v.vin, v.request_ids())
 
 
-def hold_acks(vehicles: list[Vehicle]) -> None:
-    """Vehicles keep their PUBACKs while no hook call can tell the server (EMQX would not retell it)."""
-    for v in vehicles:
-        v.auto_ack = False
-
-
-def release_acks(vehicles: list[Vehicle]) -> None:
-    """The hooks answer again: PUBACK what was held, and everything from now on."""
-    for v in vehicles:
-        v.auto_ack = True
-        v.ack_held()
-
-
-def hooks_reach(srv: SubprocessServer, vehicles: list[Vehicle]) -> None:
-    """Heartbeat until EMQX's hook calls reach `srv` (it reconnects to a restarted server within its
-    auto_reconnect): a PUBACK before that would never be told to it."""
-    beat = Throttle(0.5)
-
-    def heard() -> bool:
-        if beat.due():
-            vehicles[0].heartbeat("heartbeat")
-        return metric(srv, "sdv_fanout_heartbeats_total") > 0
-
-    poll(heard, DEADLINE_S, interval_s=0.05)
-
-
 def stored_once(rig: Rig | list[SubprocessServer], rids: list[str]) -> None:
     """Each request stored by exactly one `batch_stored` (a second sighting is a duplicate)."""
     runs = rig.runs if isinstance(rig, Rig) else rig
@@ -232,7 +108,7 @@ def test_batches_published_while_every_process_is_stopped_or_killed_are_stored_a
     routes it to the catch-up session), SIGCONT: each stored once, delivered once. Then kill -9,
     publish 3 more (EMQX queues them in the offline session), start again: the same."""
     f, platform = fleet
-    vins = [f"CU{next(_ids):03d}V{i}" for i in range(3)]
+    vins = [f"CU{next(ids):03d}V{i}" for i in range(3)]
     vehicles = f.online(vins)
     platform.publish("$SDV-FANOUT", batch(vins, "cu_first"))  # the hook stores it: the fleet is known
     each_gets_each(vehicles, ["cu_first"])
@@ -271,8 +147,8 @@ def test_postgresql_the_session_moves_with_the_lead_when_the_leader_is_killed(
     kill -9 of the leader: EMQX routes the next 3 batches to the session, the other instance takes
     the lead within seconds and the session with it (same client id, EMQX resumes it), and each
     batch is stored once and delivered once."""
-    store_url = request.getfixturevalue("pg_cluster").new_database(f"catchup_{next(_ids)}")
-    clientid = f"sdv-fanout-catchup-test{next(_ids)}"
+    store_url = request.getfixturevalue("pg_cluster").new_database(f"catchup_{next(ids)}")
+    clientid = f"sdv-fanout-catchup-test{next(ids)}"
     env = {
         "SDV_FANOUT_MQTT_URL": broker.url,
         "SDV_FANOUT_STORE_URL": store_url,
@@ -296,7 +172,7 @@ def test_postgresql_the_session_moves_with_the_lead_when_the_leader_is_killed(
             auto_reconnect="1s",
         )
         f, platform = fleet
-        vins = [f"CF{next(_ids):03d}V{i}" for i in range(3)]
+        vins = [f"CF{next(ids):03d}V{i}" for i in range(3)]
         vehicles = f.online(vins)
         platform.publish("$SDV-FANOUT", batch(vins, "cf_first"))
         each_gets_each(vehicles, ["cf_first"])
@@ -329,7 +205,7 @@ def test_a_batch_both_the_hook_and_the_session_saw_is_stored_and_delivered_once(
     (as when EMQX gave up on a slow hook call that still stored it): with and without batch_id,
     stored once, delivered once; a new batch through the session alone is stored and delivered."""
     f, platform = fleet
-    vins = [f"CD{next(_ids):03d}V{i}" for i in range(2)]
+    vins = [f"CD{next(ids):03d}V{i}" for i in range(2)]
     vehicles = f.online(vins)
     plain, tagged = batch(vins, "cd_plain"), batch(vins, "cd_tagged", batch_id="cd-tagged-1")
     for payload in (plain, tagged):

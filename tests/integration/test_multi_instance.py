@@ -32,7 +32,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -48,7 +47,7 @@ from storage.lmdb.outcomes import Outcome
 from storage.postgres.constants import LockClass
 from testkit.emqx_sim import Acked, FakeEmqx, Mosquitto, Received, Vehicle
 from testkit.exhook_pool import Routing
-from testkit.harness import SubprocessServer, poll
+from testkit.harness import SubprocessServer, metric, poll, signal_all, stop
 from testkit.pg_cluster import PgCluster
 
 pytestmark = pytest.mark.slow
@@ -158,38 +157,6 @@ def instances(
             f.result()  # the first start that failed, raised
         poll(lambda: all(s.logged("mqtt_connected") for s in servers), timeout_s=30)
         yield servers
-
-
-def signal_all(srv: SubprocessServer, sig: int) -> None:
-    """`sig` to the instance's every process (SIGSTOP of a parent alone stops no server child)."""
-    for pid in {srv.proc.pid, *srv.pids}:
-        os.kill(pid, sig)
-
-
-def stop(srv: SubprocessServer) -> None:
-    """Whatever state it is in (running, stopped, killed): gone and reaped afterwards; a drain
-    that overruns its shutdown timeout is a failure (after a kill -9)."""
-    if srv.proc.poll() is not None:
-        srv.kill()  # already dead: reaps it and closes its log
-        return
-    signal_all(srv, signal.SIGCONT)
-    try:
-        srv.terminate(timeout_s=15)
-    except BaseException:
-        srv.kill()
-        raise
-
-
-def metric(srv: SubprocessServer, name: str, labels: str = "") -> float:
-    """A counter or gauge from the instance's /metrics, summed over the series whose labels
-    contain `labels` (e.g. 'purpose="batch_filter"')."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.split("{")[0].split(" ")[0] == name and labels in line
-    )
 
 
 def delivery_clientid(srv: SubprocessServer) -> str:

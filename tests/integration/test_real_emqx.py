@@ -29,7 +29,7 @@ from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import Store
 from testkit.emqx_real import EmqxBroker, Platform, available_versions, running_emqx, where_looked
 from testkit.emqx_sim import free_port
-from testkit.harness import BIN, SubprocessServer, poll
+from testkit.harness import BIN, SubprocessServer, Throttle, poll
 from testkit.vehicle import Fleet, Vehicle
 
 pytestmark = pytest.mark.slow
@@ -456,18 +456,3 @@ def test_server_restart_mid_fanout_loses_nothing(rig: Any, how: str) -> None:
     poll(lambda: fanout.rows(vins) == 0, DEADLINE_S)
     for v in vehicles:
         assert max(Counter(v.request_ids()).values()) <= 2, (v.vin, v.request_ids())
-
-
-class Throttle:
-    """True at most once per period (a vehicle's heartbeat interval)."""
-
-    def __init__(self, period_s: float) -> None:
-        self.period_s = period_s
-        self._next = 0.0
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now < self._next:
-            return False
-        self._next = now + self.period_s
-        return True
