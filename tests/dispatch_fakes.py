@@ -97,6 +97,8 @@ class MemoryRows:
     outcomes: dict[Pair, Ended] = field(default_factory=dict)
     #: request_id → its cancel of every vehicle in progress.
     cancels: dict[str, CancelJob] = field(default_factory=dict)
+    #: Request ids aborted under their campaign policy (the store's `aborts`): batches refused.
+    aborted: set[str] = field(default_factory=set)
     #: Every `ack` call, in order (what the worker asked, not what the store did).
     acks: list[AckCall] = field(default_factory=list)
     #: Every pair the store ever took.

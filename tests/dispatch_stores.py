@@ -24,10 +24,14 @@ from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.dispatch.pacing import Pacer
 from exhook_server.dispatch.port import Dispatch
 from exhook_server.dispatch.worker import Publisher
+from storage.errors import RequestAborted
 from storage.lmdb.batches import BatchWritten, RowSpec
 from storage.lmdb.keys import FLAG_AWAIT_RESPONSE, FLAG_HIGH_PRIORITY
 from storage.lmdb.outcomes import Outcome
-from storage.postgres import batches, expiry, migrate
+from storage.model import COUNT_NAMES, CancelChunk, Generation
+from storage.postgres import batches, expiry, migrate, policies
+from storage.postgres import reads as pg_reads
+from storage.postgres.errors import as_storage_error
 from tests.dispatch_fakes import AckCall, CancelJob, Ended, MemoryRows, Pair, Pending
 
 #: Workers (memory) or lanes (PostgreSQL): vehicles' events run on several at once.
@@ -94,6 +98,17 @@ class SimStore(Protocol):
         ...
 
     async def cancel_vins(self, request_id: str, vins: list[str]) -> Chunk: ...
+
+    async def set_policy(self, request_id: str, doc: bytes) -> None:
+        """Store `doc` as the request's campaign policy (re-opening it if it was aborted)."""
+
+    async def outcome_counts(self, request_id: str) -> tuple[list[Generation], int]:
+        """`Reads.outcome_counts` over this store."""
+        ...
+
+    async def abort(self, request_id: str, doc: bytes, now_ms: int, max_rows: int) -> CancelChunk | None:
+        """`Writes.abort` over this store: the abort and its cancel's first chunk, once per policy."""
+        ...
 
     async def start_cancel_all(self, request_id: str, max_rows: int) -> Chunk: ...
 
@@ -196,6 +211,8 @@ class MemoryStore:
         await_response: bool,
         high_priority: bool = False,
     ) -> Chunk:
+        if request_id in self.view.aborted:
+            raise RequestAborted(request_id)
         for vin in vins:
             self.view.add(
                 vin,
@@ -209,6 +226,28 @@ class MemoryStore:
 
     async def cancel_vins(self, request_id: str, vins: list[str]) -> Chunk:
         return self.view.cancel_vins(request_id, vins)
+
+    async def set_policy(self, request_id: str, doc: bytes) -> None:
+        self.view.aborted.discard(request_id)
+
+    async def outcome_counts(self, request_id: str) -> tuple[list[Generation], int]:
+        counts: dict[bytes, dict[str, int]] = {}
+        for (_, rid), row in self.view.rows.items():
+            if rid == request_id:
+                counts.setdefault(row.sha1, dict.fromkeys(COUNT_NAMES, 0))["pending"] += 1
+        for (_, rid, digest), ended in self.view.outcomes.items():
+            if rid == request_id:
+                counts.setdefault(digest, dict.fromkeys(COUNT_NAMES, 0))[ended.outcome.label] += 1
+        for c in counts.values():
+            c["total"] = sum(c.values())
+        return [Generation(request_id, digest, 0, 0, c) for digest, c in counts.items()], 0
+
+    async def abort(self, request_id: str, doc: bytes, now_ms: int, max_rows: int) -> CancelChunk | None:
+        if request_id in self.view.aborted:
+            return None
+        self.view.aborted.add(request_id)
+        done, more = self.view.start_cancel_all(request_id, max_rows)
+        return CancelChunk(request_id, tuple(done), len(done), more, None, "aborted")
 
     async def start_cancel_all(self, request_id: str, max_rows: int) -> Chunk:
         return self.view.start_cancel_all(request_id, max_rows)[0]
@@ -360,7 +399,7 @@ class PgStore:
         flags = (FLAG_AWAIT_RESPONSE if await_response else 0) | (FLAG_HIGH_PRIORITY if high_priority else 0)
         spec = RowSpec(expires_ms=expires_ms, flags=flags)
         now_ms = self._write_ms()
-        written = await batches.store_batch(self._conn, vins, request_id, payload, now_ms, spec=spec)
+        written = await as_storage_error(batches.store_batch(self._conn, vins, request_id, payload, now_ms, spec=spec))
         assert isinstance(written, BatchWritten)
         self.view.taken.update((vin, request_id, written.sha1) for vin in written.vins)
         # As ops.put_rows: a replaced row a cancel in progress had taken ends cancelled (stamped
@@ -377,6 +416,15 @@ class PgStore:
 
     async def cancel_vins(self, request_id: str, vins: list[str]) -> Chunk:
         return list((await batches.cancel_vins(self._conn, request_id, vins, self._write_ms())).cancelled)
+
+    async def set_policy(self, request_id: str, doc: bytes) -> None:
+        await policies.set_policy(self._conn, request_id, doc, self._write_ms(), 1000)
+
+    async def outcome_counts(self, request_id: str) -> tuple[list[Generation], int]:
+        return await pg_reads.outcome_counts(self._conn, request_id)
+
+    async def abort(self, request_id: str, doc: bytes, now_ms: int, max_rows: int) -> CancelChunk | None:
+        return await batches.abort(self._conn, request_id, doc, self._write_ms(), max_rows)
 
     async def start_cancel_all(self, request_id: str, max_rows: int) -> Chunk:
         chunk = await batches.start_cancel_all(self._conn, request_id, self._write_ms(), max_rows)

@@ -33,6 +33,10 @@ Invariants, checked at every step against the store's view (`MemoryRows`, or Pos
   holding a slot, never more starts of the rated one than its first token plus its rate since
   the policy, never a row of a request without capacity (the oldest row with capacity goes);
   idle vehicles are offered capacity as the pacer ticks;
+- campaigns given abort criteria at random (memory) are judged after every step by the server's own
+  `Aborts` over the store's counts: an abort is recorded once per policy (a second one writes
+  nothing), its cancel's chunks count exactly the deliveries out, the request's batches are
+  refused while it stands and stored again once a new policy re-opens it;
 - at the end every row is drained and every pair the store took has exactly one outcome;
   a cancelled pair the vehicle PUBACKed later was amended.
 """
@@ -48,10 +52,15 @@ from dataclasses import dataclass, field
 import pytest
 import structlog.testing
 
+from exhook_server.abort import Aborts
+from exhook_server.config import Config
 from exhook_server.dispatch.commands import EndReason, Session
+from exhook_server.dispatch.gates import Gates
 from exhook_server.dispatch.pacing import LocalBudget, Pacer
-from exhook_server.policy import Policy
+from exhook_server.policy import AbortCriterion, Policy
+from storage.errors import RequestAborted
 from storage.lmdb.outcomes import Outcome
+from storage.model import CancelChunk, Generation
 from testkit.pg_cluster import PgCluster
 from tests.dispatch_fakes import MemoryRows, Pair, sha1
 from tests.dispatch_stores import OpenStore, SimStore, Wiring, open_memory, open_postgresql
@@ -64,6 +73,8 @@ PG_SEEDS = [1, 2]
 #: Seeds run with vehicle events over MQTT too (memory; PostgreSQL takes its first seed).
 MQTT_SEEDS = [1, 2, 3]
 PG_STEPS = 800
+#: Abort criteria on PostgreSQL too (off: see `run`).
+ABORTS_ON_POSTGRESQL = False
 #: Rows a cancel of every vehicle ends per transaction (max_rows_per_commit).
 CANCEL_CHUNK = 7
 RESPONSE_TIMEOUT_S = 30.0
@@ -143,6 +154,9 @@ class Fleet:
         self.pacer: Pacer | None = None
         self.paced_since = self.now
         self.rated_starts = 0
+        self.abort_rng = random.Random(0)
+        #: Request ids aborted by their campaign policy now (the store refuses their batches).
+        self.aborted: set[str] = set()
 
     def held_now(self) -> frozenset[str]:
         return frozenset(self.held)
@@ -313,6 +327,25 @@ class Fleet:
             self.violations.append(f"step {self.step}: the worker ended {brief(got)}, expected {brief(expected)}")
 
 
+class AbortSeams:
+    """What `Aborts` asks of the store (Reads.outcome_counts, Writes.abort) over the simulated one,
+    and the cancel walk it starts (`Cancels.walk`), handed to the simulation, which reports each
+    chunk to dispatch as the ingestor's walk does."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.walks: list[CancelChunk] = []
+
+    async def outcome_counts(self, request_id: str) -> tuple[list[Generation], int]:
+        return await self.fleet.store.outcome_counts(request_id)
+
+    async def abort(self, request_id: str, doc: bytes, now_ms: int, max_rows: int) -> CancelChunk | None:
+        return await self.fleet.store.abort(request_id, doc, now_ms, max_rows)
+
+    def walk(self, first: CancelChunk) -> None:
+        self.walks.append(first)
+
+
 def brief(calls: list[Expected]) -> str:
     return ", ".join(f"{v}/{rid}/{s.hex()[:6]} {o.label} x{a} {r[:14]!r}" for v, rid, s, o, a, r in calls[:6])
 
@@ -345,6 +378,8 @@ async def simulate(
         pacing=fleet.pacer,
     )
     fleet.store = await open_store(wiring)
+    #: Abort criteria are drawn apart, so the other events' stream stays what each seed gave before.
+    fleet.abort_rng = random.Random(seed * 7919 + 26)
     try:
         await run(fleet, steps, events)
         fleet.store.commit_acks()
@@ -369,6 +404,48 @@ async def run(fleet: Fleet, steps: int, events: str = "hooks") -> None:
     d = store.dispatcher
     vins = list(fleet.vehicles)
     rids = [f"task_{t}_{n}" for t in ("ota", "cfg") for n in range(4)]
+    seams = AbortSeams(fleet)
+    gates = Gates(lambda: int(fleet.now * 1000))  # the abort watch's own: dispatch has the fleet's held set
+    clock_ms = lambda: int(fleet.now * 1000)  # noqa: E731
+    aborts = Aborts(Config(cancel_chunk_rows=CANCEL_CHUNK), seams, seams, gates, seams, None, clock_ms, settle_s=0.0)  # type: ignore[arg-type]
+    judged: set[str] = set()  # request ids whose policy has abort criteria
+    # Memory only: on PostgreSQL, seed 2 with aborts leaves a few vehicles idle with rows and no
+    # event to wake them (the server's leader wakes such vehicles every inflight_timeout_s,
+    # which this simulation does not run); see ABORTS_ON_POSTGRESQL.
+    judging = store.live or ABORTS_ON_POSTGRESQL
+
+    async def report_chunk(rid: str, chunk: list[tuple[str, bytes]] | tuple[tuple[str, bytes], ...]) -> None:
+        want = fleet.out_for_cancel(rid, list(chunk))
+        got = await d.cancelled(rid, tuple(chunk))
+        if got != want:
+            fleet.violations.append(f"step {fleet.step}: cancel of {rid} counts {got} out, expected {want}")
+
+    async def judge() -> None:
+        """The server's abort watch, once per step, on every request with criteria."""
+        for rid in sorted(judged - fleet.aborted):
+            durable_write()
+            if not await aborts.check(rid) or not seams.walks:
+                continue
+            first = seams.walks.pop()
+            fleet.aborted.add(rid)
+            fleet.events["aborted"] += 1
+            await report_chunk(rid, first.cancelled)
+            if await store.abort(rid, b"{}", int(fleet.now * 1000), CANCEL_CHUNK) is not None:
+                fleet.violations.append(f"step {fleet.step}: {rid} aborted twice under one policy")
+
+    async def set_criteria(rid: str) -> None:
+        """A new policy for `rid` with one abort criterion (re-opening it if it was aborted)."""
+        criterion = AbortCriterion(
+            fleet.abort_rng.choice(["failed", "expired", "expired"]),  # failed outcomes are rare here
+            fleet.abort_rng.choice([0.05, 0.1, 0.2]),
+            fleet.abort_rng.randint(1, 20),
+        )
+        policy = Policy(abort=(criterion,))
+        await store.set_policy(rid, policy.encode())
+        gates.set(rid, policy)
+        judged.add(rid)
+        fleet.aborted.discard(rid)
+        fleet.events["abort_policy"] += 1
 
     async def settle() -> None:
         if fleet.pacer is not None:
@@ -414,11 +491,7 @@ async def run(fleet: Fleet, steps: int, events: str = "hooks") -> None:
         """The ingestor's walk of every cancel of every vehicle in progress: one chunk each."""
         for rid in await store.cancels_in_progress():
             durable_write()
-            chunk = await store.cancel_chunk(rid, CANCEL_CHUNK)
-            want = fleet.out_for_cancel(rid, chunk)
-            got = await d.cancelled(rid, tuple(chunk))
-            if got != want:
-                fleet.violations.append(f"step {fleet.step}: cancel of {rid} counts {got} out, expected {want}")
+            await report_chunk(rid, await store.cancel_chunk(rid, CANCEL_CHUNK))
 
     def answer(v: Vehicle, request_id: str, payload: bytes, by: Vehicle) -> None:
         assert by.session is not None
@@ -454,12 +527,20 @@ async def run(fleet: Fleet, steps: int, events: str = "hooks") -> None:
             high = fleet.prio_rng.random() < 0.2
             fleet.events["high_batch"] += high
             durable_write()
-            taken = await store.batch(
-                batch, rid, payload, expires_ms=expires_ms, await_response=awaited, high_priority=high
-            )
-            for vin, digest in taken:  # replaced behind a cancel's cut: that cancel took the old row
-                fleet.cancelled_at[vin, rid, digest] = fleet.step
-            d.new_batch(batch)
+            try:
+                taken = await store.batch(
+                    batch, rid, payload, expires_ms=expires_ms, await_response=awaited, high_priority=high
+                )
+            except RequestAborted:
+                fleet.events["refused_aborted"] += 1
+                if rid not in fleet.aborted:
+                    fleet.violations.append(f"step {fleet.step}: a batch of {rid} refused, not aborted")
+            else:
+                if rid in fleet.aborted:
+                    fleet.violations.append(f"step {fleet.step}: a batch of aborted {rid} stored")
+                for vin, digest in taken:  # replaced behind a cancel's cut: that cancel took the old row
+                    fleet.cancelled_at[vin, rid, digest] = fleet.step
+                d.new_batch(batch)
         elif r < 0.74:
             by = fleet.vehicles[rng.choice(vins)]
             if v.unacked and by is not v and by.session is not None and rng.random() < 0.15:
@@ -519,6 +600,10 @@ async def run(fleet: Fleet, steps: int, events: str = "hooks") -> None:
                 for each in fleet.vehicles.values():
                     fleet.void(each)
             d.broker_connected(fleet.link_up)
+        if judging and fleet.abort_rng.random() < 0.01:
+            await set_criteria(fleet.abort_rng.choice(rids[4:]))  # the cfg campaigns: ota ones keep every outcome
+        await settle()
+        await judge()  # on a settled store, as every cancel here starts (the sim runs no cancel beside events)
         await settle()
         fleet.check_acks(mark)
 
@@ -590,6 +675,7 @@ FAILURES = {
     "dispatch_task_failed",
     "dispatch_event_dropped",
     "heartbeat_check_failed",
+    "abort_check_failed",
 }
 
 
@@ -643,3 +729,4 @@ def test_random_fleet_keeps_invariants_and_drains(
     assert fleet.events["high_batch"] and fleet.events["high_policy"], fleet.events
     if store_kind == "memory":
         assert fleet.events["paced_blocked"] and fleet.rated_starts, fleet.events
+        assert fleet.events["aborted"] and fleet.events["refused_aborted"], fleet.events
