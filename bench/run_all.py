@@ -88,6 +88,12 @@ SCRIPTS: list[tuple[str, str, list[str], str]] = [
         "Batches published while every instance is down: the catch-up session (bench/catchup_outage.py)",
     ),
     (
+        "abort",
+        "bench/abort_reaction.py",
+        ["--rounds", "2"],  # ~3 min: 100,000 pending rows aborted and cancelled, per store and round
+        "Automatic abort: crossing commit to the last row cancelled (bench/abort_reaction.py)",
+    ),
+    (
         "fleet",
         "bench/fleet.py",
         [],  # ~8 min: per EMQX version (5.8.9, 5.9.1) 5 paired delivery rounds, heartbeat CPU and latency

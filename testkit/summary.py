@@ -699,6 +699,36 @@ def catchup_rows(cu: dict[str, Any] | None) -> list[Row]:
     ]
 
 
+#: bench/abort_reaction.py: issue 26's target, a crossed abort criterion takes effect within 1 s.
+ABORT_REACTION_MAX_S = 1.0
+
+
+def abort_rows(ab: dict[str, Any] | None) -> list[Row]:
+    """bench/abort_reaction.py: per store, crossing commit -> abort recorded (target) and -> last
+    row cancelled, with the walk's ratio over a plain cancel of the same rows."""
+    rows: list[Row] = []
+    for store, name in (("lmdb", "LMDB"), ("postgresql", "PostgreSQL")):
+        s = ab["summary"].get(store) if ab else None
+        meas = "n/a"
+        if ab and s:
+            meas = (
+                f"recorded after {fmt_mmm(s['abort_recorded_s'], '{:.3f}')} s; last of {ab['meta']['rows']:,} rows "
+                f"cancelled after {fmt_mmm(s['abort_last_cancelled_s'])} s (abort / cancel "
+                f"{fmt_mmm(s['ratio'])})"
+            )
+        rec = s["abort_recorded_s"] if s else None
+        rows.append(
+            (
+                f"Abort reaction ({name}): crossing commit to abort recorded",
+                "a cancel message for the same rows, same run",
+                f"≤ {ABORT_REACTION_MAX_S:.0f} s",
+                meas,
+                verdict(rec, ABORT_REACTION_MAX_S, higher_is_better=False),
+            )
+        )
+    return rows
+
+
 #: Each scenario's summary rows, in the order of the summary table.
 SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "ingest": ingest_rows,
@@ -712,4 +742,5 @@ SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "pg_serve": pg_serve_rows,
     "failover": failover_rows,
     "catchup": catchup_rows,
+    "abort": abort_rows,
 }
