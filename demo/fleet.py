@@ -214,6 +214,8 @@ class FleetWorker:
                 continue
             time.sleep(v.spec["answer_ms"] / 1000)
             body = json.dumps({"result": "ok", "dtc": v.spec["dtc"], "took_ms": v.spec["answer_ms"]})
+            if "status" in v.spec:  # it reports the request failed: an abort criterion counts it
+                body = json.dumps({"status": v.spec["status"], "took_ms": v.spec["answer_ms"]})
             try:
                 v.respond(rid, body.encode())
             except Exception as exc:

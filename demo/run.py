@@ -17,7 +17,9 @@ What runs (all on 127.0.0.1, all stopped at the end, also on Ctrl-C):
   batch; diagnostics with `await_response: true`; one campaign it cancels on
   `$SDV-FANOUT/cancel` while it is delivered; one request with an `expires_at` that passes
   while its vehicles are offline), and listening on `$SDV-FANOUT/status/#` as a platform would
-  (demo/platform.py).
+  (demo/platform.py);
+* after it, a campaign-control act (demo/campaigns.py): a paced campaign, one aborted by failing
+  vehicles, one waiting for its window, a high-priority recall overtaking a queued update.
 
 Live progress comes from the vehicles (what they received and acknowledged), from the server's
 LMDB, opened read-only while the server runs (rows still pending), and from the status topic
@@ -61,6 +63,7 @@ from typing import IO, Any
 
 import structlog
 
+from demo import campaigns
 from demo.brokers import BATCH_TOPIC, CANCEL_TOPIC, Broker, Choice, batch_payload, cancel_payload, choose, make_broker
 from demo.fleet import sha16
 from demo.platform import (
@@ -427,10 +430,12 @@ class Demo:
         env["SDV_FANOUT_PROGRESS_INTERVAL_S"] = f"{self.args.progress_interval:g}"
         settings = {f.name for f in dataclasses.fields(Config)}
         # A vehicle that never answers costs its queue response_timeout_s (the server's 300 s is
-        # for the field); an expired row ends within a quarter of a second.
+        # for the field); an expired row ends within a quarter of a second, a campaign policy holds in
+        # every server process as soon.
         for name, value in (
             ("response_timeout_s", self.args.response_timeout),
             ("expiry_sweep_interval_s", EXPIRY_SWEEP_S),
+            ("policy_refresh_s", campaigns.POLICY_REFRESH_S),
         ):
             if name in settings:
                 env[f"SDV_FANOUT_{name.upper()}"] = f"{value:g}"
@@ -716,7 +721,11 @@ class Demo:
         for fp in self.fleet:
             fp.got_final.wait(30)
         drain_s = None if drained_at is None else max(0.0, drained_at - pub.last_at)
-        return self.summary(vins, specs, firsts, pub, rows, drain_s, metrics)
+        code = self.summary(vins, specs, firsts, pub, rows, drain_s, metrics)
+        if a.campaigns and self.feed is not None:
+            act = campaigns.Act(self, broker, clientids[0], self.feed.take)
+            code = max(code, act.run(a.response_timeout))
+        return code
 
     def publish(self, broker: Broker, send: Send, pub: Published, offline: list[str]) -> None:
         """One publish of the platform; returns once the server stored it (or rejected it: the
@@ -1254,6 +1263,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.5,
         help="the server's progress_interval_s: seconds between progress messages (default 0.5; the server's is 5)",
+    )
+    p.add_argument(
+        "--no-campaigns",
+        dest="campaigns",
+        action="store_false",
+        help="skip the campaign-control act (paced, aborted, windowed, recall) after the main scenario",
     )
     p.add_argument("--log-dir", help="server, broker and fleet logs (default: var/demo in the checkout)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (LMDB data) for `sdv-fanout stats`")

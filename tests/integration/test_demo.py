@@ -5,6 +5,7 @@ Each test runs `python -m demo.run` as a subprocess with a small fleet, as a per
 reads its output: what the vehicles got, and what the platform heard on the status topic
 (receipts, a retry's duplicate receipt, the bad batch's rejection, every generation completed,
 the vehicles' answers, the cancelled campaign, the request that expired).
+Two of them run its campaign-control act (paced, aborted, windowed, recall) and check its lines.
 The demo stops everything it started; should it hang, its process group is terminated and then
 killed.
 """
@@ -125,13 +126,33 @@ def assert_commands_behave(out: str) -> None:
     ), out
 
 
+def assert_campaigns(out: str) -> None:
+    """The campaign-control act: each of its four campaigns passed its own check."""
+    act = out.split("\nCampaign control: four campaigns on vehicles of their own\n", 1)[-1]
+    assert "task_campaign_paced_1    20/20 delivered over " in act, out
+    assert "task_campaign_abort_1    aborted: " in act and "a later batch refused (aborted)" in act, out
+    assert "task_campaign_window_1   held " in act and "then 6/6 delivered" in act, out
+    assert "task_campaign_recall_1   stored after task_campaign_update_1, priority high: 6/6 " in act, out
+    assert "FAIL" not in act, out
+    assert (
+        "PASS: campaign control: paced at its rate, aborted at its criterion and refused after, "
+        "held until its window opened, the high-priority recall overtook the queued update" in act
+    ), out
+
+
 @pytest.mark.parametrize("processes", [2, 4])
 def test_demo_passes_with_the_simulator(tmp_path: Path, processes: int) -> None:
     """A short demo with mosquitto and the simulated EMQX delivers every row, hears every receipt and
-    completion on the status topic, and exits 0."""
-    code, out = run_demo(tmp_path / "logs", "--broker", "sim", "--processes", str(processes))
+    completion on the status topic, and exits 0; with 4 processes its campaigns pass their checks too
+    (the run with 2 skips them: the real EMQX run has them with 2)."""
+    more = [] if processes == 4 else ["--no-campaigns"]
+    code, out = run_demo(tmp_path / "logs", "--broker", "sim", "--processes", str(processes), *more)
     assert "broker    the simulator" in out, out
     assert_passed(code, out, processes)
+    if processes == 4:
+        assert_campaigns(out)
+    else:
+        assert "Campaign control" not in out, out
 
 
 def test_demo_passes_with_the_real_emqx(tmp_path: Path) -> None:
@@ -144,3 +165,4 @@ def test_demo_passes_with_the_real_emqx(tmp_path: Path) -> None:
     code, out = run_demo(tmp_path / "logs", "--broker", "emqx", "--emqx-version", EMQX_VERSION, "--processes", "2")
     assert f"broker    the real EMQX {EMQX_VERSION}" in out, out
     assert_passed(code, out, 2)
+    assert_campaigns(out)
