@@ -36,6 +36,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (12, "0012_campaign_aborts.sql"),
     (13, "0013_pacing.sql"),
     (14, "0014_latency.sql"),
+    (15, "0015_priority_lanes.sql"),
 )
 #: The version sql/schema.sql describes: the last migration's.
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -55,7 +56,7 @@ FUNCTION_FILES = (
 #: function is a new schema version (a migration, with no statement if no table changes): a server
 #: of the previous release then refuses the database, where at the same version it would apply its
 #: own functions again over the new ones during a rolling update.
-FUNCTIONS_SHA256 = "660a2d265ae616ddaba21ce36a845c87fe12d207509ca3a24337f98d4e0daa4a"
+FUNCTIONS_SHA256 = "c8cfe4762fda6b4cbf68ca6c1b4cc7165b66313517ba7cf1e20bc52332e45873"
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (

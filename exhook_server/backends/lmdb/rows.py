@@ -82,10 +82,8 @@ class StoreRows:
             return found
         # A kept head is overtaken by a high-priority row stored since, or a change of the
         # requests whose policy says high: then every head is read again.
-        overtaken = (self._store.high_rows_stored(), high or frozenset())
-        if overtaken != self._heads_read:
+        if self._heads and self._heads_read != (self._store.high_rows_stored(), high or frozenset()):
             self._heads.clear()
-            self._heads_read = overtaken
         head = self._heads.get(vin)
         if head is not None:
             self._heads.move_to_end(vin)
@@ -96,6 +94,8 @@ class StoreRows:
         found, count = self._store.oldest(vin, hidden, None, high)
         self.rows_scanned += count
         if count > _HEAD_ROWS:  # a long queue: keep its head for the next deliveries
+            if not self._heads:
+                self._heads_read = (self._store.high_rows_stored(), high or frozenset())
             rows, count = self._store.queue_head(vin, min(_HEAD_MAX_ROWS, count // 4), hidden, high)
             self.rows_scanned += count
             self._heads[vin] = deque(rows)

@@ -21,7 +21,8 @@ $$;
 -- oldest first, then by request id. Rows of the request ids p_held names are passed over: their
 -- campaign policy holds them (exhook_server/dispatch/gates.py). One index probe per vehicle and
 -- lane (LATERAL ... LIMIT keeps the planner from hashing whole tables; flagged rows through the
--- partial index rows_high, p_high's through the primary key).
+-- partial index rows_high, p_high's by a probe per request id; the normal lane's flag test is
+-- written "<> 2" so that the planner expects most rows to pass and walks rows_queue in order).
 CREATE OR REPLACE FUNCTION sdv_vin_load_many(
     p_vins text[], p_now bigint, p_rows integer, p_held text[], p_high text[])
 RETURNS TABLE (
@@ -48,14 +49,16 @@ RETURNS TABLE (
              ORDER BY r.ts_ms, r.request_id LIMIT p_rows)
             UNION ALL
             (SELECT 0, r.request_id, r.sha1, r.ts_ms, r.size, r.expires_ms, r.flags, b.data
-             FROM rows r JOIN blobs b ON b.sha1 = r.sha1 LEFT JOIN cancels c ON c.request_id = r.request_id
-             WHERE r.vin = v.vin AND r.request_id = ANY (p_high) AND (r.flags & 2) = 0
+             FROM unnest(p_high) AS h(request_id)
+             JOIN rows r ON r.vin = v.vin AND r.request_id = h.request_id
+             JOIN blobs b ON b.sha1 = r.sha1 LEFT JOIN cancels c ON c.request_id = r.request_id
+             WHERE (r.flags & 2) <> 2
                 AND NOT (r.expires_ms > 0 AND r.expires_ms <= p_now)
                 AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms) AND NOT (r.request_id = ANY (p_held)))
             UNION ALL
             (SELECT 1, r.request_id, r.sha1, r.ts_ms, r.size, r.expires_ms, r.flags, b.data
              FROM rows r JOIN blobs b ON b.sha1 = r.sha1 LEFT JOIN cancels c ON c.request_id = r.request_id
-             WHERE r.vin = v.vin AND (r.flags & 2) = 0 AND NOT (r.request_id = ANY (p_high))
+             WHERE r.vin = v.vin AND (r.flags & 2) <> 2 AND NOT (r.request_id = ANY (p_high))
                 AND NOT (r.expires_ms > 0 AND r.expires_ms <= p_now)
                 AND (c.cut_ms IS NULL OR r.ts_ms > c.cut_ms) AND NOT (r.request_id = ANY (p_held))
              ORDER BY r.ts_ms, r.request_id LIMIT p_rows)

@@ -1,0 +1,4 @@
+-- Version 15: sdv_vin_load_many reads a request's high-priority rows by one index probe per
+-- high request id, and selects normal rows with a filter the planner estimates as most rows, so
+-- it walks rows_queue for the first p_rows instead of reading and sorting a vehicle's whole queue
+-- (../functions/vehicle_batches.sql). Functions only: no table changed.
