@@ -182,6 +182,8 @@ def test_campaign_report_equals_a_python_reference(spark: Any, tmp_path: Path) -
     assert int(checks[EXTRA_PENDING]["stored_pending"]) == int(checks[EXTRA_PENDING]["recounted_pending"]) + 1
     assert checks[UNCOUNTED]["stored_total"] == "" and int(checks[UNCOUNTED]["recounted_total"]) == 5
     assert summary["totals"]["checks"] == {CHECK_OK: 6, CHECK_COLLECTED: 1, CHECK_MISMATCH: 2}
+    # An export without a policies table (from before it) has no campaign policies.
+    assert summary["totals"]["campaigns"] == 0 and read_csv(report / "campaigns.csv") == []
 
     png = (report / "report.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
