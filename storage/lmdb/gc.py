@@ -18,7 +18,7 @@ from typing import Any
 
 import lmdb
 
-from storage.lmdb import keys, latency, parked, queue
+from storage.lmdb import keys, latency, outcomes, parked, queue
 from storage.lmdb.store import Store
 from storage.lmdb.store import now_ms as clock_ms
 from storage.lmdb.tables import Db, Tables
@@ -83,7 +83,8 @@ def expire_batch_ids(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: in
 
 
 def expire_generations(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: int) -> int:
-    """Counts of generations with nothing pending and no change since `cutoff_ms`."""
+    """Counts of generations with nothing pending and no change since `cutoff_ms`, and the failed
+    answers of the requests left without any."""
     doomed = []
     for key, value in txn.cursor(t.gens):
         _, last_ms, counts = keys.decode_gen(value)
@@ -94,6 +95,8 @@ def expire_generations(txn: lmdb.Transaction, t: Tables, cutoff_ms: int, limit: 
     for key in doomed:
         txn.delete(key, db=t.gens)
         latency.forget(txn, t, key)
+    for request_id in {keys.split_gen_key(key)[0] for key in doomed}:
+        outcomes.forget_answers(txn, t, request_id)  # once none of its generations is left
     return len(doomed)
 
 

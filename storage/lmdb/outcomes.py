@@ -117,6 +117,14 @@ def _count_answer(txn: lmdb.Transaction, t: Tables, request_id: str, outcome: Ou
         txn.put(key, _COUNT.pack((0 if raw is None else _COUNT.unpack(raw)[0]) + 1), db=t.answers_failed)
 
 
+def forget_answers(txn: lmdb.Transaction, t: Tables, request_id: str) -> None:
+    """GC: the failed-answer count of `request_id` goes with its last generation."""
+    prefix = keys.gen_prefix(request_id)
+    cur = txn.cursor(t.gens)
+    if not (cur.set_range(prefix) and bytes(cur.key()).startswith(prefix)):
+        txn.delete(request_id.encode(), db=t.answers_failed)
+
+
 def answers_failed(txn: lmdb.Transaction, t: Tables, request_id: str) -> int:
     """The answers of `request_id` whose "status" was failed or rejected."""
     raw = txn.get(request_id.encode(), db=t.answers_failed)

@@ -35,6 +35,11 @@ _EXPIRE_LATENCY = """
 DELETE FROM gen_latency l USING unnest($1::text[], $2::bytea[]) AS d(request_id, sha1)
 WHERE l.request_id = d.request_id AND l.sha1 = d.sha1
 """
+# A request's failed answers (the answer_failed abort criterion) go with its last generation.
+_EXPIRE_ANSWERS = """
+DELETE FROM answer_failures a USING unnest($1::text[]) AS d(request_id)
+WHERE a.request_id = d.request_id AND NOT EXISTS (SELECT 1 FROM generations g WHERE g.request_id = d.request_id)
+"""
 _EXPIRE_BATCH_IDS = """
 WITH doomed AS (
     SELECT batch_id FROM batches WHERE ts_ms < $1 ORDER BY ts_ms, batch_id LIMIT $2 FOR UPDATE SKIP LOCKED)
@@ -89,11 +94,12 @@ async def expire_outcomes(conn: Connection, cutoff_ms: int, limit: int) -> int:
 
 async def expire_generations(conn: Connection, cutoff_ms: int, limit: int) -> int:
     """Up to `limit` generations with nothing pending and no change since `cutoff_ms`, with their
-    latency counts."""
+    latency counts, and the failed answers of the requests left without any."""
     async with conn.transaction():
         gone = await conn.fetch(_EXPIRE_GENERATIONS, cutoff_ms, limit)
         if gone:
             await conn.execute(_EXPIRE_LATENCY, [r["request_id"] for r in gone], [r["sha1"] for r in gone])
+            await conn.execute(_EXPIRE_ANSWERS, sorted({r["request_id"] for r in gone}))
     return len(gone)
 
 

@@ -30,7 +30,7 @@ from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
 from storage.lmdb.writes import LmdbWrites
 from storage.model import Outcome, now_ms, sha1_of
-from storage.port import Reads, Writes
+from storage.port import GcSettings, Reads, Writes
 from storage.postgres import batches as pg_batches
 from storage.postgres import migrate
 from storage.postgres.reads import PgReads
@@ -242,7 +242,7 @@ def test_no_abort_before_min_finished(opener: Opener) -> None:
 def test_failed_answers_are_counted_with_the_answer_and_judged(opener: Opener) -> None:
     """An answer whose JSON "status" is failed or rejected counts for its request (in the answer's
     transaction, so it is read back); other answers, malformed or cut ones do not; the
-    `answer_failed` criterion aborts on that count."""
+    `answer_failed` criterion aborts on that count; GC drops it with the request's last generation."""
 
     async def body(handle: Handle, cfg: Config, clock: Clock) -> None:
         p = process(cfg, handle, clock, watch=False)
@@ -274,6 +274,10 @@ def test_failed_answers_are_counted_with_the_answer_and_judged(opener: Opener) -
             assert (aborted["counts"]["answer_failed"], aborted["counts"]["responded"]) == (3, 10)
             [cancelled] = await until(lambda: p.heard.of("cancelled"))
             assert cancelled["cancelled"] == 2
+            # GC takes the count with the request's last generation (nothing pending, old enough).
+            later = GcSettings(now_ms() + 60_000, 0, 0, 60_000, 10, outcome_retention_ms=1_000)
+            await handle.reads.gc(later)
+            assert await handle.reads.outcome_counts("task_cmd_1") == ([], 0)
         finally:
             await p.ingestor.stop()
 
