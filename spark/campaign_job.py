@@ -5,8 +5,8 @@
 
 A generation is one (request_id, payload sha1). REPORT gets generations.csv, by_task_type.csv,
 delivered_over_time.csv, delivered_by_task_type.csv, count_check.csv (counts that differ from a
-recount), campaigns.csv and rate_per_minute.csv (requests with a campaign policy), report.png,
-report.json and README.md; spark/README.md describes each.
+recount), campaigns.csv and rate_per_minute.csv (requests with a campaign policy; campaigns.png
+when one sets a rate), report.png, report.json and README.md; spark/README.md describes each.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from pyspark.sql import functions as sf
 from spark import (
     check_count,
     child,
+    delete,
+    exists,
     parse_duration_ms,
     qualify,
     read_manifest,
@@ -41,6 +43,7 @@ from spark import (
     write_json,
 )
 from spark.campaign_policy import CAMPAIGN_COLUMNS, RATE_COLUMNS, policy_section
+from spark.campaign_policy import chart_png as campaigns_png
 
 REPORT_FORMAT = "sdv-fanout-campaign-report"
 #: The states a (VIN, generation) can be in: pending (a row holds it), or how it ended. Their names are
@@ -140,6 +143,7 @@ than `outcome_retention_s`; the counts keep them); `mismatch`: anything else, wo
 (time, criterion, counts then, pairs cancelled by it and those that ended otherwise after it) |
 | `rate_per_minute.csv` | per such request and UTC minute with a delivery: deliveries (PUBACK time standing for \
 the start) and what its rate allowed in that minute (`policy_per_minute`, the ramp included) |
+| `campaigns.png` | when a policy sets a rate: deliveries per minute against it, one panel per paced request |
 | `report.png` | deliveries and answers over time (all, and by task type) |
 | `report.json` | everything above as JSON |
 
@@ -473,6 +477,11 @@ def build_report(spark: SparkSession, export_uri: str, out_uri: str, bucket_ms: 
         f"in {totals['generations']} generations, snapshot {snapshot}"
     )
     write_bytes(spark, child(out_uri, "report.png"), chart_png(series, type_series, width, title))
+    paced_png = campaigns_png(rates)
+    if paced_png is not None:
+        write_bytes(spark, child(out_uri, "campaigns.png"), paced_png)
+    elif exists(spark, child(out_uri, "campaigns.png")):  # an earlier report's, into the same directory
+        delete(spark, child(out_uri, "campaigns.png"))
     export = qualify(spark, export_uri)
     text = README.format(
         export=export,

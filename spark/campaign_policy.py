@@ -10,6 +10,7 @@ An export without a `policies` table (older) has no policy section.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -54,6 +55,8 @@ CAMPAIGN_COLUMNS = (
     "ended_after_abort",
 )
 RATE_COLUMNS = ("request_id", "minute_ms", "minute", "delivered", "policy_per_minute", "ratio")
+#: Paced requests drawn in campaigns.png (those with the most deliveries); the CSV has them all.
+CHART_REQUESTS = 6
 
 
 def allowed(policy: Policy, set_ms: int, start_ms: int, end_ms: int) -> float | None:
@@ -254,3 +257,32 @@ def _campaign(
             "ended_after_abort": other,
         }
     return {c: out.get(c) for c in CAMPAIGN_COLUMNS}
+
+
+def chart_png(rates: list[dict[str, Any]]) -> bytes | None:
+    """One panel per paced request (the CHART_REQUESTS with most deliveries): deliveries per minute
+    as bars, what its policy allowed as a step line; None when no request has a rate."""
+    paced: dict[str, list[dict[str, Any]]] = {}
+    for r in rates:
+        if r["policy_per_minute"] is not None:
+            paced.setdefault(r["request_id"], []).append(r)
+    if not paced:
+        return None
+    from matplotlib.figure import Figure  # Agg canvas; no pyplot, no display
+
+    drawn = sorted(paced, key=lambda rid: (-sum(r["delivered"] for r in paced[rid]), rid))[:CHART_REQUESTS]
+    fig = Figure(figsize=(12, 3 * len(drawn)), layout="constrained")
+    axes = fig.subplots(len(drawn), 1, squeeze=False)[:, 0]
+    for ax, rid in zip(axes, drawn, strict=True):
+        mine = paced[rid]
+        at = [datetime.fromtimestamp(r["minute_ms"] / 1000, tz=UTC) for r in mine]
+        ax.bar(at, [r["delivered"] for r in mine], width=1 / 1440 * 0.9, align="edge", label="delivered")
+        allows = [r["policy_per_minute"] for r in mine]
+        end = datetime.fromtimestamp((mine[-1]["minute_ms"] + MINUTE_MS) / 1000, tz=UTC)
+        ax.step([*at, end], [*allows, allows[-1]], where="post", color="tab:red", label="policy allows")
+        ax.set_title(f"{rid}: deliveries per minute (UTC) against its policy")
+        ax.set_ylabel("per minute")
+        ax.legend(loc="upper left", fontsize=8)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()

@@ -184,6 +184,7 @@ def test_campaign_report_equals_a_python_reference(spark: Any, tmp_path: Path) -
     assert summary["totals"]["checks"] == {CHECK_OK: 6, CHECK_COLLECTED: 1, CHECK_MISMATCH: 2}
     # An export without a policies table (from before it) has no campaign policies.
     assert summary["totals"]["campaigns"] == 0 and read_csv(report / "campaigns.csv") == []
+    assert not (report / "campaigns.png").exists()
 
     png = (report / "report.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
@@ -528,3 +529,4 @@ def test_campaign_policies_in_the_report_equal_a_python_reference(spark: Any, tm
     idle = got["task_idle_1"]
     assert (int(idle["delivered"]), idle["window_open_ms"], idle["peak_per_minute"]) == (0, "", "")
     assert json.loads(idle["policy"]) == {"paused": True}
+    assert (tmp_path / "report" / "campaigns.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
