@@ -4,6 +4,7 @@ and the offline `sdv-fanout policy` reads and writes the same store."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -18,13 +19,16 @@ from testkit.harness import ExHookClient, SubprocessServer
 
 pytestmark = pytest.mark.slow
 
+#: One database per test (tests of this file may share a worker process, hence a cluster).
+_databases = itertools.count()
+
 
 @pytest.fixture(params=["lmdb", "postgresql"])
 def store_env(request: pytest.FixtureRequest) -> dict[str, str]:
     if request.param == "lmdb":
         return {}
     cluster = request.getfixturevalue("pg_cluster")
-    return {"SDV_FANOUT_STORE_URL": cluster.new_database(f"kill9_policy_{os.getpid()}")}
+    return {"SDV_FANOUT_STORE_URL": cluster.new_database(f"kill9_policy_{os.getpid()}_{next(_databases)}")}
 
 
 def call(port: int, method: str, request: Any) -> Any:
