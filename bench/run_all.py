@@ -94,6 +94,12 @@ SCRIPTS: list[tuple[str, str, list[str], str]] = [
         "Automatic abort: crossing commit to the last row cancelled (bench/abort_reaction.py)",
     ),
     (
+        "pacing",
+        "bench/pacing.py",
+        [],  # ~2 min: 10 s per rate and setup (a full run: --seconds 60), 3 paired e2e rounds
+        "Campaign pacing: achieved vs set rate, the cost of an active policy (bench/pacing.py)",
+    ),
+    (
         "fleet",
         "bench/fleet.py",
         [],  # ~8 min: per EMQX version (5.8.9, 5.9.1) 5 paired delivery rounds, heartbeat CPU and latency

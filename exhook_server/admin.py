@@ -28,6 +28,7 @@ from exhook_server.forecast import PendingVins, count_online, forecast
 from exhook_server.housekeeping import run_gc
 from exhook_server.ingest import Ingestor
 from exhook_server.lanes import in_delivery_order
+from exhook_server.policy import Policy
 from storage.latency import latency_ms
 from storage.lmdb import outcomes
 from storage.model import now_ms
@@ -291,7 +292,22 @@ class AdminServicer:
         if stored is None:
             return apb.Policy(request_id=request_id)
         aborted = "" if stored.aborted is None else stored.aborted.decode()
-        return apb.Policy(request_id=request_id, policy=stored.doc.decode(), set_ms=stored.set_ms, aborted=aborted)
+        pacing = ""
+        if _paces(stored.doc):
+            out, started, scope = await self._dispatch.pacing_of(request_id)
+            pacing = orjson.dumps({"in_flight": out, "started_last_minute": started, "scope": scope}).decode()
+        return apb.Policy(
+            request_id=request_id, policy=stored.doc.decode(), set_ms=stored.set_ms, aborted=aborted, pacing=pacing
+        )
+
+
+def _paces(doc: bytes) -> bool:
+    """Whether a stored policy bounds its request's rate or concurrency (one this build cannot
+    read bounds nothing here)."""
+    try:
+        return Policy.decode(doc).paces
+    except Exception:
+        return False
 
 
 def method_handlers(servicer: AdminServicer) -> dict[str, grpc.RpcMethodHandler]:

@@ -526,13 +526,15 @@ def _cmd_request(args: argparse.Namespace) -> int:
         found = [_with_latency(_stored_generation(g), latency_ms(latency.get(g.sha1, {}))) for g in stored]
         if not found:
             raise _NotFound(f"no generation of request {args.request_id!r} is stored")
-    policy, aborted = _policy_in_force(cfg, args.server, args.request_id)
+    policy, aborted, pacing = _policy_in_force(cfg, args.server, args.request_id)
     if args.json:
         shown: dict[str, Any] = {"request_id": args.request_id, "generations": found}
         if policy is not None:  # only then: the answer of a request without one is as it was
             shown["policy"] = policy
         if aborted is not None:
             shown["aborted"] = aborted
+        if pacing is not None:
+            shown["pacing"] = pacing
         print(json.dumps(shown))
         return 0
     print(f"{args.request_id}: {len(found)} generation{'s' if len(found) > 1 else ''}, newest first")
@@ -544,24 +546,31 @@ def _cmd_request(args: argparse.Namespace) -> int:
         print(f"  policy in force: {json.dumps(policy)}")
     if aborted is not None:
         print(f"  aborted (batches refused until a new policy): {json.dumps(aborted)}")
+    if pacing is not None:
+        where = "this server" if pacing["scope"] == "group" else "this instance"
+        print(
+            f"  pacing now: {pacing['in_flight']} in flight, {pacing['started_last_minute']} started"
+            f" in the last minute ({where})"
+        )
     return 0
 
 
 def _policy_in_force(
     cfg: Config, server: str | None, request_id: str
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The campaign policy of `request_id` in force and its abort, if any (from the server's Admin
-    API with `server`); (None, None) without a policy."""
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]:
+    """The campaign policy of `request_id` in force, its abort and its pacing now, where known
+    (pacing only from a server's Admin API, with `server`); Nones without a policy."""
     if server is not None:
         from exhook_server._proto import admin_pb2
 
         try:
             reply = _admin_rpc(cfg, server, "GetPolicy", admin_pb2.GetPolicyRequest(request_id=request_id))
         except _NotFound:
-            return None, None
+            return None, None, None
         return (
             json.loads(reply.policy) if reply.policy else None,
             json.loads(reply.aborted) if reply.aborted else None,
+            json.loads(reply.pacing) if reply.pacing else None,
         )
 
     async def read(reads: Reads) -> Any:
@@ -569,8 +578,9 @@ def _policy_in_force(
 
     stored = _on_store(cfg, read)
     if stored is None:
-        return None, None
-    return dict(json.loads(stored.doc)), None if stored.aborted is None else dict(json.loads(stored.aborted))
+        return None, None, None
+    aborted = None if stored.aborted is None else dict(json.loads(stored.aborted))
+    return dict(json.loads(stored.doc)), aborted, None
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ that read n/a, never a borrowed number."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,9 @@ from exhook_server.config import Config
 STATUS_RATIO_MIN = 0.9
 #: bench/attempts_cost.py: keeping attempts across restarts costs at most 5 % of e2e deliveries/s.
 ATTEMPTS_RATIO_MIN = 0.95
+#: bench/pacing.py: an active policy costs at most 5 % of e2e deliveries/s; the rate within 5 %.
+PACING_COST_MIN = 0.95
+RATE_TOLERANCE = 0.05
 #: bench/e2e_emqx.py: ours over the broker's own one-in-flight QoS 1 delivery, per EMQX version.
 EMQX_RATIO_MIN = 0.6
 #: Scale linearity: CPU per RPC at 10x / 100x distinct VINs over the 1x level may grow this much
@@ -729,6 +733,41 @@ def abort_rows(ab: dict[str, Any] | None) -> list[Row]:
     return rows
 
 
+def pacing_rows(pc: dict[str, Any] | None) -> list[Row]:
+    """bench/pacing.py: achieved over set rate per setup (within 5 %), and e2e deliveries/s with a
+    policy on every request over none (same run, at most 5 % less)."""
+    rates = pc["rates"] if pc else []
+    rows: list[Row] = []
+    for setup in sorted({r["setup"] for r in rates}):
+        mine = [r for r in rates if r["setup"] == setup]
+        ratios = [r["achieved"] / r["set"] for r in mine]
+        meas = ", ".join(f"{r['set']:,}/min: {r['achieved'] / r['set']:.3f}" for r in mine)
+        ok = all(abs(x - 1) <= RATE_TOLERANCE for x in ratios)
+        rows.append(
+            (
+                f"Pacing, achieved / set rate ({setup}, {pc['meta']['seconds']:g} s per rate)" if pc else "Pacing",
+                "max_per_minute as set",
+                f"within ±{RATE_TOLERANCE:.0%}",
+                meas,
+                "**PASS**" if ok else "**FAIL**",
+            )
+        )
+    if not rates:
+        rows.append(("Pacing, achieved / set rate", "max_per_minute as set", "within ±5%", "n/a", "not measured"))
+    ratios = [r["ratio"] for r in pc["cost"]] if pc else []
+    med = statistics.median(ratios) if ratios else None
+    rows.append(
+        (
+            "Pacing, an active policy on every request (LMDB), end-to-end deliveries/s",
+            "the same run without policies, rounds alternating",
+            f"≥ {PACING_COST_MIN:.2f}x",
+            f"{min(ratios):.3f} / {med:.3f} / {max(ratios):.3f}x" if med is not None else "n/a",
+            verdict({"median": med} if med is not None else None, PACING_COST_MIN),
+        )
+    )
+    return rows
+
+
 #: Each scenario's summary rows, in the order of the summary table.
 SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "ingest": ingest_rows,
@@ -743,4 +782,5 @@ SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "failover": failover_rows,
     "catchup": catchup_rows,
     "abort": abort_rows,
+    "pacing": pacing_rows,
 }

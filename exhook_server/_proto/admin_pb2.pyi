@@ -323,16 +323,18 @@ class GetPolicyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class Policy(_message.Message):
-    __slots__ = ("request_id", "policy", "set_ms", "aborted")
+    __slots__ = ("request_id", "policy", "set_ms", "aborted", "pacing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     SET_MS_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    PACING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     policy: str
     set_ms: int
     aborted: str
-    def __init__(self, request_id: _Optional[str] = ..., policy: _Optional[str] = ..., set_ms: _Optional[int] = ..., aborted: _Optional[str] = ...) -> None: ...
+    pacing: str
+    def __init__(self, request_id: _Optional[str] = ..., policy: _Optional[str] = ..., set_ms: _Optional[int] = ..., aborted: _Optional[str] = ..., pacing: _Optional[str] = ...) -> None: ...
 
 class ForecastRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -16,7 +16,7 @@ import collections
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -118,6 +118,12 @@ class _Paced:
     tokens: int = 0
     #: This request's share of max_in_flight here (None: no cap).
     cap: int | None = None
+    #: Starts here per tick (epoch s of the tick, count), the last minute's: the rate achieved.
+    starts: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
+    #: Starts since the last tick.
+    fresh: int = 0
+    #: It has max_per_minute (the policy's, kept at hand for the hot path).
+    rated: bool = False
 
 
 class Pacer:
@@ -157,7 +163,9 @@ class Pacer:
                 del self._paced[request_id]
                 self._forgotten.append(request_id)
         elif before is None or before.policy != policy or before.set_ms != set_ms:
-            paced = _Paced(policy, set_ms, before.tokens if before else 0)
+            paced = _Paced(policy, set_ms, before.tokens if before else 0, rated=policy.max_per_minute is not None)
+            if before is not None:
+                paced.starts, paced.fresh = before.starts, before.fresh
             if policy.max_in_flight is not None:
                 paced.cap = self._cap_share(policy.max_in_flight)
             self._paced[request_id] = paced
@@ -190,14 +198,16 @@ class Pacer:
         return self._blocked
 
     def started(self, request_id: str) -> None:
-        """A delivery of `request_id` was published: it spends a token."""
+        """A delivery of `request_id` was published: it spends a token (the hot path: counting
+        for the metric and the rate shown waits for the tick)."""
         paced = self._paced.get(request_id)
         if paced is None:
             return
-        metrics.PACED_STARTS.inc()
-        if paced.policy.max_per_minute is not None:
-            paced.tokens = max(0, paced.tokens - 1)
-            if paced.tokens == 0:
+        paced.fresh += 1
+        if paced.rated:
+            paced.tokens -= 1
+            if paced.tokens <= 0:
+                paced.tokens = 0
                 self._rebuild()
 
     def out(self, request_id: str, delta: int) -> None:
@@ -220,6 +230,14 @@ class Pacer:
     def caps(self) -> dict[str, int]:
         """Request id → its max_in_flight share here, for those that have one."""
         return self._caps
+
+    def started_last_minute(self, request_id: str) -> int:
+        """Deliveries of a paced `request_id` started here in the last 60 s."""
+        paced = self._paced.get(request_id)
+        if paced is None:
+            return 0
+        since = self._wall_ms() // 1000 - 60
+        return paced.fresh + sum(n for second, n in paced.starts if second > since)
 
     def in_flight(self, request_id: str) -> int:
         """Deliveries of `request_id` in flight here."""
@@ -247,6 +265,7 @@ class Pacer:
                 for rid in self._caps:
                     self.observe(rid, counted.get(rid, 0))
         now = self._wall_ms()
+        self._count_starts(now // 1000)
         asks = []
         for rid, paced in self._paced.items():
             rate = paced.policy.rate_per_minute(now - paced.set_ms)
@@ -264,6 +283,20 @@ class Pacer:
                     paced_now.tokens += n
             self._rebuild()
         self._wake()
+
+    def _count_starts(self, second: int) -> None:
+        """Move the starts since the last tick into the metric and the last minute's counts."""
+        fresh = 0
+        for paced in self._paced.values():
+            if paced.fresh:
+                fresh += paced.fresh
+                starts = paced.starts
+                starts.append((second, paced.fresh))
+                paced.fresh = 0
+                while starts[0][0] <= second - 60:
+                    starts.popleft()
+        if fresh:
+            metrics.PACED_STARTS.inc(fresh)
 
     def _wake(self) -> None:
         if not self._idle or self.on_wake is None:
@@ -290,7 +323,7 @@ class Pacer:
 
     def _full(self, request_id: str, paced: _Paced) -> bool:
         """No token left, or at its in-flight cap."""
-        if paced.policy.max_per_minute is not None and paced.tokens < 1:
+        if paced.rated and paced.tokens < 1:
             return True
         return paced.cap is not None and self._out.get(request_id, 0) >= paced.cap
 

@@ -77,6 +77,11 @@ class Dispatch(Protocol):
         """Every online VIN, sorted."""
         ...
 
+    async def pacing_of(self, request_id: str) -> tuple[int, int, str]:
+        """(deliveries of `request_id` in flight fleet-wide, deliveries of it started in the last
+        minute, where those were counted: "group" or "instance")."""
+        ...
+
     async def online_among(self, vins: Sequence[str]) -> int:
         """How many of `vins` are online now (a preview's `online_now`)."""
         ...

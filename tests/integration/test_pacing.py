@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from exhook_server import cli
 from testkit.emqx_sim import Vehicle
 from testkit.harness import StepClock, poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
@@ -55,9 +56,12 @@ def holding(fleet: list[Vehicle], rid: str) -> int:
     return sum(1 for v in fleet for r in v.received if r.topic.endswith("/" + rid))
 
 
-def test_never_more_than_max_in_flight_out_and_a_freed_slot_goes_to_a_waiting_vehicle(rig: Rig) -> None:
+def test_never_more_than_max_in_flight_out_and_a_freed_slot_goes_to_a_waiting_vehicle(
+    rig: Rig, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Cap 2 over 6 vehicles holding their PUBACKs: 2 get the campaign, the others their next
-    request; each PUBACK of it lets one more vehicle have it, never 3 out at once."""
+    request (`request R` shows 2 in flight, 2 started); each PUBACK of it lets one more vehicle
+    have it, never 3 out at once."""
     policy(rig, "task_cap_1", max_in_flight=2)
     cars = fleet(rig, auto_ack=False)
     rig.emqx.publish_batch(VINS, "task_cap_1", b"fw")
@@ -65,6 +69,10 @@ def test_never_more_than_max_in_flight_out_and_a_freed_slot_goes_to_a_waiting_ve
     rig.emqx.publish_batch(VINS, "task_free_1", b"cfg")  # not capped: goes to the 4 with nothing out
     poll(lambda: sum(len(v.received) for v in cars) == 2 + 4)
     assert holding(cars, "task_cap_1") == 2
+    assert rig.srv.server is not None
+    assert cli.main(["request", "task_cap_1", "--json", "--server", f"127.0.0.1:{rig.srv.server.admin_port}"]) == 0
+    shown = json.loads(capsys.readouterr().out)["pacing"]
+    assert shown["in_flight"] == 2 and shown["started_last_minute"] == 2
     while holding(cars, "task_cap_1") < len(VINS):
         before = holding(cars, "task_cap_1")
         for v in cars:  # every delivery out is PUBACKed: one slot of the cap frees at least

@@ -35,6 +35,7 @@ from exhook_server.dispatch.commands import (
     Sweep,
     Trigger,
 )
+from exhook_server.dispatch.pacing import Pacer
 from exhook_server.dispatch.ring import HashRing
 from exhook_server.dispatch.worker import (
     Kept,
@@ -133,6 +134,7 @@ class Dispatcher:
             for n in local
         }
         self._vin_from_clientid = vin_from_clientid
+        self._pacing = pacing
         #: clientid → the VINs it subscribed or heartbeated for since start-up; none for a client
         #: that only stands for the VIN it is named after (see _remember).
         self._clients: dict[str, set[str]] = {}
@@ -366,6 +368,11 @@ class Dispatcher:
             return self.online_count(), self.in_flight_count(), self.backlog()
         if query[0] == "cancelled":
             return self._mark_cancelled(query[1], query[2])
+        if query[0] == "pacing":
+            rid = query[1]
+            out = sum(1 for w in self.workers.values() for e in w.inflight.values() if e.request_id == rid)
+            started = self._pacing.started_last_minute(rid) if isinstance(self._pacing, Pacer) else 0
+            return out, started
         raise ValueError(f"unknown query {query[0]!r}")
 
     async def _ask_all(self, query: tuple[Any, ...]) -> list[Any]:
@@ -389,6 +396,11 @@ class Dispatcher:
     async def online_among(self, vins: Sequence[str]) -> int:
         """How many of `vins` are online in any process of the group (each answers for its own)."""
         return sum(await self._ask_all(("online_among", tuple(vins))))
+
+    async def pacing_of(self, request_id: str) -> tuple[int, int, str]:
+        """Deliveries of `request_id` in flight and started in the last minute, over the group."""
+        parts = await self._ask_all(("pacing", request_id))
+        return sum(p[0] for p in parts), sum(p[1] for p in parts), "group"
 
     async def group_totals(self) -> tuple[int, int, int]:
         """(online vehicles, deliveries in flight, queued commands) over the group."""

@@ -115,7 +115,7 @@ class PgBackend:
     def pacing_budget(self, clock_s: Callable[[], float]) -> tuple[Budget, Callable[[int], int]]:
         """The campaigns' buckets in the database, leased by every instance; max_in_flight
         counted there too (any instance may end a delivery another started)."""
-        return _PgBudget(self._connected_pool, lambda: round(clock_s() * 1000)), lambda cap: cap
+        return PgBudget(self._connected_pool, lambda: round(clock_s() * 1000)), lambda cap: cap
 
     async def start(self) -> None:
         """Connect the pool, bring the schema to this release, start dispatch."""
@@ -197,7 +197,7 @@ class PgBackend:
             raise StorageError(f"gc apply on store_url failed: {exc}") from None
 
 
-class _PgBudget:
+class PgBudget:
     """Campaign buckets and in-flight counts in the database (storage/postgres/pacing.py): one
     statement per tick for every request that needs tokens, one for every capped request."""
 

@@ -611,6 +611,14 @@ class SharedDispatcher:
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_log_failure)
 
+    async def pacing_of(self, request_id: str) -> tuple[int, int, str]:
+        """Deliveries of `request_id` out fleet-wide (the database's count), and started by this
+        instance in the last minute."""
+        async with self._pool.acquire() as conn:
+            out = await pg_pacing.out(conn, [request_id])
+        started = self._pacing.started_last_minute(request_id) if self._pacing is not None else 0
+        return out.get(request_id, 0), started, "instance"
+
     # -- clients ---------------------------------------------------------------
     def _remember(self, clientid: str, vin: str) -> None:
         if vin == clientid and self._vin_from_clientid is not None and self._vin_from_clientid(clientid):
