@@ -152,17 +152,28 @@ class Pacer:
         self._idle: dict[str, None] = {}
         self._blocked: frozenset[str] = _NONE
         self._caps: dict[str, int] = {}
+        #: Paced requests that started a delivery (or are new) since the last tick: only these
+        #: are counted and leased for, so a tick costs the active campaigns, not every policy.
+        self._touched: set[str] = set()
         self._forgotten: list[str] = []
 
     # -- policies ----------------------------------------------------------------------
     def set(self, request_id: str, policy: Policy | None, set_ms: int) -> None:
         """The policy of `request_id` is now `policy` (None: none), set at `set_ms`."""
+        if self._apply(request_id, policy, set_ms):
+            self._rebuild()
+
+    def _apply(self, request_id: str, policy: Policy | None, set_ms: int) -> bool:
+        """`set` without the blocked set's rebuild; whether anything changed."""
         before = self._paced.get(request_id)
         if policy is None or not policy.paces:
-            if before is not None:
-                del self._paced[request_id]
-                self._forgotten.append(request_id)
-        elif before is None or before.policy != policy or before.set_ms != set_ms:
+            if before is None:
+                return False
+            del self._paced[request_id]
+            self._touched.discard(request_id)
+            self._forgotten.append(request_id)
+            return True
+        if before is None or before.policy != policy or before.set_ms != set_ms:
             paced = _Paced(policy, set_ms, before.tokens if before else 0, rated=policy.max_per_minute is not None)
             if before is not None:
                 paced.starts, paced.fresh = before.starts, before.fresh
@@ -177,16 +188,22 @@ class Pacer:
                 max_in_flight=policy.max_in_flight,
                 cap_here=paced.cap,
             )
-        self._rebuild()
+            self._touched.add(request_id)  # leased at the next tick
+            return True
+        return False
 
     def replace_all(self, found: Iterable[tuple[str, Policy, int]]) -> None:
-        """Every policy in force: (request id, policy, set_ms)."""
+        """Every policy in force: (request id, policy, set_ms). One rebuild of the blocked set,
+        and only when something changed: a reload of many unchanged policies costs a lookup each."""
         seen = set()
+        changed = False
         for rid, policy, set_ms in found:
             seen.add(rid)
-            self.set(rid, policy, set_ms)
+            changed |= self._apply(rid, policy, set_ms)
         for rid in [r for r in self._paced if r not in seen]:
-            self.set(rid, None, 0)
+            changed |= self._apply(rid, None, 0)
+        if changed:
+            self._rebuild()
 
     def policy(self, request_id: str) -> Policy | None:
         paced = self._paced.get(request_id)
@@ -204,6 +221,7 @@ class Pacer:
         if paced is None:
             return
         paced.fresh += 1
+        self._touched.add(request_id)
         if paced.rated:
             paced.tokens -= 1
             if paced.tokens <= 0:
@@ -265,30 +283,39 @@ class Pacer:
                 for rid in self._caps:
                     self.observe(rid, counted.get(rid, 0))
         now = self._wall_ms()
-        self._count_starts(now // 1000)
+        touched, self._touched = self._touched, set()
+        self._count_starts(touched, now // 1000)
         asks = []
-        for rid, paced in self._paced.items():
-            rate = paced.policy.rate_per_minute(now - paced.set_ms)
-            if rate is None:
+        for rid in touched:
+            paced = self._paced.get(rid)
+            rate = None if paced is None else paced.policy.rate_per_minute(now - paced.set_ms)
+            if paced is None or rate is None:
                 continue
             per_s = rate / 60
             chunk = max(1, math.ceil(per_s * self._lease_s))
             if paced.tokens < chunk:
                 asks.append(Lease(rid, per_s, burst_of(per_s), chunk - paced.tokens))
         if asks:
-            got = await self._budget.lease(asks)
+            try:
+                got = await self._budget.lease(asks)
+            except BaseException:
+                self._touched.update(a.request_id for a in asks)  # asked again at the next tick
+                raise
             for ask, n in zip(asks, got, strict=True):
                 paced_now = self._paced.get(ask.request_id)
                 if paced_now is not None:
                     paced_now.tokens += n
+                    if n < ask.want:  # the bucket ran dry: ask again at the next tick
+                        self._touched.add(ask.request_id)
             self._rebuild()
         self._wake()
 
-    def _count_starts(self, second: int) -> None:
+    def _count_starts(self, touched: Iterable[str], second: int) -> None:
         """Move the starts since the last tick into the metric and the last minute's counts."""
         fresh = 0
-        for paced in self._paced.values():
-            if paced.fresh:
+        for rid in touched:
+            paced = self._paced.get(rid)
+            if paced is not None and paced.fresh:
                 fresh += paced.fresh
                 starts = paced.starts
                 starts.append((second, paced.fresh))

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from exhook_server.dispatch.pacing import LocalBudget, Pacer
+from exhook_server.dispatch.pacing import Lease, LocalBudget, Pacer
 from exhook_server.policy import Policy, Ramp
 
 
@@ -126,3 +126,44 @@ def test_the_fleet_wide_bucket_is_shared_by_every_pacer_leasing_from_it() -> Non
                 started += 1
         clock.ms += 50
     assert 594 <= started <= 607
+
+
+class CountingBudget(LocalBudget):
+    """A LocalBudget recording which requests each lease asked for."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(lambda: clock.ms / 1000)
+        self.asked: list[list[str]] = []
+
+    async def lease(self, asks: list[Lease]) -> list[int]:
+        self.asked.append(sorted(a.request_id for a in asks))
+        return self.take(asks)
+
+
+def test_a_reload_of_many_unchanged_policies_and_idle_ticks_cost_a_lookup_each() -> None:
+    """10,000 paced policies reloaded unchanged rebuild nothing; a tick leases only for the
+    requests that started a delivery since the last one."""
+    clock = Clock()
+    budget = CountingBudget(clock)
+    pacer = Pacer(budget, wall_ms=clock)
+    found = [(f"task_{n}", Policy(max_per_minute=600), clock.ms) for n in range(10_000)]
+    pacer.replace_all(found)
+    asyncio.run(pacer.tick())  # every new one leases its first chunk
+    assert len(budget.asked[-1]) == 10_000
+    rebuilds = 0
+    rebuild = pacer._rebuild
+
+    def counted() -> None:
+        nonlocal rebuilds
+        rebuilds += 1
+        rebuild()
+
+    pacer._rebuild = counted  # type: ignore[method-assign]
+    pacer.replace_all(found)
+    assert rebuilds == 0
+    pacer.started("task_7")
+    clock.ms += 1000  # its bucket has accrued what it spent
+    asyncio.run(pacer.tick())
+    assert budget.asked[-1] == ["task_7"]
+    asyncio.run(pacer.tick())
+    assert len(budget.asked) == 2  # nothing spent since: no lease at all
