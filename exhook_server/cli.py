@@ -706,6 +706,7 @@ def _cmd_policy(args: argparse.Namespace) -> int:
             reply = _admin_rpc(cfg, args.server, "SetPolicy", request)
         doc = json.loads(reply.policy) if reply.policy else None
         set_ms = reply.set_ms
+        aborted = json.loads(reply.aborted) if reply.aborted else None
     else:
         if not show:
 
@@ -724,14 +725,18 @@ def _cmd_policy(args: argparse.Namespace) -> int:
         stored = _on_store(cfg, read)
         doc = None if stored is None else json.loads(stored.doc)
         set_ms = 0 if stored is None else stored.set_ms
+        aborted = None if stored is None or stored.aborted is None else json.loads(stored.aborted)
         if show and stored is None:
             raise _NotFound(f"request {parsed.request_id!r} has no policy in force")
     if args.json:
-        print(json.dumps({"request_id": parsed.request_id, "policy": doc, "set_ms": set_ms or None}))
+        shown = {"request_id": parsed.request_id, "policy": doc, "set_ms": set_ms or None}
+        print(json.dumps({**shown, "aborted": aborted} if aborted is not None else shown))
     elif doc is None:
         print(f"{parsed.request_id}: no policy in force")
     else:
         print(f"{parsed.request_id}: policy set {_iso(set_ms)}: {json.dumps(doc)}")
+        if aborted is not None:
+            print(f"  aborted (batches refused until a new policy): {json.dumps(aborted)}")
     return 0
 
 

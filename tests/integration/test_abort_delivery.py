@@ -1,7 +1,8 @@
 """Automatic abort in the delivery path, on both stores: vehicles answering "failed" cross a
 campaign's `answer_failed` criterion while the rest of its rows wait; the rest ends cancelled
 (reason aborted), one `aborted` event goes out, its later batches are refused until a new policy
-re-opens it, and `request R` shows the abort. Real mosquitto, the EMQX-faithful hook driver."""
+re-opens it, and `request R` and `policy R` show the abort. Real mosquitto, the EMQX-faithful
+hook driver."""
 
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ def test_failing_answers_abort_the_campaign_under_load(rig: tuple[Rig, Platform]
         assert cli.main(["request", RID, "--json", *where]) == 0
         shown = json.loads(capsys.readouterr().out)
         assert shown["aborted"]["criterion"] == CRITERION and shown["policy"] == {"abort": [CRITERION]}
+        assert cli.main(["policy", RID, "--json", *where]) == 0
+        assert json.loads(capsys.readouterr().out)["aborted"]["counts"]["answer_failed"] >= 10
 
     policy(r, max_in_flight=100)  # re-opens R
     r.emqx.publish_batch(["VIN00000"], RID, "fw-2")
