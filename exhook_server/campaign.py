@@ -3,14 +3,16 @@
 `Campaigns.apply` takes a checked policy message (`batch.PolicyDoc`), validates its fields
 (exhook_server/policy.py: `bad_policy`), stores it through `Writes.set_policy` (durable when it
 returns; `policies_full` past max_policies; a request aborted under its former policy is open
-again) and only then emits the status event `policy` on the request's status topic, echoing what
-is in force (`"cleared": true` instead once cleared). The topic, the Admin API and the CLI all go
+again), puts it in force in this process and, through `tell_others`, in the server's other
+processes (so a batch published after the policy's answer is governed whichever process delivers
+it), and only then emits the status event `policy` on the request's status topic, echoing what is
+in force (`"cleared": true` instead once cleared). The topic, the Admin API and the CLI all go
 through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -43,6 +45,25 @@ class Campaigns:
         self.pacer: Pacer | None = None
         #: This process's abort watch: a policy with criteria is judged at once.
         self.aborts: Aborts | None = None
+        #: Puts a stored policy (request id, stored form, set_ms) in force in the server's other
+        #: processes before it returns (None: this process is alone).
+        self.tell_others: Callable[[str, bytes | None, int], Awaitable[None]] | None = None
+
+    def take(self, request_id: str, policy: Policy | None, set_ms: int) -> None:
+        """Put `policy` (None: none) in force in this process's gates and pacing."""
+        if self.gates is not None:
+            self.gates.set(request_id, policy)
+        if self.pacer is not None:
+            self.pacer.set(request_id, policy, set_ms)
+
+    def take_stored(self, request_id: str, doc: bytes | None, set_ms: int) -> None:
+        """`take` for a policy another process of this server stored (its stored form)."""
+        try:
+            policy = None if doc is None else Policy.decode(doc)
+        except Exception as exc:  # a sibling of another build: its policy follows at the next reload
+            log.error("policy_unreadable", request_id=request_id, error=repr(exc))
+            return
+        self.take(request_id, policy, set_ms)
 
     async def apply(self, message: PolicyDoc, status: StatusPublisher | None = None) -> Policy | None:
         """Validate, store and report one policy message; the policy now in force (None: none).
@@ -56,10 +77,9 @@ class Campaigns:
             had = await self._writes.set_policy(rid, doc, set_ms, self._cfg.max_policies)
         except PoliciesFull as exc:
             raise BatchRejected(Reason.POLICIES_FULL, str(exc), request_id=rid) from None
-        if self.gates is not None:
-            self.gates.set(rid, policy)
-        if self.pacer is not None:
-            self.pacer.set(rid, policy, set_ms)
+        self.take(rid, policy, set_ms)
+        if self.tell_others is not None:
+            await self.tell_others(rid, doc, set_ms)
         if self.aborts is not None and policy is not None and policy.abort:
             self.aborts.watch(rid)
         shown = None if policy is None else policy.as_doc()

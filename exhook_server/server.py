@@ -155,6 +155,9 @@ class FanoutServer:
         #: Campaign policies' abort criteria, judged on the outcomes of their requests.
         self.aborts = Aborts(cfg, self.reads, self.backend.writes, self.gates, self.cancels, self.status, clock)
         self.ingestor.campaigns.aborts = self.aborts
+        #: A policy reaches every process of this server before its answer.
+        self.ingestor.campaigns.tell_others = self.backend.tell_policy
+        self.backend.on_policy = self.ingestor.campaigns.take_stored
         #: This process's share of max_deliveries_per_s (None: off).
         self.budget = (
             DeliveryBudget(cfg.max_deliveries_per_s / cfg.process_count, lambda: clock() / 1000, self._offer_token)

@@ -63,6 +63,15 @@ class Backend(Protocol):
         share of a max_in_flight."""
         ...
 
+    #: Puts a policy another process stored in force in this one (request id, stored form,
+    #: set_ms): set by the server, called by `tell_policy` of a sibling process.
+    on_policy: Callable[[str, bytes | None, int], None] | None
+
+    async def tell_policy(self, request_id: str, doc: bytes | None, set_ms: int) -> None:
+        """Put a policy this process just stored in force in the server's other processes before
+        it is reported (those that are not told follow at their next reload)."""
+        ...
+
     async def start(self) -> None:
         """Reach the store and start the dispatch `dispatcher` built."""
         ...

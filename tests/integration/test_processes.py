@@ -106,6 +106,43 @@ def test_vehicles_get_deliveries_whichever_process_owns_them(tmp_path: Path) -> 
             srv.terminate()
 
 
+def test_a_policy_is_in_force_in_every_process_when_its_publish_is_answered(tmp_path: Path) -> None:
+    """A paused policy set through one process holds the rows of a batch published right after it
+    in the other process too (it delivers the VINs it owns), with no policy reload to help
+    (policy_refresh_s 3,600): each vehicle gets the newer free request first; the resume reaches
+    every process the same way and the held request follows."""
+    with Mosquitto(tmp_path).start() as broker:
+        env = {**GROUP, "SDV_FANOUT_MQTT_URL": broker.url, "SDV_FANOUT_POLICY_REFRESH_S": "3600"}
+        srv = SubprocessServer(tmp_path / "lmdb", env=env)
+        try:
+            # One EMQX channel: every hook reaches one process; the other owns part of the VINs.
+            emqx = FakeEmqx(srv.port, broker.port)
+            emqx.load()
+            vins = [f"LSVPO{n:012d}" for n in range(16)]
+            fleet = [emqx.vehicle(vin) for vin in vins]
+            for v in fleet:
+                v.connect()
+                v.subscribe()
+
+            def policy(**fields: object) -> None:
+                body = json.dumps({"request_id": "task_held_1", **fields}).encode()
+                reply = emqx.publish("$SDV-FANOUT/policy", body)
+                assert reply is not None and reply.message.headers["allow_publish"] == "false"
+
+            policy(paused=True)
+            emqx.publish_batch(vins, "task_held_1", "held")
+            emqx.publish_batch(vins, "task_free_1", "free")
+            poll(lambda: all(len(v.received) >= 1 for v in fleet), timeout_s=60)
+            assert metric(srv, "sdv_fanout_dispatch_forwarded_total") > 0
+            policy()  # cleared: resumed
+            poll(lambda: all(len(v.received) >= 2 for v in fleet), timeout_s=60)
+            for v in fleet:
+                assert [r.topic.rsplit("/", 1)[1] for r in v.received] == ["task_free_1", "task_held_1"], v.clientid
+            emqx.close()
+        finally:
+            srv.terminate()
+
+
 def test_admin_answers_on_the_admin_port_only(group: SubprocessServer) -> None:
     """Every connection to the group's admin port is answered; every one to the ExHook port gets UNIMPLEMENTED."""
     import grpc

@@ -34,6 +34,9 @@ from storage.port import Reads, Writes
 
 log = structlog.get_logger("sdv_fanout.server")
 
+#: How long a policy's setter waits for each other process of the group to put it in force.
+POLICY_TELL_S = 2.0
+
 
 class LmdbBackend:
     """One process's view of the LMDB store (see the module docstring)."""
@@ -58,6 +61,9 @@ class LmdbBackend:
         self._dispatcher: Dispatcher | None = None
         #: The campaigns' fleet-wide buckets, in process 0 of a group (`pacing_budget`).
         self._budget: LocalBudget | None = None
+        #: Puts a policy another process of the group stored in force here (request id, stored
+        #: form, set_ms); set by the server.
+        self.on_policy: Callable[[str, bytes | None, int], None] | None = None
         if not tool:
             self._open()
 
@@ -158,8 +164,28 @@ class LmdbBackend:
             return self._budget, share
         return _GroupBudget(self._peers), share
 
+    async def tell_policy(self, request_id: str, doc: bytes | None, set_ms: int) -> None:
+        """Put a policy this process stored in force in the group's other processes, each
+        answering once it is; one that does not answer within `POLICY_TELL_S` follows at its
+        next reload (policy_refresh_s), as the log line `policy_not_told` says."""
+        group = self.group
+        if self.peers is None or group is None or group.size == 1:
+            return
+        others = [i for i in range(group.size) if i != group.index]
+        query = ("policy", request_id, doc, set_ms)
+        answers = await asyncio.gather(
+            *(self.peers.ask(i, query, timeout_s=POLICY_TELL_S) for i in others), return_exceptions=True
+        )
+        for index, answer in zip(others, answers, strict=True):
+            if isinstance(answer, Exception):
+                log.warning("policy_not_told", request_id=request_id, peer=index, error=repr(answer))
+
     def _answer(self, query: tuple[Any, ...]) -> Any:
-        """A peer's question: a lease of process 0's buckets, else one for dispatch."""
+        """A peer's question: a policy to put in force, a lease of process 0's buckets, else one
+        for dispatch."""
+        if query[0] == "policy" and self.on_policy is not None:
+            self.on_policy(query[1], query[2], query[3])
+            return True
         if query[0] == "lease" and self._budget is not None:
             return self._budget.take(query[1])
         if query[0] == "forget" and self._budget is not None:

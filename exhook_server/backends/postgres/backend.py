@@ -49,6 +49,8 @@ class PgBackend:
         self._reads: Reads | None = None
         self._writes: Writes | None = None
         self._dispatcher: SharedDispatcher | None = None
+        #: Unused: an instance is one process (see `tell_policy`).
+        self.on_policy: Callable[[str, bytes | None, int], None] | None = None
         if not tool:
             self._use(pgmode.create_pool(cfg))
 
@@ -111,6 +113,10 @@ class PgBackend:
             on_latency=needs.on_latency,
         )
         return self._dispatcher
+
+    async def tell_policy(self, request_id: str, doc: bytes | None, set_ms: int) -> None:
+        """Nothing: each instance is one process, and the others reload the policies from the
+        database every policy_refresh_s."""
 
     def pacing_budget(self, clock_s: Callable[[], float]) -> tuple[Budget, Callable[[int], int]]:
         """The campaigns' buckets in the database, leased by every instance; max_in_flight
