@@ -174,7 +174,13 @@ def test_a_reused_request_id_with_new_data_is_counted_apart(rig: Rig, platform: 
     rig.emqx.publish_batch(["V1"], "task_ota_1", "old")
     rig.emqx.publish_batch(["V1"], "task_ota_1", "new")
     old, new = sha1_of(b"old").hex(), sha1_of(b"new").hex()
-    old_progress = platform.wait(event="progress", request_id="task_ota_1", sha1=old)[-1]
+
+    def old_superseded() -> dict[str, Any] | None:
+        # The old generation's first progress may say pending 1 (sent before the new batch came).
+        seen = platform.events(event="progress", request_id="task_ota_1", sha1=old)
+        return seen[-1] if seen and seen[-1]["counts"]["superseded"] == 1 else None
+
+    old_progress = poll(old_superseded, timeout_s=30)
     assert old_progress["counts"]["superseded"] == 1 and old_progress["counts"]["pending"] == 0
     new_progress = platform.wait(event="progress", request_id="task_ota_1", sha1=new)[-1]
     assert new_progress["counts"]["pending"] == 1 and new_progress["counts"]["total"] == 1
