@@ -198,7 +198,7 @@ class Ingestor:
                 self._stored(result.batch, "trigger", tags=trig.tags, data_id=trig.data_id)
 
     def _batch_args(self, batch: Batch, now: int) -> tuple[Any, ...]:
-        """`Writes.store_batch`'s arguments for `batch`, which `preview_batch` takes too."""
+        """`Writes.store_batch`'s arguments for `batch` (a preview passes them with dry_run)."""
         return batch.vins, batch.request_id, batch.blob, now, batch.tags.batch_id, self._spec(batch.life)
 
     async def _preview(self, preview: Preview, now: int) -> None:
@@ -209,7 +209,7 @@ class Ingestor:
         duplicate = False
         if preview.batch is not None:
             try:
-                written = await self._writes.preview_batch(*self._batch_args(preview.batch, now))
+                written = await self._writes.store_batch(*self._batch_args(preview.batch, now), dry_run=True)
             except RequestAborted as exc:  # what the batch would get: its rejected event, dry_run
                 raise BatchRejected(Reason.ABORTED, str(exc), request_id=preview.request_id) from None
             if isinstance(written, Duplicate):

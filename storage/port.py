@@ -60,21 +60,12 @@ class Writes(Protocol):
         now_ms: int,
         batch_id: str | None = None,
         spec: RowSpec = PLAIN,
+        *,
+        dry_run: bool = False,
     ) -> BatchWritten | Duplicate:
-        """A seed-format batch: the blob once, a row per VIN (see ops.store_batch)."""
-        ...
-
-    async def preview_batch(
-        self,
-        vins: Sequence[str],
-        request_id: str,
-        blob: bytes,
-        now_ms: int,
-        batch_id: str | None = None,
-        spec: RowSpec = PLAIN,
-    ) -> BatchWritten | Duplicate:
-        """What `store_batch` with the same arguments would return now; nothing is written (the
-        same operation, undone before its transaction ends)."""
+        """A seed-format batch: the blob once, a row per VIN (see ops.store_batch). With `dry_run`
+        what it would return now, writing nothing (the same operation, undone before its
+        transaction ends)."""
         ...
 
     async def store_data(self, data_id: str, blob: bytes, now_ms: int, max_rows: int, max_pending: int) -> DataWritten:

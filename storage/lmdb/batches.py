@@ -204,23 +204,14 @@ def store_batch(
     return BatchWritten(request_id, sha1, stored_vins, put.replaced, new_blob, put.superseded, refused=put.refused)
 
 
-def preview_batch(
-    txn: lmdb.Transaction,
-    t: Tables,
-    env: lmdb.Environment,
-    vins: Sequence[str],
-    request_id: str,
-    blob: bytes,
-    now_ms: int,
-    batch_id: str | None = None,
-    spec: RowSpec = PLAIN,
-) -> BatchWritten | Duplicate:
-    """What `store_batch` would return at this point of the group, writing nothing: it runs in a
-    child transaction of `txn` that is aborted (LMDB's nested transactions), so the decision is
-    `store_batch`'s own and the group commits only what its other ops wrote."""
+def preview_batch(txn: lmdb.Transaction, t: Tables, env: lmdb.Environment, **batch: Any) -> BatchWritten | Duplicate:
+    """What `store_batch(txn, t, **batch)` would return at this point of the group, writing
+    nothing: it runs in a child transaction of `txn` that is aborted (LMDB's nested
+    transactions), so the decision is `store_batch`'s own and the group commits only what its
+    other ops wrote."""
     child = env.begin(write=True, parent=txn, buffers=True)
     try:
-        return store_batch(child, t, vins, request_id, blob, now_ms, batch_id, spec)
+        return store_batch(child, t, **batch)
     finally:
         child.abort()
 

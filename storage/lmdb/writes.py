@@ -91,33 +91,15 @@ class LmdbWrites:
         now_ms: int,
         batch_id: str | None = None,
         spec: RowSpec = PLAIN,
+        *,
+        dry_run: bool = False,
     ) -> batches.BatchWritten | batches.Duplicate:
+        # A preview goes through the committer like the batch itself: it sees every batch
+        # submitted before it, and its rows count in the group's row bound.
+        op = functools.partial(batches.preview_batch, env=self._store.env) if dry_run else batches.store_batch
         return await self._commit(
-            batches.store_batch,
+            op,
             rows=len(vins),
-            vins=vins,
-            request_id=request_id,
-            blob=blob,
-            now_ms=now_ms,
-            batch_id=batch_id,
-            spec=spec,
-        )
-
-    async def preview_batch(
-        self,
-        vins: Sequence[str],
-        request_id: str,
-        blob: bytes,
-        now_ms: int,
-        batch_id: str | None = None,
-        spec: RowSpec = PLAIN,
-    ) -> batches.BatchWritten | batches.Duplicate:
-        # Through the committer like the batch itself: it sees every batch submitted before it,
-        # and its rows count in the group's row bound.
-        return await self._commit(
-            batches.preview_batch,
-            rows=len(vins),
-            env=self._store.env,
             vins=vins,
             request_id=request_id,
             blob=blob,

@@ -60,6 +60,13 @@ async def retrying_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
     raise StorageError(f"{what} kept racing concurrent writes ({RACE_RETRIES} tries)")
 
 
+class _Undo(Exception):
+    """Ends a preview's transaction (rolled back) with what its statement returned."""
+
+    def __init__(self, out: Record) -> None:
+        self.out = out
+
+
 async def store_batch(
     conn: Connection,
     vins: Sequence[str],
@@ -68,34 +75,13 @@ async def store_batch(
     now_ms: int,
     batch_id: str | None = None,
     spec: RowSpec = PLAIN,
+    *,
+    dry_run: bool = False,
 ) -> BatchWritten | Duplicate:
     """The blob once, then one row per VIN; nothing if `batch_id` was stored (`ops.store_batch`).
     `vins` are distinct (the hook layer folds duplicates). One round trip: `sdv_store_batch`
-    (sql/functions/batches.sql) is the whole transaction."""
-    sha1 = sha1_of(blob)
-    args = _store_args(vins, request_id, blob, sha1, now_ms, batch_id, spec)
-    out = await retrying_call(f"batch of {request_id}", lambda: fetch_one(conn, _STORE_BATCH, *args))
-    return _written(vins, request_id, sha1, batch_id, out)
-
-
-class _Undo(Exception):
-    """Ends a preview's transaction (rolled back) with what its statement returned."""
-
-    def __init__(self, out: Record) -> None:
-        self.out = out
-
-
-async def preview_batch(
-    conn: Connection,
-    vins: Sequence[str],
-    request_id: str,
-    blob: bytes,
-    now_ms: int,
-    batch_id: str | None = None,
-    spec: RowSpec = PLAIN,
-) -> BatchWritten | Duplicate:
-    """What `store_batch` would return now, writing nothing: the same statement
-    (`sdv_store_batch`) in a transaction that is rolled back, so the decision is the batch's own."""
+    (sql/functions/batches.sql) is the whole transaction. With `dry_run` the same statement runs
+    in a transaction that is rolled back: what the batch would do now, its own decision."""
     sha1 = sha1_of(blob)
     args = _store_args(vins, request_id, blob, sha1, now_ms, batch_id, spec)
 
@@ -106,7 +92,8 @@ async def preview_batch(
         except _Undo as undo:
             return undo.out
 
-    out = await retrying_call(f"preview of {request_id}", undone)
+    what = f"{'preview' if dry_run else 'batch'} of {request_id}"
+    out = await retrying_call(what, undone if dry_run else lambda: fetch_one(conn, _STORE_BATCH, *args))
     return _written(vins, request_id, sha1, batch_id, out)
 
 

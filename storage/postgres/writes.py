@@ -52,19 +52,10 @@ class PgWrites:
         now_ms: int,
         batch_id: str | None = None,
         spec: RowSpec = PLAIN,
+        *,
+        dry_run: bool = False,
     ) -> BatchWritten | Duplicate:
-        return await self._run(batches.store_batch, vins, request_id, blob, now_ms, batch_id, spec)
-
-    async def preview_batch(
-        self,
-        vins: Sequence[str],
-        request_id: str,
-        blob: bytes,
-        now_ms: int,
-        batch_id: str | None = None,
-        spec: RowSpec = PLAIN,
-    ) -> BatchWritten | Duplicate:
-        return await self._run(batches.preview_batch, vins, request_id, blob, now_ms, batch_id, spec)
+        return await self._run(batches.store_batch, vins, request_id, blob, now_ms, batch_id, spec, dry_run=dry_run)
 
     async def add_latency(self, increments: Sequence[Increment]) -> None:
         await self._run(latency.add, increments)

@@ -94,9 +94,11 @@ class Stored:
         self._writes = writes
         self.results: list[BatchWritten | Duplicate] = []
 
-    async def store_batch(self, *args: Any) -> BatchWritten | Duplicate:
-        self.results.append(await self._writes.store_batch(*args))
-        return self.results[-1]
+    async def store_batch(self, *args: Any, dry_run: bool = False) -> BatchWritten | Duplicate:
+        written = await self._writes.store_batch(*args, dry_run=dry_run)
+        if not dry_run:
+            self.results.append(written)
+        return written
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writes, name)
