@@ -15,14 +15,13 @@ import shutil
 import subprocess
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from exhook_server._proto import admin_pb2
-from testkit.harness import ExHookClient, SubprocessServer, poll
+from testkit.harness import ExHookClient, SubprocessServer, fill_rows, poll
 from testkit.plumbing import Run, stop_server
 from testkit.reports.abort_reaction import SIDES, markdown, summarize
 
@@ -38,18 +37,7 @@ SERVER_ENV = {"SDV_FANOUT_EXPIRY_SWEEP_INTERVAL_S": "0.1", "SDV_FANOUT_GC_INTERV
 
 def fill(port: int, rows: int, clients: int = 4) -> None:
     """`rows` pending rows of RID, in batches of FILL_VINS VINs from `clients` channels."""
-    chans = [ExHookClient(port) for _ in range(clients)]
-    try:
-
-        def one(n: int) -> None:
-            vins = [f"ABRT{i:013d}" for i in range(n * FILL_VINS, min(rows, (n + 1) * FILL_VINS))]
-            chans[n % clients].batch(vins, RID, "firmware-x")
-
-        with ThreadPoolExecutor(clients) as pool:
-            list(pool.map(one, range(-(-rows // FILL_VINS))))
-    finally:
-        for c in chans:
-            c.close()
+    fill_rows(port, rows, RID, "ABRT", clients, FILL_VINS)
 
 
 def logged_at(server: SubprocessServer, event: str) -> float:

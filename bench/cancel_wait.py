@@ -15,11 +15,10 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from testkit.harness import ExHookClient, SubprocessServer, poll
+from testkit.harness import ExHookClient, SubprocessServer, fill_rows, poll
 from testkit.plumbing import Run, pct, stop_server
 from testkit.reports.cancel_wait import SIDES, markdown
 
@@ -31,18 +30,7 @@ FILL_VINS = 1_000
 
 def fill(port: int, rows: int, clients: int) -> None:
     """`rows` pending rows of BIG, in batches of FILL_VINS VINs from `clients` channels."""
-    chans = [ExHookClient(port) for _ in range(clients)]
-    try:
-
-        def one(n: int) -> None:
-            vins = [f"BIG{i:014d}" for i in range(n * FILL_VINS, min(rows, (n + 1) * FILL_VINS))]
-            chans[n % clients].batch(vins, BIG, "firmware-x")
-
-        with ThreadPoolExecutor(clients) as pool:
-            list(pool.map(one, range(-(-rows // FILL_VINS))))
-    finally:
-        for c in chans:
-            c.close()
+    fill_rows(port, rows, BIG, "BIG", clients, FILL_VINS)
 
 
 class Trickle:

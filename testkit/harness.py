@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -407,3 +408,21 @@ class Throttle:
             return False
         self._next = now + self.period_s
         return True
+
+
+def fill_rows(port: int, rows: int, request_id: str, prefix: str, clients: int = 4, chunk: int = 1_000) -> None:
+    """`rows` pending rows of `request_id` (VINs `prefix` + a zero-padded number, 17 characters),
+    in batches of `chunk` VINs from `clients` ExHook channels in parallel."""
+    chans = [ExHookClient(port) for _ in range(clients)]
+    width = 17 - len(prefix)
+    try:
+
+        def one(n: int) -> None:
+            vins = [f"{prefix}{i:0{width}d}" for i in range(n * chunk, min(rows, (n + 1) * chunk))]
+            chans[n % clients].batch(vins, request_id, "firmware-x")
+
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(one, range(-(-rows // chunk))))
+    finally:
+        for c in chans:
+            c.close()
