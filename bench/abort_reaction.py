@@ -18,10 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from exhook_server._proto import admin_pb2
-from testkit.harness import ExHookClient, SubprocessServer, fill_rows, poll
+from testkit.harness import ExHookClient, SubprocessServer, admin_call, fill_rows, poll
 from testkit.plumbing import Run, stop_server
 from testkit.reports.abort_reaction import SIDES, markdown, summarize
 
@@ -47,13 +45,7 @@ def logged_at(server: SubprocessServer, event: str) -> float:
 
 
 def set_policy(port: int, doc: dict[str, Any]) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = channel.unary_unary(
-            "/sdv.fanout.v1.Admin/SetPolicy",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=admin_pb2.Policy.FromString,
-        )
-        stub(admin_pb2.SetPolicyRequest(request_id=RID, policy=json.dumps(doc)), timeout=10)
+    admin_call(port, "SetPolicy", admin_pb2.SetPolicyRequest(request_id=RID, policy=json.dumps(doc)))
 
 
 def run_side(side: str, store_url: str, tmp: Path, rows: int, say: Any) -> dict[str, Any]:

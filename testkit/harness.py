@@ -344,12 +344,24 @@ def admin_stats(channel: grpc.Channel) -> Any:
     """Admin GetStats over `channel` (plaintext or TLS: the caller picks the credentials)."""
     from exhook_server._proto import admin_pb2
 
-    stub = channel.unary_unary(
-        "/sdv.fanout.v1.Admin/GetStats",
+    return admin_call(channel, "GetStats", admin_pb2.GetStatsRequest())
+
+
+def admin_call(target: int | grpc.Channel, method: str, request: Any) -> Any:
+    """One Admin RPC (`method`, its reply type read from the service descriptor) on a plaintext
+    listener's port of 127.0.0.1, or over `channel`."""
+    from exhook_server._proto import admin_pb2
+
+    if isinstance(target, int):
+        with grpc.insecure_channel(f"127.0.0.1:{target}") as channel:
+            return admin_call(channel, method, request)
+    reply = admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods_by_name[method].output_type.name
+    stub = target.unary_unary(
+        f"/sdv.fanout.v1.Admin/{method}",
         request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=admin_pb2.Stats.FromString,
+        response_deserializer=getattr(admin_pb2, reply).FromString,
     )
-    return stub(admin_pb2.GetStatsRequest(), timeout=10)
+    return stub(request, timeout=10)
 
 
 def put(writer: Any, store: Any, vins: list[str], rid: str, blob: bytes, at: int) -> None:

@@ -6,16 +6,13 @@ batch of it is refused `aborted`, before and after the crash."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
-from typing import Any
 
-import grpc
 import pytest
 
 from exhook_server._proto import admin_pb2
-from testkit.harness import ExHookClient, SubprocessServer, poll
+from testkit.harness import ExHookClient, SubprocessServer, admin_call, poll
 
 pytestmark = pytest.mark.slow
 
@@ -28,32 +25,8 @@ SERVER_ENV = {
 }
 
 
-@pytest.fixture(params=["lmdb", "postgresql"])
-def store_env(request: pytest.FixtureRequest) -> dict[str, str]:
-    if request.param == "lmdb":
-        return {}
-    cluster = request.getfixturevalue("pg_cluster")
-    return {"SDV_FANOUT_STORE_URL": cluster.new_database(f"kill9_abort_{os.getpid()}")}
-
-
-def admin(port: int, method: str, request: Any) -> Any:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = channel.unary_unary(
-            f"/sdv.fanout.v1.Admin/{method}",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=admin_pb2.Policy.FromString,
-        )
-        return stub(request, timeout=10)
-
-
 def pending(srv: SubprocessServer) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
-        stub = channel.unary_unary(
-            "/sdv.fanout.v1.Admin/GetRequest",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=admin_pb2.RequestStatus.FromString,
-        )
-        reply = stub(admin_pb2.GetRequestRequest(request_id=RID), timeout=10)
+    reply = admin_call(srv.admin_port, "GetRequest", admin_pb2.GetRequestRequest(request_id=RID))
     return sum(g.counts.pending for g in reply.generations)
 
 
@@ -69,7 +42,7 @@ def test_an_abort_and_its_cancel_outlive_kill_9(tmp_path: Path, store_env: dict[
     srv = SubprocessServer(data_dir, env=env)
     try:
         doc = json.dumps({"abort": [CRITERION]})
-        admin(srv.admin_port, "SetPolicy", admin_pb2.SetPolicyRequest(request_id=RID, policy=doc))
+        admin_call(srv.admin_port, "SetPolicy", admin_pb2.SetPolicyRequest(request_id=RID, policy=doc))
         hook = ExHookClient(srv.port)
         soon = int(time.time() * 1000) + 1500
         hook.batch([f"LKILLEXP{n:08d}" for n in range(20)], RID, "fw", expires_at=soon)
@@ -83,7 +56,7 @@ def test_an_abort_and_its_cancel_outlive_kill_9(tmp_path: Path, store_env: dict[
     try:
         poll(lambda: pending(again) == 0, timeout_s=60)
         assert again.logged("cancel_resumed")
-        got = admin(again.admin_port, "GetPolicy", admin_pb2.GetPolicyRequest(request_id=RID))
+        got = admin_call(again.admin_port, "GetPolicy", admin_pb2.GetPolicyRequest(request_id=RID))
         assert json.loads(got.aborted)["criterion"] == CRITERION
         assert refused(again)
         assert not again.logged("campaign_aborted")  # recorded once, before the crash

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from exhook_server._proto import admin_pb2
@@ -33,7 +32,7 @@ from storage.lmdb.batches import sha1_of
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import Store
 from testkit.emqx_sim import FakeEmqx, Mosquitto, Vehicle
-from testkit.harness import SubprocessServer, poll
+from testkit.harness import SubprocessServer, admin_call, poll
 from tests.crash.test_kill9_outcomes import emqx_for
 from tests.integration.test_status_topic import Platform
 
@@ -103,13 +102,7 @@ def cancel(emqx: FakeEmqx, request_id: str, ids: list[str] | None = None, **extr
 
 def in_flight(srv: SubprocessServer, vin: str) -> admin_pb2.InFlight | None:
     """The vehicle's delivery in flight, as the server's Admin API tells it."""
-    with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
-        stub = channel.unary_unary(
-            "/sdv.fanout.v1.Admin/GetVehicle",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=admin_pb2.Vehicle.FromString,
-        )
-        vehicle = stub(admin_pb2.GetVehicleRequest(vin=vin), timeout=10)
+    vehicle = admin_call(srv.admin_port, "GetVehicle", admin_pb2.GetVehicleRequest(vin=vin))
     return vehicle.in_flight if vehicle.HasField("in_flight") else None
 
 

@@ -4,41 +4,17 @@ and the offline `sdv-fanout policy` reads and writes the same store."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from exhook_server import cli
 from exhook_server._proto import admin_pb2
-from testkit.harness import ExHookClient, SubprocessServer
+from testkit.harness import ExHookClient, SubprocessServer, admin_call
 
 pytestmark = pytest.mark.slow
-
-#: One database per test (tests of this file may share a worker process, hence a cluster).
-_databases = itertools.count()
-
-
-@pytest.fixture(params=["lmdb", "postgresql"])
-def store_env(request: pytest.FixtureRequest) -> dict[str, str]:
-    if request.param == "lmdb":
-        return {}
-    cluster = request.getfixturevalue("pg_cluster")
-    return {"SDV_FANOUT_STORE_URL": cluster.new_database(f"kill9_policy_{os.getpid()}_{next(_databases)}")}
-
-
-def call(port: int, method: str, request: Any) -> Any:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = channel.unary_unary(
-            f"/sdv.fanout.v1.Admin/{method}",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=admin_pb2.Policy.FromString,
-        )
-        return stub(request, timeout=10)
 
 
 def test_a_policy_outlives_kill_9(tmp_path: Path, store_env: dict[str, str], capsys: Any) -> None:
@@ -47,7 +23,7 @@ def test_a_policy_outlives_kill_9(tmp_path: Path, store_env: dict[str, str], cap
     policy = {"max_per_minute": 600, "max_in_flight": 20, "paused": True}
     srv = SubprocessServer(data_dir, env=env)
     try:
-        set_reply = call(
+        set_reply = admin_call(
             srv.admin_port, "SetPolicy", admin_pb2.SetPolicyRequest(request_id="task_ota_1", policy=json.dumps(policy))
         )
         assert json.loads(set_reply.policy) == policy
@@ -55,7 +31,7 @@ def test_a_policy_outlives_kill_9(tmp_path: Path, store_env: dict[str, str], cap
         srv.kill()
     again = SubprocessServer(data_dir, env=env)
     try:
-        got = call(again.admin_port, "GetPolicy", admin_pb2.GetPolicyRequest(request_id="task_ota_1"))
+        got = admin_call(again.admin_port, "GetPolicy", admin_pb2.GetPolicyRequest(request_id="task_ota_1"))
         assert json.loads(got.policy) == policy and got.set_ms == set_reply.set_ms
     finally:
         again.kill()

@@ -5,40 +5,18 @@ vehicles' other requests go meanwhile. Real mosquitto, the EMQX-faithful hook dr
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from exhook_server import cli
 from testkit.emqx_sim import Vehicle
 from testkit.harness import StepClock, poll
-from tests.integration.test_delivery_e2e import Rig, make_rig
+from tests.integration import test_policy_gates as gates
+from tests.integration.test_delivery_e2e import Rig
 
-TOPIC = "$SDV-FANOUT/policy"
+#: The gates' rig: both stores, the server on a stepped clock, policies re-read every 0.2 s.
+store_kind, clock, rig, policy = gates.store_kind, gates.clock, gates.rig, gates.policy
 VINS = [f"VIN{n}" for n in range(6)]
-
-
-@pytest.fixture(params=["lmdb", "postgresql"])
-def store_kind(request: pytest.FixtureRequest) -> str:
-    """Every test here runs on both stores."""
-    return request.param  # type: ignore[no-any-return]
-
-
-@pytest.fixture
-def clock() -> StepClock:
-    return StepClock()
-
-
-@pytest.fixture
-def rig(tmp_path: Path, make_server: Any, clock: StepClock) -> Iterator[Rig]:
-    yield from make_rig(tmp_path, make_server, clock=clock, policy_refresh_s=0.2)
-
-
-def policy(rig: Rig, request_id: str, **fields: Any) -> None:
-    reply = rig.emqx.publish(TOPIC, json.dumps({"request_id": request_id, **fields}).encode())
-    assert reply is not None and reply.message.headers["allow_publish"] == "false"
 
 
 def fleet(rig: Rig, *, auto_ack: bool) -> list[Vehicle]:

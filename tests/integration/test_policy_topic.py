@@ -14,7 +14,7 @@ import pytest
 
 from exhook_server import cli
 from exhook_server._proto import admin_pb2
-from testkit.harness import poll
+from testkit.harness import admin_call, poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
 from tests.integration.test_status_topic import Platform
 
@@ -40,14 +40,7 @@ def rig(tmp_path: Path, make_server: Any) -> Iterator[tuple[Rig, Platform]]:
 
 def admin(rig: Rig, method: str, request: Any) -> Any:
     assert rig.srv.server is not None
-    out = {"SetPolicy": admin_pb2.Policy, "GetPolicy": admin_pb2.Policy}[method]
-    with grpc.insecure_channel(f"127.0.0.1:{rig.srv.server.admin_port}") as channel:
-        stub = channel.unary_unary(
-            f"/sdv.fanout.v1.Admin/{method}",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=out.FromString,
-        )
-        return stub(request, timeout=10)
+    return admin_call(rig.srv.server.admin_port, method, request)
 
 
 def test_a_policy_on_its_topic_is_intercepted_stored_and_echoed(rig: tuple[Rig, Platform], capsys: Any) -> None:

@@ -14,6 +14,7 @@ import pytest
 from exhook_server import cli
 from testkit.harness import StepClock, poll
 from tests.integration.test_delivery_e2e import Rig, make_rig
+from tests.integration.test_policy_gates import policy
 
 
 @pytest.fixture(params=["lmdb", "postgresql"])
@@ -25,11 +26,6 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def rig(tmp_path: Path, make_server: Any) -> Iterator[Rig]:
     yield from make_rig(tmp_path, make_server)
-
-
-def policy(rig: Rig, request_id: str, **fields: Any) -> None:
-    reply = rig.emqx.publish("$SDV-FANOUT/policy", json.dumps({"request_id": request_id, **fields}).encode())
-    assert reply is not None and reply.message.headers["allow_publish"] == "false"
 
 
 def test_a_high_priority_batch_overtakes_the_queued_normal_ones(rig: Rig) -> None:

@@ -22,7 +22,7 @@ from exhook_server._proto import admin_pb2 as apb
 from storage.lmdb import batches
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import now_ms
-from testkit.harness import BIN, ExHookClient, InProcessServer, poll, put
+from testkit.harness import BIN, ExHookClient, InProcessServer, admin_call, poll, put
 from tests.certs import make_pki
 from tests.integration.test_tls import sdv_fanout as cli
 
@@ -90,14 +90,8 @@ def story(make_server: Any) -> Story:
 
 def admin(story: Story, method: str, request: Any) -> Any:
     """One Admin RPC on the story's admin listener, plaintext."""
-    output = apb.DESCRIPTOR.services_by_name["Admin"].methods_by_name[method].output_type.name
     with grpc.insecure_channel(story.admin) as channel:
-        stub = channel.unary_unary(
-            f"/sdv.fanout.v1.Admin/{method}",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=getattr(apb, output).FromString,
-        )
-        return stub(request, timeout=10)
+        return admin_call(channel, method, request)
 
 
 def counts(m: Any) -> dict[str, int]:
