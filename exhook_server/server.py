@@ -284,6 +284,7 @@ class FanoutServer:
 
     def _outcome(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
         """An outcome dispatch reports: judged for its campaign's abort, and sent per vehicle when asked."""
+        self.pacer.ended(vin, request_id)
         self.aborts.outcome(vin, request_id, sha1, outcome, attempts)
         if self.cfg.status_per_vehicle:
             self._vehicle_outcome(vin, request_id, sha1, outcome, attempts)

@@ -3,7 +3,8 @@
 `max_per_minute` (grown by its `ramp`) is one token bucket for the whole fleet, held by a `Budget`
 (one process's, a process group's, or PostgreSQL's); each tick this process leases what it needs
 in chunks of at most `LEASE_S` of the rate, and each start spends one. `max_in_flight` bounds the
-deliveries out (`out`: the workers' in-flight entries). A request without a token or at its cap is
+deliveries out (`out`: the workers' in-flight entries, and those `carry` holds over a restart). A
+request without a token or at its cap is
 `blocked()`: its rows are passed over like a held one's. Vehicles that found nothing to send
 meanwhile are remembered (`idle`, bounded) and offered again, a few per token or freed slot, each
 tick: never a scan of the fleet. Not thread-safe: the event loop's thread owns it.
@@ -156,6 +157,10 @@ class Pacer:
         #: are counted and leased for, so a tick costs the active campaigns, not every policy.
         self._touched: set[str] = set()
         self._forgotten: list[str] = []
+        #: (VIN, request id) → until when (epoch ms) a delivery out before this process started
+        #: counts as out; with the same in deadline order (`carry`).
+        self._carried: dict[tuple[str, str], int] = {}
+        self._carried_order: collections.deque[tuple[int, str, str]] = collections.deque()
 
     # -- policies ----------------------------------------------------------------------
     def set(self, request_id: str, policy: Policy | None, set_ms: int) -> None:
@@ -214,9 +219,11 @@ class Pacer:
         """The request ids whose rows may not start a delivery now."""
         return self._blocked
 
-    def started(self, request_id: str) -> None:
-        """A delivery of `request_id` was published: it spends a token (the hot path: counting
-        for the metric and the rate shown waits for the tick)."""
+    def started(self, request_id: str, vin: str | None = None) -> None:
+        """A delivery of `request_id` was published (to `vin`): it spends a token (the hot path:
+        counting for the metric and the rate shown waits for the tick)."""
+        if self._carried and vin is not None:
+            self.ended(vin, request_id)  # sent again: the worker's entry counts it now
         paced = self._paced.get(request_id)
         if paced is None:
             return
@@ -240,6 +247,32 @@ class Pacer:
         paced = self._paced.get(request_id)
         if paced is not None and paced.cap is not None and (count >= paced.cap) != (count - delta >= paced.cap):
             self._rebuild()
+
+    def carry(self, deliveries: Iterable[tuple[str, str, int]]) -> int:
+        """Deliveries out before this process started, which no worker holds: (VIN, request id,
+        until when (epoch ms) each counts as out, its in-flight timeout). Each counts until it
+        ends (`ended`), its VIN is sent the request again (`started`) or that time passes (each
+        tick). Returns how many count."""
+        now = self._wall_ms()
+        for vin, request_id, until_ms in sorted(deliveries, key=lambda d: d[2]):
+            if until_ms > now and (vin, request_id) not in self._carried:
+                self._carried[vin, request_id] = until_ms
+                self._carried_order.append((until_ms, vin, request_id))
+                self.out(request_id, 1)
+        return len(self._carried)
+
+    def ended(self, vin: str, request_id: str) -> None:
+        """The pair (vin, request_id) ended: a delivery of it carried over a restart is not out."""
+        if self._carried.pop((vin, request_id), None) is not None:
+            self.out(request_id, -1)
+
+    def _drop_carried(self, now_ms: int) -> None:
+        """Deliveries carried over a restart whose in-flight timeout passed are not out any more."""
+        order = self._carried_order
+        while order and order[0][0] <= now_ms:
+            until_ms, vin, request_id = order.popleft()
+            if self._carried.get((vin, request_id)) == until_ms:
+                self.ended(vin, request_id)
 
     def observe(self, request_id: str, count: int) -> None:
         """`count` deliveries of `request_id` are out fleet-wide, as counted in the store."""
@@ -283,6 +316,8 @@ class Pacer:
                 for rid in self._caps:
                     self.observe(rid, counted.get(rid, 0))
         now = self._wall_ms()
+        if self._carried_order:
+            self._drop_carried(now)
         touched, self._touched = self._touched, set()
         self._count_starts(touched, now // 1000)
         asks = []

@@ -123,8 +123,8 @@ class Pacing(Protocol):
         """Request ids that may not start a delivery now (no token, or at max_in_flight)."""
         ...
 
-    def started(self, request_id: str) -> None:
-        """A delivery of `request_id` was published."""
+    def started(self, request_id: str, vin: str) -> None:
+        """A delivery of `request_id` was published to `vin`."""
         ...
 
     def out(self, request_id: str, delta: int) -> None:
@@ -467,7 +467,7 @@ class Worker:
         )
         self._unacked.pop(vin, None)
         if pacing is not None:
-            pacing.started(row.request_id)
+            pacing.started(row.request_id, vin)
         self._rows.sent(vin, row, attempts)
         (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
         log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)

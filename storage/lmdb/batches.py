@@ -272,27 +272,32 @@ class DeleteRows:
         return self._ends
 
 
-#: One record of `record_tries`: (ids key, sha1, attempts, then for a PUBACK awaiting its answer:
-#: when (ms) and the session (node, clientid, host, port); else 0 and None).
+#: One record of `record_tries`: (ids key, sha1, attempts, when (ms), then for a PUBACK awaiting
+#: its answer the session (node, clientid, host, port), else None: a publish at that time).
 TryRecord = tuple[bytes, bytes, int, int, tuple[str, str, str, int] | None]
 
 
 def record_tries(txn: lmdb.Transaction, t: Tables, records: Sequence[TryRecord]) -> int:
-    """Keep how often rows were published, and which were PUBACKed and await their answer, in
-    record order. A record for a row gone or holding another payload since is passed over (an
-    end committed first must not leave an entry behind). Returns the records written."""
+    """Keep how often and when rows were published (the first time and the last), and which
+    were PUBACKed and await their answer, in record order. A record for a row gone or holding
+    another payload since is passed over (an end committed first must not leave an entry
+    behind). Returns the records written."""
     written = 0
-    for rkey, sha1, attempts, acked_ms, session in records:
+    for rkey, sha1, attempts, at_ms, session in records:
         value = txn.get(rkey, db=t.ids)
         if value is None or keys.row_sha1(value) != sha1:
             continue
         if session is None:  # published (again): not PUBACKed yet
-            awaits = keys.row_awaits(value)
-            txn.put(rkey, keys.tries_value(sha1, attempts), db=t.tries)
-            if awaits:
+            first_ms = at_ms
+            if attempts > 1 and (kept := txn.get(rkey, db=t.tries)) is not None:
+                kept_sha1, _, kept_first, _ = keys.decode_tries(kept)
+                if kept_sha1 == sha1 and kept_first:
+                    first_ms = kept_first
+            txn.put(rkey, keys.tries_value(sha1, attempts, first_ms, at_ms), db=t.tries)
+            if keys.row_awaits(value):
                 txn.delete(rkey, db=t.awaited)
         else:
-            txn.put(rkey, keys.awaited_value(sha1, attempts, acked_ms, session), db=t.awaited)
+            txn.put(rkey, keys.awaited_value(sha1, attempts, at_ms, session), db=t.awaited)
         written += 1
     return written
 

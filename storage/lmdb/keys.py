@@ -28,8 +28,10 @@ _BLOB_HEAD = struct.Struct(">Q")
 #: aliases value: sha1, then the time the alias was (re)written (ms).
 _ALIAS = struct.Struct(">20sQ")
 _U64 = struct.Struct(">Q")
-#: `tries` value (schema 4): the row's sha1 and how often it has been published.
+#: `tries` value (schema 4): the row's sha1 and how often it has been published; then (schema 8)
+#: when it was first and last published (epoch ms; a value written before has neither: 0).
 _TRIES = struct.Struct(">20sH")
+_TRIES_SENT = struct.Struct(">20sHQQ")
 #: `awaited` value (schema 4): sha1, attempts, when the vehicle PUBACKed it (ms); the session
 #: that took it follows (node, clientid, host, port joined by `_SESSION_SEP`).
 _AWAITED = struct.Struct(">20sHQ")
@@ -271,14 +273,17 @@ def timed_key(ts_ms: int, key: bytes) -> bytes:
 #: Both tables are keyed by the row's `ids` key; an entry counts only while its sha1 is the row's.
 
 
-def tries_value(sha1: bytes, attempts: int) -> bytes:
-    return _TRIES.pack(sha1, min(attempts, 0xFFFF))
+def tries_value(sha1: bytes, attempts: int, first_ms: int, last_ms: int) -> bytes:
+    return _TRIES_SENT.pack(sha1, min(attempts, 0xFFFF), first_ms, last_ms)
 
 
-def decode_tries(value: bytes | memoryview) -> tuple[bytes, int]:
-    """(sha1, attempts)."""
-    sha1, attempts = _TRIES.unpack(value)
-    return sha1, attempts
+def decode_tries(value: bytes | memoryview) -> tuple[bytes, int, int, int]:
+    """(sha1, attempts, first published at ms, last published at ms; both 0 when not kept)."""
+    if len(value) == _TRIES.size:
+        sha1, attempts = _TRIES.unpack(value)
+        return sha1, attempts, 0, 0
+    sha1, attempts, first_ms, last_ms = _TRIES_SENT.unpack(value)
+    return sha1, attempts, first_ms, last_ms
 
 
 def awaited_value(sha1: bytes, attempts: int, acked_ms: int, session: tuple[str, str, str, int]) -> bytes:

@@ -208,7 +208,7 @@ class Store:
                 txn.put(b"created_at_ms", str(now_ms()).encode())
                 return SCHEMA_VERSION
             version = int(raw)
-            if version in (1, 2, 3, 4, 5, 6) and not self.readonly:
+            if version in (1, 2, 3, 4, 5, 6, 7) and not self.readonly:
                 if version == 1:
                     _upgrade_from_1(txn, self.tables)
                 if version < 3:
@@ -217,7 +217,8 @@ class Store:
                 # count from 0 once more, as they did after any restart before. 4 → 5: no
                 # request has a policy yet (its table was created empty above). 5 → 6: no campaign
                 # was aborted, no failed answer counted (their tables start empty). 6 → 7: no
-                # latency was counted yet (likewise).
+                # latency was counted yet (likewise). 7 → 8: a `tries` value written before
+                # holds no send times and reads as "not known" (0).
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode(), db=self.tables.meta)
                 return SCHEMA_VERSION
         if version != SCHEMA_VERSION:
@@ -346,7 +347,7 @@ class Store:
             raw = txn.get(rkey, db=t.tries)
             attempts = 0
             if raw is not None:
-                kept_sha1, attempts = keys.decode_tries(raw)
+                kept_sha1, attempts, _, _ = keys.decode_tries(raw)
                 if kept_sha1 != sha1:
                     attempts = 0
             if awaits and (raw := txn.get(rkey, db=t.awaited)) is not None:
@@ -367,6 +368,26 @@ class Store:
                 if value is not None and keys.row_sha1(value) == sha1:
                     vin, request_id = keys.split_rkey(bytes(key))
                     found.append((vin, request_id, sha1, attempts, acked_ms, session))
+        return found
+
+    def sent_since(self, since_ms: int) -> list[tuple[str, str, int]]:
+        """Deliveries last published at or after `since_ms` whose row still holds what was
+        published and that no PUBACK awaiting an answer took: (VIN, request id, last published
+        at ms). One pass over the rows published and not ended."""
+        t = self.tables
+        found = []
+        with self.read() as txn:
+            for key, raw in txn.cursor(t.tries):
+                sha1, _, _, last_ms = keys.decode_tries(raw)
+                if last_ms < since_ms:
+                    continue
+                value = txn.get(key, db=t.ids)
+                if value is None or keys.row_sha1(value) != sha1:
+                    continue
+                if (took := txn.get(key, db=t.awaited)) is not None and keys.decode_awaited(took)[0] == sha1:
+                    continue
+                vin, request_id = keys.split_rkey(bytes(key))
+                found.append((vin, request_id, last_ms))
         return found
 
     def pending(self, vin: str) -> list[keys.Row]:

@@ -167,3 +167,27 @@ def test_a_reload_of_many_unchanged_policies_and_idle_ticks_cost_a_lookup_each()
     assert budget.asked[-1] == ["task_7"]
     asyncio.run(pacer.tick())
     assert len(budget.asked) == 2  # nothing spent since: no lease at all
+
+
+def test_deliveries_carried_over_a_restart_count_until_they_end_are_resent_or_time_out() -> None:
+    """Three deliveries out before a restart hold a cap of three; one ends, one is sent again
+    (the worker's entry counts it from then on, not twice) and the last stops counting when its
+    in-flight timeout passes; one already past it never counts."""
+    clock = Clock()
+    pacer = pacer_on(clock)
+    rid = "task_c_3"
+    carried = [("VIN1", rid, clock.ms + 1000), ("VIN2", rid, clock.ms + 5000), ("VIN3", rid, clock.ms + 9000)]
+    assert pacer.carry([*carried, ("VIN4", rid, clock.ms)]) == 3
+    pacer.set(rid, Policy(max_in_flight=3), clock.ms)
+    assert pacer.blocked() == {rid} and pacer.in_flight(rid) == 3
+    pacer.ended("VIN2", rid)
+    assert pacer.blocked() == frozenset() and pacer.in_flight(rid) == 2
+    pacer.out(rid, 1)  # the worker's entry of VIN1's new delivery ...
+    pacer.started(rid, "VIN1")  # ... replaces the carried one
+    assert pacer.in_flight(rid) == 2
+    clock.ms += 8999
+    asyncio.run(pacer.tick())
+    assert pacer.in_flight(rid) == 2
+    clock.ms += 1
+    asyncio.run(pacer.tick())
+    assert pacer.in_flight(rid) == 1

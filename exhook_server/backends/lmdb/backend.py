@@ -210,6 +210,11 @@ class LmdbBackend:
         restored = self._dispatcher.restore_awaited(self.rows.awaited())
         if restored:
             log.info("answers_awaited_restored", deliveries=restored)
+        # Deliveries sent before this start and not ended: they count for their campaign's
+        # max_in_flight until they end or their in-flight timeout passes.
+        carried = self._dispatcher.carry_out(self.rows.sent_out(self.cfg.inflight_timeout_s))
+        if carried:
+            log.info("deliveries_out_carried", deliveries=carried)
 
     def jobs(self, shared: Callable[[], list[Job]], store_up: Callable[[bool], Coroutine[Any, Any, None]]) -> list[Job]:
         """The jobs this process runs for the whole host: `shared()` in process 0 only."""

@@ -346,6 +346,14 @@ class Dispatcher:
                 count += 1
         return count
 
+    def carry_out(self, deliveries: Iterable[tuple[str, str, int]]) -> int:
+        """At start-up: deliveries out before it (VIN, request id, until when (epoch ms) each
+        counts as out); those of this process's VINs count for their campaign's max_in_flight.
+        Returns how many."""
+        if not isinstance(self._pacing, Pacer):
+            return 0
+        return self._pacing.carry((vin, rid, until) for vin, rid, until in deliveries if self.worker_of(vin))
+
     # -- introspection -----------------------------------------------------------
     def refresh_gauges(self) -> None:
         metrics.ONLINE_VEHICLES.set(self.online_count())
@@ -370,9 +378,9 @@ class Dispatcher:
             return self._mark_cancelled(query[1], query[2])
         if query[0] == "pacing":
             rid = query[1]
-            out = sum(1 for w in self.workers.values() for e in w.inflight.values() if e.request_id == rid)
-            started = self._pacing.started_last_minute(rid) if isinstance(self._pacing, Pacer) else 0
-            return out, started
+            if isinstance(self._pacing, Pacer):  # the workers' entries and those carried over a restart
+                return self._pacing.in_flight(rid), self._pacing.started_last_minute(rid)
+            return sum(1 for w in self.workers.values() for e in w.inflight.values() if e.request_id == rid), 0
         raise ValueError(f"unknown query {query[0]!r}")
 
     async def _ask_all(self, query: tuple[Any, ...]) -> list[Any]:

@@ -189,7 +189,7 @@ class StoreRows:
         return Kept(attempts, kept.awaits, age, Session(*session))
 
     def sent(self, vin: str, row: Row, attempts: int) -> None:
-        self._keep((keys.row_key(vin, row.request_id), row.sha1, attempts, 0, None))
+        self._keep((keys.row_key(vin, row.request_id), row.sha1, attempts, now_ms(), None))
 
     def awaiting(self, vin: str, request_id: str, sha1: bytes, attempts: int, session: Session) -> None:
         who = session.__reduce__()[1]
@@ -217,6 +217,14 @@ class StoreRows:
             (vin, rid, sha1, Kept(attempts, True, max(0.0, (now - acked_ms) / 1000), Session(*session)))
             for vin, rid, sha1, attempts, acked_ms, session in self._store.awaited()
         ]
+
+    def sent_out(self, inflight_timeout_s: float) -> list[tuple[str, str, int]]:
+        """Deliveries published before this start and still out (neither ended nor PUBACKed
+        awaiting an answer) within their in-flight timeout: (VIN, request id, until when
+        (epoch ms) each counts as out)."""
+        timeout_ms = round(inflight_timeout_s * 1000)
+        found = self._store.sent_since(now_ms() - timeout_ms)
+        return [(vin, rid, last_ms + timeout_ms) for vin, rid, last_ms in found]
 
     def deleting(self) -> int:
         """Vehicles with an acked row whose delete is not committed yet."""

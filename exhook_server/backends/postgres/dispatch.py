@@ -149,7 +149,7 @@ class _BatchPacing:
         blocked = self._pacer.blocked()
         return blocked | self.full if self.full else blocked
 
-    def started(self, request_id: str) -> None:
+    def started(self, request_id: str, vin: str) -> None:
         self._pacer.started(request_id)
         left = self._room.get(request_id)
         if left is not None:
