@@ -12,7 +12,6 @@ import argparse
 import datetime as dt
 import json
 import shutil
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,10 +19,8 @@ from typing import Any
 
 from exhook_server._proto import admin_pb2
 from testkit.harness import ExHookClient, SubprocessServer, admin_call, fill_rows, poll
-from testkit.plumbing import Run, stop_server
+from testkit.plumbing import Run, alternate, stop_server
 from testkit.reports.abort_reaction import SIDES, markdown, summarize
-
-ROOT = Path(__file__).resolve().parent.parent
 
 RID = "task_abort_bench"
 CRITERION = {"outcome": "expired", "ratio": 0.5, "min_finished": 10}
@@ -102,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster = PgCluster.create(name="abortbench")
         for r in range(args.rounds):
             for store in stores:
-                order = list(SIDES) if r % 2 == 0 else list(reversed(SIDES))
+                order = alternate(SIDES, r)
                 ctx.say(f"round {r + 1}, {store}: {' then '.join(order)}")
                 done = {}
                 for side in order:
@@ -118,9 +115,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": args.rows,
         "criterion": CRITERION,
         "expiring": EXPIRING,
-        "commit": subprocess.run(
-            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
-        ).stdout.strip(),
         **ctx.meta(),
     }
     summary = summarize(rounds)

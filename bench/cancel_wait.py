@@ -11,7 +11,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -19,10 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from testkit.harness import ExHookClient, SubprocessServer, fill_rows, poll
-from testkit.plumbing import Run, pct, stop_server
+from testkit.plumbing import Run, alternate, pct, stop_server
 from testkit.reports.cancel_wait import SIDES, markdown
-
-ROOT = Path(__file__).resolve().parent.parent
 
 BIG = "task_big_1"
 FILL_VINS = 1_000
@@ -161,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             cluster = PgCluster.create(name="cancelwait")
         for r in range(args.rounds):
-            order = list(SIDES) if r % 2 == 0 else list(reversed(SIDES))
+            order = alternate(SIDES, r)
             say(f"round {r + 1}: {' then '.join(order)}")
             done = {}
             for side in order:
@@ -180,9 +177,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gap_ms": args.gap_ms,
         "store": "LMDB" if args.store == "lmdb" else "PostgreSQL",
         "trickle_request": args.trickle_request,
-        "commit": subprocess.run(
-            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
-        ).stdout.strip(),
         **ctx.meta(),
     }
     print(markdown(rounds, meta))

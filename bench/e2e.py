@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import random
-import shutil
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ from testkit.plumbing import (
     stop_server,
 )
 from testkit.reports.e2e import levels_markdown, markdown, rss_markdown, summarise
-from testkit.rig import MAX_PER_PROC, Rig, rpc_error, run_ours, server_env
+from testkit.rig import MAX_PER_PROC, Rig, add_rig_options, rpc_error, run_ours, server_env
 
 SUBSCRIBED = "/emqx.exhook.v3.HookProvider/OnSessionSubscribed"
 
@@ -211,26 +210,16 @@ def run_presence(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="sdv-fanout end-to-end delivery vs raw paho QoS 1 (same run).")
-    p.add_argument("--vehicles", type=int, default=1000, help="online vehicles (default 1000)")
     p.add_argument("--batches", type=int, default=20, help="batches per measurement, each naming all (default 20)")
     p.add_argument("--rounds", type=int, default=3, help="paired rounds of ours / raw (a) / raw (b) (default 3)")
-    p.add_argument("--procs", type=int, default=4, help="processes per fleet (default 4; <= 300 vehicles each)")
     p.add_argument("--latency-batches", type=int, default=0, help="paced batches for latency (default --batches)")
     p.add_argument("--presence-sessions", type=int, default=100_000, help="synthetic sessions (default 100000)")
     p.add_argument("--presence-clients", type=int, default=8, help="gRPC channels for the synthetic run")
-    p.add_argument("--payload-bytes", type=int, default=256, help="delivered payload size (default 256)")
     p.add_argument("--max-inflight", type=int, default=50, help="raw publisher window (server default: 50)")
-    p.add_argument("--deadline-s", type=float, default=180, help="give up on a phase after this (default 180)")
-    p.add_argument("--seed", type=int, default=20240611)
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                   help="server log level (default info, as in production)")  # fmt: skip
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
-    p.add_argument("--keep-tmp", action="store_true", help="keep the tmp dir (logs, LMDB) even after a successful run")
+    add_rig_options(p, vehicles=1000, procs=4, deadline_s=180, seed=20240611)
     p.add_argument("--presence-only", action="store_true", help="only the synthetic RSS-per-VIN measurement")
     p.add_argument("--levels", default="", help="also ours alone at these multiples of --level-batches, e.g. 1,10,100")
     p.add_argument("--level-batches", type=int, default=1, help="batches at level 1x (default 1)")
-    p.add_argument("--server-processes", type=int, default=0,
-                   help="SDV_FANOUT_PROCESSES for the servers (default: theirs, one per CPU)")  # fmt: skip
     p.add_argument("--store-url", default="",
                    help="run the servers on this PostgreSQL database (default: LMDB in a tmp dir)")  # fmt: skip
     args = p.parse_args(argv)
@@ -243,12 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp_root, say = ctx.tmp, ctx.say
     vins = make_vins(args.seed, args.vehicles)
     rounds: list[dict[str, Any]] = []
-    completed = False  # a failed run keeps its tmp dir for the post-mortem
 
     rss: dict[str, Any] = {}
     lat: dict[str, Any] = {}
     levels: list[dict[str, Any]] = []
-    try:
+    with ctx.keeping(args.keep_tmp):
         if not args.presence_only:
             rss, lat = run_e2e(args, tmp_root, vins, rounds, latency_batches, say, levels)
         (tmp_root / "presence").mkdir()
@@ -258,12 +246,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             tmp_root / "presence", args.presence_sessions, warm, args.presence_clients, args.log_level, server_env(args)
         )
         say(f"presence: {rss['presence']['bytes_per_vin']:,.0f} bytes per VIN")
-        completed = True
-    finally:
-        if args.keep_tmp or not completed:
-            print(f"kept {tmp_root} (server, broker and fleet logs, LMDB)", file=sys.stderr)
-        else:
-            shutil.rmtree(tmp_root, ignore_errors=True)
 
     meta = {
         "vehicles": args.vehicles,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from testkit.plumbing import (
     make_vins,
 )
 from testkit.reports.e2e_emqx import LABELS, OURS, SIDES, markdown, summarise
-from testkit.rig import MAX_PER_PROC
+from testkit.rig import MAX_PER_PROC, add_rig_options
 
 # -- measurements ---------------------------------------------------------------------------------
 
@@ -177,22 +176,13 @@ def run_profile(rig: Rig, side: str, out: Path, say: Callable[[str], None]) -> s
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--versions", default="5.8.9,5.9.1", help="EMQX versions, one after the other (default both)")
-    p.add_argument("--vehicles", type=int, default=500, help="vehicles in the fleet (default 500)")
     p.add_argument("--requests", type=int, default=5, help="requests per vehicle per measurement (default 5)")
     p.add_argument("--rounds", type=int, default=3, help="paired rounds per version (default 3)")
-    p.add_argument("--procs", type=int, default=2, help="fleet processes (default 2; <= 300 vehicles each)")
-    p.add_argument("--payload-bytes", type=int, default=256, help="delivered payload size (default 256)")
     p.add_argument("--max-inflight", type=int, default=50, help="raw publisher window (server default: 50)")
-    p.add_argument("--server-processes", type=int, default=1,
-                   help="SDV_FANOUT_PROCESSES (default 1, the fastest on 2 shared cores; 0: one per CPU)")  # fmt: skip
-    p.add_argument("--deadline-s", type=float, default=120, help="give up on a phase after this (default 120)")
-    p.add_argument("--seed", type=int, default=20240611)
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                   help="server log level (default info, as in production)")  # fmt: skip
+    # One server process: the fastest on 2 shared cores.
+    add_rig_options(p, vehicles=500, procs=2, deadline_s=120, seed=20240611, server_processes=1)
     p.add_argument("--profile", metavar="PATH", help="also py-spy the server in one more ours run (PATH.<version>.txt)")
     p.add_argument("--profile-native", action="store_true", help="--profile with native frames (py-spy --native)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
-    p.add_argument("--keep-tmp", action="store_true", help="keep the tmp dir (logs, LMDB) after a successful run")
     args = p.parse_args(argv)
     if min(args.vehicles, args.requests, args.rounds, args.procs) < 1:
         p.error("--vehicles, --requests, --rounds and --procs must be positive")
@@ -205,19 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp_root, say = ctx.tmp, ctx.say
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # the launcher's log lines
     vins = make_vins(args.seed, args.vehicles)
-    completed = False  # a failed run keeps its tmp dir for the post-mortem
 
     results = []
-    try:
+    with ctx.keeping(args.keep_tmp, "EMQX, server and fleet logs, LMDB"):
         for version in versions:
             (tmp_root / version).mkdir()
             results.append(run_version(version, args, tmp_root / version, vins, say))
-        completed = True
-    finally:
-        if args.keep_tmp or not completed:
-            print(f"kept {tmp_root} (EMQX, server and fleet logs, LMDB)", file=sys.stderr)
-        else:
-            shutil.rmtree(tmp_root, ignore_errors=True)
     meta = {
         "versions": versions,
         "vehicles": args.vehicles,

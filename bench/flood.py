@@ -19,8 +19,6 @@ from testkit.flood import RssSampler, flood, hwm_bytes
 from testkit.harness import SubprocessServer
 from testkit.plumbing import descendants, mib, rss_bytes, stop_server
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

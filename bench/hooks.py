@@ -40,7 +40,6 @@ from testkit.plumbing import mmm, say
 from testkit.reports.hooks import TARGETS, group_markdown, markdown, summarise
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 SEED = 20240607
 VIN_CHARS = "0123456789ABCDEFGHJKLMNPRSTUVWXYZ"  # no I, O, Q, as in real VINs
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -190,17 +190,22 @@ def run_levels(args: argparse.Namespace, levels: list[int], tmp_root: Path) -> d
     return {"levels": levels, "level_batches": args.level_batches, "results": results}
 
 
+def add_ingest_options(p: argparse.ArgumentParser) -> None:
+    """The workload's options `measure` and testkit.batchload.make_workload read."""
+    p.add_argument("--clients", type=int, default=8, help="concurrent gRPC channels, like EMQX pool_size (default 8)")
+    p.add_argument("--vins", type=int, default=200, help="VINs per batch (default 200)")
+    p.add_argument("--fleet", type=int, default=20_000, help="distinct VINs batches draw from (default 20000)")
+    p.add_argument("--blob-bytes", type=int, default=1024, help="payload size (default 1024)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="sdv-fanout durable ingest vs a raw py-lmdb loop (same run).")
     p.add_argument(
         "--rounds", type=int, default=5, help="measurement pairs; 0 with --levels: scale run only (default 5)"
     )
     p.add_argument("--batches", type=int, default=300, help="batches per round before --scale (default 300)")
-    p.add_argument("--clients", type=int, default=8, help="concurrent gRPC channels, like EMQX pool_size (default 8)")
-    p.add_argument("--vins", type=int, default=200, help="VINs per batch (default 200)")
+    add_ingest_options(p)
     p.add_argument("--scale", type=float, default=1.0, help="multiplies --batches; 0.1 for a smoke run (default 1)")
-    p.add_argument("--fleet", type=int, default=20_000, help="distinct VINs batches draw from (default 20000)")
-    p.add_argument("--blob-bytes", type=int, default=1024, help="payload size (default 1024)")
     p.add_argument("--shared-blobs", type=int, default=4, help="popular payloads half the batches reuse (default 4)")
     p.add_argument("--seed", type=int, default=20240607)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),

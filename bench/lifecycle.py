@@ -11,9 +11,7 @@ import argparse
 import base64
 import json
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -21,15 +19,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import lmdb
-
+from bench import ingest
 from exhook_server._proto import exhook_v3_pb2 as pb
 from storage.lmdb.store import now_ms
-from testkit.batchload import Batch, _publish_request, make_workload, serve_batches
+from testkit.batchload import Batch, _publish_request, make_workload
 from testkit.emqx_sim import Mosquitto
 from testkit.plumbing import (
     CpuMeter,
     Run,
+    alternate,
+    conditions,
     cycle_stats,
     make_vins,
     mmm,
@@ -37,16 +36,10 @@ from testkit.plumbing import (
     quiesce,
 )
 from testkit.reports.lifecycle import EXPIRING, INGEST_SIDES, MODES, e2e_markdown, ingest_markdown
-from testkit.rig import MAX_PER_PROC, Rig, rpc_error
-from testkit.status_listener import StatusListener
+from testkit.rig import MAX_PER_PROC, Rig, add_rig_options, rpc_error
+from testkit.status_listener import StatusListener, since
 
-ROOT = Path(__file__).resolve().parent.parent
-RESPONSE_PREFIX = "agent/{VIN}/proxy/response"  # response_topic_prefix's default
 EXPIRES_AHEAD_MS = 3_600_000  # an hour: nothing expires during the run
-
-
-def alternate(sides: Sequence[str], r: int) -> list[str]:
-    return list(sides) if r % 2 == 0 else list(sides)[::-1]
 
 
 # -- 1. ingest ------------------------------------------------------------------------------------
@@ -78,41 +71,12 @@ def ingest_workloads(args: argparse.Namespace) -> dict[str, list[Batch]]:
     return out
 
 
-def table_stats(data_dir: Path) -> dict[str, Any]:
-    """Every named LMDB table's entries and pages (branch + leaf + overflow), read-only after the run."""
-    env = lmdb.open(str(data_dir), readonly=True, lock=True, max_dbs=64, map_size=0)
-    try:
-        psize = int(env.stat()["psize"])
-        used = (int(env.info()["last_pgno"]) + 1) * psize
-        tables: dict[str, dict[str, int]] = {}
-        with env.begin(buffers=True) as txn:
-            names = sorted(bytes(k).decode() for k in txn.cursor().iternext(values=False))
-            for name in names:
-                try:
-                    db = env.open_db(name.encode(), txn=txn, create=False)
-                except lmdb.Error:
-                    continue  # a plain key of the main table, not a named database
-                st = txn.stat(db)
-                pages = int(st["branch_pages"]) + int(st["leaf_pages"]) + int(st["overflow_pages"])
-                tables[name] = {"entries": int(st["entries"]), "pages": pages}
-    finally:
-        env.close()
-    return {"page_bytes": psize, "file_used_bytes": used, "tables": tables}
-
-
 def measure_ingest(batches: list[Batch], tmp: Path, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
-    """One fresh server on `batches` (testkit/batchload.py's serve_batches), checked, with the store's tables."""
-    tmp.mkdir()
-    try:
-        res = serve_batches(batches, args.clients, tmp, args.log_level, args.server_processes, env)
-        res["lmdb"] = table_stats(tmp / "lmdb")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    expected = len(batches) * args.vins
-    if res["rows"] != expected:
-        raise SystemExit(f"ingest: {res['rows']} rows stored, expected {expected} (batches rejected?)")
-    res["rows_per_s"] = expected / res["seconds"]
-    res.pop("disk", None)  # bench/ingest.py's view of the older tables; `lmdb` has them all
+    """bench/ingest.py's measurement of a fresh server on `batches`, with every table of its store."""
+    res = ingest.measure("ours", batches, tmp, args, env)
+    disk = res.pop("disk")
+    tables = {name: {"entries": disk["entries"][name], "pages": pages} for name, pages in disk["pages"].items()}
+    res["lmdb"] = {"page_bytes": disk["page_bytes"], "file_used_bytes": disk["file_used_bytes"], "tables": tables}
     return res
 
 
@@ -188,14 +152,6 @@ def run_ingest(args: argparse.Namespace, tmp: Path, say: Callable[[str], None]) 
 # -- 2. end to end: the vehicles that answer ------------------------------------------------------
 
 
-# -- the platform: status events by mode --------------------------------------------------------
-
-
-def event_diff(after: dict[str, Any], before: dict[str, Any], mode: str) -> dict[str, int]:
-    a, b = Counter(after["events"].get(mode, {})), Counter(before["events"].get(mode, {}))
-    return {k: a[k] - b[k] for k in sorted(a) if a[k] - b[k]}
-
-
 # -- 2. end to end: measurement -----------------------------------------------------------------
 
 
@@ -241,7 +197,9 @@ def run_mode(rig: Rig, platform: StatusListener, mode: str, tag: str, requests: 
         **cycle_stats(done),
         "duplicates": sum(d["count"] - d["distinct"] for d in done),
         "answers": dict(answers),
-        "status": event_diff(platform.settle(quiet_s=0.3, timeout_s=5), before, mode),
+        "status": since(
+            platform.settle(quiet_s=0.3, timeout_s=5)["events"].get(mode, {}), before["events"].get(mode, {})
+        ),
         "cpu": cpu,
         "cpu_us_per_request": {g: v * seconds / (n * requests) * 1e6 for g, v in cpu.items()},
     }
@@ -328,24 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=6, help="paired rounds of ingest and of e2e (default 6)")
     p.add_argument("--ingest-batches", type=int, default=1200, help="batches per ingest side (default 1200)")
-    p.add_argument("--vins", type=int, default=200, help="VINs per ingest batch (default 200)")
-    p.add_argument("--fleet", type=int, default=20_000, help="distinct VINs the ingest batches draw from")
-    p.add_argument("--blob-bytes", type=int, default=1024, help="ingest payload size (default 1024)")
-    p.add_argument("--clients", type=int, default=8, help="ingest gRPC channels (default 8)")
-    p.add_argument("--vehicles", type=int, default=500, help="e2e vehicles N (default 500)")
+    ingest.add_ingest_options(p)  # --clients, --vins, --fleet, --blob-bytes
     p.add_argument("--requests", type=int, default=8,
                    help="e2e requests M per vehicle and measurement: M batches naming all (default 8)")  # fmt: skip
-    p.add_argument("--procs", type=int, default=2, help="e2e sim fleet processes (default 2)")
-    p.add_argument("--payload-bytes", type=int, default=256, help="e2e request payload size (default 256)")
     p.add_argument("--response-bytes", type=int, default=64, help="each vehicle's answer size (default 64)")
     p.add_argument("--only", default="ingest,e2e", help="parts to run (default ingest,e2e)")
-    p.add_argument("--server-processes", type=int, default=0,
-                   help="SDV_FANOUT_PROCESSES for every server (default 0: theirs, one per CPU)")  # fmt: skip
-    p.add_argument("--deadline-s", type=float, default=120, help="give up on an e2e phase after this (default 120)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    p.add_argument("--seed", type=int, default=20261124)
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
-    p.add_argument("--keep-tmp", action="store_true", help="keep the tmp dir (logs, LMDB) even after a success")
+    add_rig_options(p, vehicles=500, procs=2, deadline_s=120, seed=20261124)
     args = p.parse_args(argv)
     parts = {x.strip() for x in args.only.split(",") if x.strip()}
     if (
@@ -362,20 +308,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     say(f"1-min load average before: {load_before:.2f}")
     out: dict[str, Any] = {}
-    completed = False
-    try:
+    with ctx.keeping(args.keep_tmp):
         if "ingest" in parts:
             (tmp_root / "ingest").mkdir()
             out["ingest"] = run_ingest(args, tmp_root / "ingest", say)
         if "e2e" in parts:
             (tmp_root / "e2e").mkdir()
             out["e2e"] = run_end_to_end(args, tmp_root / "e2e", say)
-        completed = True
-    finally:
-        if completed and not args.keep_tmp:
-            shutil.rmtree(tmp_root, ignore_errors=True)
-        else:
-            print(f"kept {tmp_root} (server, broker and fleet logs, LMDB)", file=sys.stderr)
 
     meta = {
         "rounds": args.rounds,
@@ -389,8 +328,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seed": args.seed,
         "server_processes_label": f"{args.server_processes} process(es)" if args.server_processes else
         "its default process count",
-        "commit": subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                                 text=True, check=False).stdout.strip(),
         **ctx.meta(),
     }  # fmt: skip
     say(f"1-min load average after: {meta['loadavg_1m_after']:.2f}")
@@ -399,11 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts_md.append(ingest_markdown(out["ingest"], meta))
     if "e2e" in out:
         parts_md.append(e2e_markdown(out["e2e"], meta))
-    parts_md.append(
-        f"Code under test: {meta['commit']} (the checkout, as every bench here). {meta['cpus']} CPUs shared by "
-        f"everything; 1-min load average {meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} "
-        f"after; {meta['wall_s']:.0f} s wall. Seed {meta['seed']}."
-    )
+    parts_md.append(conditions(meta))
     print("\n\n".join(parts_md))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, **out}, indent=2))

@@ -12,11 +12,7 @@ import copy
 import json
 import os
 import random
-import shutil
-import statistics
-import subprocess
 import sys
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +24,9 @@ from testkit.batchload import make_workload
 from testkit.emqx_sim import Mosquitto
 from testkit.plumbing import (
     Run,
+    conditions,
     make_vins,
+    mmm,
     order,
     quiesce,
     unpack_tree,
@@ -43,22 +41,8 @@ from testkit.reports.status_cost import (
     e2e_markdown,
     ingest_markdown,
 )
-from testkit.rig import MAX_PER_PROC, Rig, run_ours
-from testkit.status_listener import StatusListener
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def ratios(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
-# -- the platform: a subscriber on the status topic -----------------------------------------------
-
-
-def diff(after: Counter[str], before: Counter[str]) -> dict[str, int]:
-    return {k: after[k] - before[k] for k in sorted(after) if after[k] - before[k]}
-
+from testkit.rig import MAX_PER_PROC, Rig, add_rig_options, run_ours
+from testkit.status_listener import StatusListener, since
 
 # -- 1. ingest ------------------------------------------------------------------------------------
 
@@ -84,7 +68,7 @@ def run_ingest(args: argparse.Namespace, tmp: Path, say: Callable[[str], None]) 
             for side in sides:
                 before = listener.settled_counts()
                 res = ingest.measure("ours", batches, tmp / f"r{r}-{side}", args, envs[side])
-                res["status"] = diff(listener.settled_counts(), before)
+                res["status"] = since(listener.settled_counts(), before)
                 # Which code ran: an older tree's store lacks the newest schema's tables.
                 if ("by_request" in res["disk"]["tables"]) == (side == "before"):
                     raise SystemExit(f"ingest {side}: unexpected tables {res['disk']['tables']}")
@@ -108,10 +92,10 @@ def run_ingest(args: argparse.Namespace, tmp: Path, say: Callable[[str], None]) 
             listener.stop()
         broker.stop()
     keys = ["on_over_off", "cpu_on_over_off", "off_over_before", "on_over_before", "cpu_off_over_before"]
-    summary = {k: ratios([r[k] for r in rounds]) for k in keys if k in rounds[0]}
+    summary = {k: mmm([r[k] for r in rounds]) for k in keys if k in rounds[0]}
     for side in envs:
         for key in ("rows_per_s", "server_cpu_us_per_row", "p50_ms", "p99_ms", "batches_per_commit", "other_cpu"):
-            summary[f"{side}_{key}"] = ratios([r[side][key] for r in rounds])
+            summary[f"{side}_{key}"] = mmm([r[side][key] for r in rounds])
     return {"sides": list(envs), "batches": len(batches), "rounds": rounds, "summary": summary}
 
 
@@ -146,7 +130,7 @@ def run_end_to_end(args: argparse.Namespace, tmp: Path, say: Callable[[str], Non
                 quiesce(rigs[side].server_pids, timeout_s=10)
                 before = listeners[side].snapshot()
                 res = run_ours(rigs[side], f"r{r}", args.payload_bytes, seed)
-                res["status"] = diff(listeners[side].settled_counts(quiet_s=0.3, timeout_s=5), before)
+                res["status"] = since(listeners[side].settled_counts(quiet_s=0.3, timeout_s=5), before)
                 result[side] = res
             for side in ("on", "per_vehicle"):
                 result[f"{side}_over_off"] = result[side]["msgs_per_s"] / result["off"]["msgs_per_s"]
@@ -172,13 +156,13 @@ def run_end_to_end(args: argparse.Namespace, tmp: Path, say: Callable[[str], Non
         for rig in rigs.values():
             rig.close()
     summary = {
-        k: ratios([r[k] for r in rounds])
+        k: mmm([r[k] for r in rounds])
         for k in ("on_over_off", "per_vehicle_over_off", "cpu_on_over_off", "cpu_per_vehicle_over_off")
     }
     for side in E2E_SIDES:
-        summary[f"{side}_msgs_per_s"] = ratios([r[side]["msgs_per_s"] for r in rounds])
+        summary[f"{side}_msgs_per_s"] = mmm([r[side]["msgs_per_s"] for r in rounds])
         for group in ("server", "mosquitto", "sim fleet", "bench", "total", "other processes"):
-            summary[f"{side}_{group}_us_per_msg"] = ratios([r[side]["cpu_us_per_msg"][group] for r in rounds])
+            summary[f"{side}_{group}_us_per_msg"] = mmm([r[side]["cpu_us_per_msg"][group] for r in rounds])
     expected = {"batches": gens, "deliveries": gens * args.vehicles}
     return {"rounds": rounds, "summary": summary, "status_totals": totals, "expected": expected}
 
@@ -265,26 +249,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--before", metavar="REV", help="also ingest with the server of this git revision (e.g. 7fd2d64)")
     p.add_argument("--ingest-batches", type=int, default=2400,
                    help="batches per ingest side, enough to span a 5 s progress look (default 2400)")  # fmt: skip
-    p.add_argument("--vins", type=int, default=200, help="VINs per ingest batch (default 200)")
-    p.add_argument("--fleet", type=int, default=20_000, help="distinct VINs the ingest batches draw from")
+    ingest.add_ingest_options(p)  # --clients, --vins, --fleet, --blob-bytes
     p.add_argument("--campaigns", type=int, default=0,
                    help="ingest K campaigns taking turns (a request id and payload each, new VINs) instead of "
                    "a request id per batch: batches extend generations already counted (default 0)")  # fmt: skip
-    p.add_argument("--blob-bytes", type=int, default=1024, help="ingest payload size (default 1024)")
-    p.add_argument("--clients", type=int, default=8, help="ingest gRPC channels (default 8)")
-    p.add_argument("--vehicles", type=int, default=500, help="e2e vehicles per rig (default 500)")
     p.add_argument("--batches", type=int, default=20,
                    help="e2e batches per measurement, each naming every vehicle (default 20: ~10 s)")  # fmt: skip
-    p.add_argument("--procs", type=int, default=2, help="e2e sim fleet processes per rig (default 2)")
-    p.add_argument("--payload-bytes", type=int, default=256, help="e2e payload size (default 256)")
     p.add_argument("--disk-n", default="10000,100000", help="outcomes per disk measurement (default 10000,100000)")
     p.add_argument("--only", default="ingest,e2e,disk", help="parts to run (default ingest,e2e,disk)")
-    p.add_argument("--server-processes", type=int, default=0,
-                   help="SDV_FANOUT_PROCESSES for every server (default 0: theirs, one per CPU)")  # fmt: skip
-    p.add_argument("--deadline-s", type=float, default=180, help="give up on an e2e phase after this (default 180)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    p.add_argument("--seed", type=int, default=20261123)
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    add_rig_options(p, vehicles=500, procs=2, deadline_s=180, seed=20261123)
     args = p.parse_args(argv)
     parts = {x.strip() for x in args.only.split(",") if x.strip()}
     if parts - {"ingest", "e2e", "disk"} or min(args.rounds, args.ingest_batches, args.vehicles, args.batches) < 1:
@@ -296,8 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp_root, say = ctx.tmp, ctx.say
 
     out: dict[str, Any] = {}
-    completed = False
-    try:
+    with ctx.keeping(args.keep_tmp):
         if "ingest" in parts:
             (tmp_root / "ingest").mkdir()
             out["ingest"] = run_ingest(args, tmp_root / "ingest", say)
@@ -309,12 +281,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             for n in (int(x) for x in args.disk_n.split(",") if x.strip()):
                 out["disk"].append(outcome_disk(n, tmp_root / f"disk-{n}", args.seed + n))
                 say(f"disk: {out['disk'][-1]['bytes_per_outcome']:.0f} B per outcome at {n:,}")
-        completed = True
-    finally:
-        if completed:
-            shutil.rmtree(tmp_root, ignore_errors=True)
-        else:
-            print(f"kept {tmp_root} (server, broker and fleet logs, LMDB)", file=sys.stderr)
 
     meta = {
         "rounds": args.rounds,
@@ -327,8 +293,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seed": args.seed,
         "server_processes_label": f"{args.server_processes} process(es)" if args.server_processes else
         "its default process count",
-        "commit": subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                                 text=True, check=False).stdout.strip(),
         **ctx.meta(),
     }  # fmt: skip
     parts_md = []
@@ -338,11 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts_md.append(e2e_markdown(out["e2e"], meta))
     if out.get("disk"):
         parts_md.append(disk_markdown(out["disk"]))
-    parts_md.append(
-        f"Code under test: {meta['commit']} (the checkout, as every bench here). {meta['cpus']} CPUs shared by "
-        f"everything; 1-min load average {meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} "
-        f"after; {meta['wall_s']:.0f} s wall. Seed {meta['seed']}."
-    )
+    parts_md.append(conditions(meta))
     print("\n\n".join(parts_md))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, **out}, indent=2))

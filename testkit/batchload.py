@@ -44,8 +44,8 @@ LMDB_OPTS: dict[str, Any] = {
 }
 
 
-#: Every named database of storage/lmdb/store.py, for the disk measurement.
-DB_NAMES = ("data", "touched", "ids", "expiry", "aliases", "early", "meta")
+#: More than the named databases of any storage/lmdb/store.py schema, for opening one read-only.
+MAX_DBS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +131,7 @@ def _batch(rng: random.Random, vins: list[str], request_id: str, blob: bytes) ->
 
 def last_txnid(data_dir: Path) -> int:
     """LMDB's last committed write-transaction id: one per commit, i.e. one per fsync group."""
-    env = lmdb.open(str(data_dir), readonly=True, lock=True, max_dbs=len(DB_NAMES), map_size=0)
+    env = lmdb.open(str(data_dir), readonly=True, lock=True, max_dbs=MAX_DBS, map_size=0)
     try:
         return int(env.info()["last_txnid"])
     finally:
@@ -143,9 +143,10 @@ def disk_usage(data_dir: Path) -> dict[str, Any]:
 
     bytes_per_row: pages of `ids` + `expiry` over rows (branch, leaf, overflow);
     blob_overhead_bytes: pages of `data` + `touched` less the payload bytes, over blobs;
-    file_used_bytes: (last_pgno + 1) x page size, i.e. with free pages, meta pages and every table.
+    file_used_bytes: (last_pgno + 1) x page size, i.e. with free pages, meta pages and every table;
+    pages and entries of every named database, ours or not (an older tree's store has fewer).
     """
-    env = lmdb.open(str(data_dir), readonly=True, lock=True, max_dbs=len(DB_NAMES), map_size=0)
+    env = lmdb.open(str(data_dir), readonly=True, lock=True, max_dbs=MAX_DBS, map_size=0)
     try:
         psize = int(env.stat()["psize"])
         used = (int(env.info()["last_pgno"]) + 1) * psize
@@ -153,13 +154,12 @@ def disk_usage(data_dir: Path) -> dict[str, Any]:
         entries: dict[str, int] = {}
         payload = 0
         with env.begin(buffers=True) as txn:
-            # Every named database, ours or not: which schema wrote the store (an older tree's has fewer).
             tables = sorted(bytes(k).decode() for k in txn.cursor().iternext(values=False))
-            for name in DB_NAMES:
+            for name in tables:
                 try:
                     db = env.open_db(name.encode(), txn=txn, create=False)
-                except lmdb.NotFoundError:
-                    continue
+                except lmdb.Error:
+                    continue  # a plain key of the main table, not a named database
                 st = txn.stat(db)
                 pages[name] = int(st["branch_pages"]) + int(st["leaf_pages"]) + int(st["overflow_pages"])
                 entries[name] = int(st["entries"])
@@ -181,6 +181,7 @@ def disk_usage(data_dir: Path) -> dict[str, Any]:
         "file_used_bytes": used,
         "file_bytes_per_row": used / rows if rows else None,
         "pages": pages,
+        "entries": entries,
         "page_bytes": psize,
         "tables": tables,
     }

@@ -16,6 +16,7 @@ import platform
 import queue
 import random
 import resource
+import shutil
 import signal
 import statistics
 import string
@@ -25,7 +26,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -296,7 +297,34 @@ class Run:
         print(f"[{time.monotonic() - self.wall0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
     def meta(self) -> dict[str, Any]:
-        return machine_meta(self.load_before, self.wall0)
+        """machine_meta, and the code under test (`git describe` of the checkout)."""
+        described = ["git", "-C", str(ROOT), "describe", "--always", "--dirty"]
+        commit = subprocess.run(described, capture_output=True, text=True, check=False).stdout.strip()
+        return {"commit": commit, **machine_meta(self.load_before, self.wall0)}
+
+    @contextlib.contextmanager
+    def keeping(self, keep: bool = False, what: str = "server, broker and fleet logs, LMDB") -> Iterator[Path]:
+        """The tmp dir for the run's body: removed after a success, kept (and said so) after a
+        failure, or always with `keep`."""
+        try:
+            yield self.tmp
+        except BaseException:
+            print(f"kept {self.tmp} ({what})", file=sys.stderr)
+            raise
+        if keep:
+            print(f"kept {self.tmp} ({what})", file=sys.stderr)
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def conditions(meta: dict[str, Any]) -> str:
+    """The report's closing line: the code under test and the machine's conditions (Run.meta)."""
+    seed = f" Seed {meta['seed']}." if "seed" in meta else ""
+    return (
+        f"Code under test: {meta['commit']} (the checkout, as every bench here). {meta['cpus']} CPUs shared by "
+        f"everything; 1-min load average {meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} "
+        f"after; {meta['wall_s']:.0f} s wall.{seed}"
+    )
 
 
 def pending_rows(store: Store) -> int:
@@ -357,6 +385,11 @@ def share(v: float) -> str:
 
 def mib(v: float) -> str:
     return f"{v / (1 << 20):.1f}"
+
+
+def alternate(sides: Sequence[str], r: int) -> list[str]:
+    """Round r's order of paired sides: as given in even rounds, reversed in odd ones."""
+    return list(sides) if r % 2 == 0 else list(sides)[::-1]
 
 
 def order(sides: Sequence[str], r: int) -> list[str]:

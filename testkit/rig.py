@@ -42,6 +42,26 @@ MAX_PER_PROC = 300  # paho's select() loop: about 330 clients per process
 SERVER_ENV = {"SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0"}
 
 
+def add_rig_options(
+    p: argparse.ArgumentParser, *, vehicles: int, procs: int, deadline_s: float, seed: int, server_processes: int = 0
+) -> None:
+    """The options every bench on this rig takes (Rig and server_env read them), with its defaults."""
+    p.add_argument("--vehicles", type=int, default=vehicles, help=f"online vehicles (default {vehicles})")
+    p.add_argument("--procs", type=int, default=procs,
+                   help=f"processes per fleet (default {procs}; <= {MAX_PER_PROC} vehicles each)")  # fmt: skip
+    p.add_argument("--payload-bytes", type=int, default=256, help="delivered payload size (default 256)")
+    own = server_processes or "theirs, one per CPU"
+    p.add_argument("--server-processes", type=int, default=server_processes,
+                   help=f"SDV_FANOUT_PROCESSES for the servers (default {own})")  # fmt: skip
+    p.add_argument("--deadline-s", type=float, default=deadline_s,
+                   help=f"give up on a phase after this (default {deadline_s:g})")  # fmt: skip
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="server log level (default info, as in production)")  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--keep-tmp", action="store_true", help="keep the tmp dir (logs, LMDB) even after a successful run")
+
+
 def server_env(args: argparse.Namespace) -> dict[str, str]:
     """The servers' environment: SERVER_ENV, and --server-processes and --store-url when given (else
     the defaults: one process per CPU, LMDB)."""

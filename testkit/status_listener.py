@@ -80,6 +80,11 @@ class StatusListener:
         self.child.stop()
 
 
+def since(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    """What grew from one count to the next (the status messages of one measurement), by name."""
+    return {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] - before.get(k, 0)}
+
+
 def mode_of(request_id: str) -> str:
     """The mode of a bench's request id `task_<mode>_<tag>_<k>`."""
     parts = request_id.split("_")

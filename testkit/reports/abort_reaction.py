@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from testkit.plumbing import mmm
+from testkit.plumbing import conditions, mmm
 
 #: The abort under test, and its reference: a cancel message for the same rows, measured the same way.
 SIDES = ("abort", "cancel")
@@ -44,8 +44,7 @@ def markdown(rounds: dict[str, list[dict[str, Any]]], summary: dict[str, Any], m
         )
     lines += [
         "",
-        f"Code under test: {meta['commit']}. {meta['cpus']} CPUs shared by everything; 1-min load average "
-        f"{meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after; {meta['wall_s']:.0f} s wall.",
+        conditions(meta),
     ]
     return "\n".join(lines)
 

@@ -6,6 +6,7 @@ import statistics
 from typing import Any
 
 from exhook_server.config import Config
+from testkit.plumbing import conditions
 
 SIDES = {"unchunked": 10_000, "chunked": Config().cancel_chunk_rows}
 
@@ -33,8 +34,7 @@ def markdown(rounds: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"Code under test: {meta['commit']}. {meta['cpus']} CPUs shared by everything; 1-min load average "
-        f"{meta['loadavg_1m_before']:.2f} before, {meta['loadavg_1m_after']:.2f} after; {meta['wall_s']:.0f} s wall.",
+        conditions(meta),
     ]
     return "\n".join(lines)
 
