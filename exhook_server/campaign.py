@@ -4,10 +4,10 @@
 (exhook_server/policy.py: `bad_policy`), stores it through `Writes.set_policy` (durable when it
 returns; `policies_full` past max_policies; a request aborted under its former policy is open
 again), puts it in force in this process and, through `tell_others`, in the server's other
-processes (so a batch published after the policy's answer is governed whichever process delivers
-it), and only then emits the status event `policy` on the request's status topic, echoing what is
-in force (`"cleared": true` instead once cleared). The topic, the Admin API and the CLI all go
-through it.
+processes and (PostgreSQL) instances (so a batch published after the policy's answer is
+governed whichever process delivers it), and only then emits the status event `policy` on the
+request's status topic, echoing what is in force (`"cleared": true` instead once cleared).
+The topic, the Admin API and the CLI all go through it.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Campaigns:
         #: This process's abort watch: a policy with criteria is judged at once.
         self.aborts: Aborts | None = None
         #: Puts a stored policy (request id, stored form, set_ms) in force in the server's other
-        #: processes before it returns (None: this process is alone).
+        #: processes and instances before it returns (None: this process is alone).
         self.tell_others: Callable[[str, bytes | None, int], Awaitable[None]] | None = None
 
     def take(self, request_id: str, policy: Policy | None, set_ms: int) -> None:

@@ -200,10 +200,16 @@ class Config:
     # single command: ten thousand concurrent ones is far more than a platform runs, and the
     # bound keeps the table (read by dispatch) small whatever a publisher sends.
     max_policies: int = 10_000
-    # How often every process re-reads the campaign policies (a policy set through another
-    # process or instance, a pause, a resume, takes effect within this): one small read per
-    # second per process, against a pause that must hold within about a second.
+    # How often every process re-reads the campaign policies: the safety net behind the telling
+    # (a group's links, PostgreSQL's NOTIFY) for a process that missed a change; one small read
+    # per second per process, against a pause that must hold within about a second.
     policy_refresh_s: float = 1.0
+    # PostgreSQL: how long storing a policy waits for every other live instance to confirm it is
+    # in force (each hears it at once through LISTEN/NOTIFY) before the publish is answered.
+    # Twice policy_refresh_s's default: by then even an instance that missed the notice has
+    # re-read it. Never more than half of ingest_timeout_s (the hook's own bound) is waited. 0:
+    # answer without waiting (the others follow within milliseconds, unconfirmed).
+    policy_propagation_timeout_s: float = 2.0
     # Data normally follows within milliseconds; five minutes covers broker hiccups.
     early_ttl_s: float = 300.0
     # How often orphaned early triggers are looked for.
@@ -615,6 +621,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("dispatch_batch_window_ms must be 0..1000 and dispatch_batch_max 1..10000")
     if cfg.heartbeat_window_ms < 0 or cfg.grpc_max_connection_age_s < 0:
         raise ConfigError("heartbeat_window_ms and grpc_max_connection_age_s must not be negative")
+    if not 0 <= cfg.policy_propagation_timeout_s <= 60:
+        raise ConfigError("policy_propagation_timeout_s must be 0 (no wait) up to 60")
     if not 0 <= cfg.store_lock_timeout_s < cfg.ingest_timeout_s:
         raise ConfigError("store_lock_timeout_s must be 0 (a quarter of ingest_timeout_s) or below ingest_timeout_s")
     if cfg.store_url and not cfg.store_url.startswith(("postgresql://", "postgres://")):

@@ -208,6 +208,12 @@ ABORTS = Counter(
 POLICIES_SET = Counter(
     "sdv_fanout_policies_total", "Campaign policy messages applied, by change (set, cleared)", ["change"]
 )
+POLICY_PROPAGATION = Counter(
+    "sdv_fanout_policy_propagation_total",
+    "Policies stored on PostgreSQL, by how the other instances confirmed them before the answer"
+    " (confirmed, timeout, unconfirmed: this instance's listener was down)",
+    ["outcome"],
+)
 DELIVERY_LATENCY = Histogram(
     "sdv_fanout_delivery_latency_seconds",
     "Per delivery: stage delivered = its row stored -> the vehicle's PUBACK; answered = PUBACK -> its answer",

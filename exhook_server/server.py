@@ -158,6 +158,7 @@ class FanoutServer:
         #: A policy reaches every process of this server before its answer.
         self.ingestor.campaigns.tell_others = self.backend.tell_policy
         self.backend.on_policy = self.ingestor.campaigns.take_stored
+        self.backend.on_policies = self.gates.replace_all
         #: This process's share of max_deliveries_per_s (None: off).
         self.budget = (
             DeliveryBudget(cfg.max_deliveries_per_s / cfg.process_count, lambda: clock() / 1000, self._offer_token)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from exhook_server.backends.lmdb.peers import Group
     from exhook_server.dispatch.pacing import Budget
     from exhook_server.dispatch.port import Dispatch, DispatchNeeds
-    from storage.model import ApplyReport
+    from storage.model import ApplyReport, StoredPolicy
     from storage.port import Reads, Writes
 
 #: How long one operation of a tool may take: a scan of a large store (stats) takes a while,
@@ -64,8 +64,12 @@ class Backend(Protocol):
         ...
 
     #: Puts a policy another process stored in force in this one (request id, stored form,
-    #: set_ms): set by the server, called by `tell_policy` of a sibling process.
+    #: set_ms): set by the server, called by `tell_policy` of a sibling process (LMDB) or at the
+    #: policy's notice (PostgreSQL).
     on_policy: Callable[[str, bytes | None, int], None] | None
+    #: Puts every policy in force in this one, read again from the store (PostgreSQL: when its
+    #: policy listener connects again and may have missed notices); set by the server.
+    on_policies: Callable[[list[StoredPolicy]], None] | None
 
     async def tell_policy(self, request_id: str, doc: bytes | None, set_ms: int) -> None:
         """Put a policy this process just stored in force in the server's other processes before

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import random
 import signal
@@ -633,6 +634,50 @@ def test_a_batch_stored_while_another_instance_handles_the_vehicles_puback_is_de
             v.wait_for(2, timeout_s=20)
             poll(db.settled, timeout_s=30)
             assert [rid_of(r.topic) for r in v.received] == ["task_wake_1", "task_wake_2"]
+
+
+def listeners_seen(srv: SubprocessServer) -> set[int]:
+    """The other instances' policy listeners this instance learnt of (their backend pids)."""
+    return {int(e["pid"]) for e in srv.events() if e.get("event") == "policy_listener_seen"}
+
+
+def test_a_pause_stored_through_one_instance_holds_a_batch_stored_through_another_at_once(
+    tmp_path: Path, db: Database, broker: Mosquitto
+) -> None:
+    """A pause stored through one instance is in force on every other before its publish is
+    answered (their reload, policy_refresh_s, is an hour here: only the notice tells them): a batch
+    published right after through another instance waits for the resume."""
+    vin, rid = "LPAUSE00000000001", "task_paused_fleetwide"
+    with instances(tmp_path, db, broker, INSTANCES, "--policy-refresh-s", "3600") as servers:
+        emqx = FakeEmqx([s.port for s in servers], broker.port, delivery_clientid=DELIVERY_CLIENTID)
+        with emqx:
+            emqx.load()
+            [v] = online_fleet(emqx, [vin])
+            by_port = {s.port: s for s in servers}
+            vehicles_at = emqx.exhook.route(vin)[1]
+            senders = (f"platform-{i}" for i in itertools.count())
+            setter = next(c for c in senders if emqx.exhook.route(c)[1] != vehicles_at)
+            setting = emqx.exhook.route(setter)[1]
+            batcher = next(c for c in senders if emqx.exhook.route(c)[1] not in (vehicles_at, setting))
+            storing = by_port[emqx.exhook.route(batcher)[1]]
+            # Each instance's listener knows the two others (what the storing one waits for).
+            for srv in servers:
+                poll(lambda srv=srv: len(listeners_seen(srv)) >= 2)  # type: ignore[misc]
+            pause = json.dumps({"request_id": rid, "paused": True}).encode()
+            assert stored(emqx.publish("$SDV-FANOUT/policy", pause, sender=setter))
+            assert metric(by_port[setting], "sdv_fanout_policy_propagation_total", 'outcome="confirmed"') == 1
+            assert all(metric(s, "sdv_fanout_campaigns_held") == 1 for s in servers)
+            events = metric(storing, "sdv_fanout_db_round_trips_total", 'purpose="event"')
+            assert stored(emqx.publish_batch([vin], rid, b"held", sender=batcher))
+            # The storing instance offered the batch to the online vehicle (an event), and sent nothing.
+            poll(lambda: metric(storing, "sdv_fanout_db_round_trips_total", 'purpose="event"') > events)
+            assert metric(storing, "sdv_fanout_deliveries_sent_total") == 0, "delivered while paused"
+            resumed_at = time.time()
+            resume = json.dumps({"request_id": rid}).encode()
+            assert stored(emqx.publish("$SDV-FANOUT/policy", resume, sender=setter))
+            v.wait_for(1)
+            assert v.received[0].time >= resumed_at
+            poll(db.settled, timeout_s=30)
 
 
 def test_two_processes_on_postgresql_both_serve_and_deliver_everything(

@@ -29,7 +29,7 @@ from storage.lmdb.reads import LmdbReads
 from storage.lmdb.store import Store
 from storage.lmdb.writer import GroupCommitter
 from storage.lmdb.writes import LmdbWrites
-from storage.model import ApplyReport
+from storage.model import ApplyReport, StoredPolicy
 from storage.port import Reads, Writes
 
 log = structlog.get_logger("sdv_fanout.server")
@@ -64,6 +64,8 @@ class LmdbBackend:
         #: Puts a policy another process of the group stored in force here (request id, stored
         #: form, set_ms); set by the server.
         self.on_policy: Callable[[str, bytes | None, int], None] | None = None
+        #: Unused: a group's processes tell each other (`tell_policy`).
+        self.on_policies: Callable[[list[StoredPolicy]], None] | None = None
         if not tool:
             self._open()
 

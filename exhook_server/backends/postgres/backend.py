@@ -1,5 +1,6 @@
 """The PostgreSQL store as a backend: the pool at store_url, dispatch where any instance handles
-any vehicle, and the jobs of an instance (every instance resumes and sweeps; the leader collects).
+any vehicle, and the jobs of an instance (every instance resumes and sweeps and listens for
+policies set elsewhere; the leader collects).
 
 A server's pool is connected in `start`, retried while the database is out of reach, and brings
 the schema to this release; a tool's is one connection, connected on entry, that fails at once.
@@ -17,11 +18,12 @@ from exhook_server import housekeeping, metrics
 from exhook_server.aio import Job
 from exhook_server.backends.postgres import pgmode
 from exhook_server.backends.postgres.dispatch import SharedDispatcher
+from exhook_server.backends.postgres.policy_sync import PolicySync
 from exhook_server.config import Config
 from exhook_server.dispatch.pacing import Budget, Lease
 from exhook_server.dispatch.port import Dispatch, DispatchNeeds
 from storage.errors import StorageError
-from storage.model import ApplyReport
+from storage.model import ApplyReport, StoredPolicy
 from storage.port import Reads, Writes
 from storage.postgres import connect, migrate
 from storage.postgres import pacing as pg_pacing
@@ -49,10 +51,20 @@ class PgBackend:
         self._reads: Reads | None = None
         self._writes: Writes | None = None
         self._dispatcher: SharedDispatcher | None = None
-        #: Unused: an instance is one process (see `tell_policy`).
+        #: Puts a policy another instance (or process) stored in force here, at its notice.
         self.on_policy: Callable[[str, bytes | None, int], None] | None = None
+        #: Puts every policy in force here, read again when the policy listener (re)connects.
+        self.on_policies: Callable[[list[StoredPolicy]], None] | None = None
+        self._sync: PolicySync | None = None
         if not tool:
             self._use(pgmode.create_pool(cfg))
+            self._sync = PolicySync(
+                cfg.store_url,
+                self._connected_pool,
+                min(cfg.policy_propagation_timeout_s, cfg.ingest_timeout_s / 2),
+                on_policy=self._policy_told,
+                on_policies=self._policies_read,
+            )
 
     def _use(self, pool: Pool) -> None:
         self.pool = pool
@@ -115,8 +127,19 @@ class PgBackend:
         return self._dispatcher
 
     async def tell_policy(self, request_id: str, doc: bytes | None, set_ms: int) -> None:
-        """Nothing: each instance is one process, and the others reload the policies from the
-        database every policy_refresh_s."""
+        """Wait until every other live instance confirmed the policy it heard of at its commit,
+        at most policy_propagation_timeout_s (policy_sync.py); the others reload the policies
+        every policy_refresh_s besides."""
+        if self._sync is not None:
+            await self._sync.tell(request_id, set_ms)
+
+    def _policy_told(self, request_id: str, doc: bytes | None, set_ms: int) -> None:
+        if self.on_policy is not None:
+            self.on_policy(request_id, doc, set_ms)
+
+    def _policies_read(self, found: list[StoredPolicy]) -> None:
+        if self.on_policies is not None:
+            self.on_policies(found)
 
     def pacing_budget(self, clock_s: Callable[[], float]) -> tuple[Budget, Callable[[int], int]]:
         """The campaigns' buckets in the database, leased by every instance; max_in_flight
@@ -136,6 +159,7 @@ class PgBackend:
             ("leader", pgmode.lead(self.cfg, lambda: [job for _, job in shared()])),
             ("store", pgmode.watch(self._connected_pool(), self.cfg.store_down_grace_s, store_up)),
             ("end-stalled", pgmode.end_stalled_loop(self._connected_pool(), pgmode.stall_bound_s(self.cfg))),
+            *([("policy-sync", self._sync.run())] if self._sync is not None else []),
         ]
 
     def leader_jobs(self) -> list[Job]:
