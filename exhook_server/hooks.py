@@ -27,7 +27,7 @@ from exhook_server.errors import StorageError
 from exhook_server.hookset import HookSetWatch, hook_of
 from exhook_server.ingest import Ingestor
 from exhook_server.topics import RequestTopics, TopicTemplate
-from storage.model import sha1_of
+from storage.model import now_ms, sha1_of
 
 pb = exhook_v3_pb2
 
@@ -178,6 +178,12 @@ class HookServicer:
             cluster=request.meta.cluster_name,
             hooks=[s.name for s in self._specs],
         )
+        uptime_ms, node = request.broker.uptime, request.meta.node
+        if uptime_ms > 0 and node:
+            try:
+                await self._dispatch.node_started(node, now_ms() - uptime_ms)
+            except Exception:  # the load must not fail on it: the vehicles' hooks still tell us
+                log.exception("node_start_check_failed", node=node)
         self._calls["OnProviderLoaded", "ok"].inc()
         self.watch.confirm()
         return pb.LoadedResponse(hooks=self._specs)

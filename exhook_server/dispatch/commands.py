@@ -232,6 +232,14 @@ class Sweep:
     to vehicles still online (a lost PUBACK must not wait for the next heartbeat)."""
 
 
+@dataclass(frozen=True, slots=True)
+class NodeRestarted:
+    """Internal, to every worker: EMQX node `node` started again; every session it held is gone
+    (presence and deliveries out on it are void: the vehicles' new connections say where they are)."""
+
+    node: str
+
+
 Command = (
     MaybeSend
     | NewBatch
@@ -243,5 +251,6 @@ Command = (
     | Refused
     | BrokerLost
     | BrokerBack
+    | NodeRestarted
     | Sweep
 )

@@ -29,6 +29,7 @@ from exhook_server.dispatch.commands import (
     EndReason,
     MaybeSend,
     NewBatch,
+    NodeRestarted,
     Refused,
     Requeue,
     Responded,
@@ -353,6 +354,8 @@ class Worker:
         elif isinstance(cmd, BrokerBack):
             for vin in list(self.presence):
                 self._try_send(vin, Trigger.BROKER_BACK)
+        elif isinstance(cmd, NodeRestarted):
+            self._node_restarted(cmd.node)
 
     # -- state -------------------------------------------------------------------
     @staticmethod
@@ -372,6 +375,16 @@ class Worker:
             return
         del self.inflight[vin]
         self._unacked[vin] = (entry.request_id, entry.sha1, entry.attempts, entry.await_response)
+
+    def _node_restarted(self, node: str) -> None:
+        """Sessions on `node` ended with its restart: forget them, and void what went out to them
+        (a delivery PUBACKed and awaiting its answer stays: the vehicle has it). Without this, our
+        link's return would send to connections that no longer exist while the vehicles' new ones
+        already subscribe, and each of those sends the same delivery again."""
+        for vin in [v for v, s in self.presence.items() if s.node == node]:
+            del self.presence[vin]
+        for vin in [v for v, e in self.inflight.items() if e.session.node == node]:
+            self._void(vin)
 
     # -- rules -------------------------------------------------------------------
     def _maybe_send(self, cmd: MaybeSend) -> None:

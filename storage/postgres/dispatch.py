@@ -283,6 +283,27 @@ async def overdue(conn: Connection, now_ms: int, timeouts: Timeouts, limit: int)
     return [r["vin"] for r in found]
 
 
+async def forget_node(conn: Connection, node: str, started_ms: int) -> tuple[int, int]:
+    """EMQX node `node` started at `started_ms`: the presence recorded before that on it, and the
+    deliveries sent before that to its sessions and not PUBACKed, belong to sessions that are gone
+    (deleted; voided: sent again as re-sends). (presences deleted, deliveries voided)."""
+    async with conn.transaction():
+        gone = await conn.fetch(
+            "DELETE FROM presence WHERE split_part(session, chr(31), 1) = $1 AND seen_ms < $2 RETURNING vin",
+            node,
+            started_ms,
+        )
+        voided = await conn.fetch(
+            """UPDATE vin_state SET voided = true
+               WHERE request_id IS NOT NULL AND NOT voided AND acked_ms IS NULL
+                   AND split_part(session, chr(31), 1) = $1 AND sent_ms < $2
+               RETURNING vin""",
+            node,
+            started_ms,
+        )
+    return len(gone), len(voided)
+
+
 async def sent_by(conn: Connection, sender: str, after: str, limit: int) -> list[str]:
     """Vehicles with a delivery out that `sender`'s MQTT client published (lost with its link)."""
     found = await conn.fetch(

@@ -366,11 +366,6 @@ def test_bad_request_id_is_rejected_without_stalling_the_fleet(rig: Any) -> None
     assert len(rejected) == 1
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect under investigation: since this session's changes a vehicle sometimes gets the request "
-    "in flight at the broker restart three times (bound: twice); seen on 5.8.9 LMDB idle and 5.9.1 PostgreSQL",
-)
 def test_broker_restart_mid_fanout_delivers_everything(rig: Any) -> None:
     """EMQX restarts while 20 vehicles each hold their first of 4 requests unacknowledged; once they
     reconnect, every request arrives (the one in flight at the restart at most twice)."""

@@ -17,6 +17,7 @@ from exhook_server.dispatch.commands import (
     Down,
     EndReason,
     MaybeSend,
+    NodeRestarted,
     Session,
     Sweep,
     Trigger,
@@ -288,6 +289,36 @@ def test_broker_loss_clears_inflight_and_reconnect_resends(rig: Rig) -> None:
     rig.pub.up = True
     rig.do(BrokerBack())
     assert rig.sent_rids == ["task_a_1", "task_a_1"]
+
+
+def test_a_restarted_node_sends_once_to_the_new_connection(rig: Rig) -> None:
+    """EMQX restarts while a delivery is out: its reload (NodeRestarted) forgets the sessions on
+    that node, so our link's return sends nothing to the dead one and the vehicle's new
+    subscription gets the delivery once (without it: once from BrokerBack, which the vehicle
+    already subscribed may receive, and again on its subscribe hook)."""
+    other = Session("emqx@n2", "VIN2", "10.0.0.2", 40003)
+    rig.rows.add("VIN1", "task_a_1", b"x")
+    rig.rows.add("VIN2", "task_a_1", b"x")
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1), MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN2", other))
+    rig.pub.up = False
+    rig.do(BrokerLost(), NodeRestarted("emqx@n1"))
+    assert "VIN1" not in rig.worker.presence and rig.worker.presence["VIN2"] == other
+    rig.pub.up = True
+    rig.do(BrokerBack())
+    assert [vin for vin, _, _ in rig.pub.sent] == ["VIN1", "VIN2", "VIN2"]  # n2's session is alive
+    rig.do(Connected("VIN1", S2), MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S2))
+    assert [vin for vin, _, _ in rig.pub.sent] == ["VIN1", "VIN2", "VIN2", "VIN1"]
+    rig.ack_last(S2)
+    assert ("VIN1", "task_a_1") not in rig.rows.rows
+
+
+def test_a_restarted_node_keeps_a_delivery_awaiting_its_answer(rig: Rig) -> None:
+    """A delivery PUBACKed and awaiting its answer is the vehicle's: a node restart leaves it."""
+    rig.rows.add("VIN1", "task_q_1", b"x", await_response=True)
+    rig.do(MaybeSend(Trigger.SESSION_SUBSCRIBED, "VIN1", S1))
+    rig.ack_last()
+    rig.do(NodeRestarted("emqx@n1"))
+    assert rig.worker.inflight["VIN1"].acked_at is not None
 
 
 def test_new_connection_of_client_drops_stale_presence(rig: Rig) -> None:

@@ -305,6 +305,42 @@ def test_broker_lost_voids_only_this_instances_deliveries_and_back_resends(dsn: 
     run(body)
 
 
+def test_a_restarted_node_forgets_what_it_held_and_our_link_sends_once_to_the_new_connection(dsn: str) -> None:
+    """EMQX node n1 restarts while a delivery is out to V1 (its session on n1) and V2's session is
+    on n2: the reload drops V1's presence and voids its delivery (our link's return sends nothing
+    there), keeps n2's, and V1's new subscription gets the delivery once. A second reload of the
+    same incarnation changes nothing."""
+
+    async def body() -> None:
+        async with Rig(dsn, 2) as rig:
+            a, b = rig.instances
+            n2 = Session("emqx@n2", "V2", "10.0.0.2", 7)
+            a.subscribed(S("V1"), "V1")
+            a.subscribed(n2, "V2")
+            await rig.batch(["V1", "V2"], "task_a_1", b"one")
+            await rig.until(lambda: rig.sent_to("V1") == rig.sent_to("V2") == ["task_a_1"], "deliveries")
+            for pub, d in zip(rig.pubs, rig.instances, strict=True):
+                pub.up = False
+                d.broker_connected(False)
+            await rig.idle()
+            started = int(time.time() * 1000)
+            await b.node_started("emqx@n1", started)
+            assert await rig.conn.fetchval("SELECT array_agg(vin ORDER BY vin) FROM presence") == ["V2"]
+            for pub, d in zip(rig.pubs, rig.instances, strict=True):
+                pub.up = True
+                d.broker_connected(True)
+            await rig.until(lambda: rig.sent_to("V2") == ["task_a_1", "task_a_1"], "n2's vehicle re-sent")
+            await rig.idle()
+            assert rig.sent_to("V1") == ["task_a_1"]
+            b.subscribed(S("V1", 2), "V1")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_a_1", "task_a_1"], "the new connection's delivery")
+            await a.node_started("emqx@n1", started)  # the same incarnation, reloaded through another instance
+            await rig.idle()
+            assert await rig.conn.fetchval("SELECT count(*) FROM presence") == 2
+
+    run(body)
+
+
 def test_three_instances_random_hooks_never_two_in_flight(dsn: str) -> None:
     """The harsh mode: every hook of every vehicle goes to a random instance. Vehicles ack what
     they get; at no time does a vehicle have two deliveries out, everything is delivered, and

@@ -28,6 +28,7 @@ from exhook_server.dispatch.commands import (
     EndReason,
     MaybeSend,
     NewBatch,
+    NodeRestarted,
     Refused,
     Requeue,
     Responded,
@@ -36,6 +37,7 @@ from exhook_server.dispatch.commands import (
     Trigger,
 )
 from exhook_server.dispatch.pacing import Pacer
+from exhook_server.dispatch.restarts import NodeStarts
 from exhook_server.dispatch.ring import HashRing
 from exhook_server.dispatch.worker import (
     Kept,
@@ -138,6 +140,7 @@ class Dispatcher:
         #: clientid → the VINs it subscribed or heartbeated for since start-up; none for a client
         #: that only stands for the VIN it is named after (see _remember).
         self._clients: dict[str, set[str]] = {}
+        self._node_starts = NodeStarts()
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -182,7 +185,7 @@ class Dispatcher:
     def submit(self, cmd: Command) -> None:
         """Queue a command on the worker that owns its VIN, here or in another process
         (event-loop thread only)."""
-        assert not isinstance(cmd, BrokerLost | BrokerBack | Sweep | NewBatch)
+        assert not isinstance(cmd, BrokerLost | BrokerBack | Sweep | NewBatch | NodeRestarted)
         node = self.ring.owner(cmd.vin)
         worker = self.workers.get(node)
         if worker is not None:
@@ -326,6 +329,18 @@ class Dispatcher:
         metrics.MQTT_CONNECTED.set(1 if up else 0)
         self._broadcast(BrokerBack() if up else BrokerLost())
 
+    async def node_started(self, node: str, started_ms: int) -> None:
+        """EMQX node `node` loaded us and started at `started_ms`: when that is a restart, every
+        process of the group forgets the sessions it held on that node, before this returns."""
+        await self._ask_all(("node_started", node, started_ms))
+
+    def _node_started(self, node: str, started_ms: int) -> bool:
+        if not self._node_starts.restarted(node, started_ms):
+            return False
+        log.warning("emqx_node_restarted", node=node, started_ms=started_ms, process=self._process)
+        self._broadcast(NodeRestarted(node))
+        return True
+
     def refused(self, vin: str, request_id: str, reason: str, final: bool) -> None:
         """The broker refused one of our deliveries (event-loop thread; see delivery.py)."""
         self.submit(Refused(vin, request_id, reason, final))
@@ -376,6 +391,8 @@ class Dispatcher:
             return self.online_count(), self.in_flight_count(), self.backlog()
         if query[0] == "cancelled":
             return self._mark_cancelled(query[1], query[2])
+        if query[0] == "node_started":
+            return self._node_started(query[1], query[2])
         if query[0] == "pacing":
             rid = query[1]
             if isinstance(self._pacing, Pacer):  # the workers' entries and those carried over a restart

@@ -41,6 +41,7 @@ from exhook_server.dispatch.commands import (
     Trigger,
 )
 from exhook_server.dispatch.pacing import Pacer
+from exhook_server.dispatch.restarts import NodeStarts
 from exhook_server.dispatch.ring import HashRing
 from exhook_server.dispatch.worker import (
     NOTHING_KEPT,
@@ -336,6 +337,9 @@ class SharedDispatcher:
         #: Batches that may run at once, one pool connection each.
         self._slots = lanes
         self.ring = HashRing({f"l{i}": 0 for i in range(lanes)})
+        #: The database outlives instances: every start of a node is acted on (what is dropped is
+        #: only what was recorded before it), once per instance.
+        self._node_starts = NodeStarts(lambda: 0)
         #: Vehicle events not yet in a batch, in arrival order; the VINs of the running batches.
         self._waiting: collections.deque[_Queued] = collections.deque()
         self._busy: set[str] = set()
@@ -734,6 +738,16 @@ class SharedDispatcher:
         the next trigger); when back, every online vehicle with work and a free slot gets a go."""
         metrics.MQTT_CONNECTED.set(1 if up else 0)
         self._spawn(self.wake_idle() if up else self._broker_lost(), "broker-state")
+
+    async def node_started(self, node: str, started_ms: int) -> None:
+        """EMQX node `node` loaded us and started at `started_ms`: the presence and deliveries out
+        recorded on it before then belong to sessions that are gone (see pgd.forget_node)."""
+        if not self._node_starts.restarted(node, started_ms):
+            return
+        async with self._pool.acquire() as conn:
+            dropped, voided = await pgd.forget_node(conn, node, started_ms)
+        if dropped or voided:  # else a first start seen, or a restart that left nothing of ours behind
+            log.warning("emqx_node_restarted", node=node, started_ms=started_ms, dropped=dropped, voided=voided)
 
     async def _broker_lost(self) -> None:
         after = ""
