@@ -6,6 +6,8 @@ then every `settle_s` while outcomes keep coming and once more `settle_s` after 
 ack's end commits after it is told). A crossed criterion is recorded with the start of the
 request's cancel of every vehicle (`Writes.abort`, one transaction, once per policy whichever
 process or instance comes first); the one that recorded it emits `aborted` and walks the cancel.
+Once the broker took the event, the record says so (`announced_ms`); one the process died before
+is emitted by the leader (`announce`) from the record, at its start and on each refresh.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from exhook_server.dispatch.gates import Gates
 from exhook_server.policy import AbortCriterion
 from exhook_server.status import StatusPublisher
 from storage.errors import StorageError
-from storage.model import COUNT_NAMES, Generation, Outcome, now_ms
+from storage.model import COUNT_NAMES, Generation, Outcome, StoredPolicy, now_ms
 from storage.port import Reads, Writes
 
 log = structlog.get_logger("sdv_fanout.abort")
@@ -35,6 +37,12 @@ log = structlog.get_logger("sdv_fanout.abort")
 #: its commit): short enough to abort well within a second of the crossing, and at most 5 reads
 #: a second per watched request and process.
 SETTLE_S = 0.2
+#: An abort recorded this long ago whose event the broker has not taken yet is emitted by the
+#: leader on its refresh (its recorder died first, or its broker was away that long: then the
+#: platform hears it twice, never not at all). At the leader's start, every such one at once.
+ANNOUNCE_GRACE_S = 10.0
+#: How long a stop waits for the records of events the broker took (one short write each).
+MARK_WAIT_S = 2.0
 
 
 def abort_counts(gens: list[Generation], answers_failed: int) -> dict[str, int]:
@@ -71,6 +79,10 @@ class Aborts:
         #: request id → the task watching it; the loop time its last outcome was told.
         self._watching: dict[str, asyncio.Task[None]] = {}
         self._told: dict[str, float] = {}
+        #: (request id, abort record) of the `aborted` events emitted by this process: each once.
+        self._emitted: set[tuple[str, bytes]] = set()
+        #: The writes of `announced_ms` under way.
+        self._marking: set[asyncio.Task[None]] = set()
 
     def outcome(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
         """An outcome of `request_id` (an OutcomeListener): watch it if its policy has criteria."""
@@ -121,17 +133,70 @@ class Aborts:
     async def _abort(self, request_id: str, criterion: AbortCriterion, counts: dict[str, int]) -> None:
         now = self._clock()
         shown: dict[str, Any] = {"criterion": criterion.as_doc(), "counts": counts}
-        first = await self._writes.abort(request_id, orjson.dumps({**shown, "at_ms": now}), now, self._cfg.cancel_rows)
+        record = orjson.dumps({**shown, "at_ms": now})
+        first = await self._writes.abort(request_id, record, now, self._cfg.cancel_rows)
         self._gates.mark_aborted(request_id)
         if first is None:
             log.info("campaign_abort_found", request_id=request_id)  # another process or instance won
             return
         metrics.ABORTS.inc()
         log.warning("campaign_aborted", request_id=request_id, cancelled=first.total, more=first.more, **shown)
-        if self._status is not None:
-            self._status.emit("aborted", request_id, **shown)
+        self._emit(request_id, record, shown)
         self._cancels.walk(first)
 
+    def _emit(self, request_id: str, record: bytes, shown: dict[str, Any]) -> None:
+        """The `aborted` event of the abort `record`; once the broker took it, the record says so."""
+        if self._status is None:
+            return
+        self._emitted.add((request_id, record))
+        self._status.emit("aborted", request_id, on_sent=lambda: self._sent(request_id, record), **shown)
+
+    def _sent(self, request_id: str, record: bytes) -> None:
+        task = asyncio.get_running_loop().create_task(self._mark(request_id, record), name=f"abort-sent-{request_id}")
+        self._marking.add(task)
+        task.add_done_callback(self._marking.discard)
+
+    async def _mark(self, request_id: str, record: bytes) -> None:
+        amended = orjson.dumps({**orjson.loads(record), "announced_ms": self._clock()})
+        try:
+            await self._writes.amend_abort(request_id, record, amended)
+        except StorageError as exc:  # the leader's next start emits it once more
+            log.error("abort_event_not_recorded", request_id=request_id, reason=type(exc).__name__, detail=str(exc))
+
+    def announce_due(self, found: list[StoredPolicy], grace_ms: int | None) -> int:
+        """Emit the `aborted` event of each abort in `found` whose record says the broker never
+        took it, that this process has not emitted, and (unless `grace_ms` is None) that was
+        recorded at least `grace_ms` ago. Returns how many."""
+        now = self._clock()
+        emitted = 0
+        for stored in found:
+            record = stored.aborted
+            if record is None or (stored.request_id, record) in self._emitted:
+                continue
+            doc = orjson.loads(record)
+            if "announced_ms" in doc or (grace_ms is not None and now - int(doc.get("at_ms", 0)) < grace_ms):
+                continue
+            log.warning("campaign_abort_announced_late", request_id=stored.request_id, at_ms=doc.get("at_ms"))
+            self._emit(stored.request_id, record, {"criterion": doc.get("criterion"), "counts": doc.get("counts")})
+            emitted += 1
+        return emitted
+
+    async def announce(self, refresh_s: float) -> None:
+        """Forever (the leader's job): every `refresh_s`, the `aborted` events the broker never
+        took (`announce_due`): at once at the start, then those older than ANNOUNCE_GRACE_S."""
+        grace_ms: int | None = None
+        while True:
+            try:
+                self.announce_due(await self._writes.policies(), grace_ms)
+            except StorageError as exc:
+                log.error("abort_events_not_checked", reason=type(exc).__name__, detail=str(exc))
+            else:
+                grace_ms = round(ANNOUNCE_GRACE_S * 1000)
+            await asyncio.sleep(refresh_s)
+
     async def stop(self) -> None:
-        """Stop watching (an abort already recorded finishes its cancel at the next start-up)."""
-        await cancel_all(list(self._watching.values()))
+        """Stop watching (an abort already recorded finishes its cancel at the next start-up);
+        the records of events the broker took are written first (for at most MARK_WAIT_S)."""
+        if self._marking:
+            await asyncio.wait(set(self._marking), timeout=MARK_WAIT_S)
+        await cancel_all([*self._watching.values(), *self._marking])

@@ -342,7 +342,8 @@ class FanoutServer:
 
     def _leader_jobs(self) -> list[Job]:
         """The work one instance (one process of a host, or the PostgreSQL leader) does for all:
-        GC, the vehicles-at-bound gauge, progress reports, the catch-up session, and the store's
+        GC, the vehicles-at-bound gauge, progress reports, `aborted` events a crash kept from the
+        platform, the catch-up session, and the store's
         own (`Backend.leader_jobs`: on PostgreSQL folding the count changes acks append)."""
         jobs = [
             ("backlog-gauge", housekeeping.backlog_gauge_loop(self.cfg, self.reads)),
@@ -350,6 +351,7 @@ class FanoutServer:
         ]
         if self.status.enabled:
             jobs.append(("progress", ProgressReporter(self.reads, self.status).run(self.cfg.progress_interval_s)))
+            jobs.append(("abort-events", self.aborts.announce(self.cfg.policy_refresh_s)))
         if self.cfg.catchup_active:  # the deployment's one catch-up session (docs/operations.md)
             jobs.append(("catchup", catchup.CatchupSession(self.cfg, self.ingestor).hold()))
         return jobs + self.backend.leader_jobs()

@@ -71,6 +71,8 @@ class _Message:
     key: Hashable | None
     #: Link drops while it was unacknowledged.
     blamed: int = 0
+    #: Called once the broker took it (PUBACK with a success code).
+    on_sent: Callable[[], None] | None = None
 
 
 class StatusPublisher:
@@ -120,9 +122,12 @@ class StatusPublisher:
     def enabled(self) -> bool:
         return bool(self._prefix)
 
-    def emit(self, event: str, request_id: str | None, **fields: Any) -> None:
+    def emit(
+        self, event: str, request_id: str | None, on_sent: Callable[[], None] | None = None, **fields: Any
+    ) -> None:
         """Publish one event about `request_id` (None: a rejection without a usable one).
-        Fields that are None are left out."""
+        Fields that are None are left out. `on_sent` is called once the broker took it (never
+        when it is dropped, or the process ends first)."""
         if not self._prefix:
             return
         doc: dict[str, Any] = {"event": event, "request_id": request_id, "ts_ms": self._clock()}
@@ -135,7 +140,7 @@ class StatusPublisher:
         key = (event, request_id, fields.get("sha1")) if event in COALESCED else None
         size = len(payload) + len(topic) + MESSAGE_OVERHEAD_BYTES
         self._release()  # room first, if the link takes what waits
-        self._admit(_Message(self._seq, event, request_id, topic, payload, size, key))
+        self._admit(_Message(self._seq, event, request_id, topic, payload, size, key, on_sent=on_sent))
         self._release()
 
     def link_up(self) -> None:
@@ -267,6 +272,8 @@ class StatusPublisher:
             self._drop(msg, "refused", topic=msg.topic, reason_code=reason_code)
         else:
             metrics.STATUS_PUBLISHED.inc()
+            if msg.on_sent is not None:
+                msg.on_sent()
         self._release()
 
     def _drop(self, msg: _Message, reason: str, **detail: Any) -> None:

@@ -141,6 +141,12 @@ class Writes(Protocol):
         already (by another process or instance: exactly one abort wins)."""
         ...
 
+    async def amend_abort(self, request_id: str, before: bytes, after: bytes) -> bool:
+        """Replace the abort record `before` of `request_id` with `after` (the same abort, amended:
+        its status event went out); False, writing nothing, when its record is not `before` any
+        more (a new policy re-opened the request)."""
+        ...
+
     async def add_latency(self, increments: Sequence[Increment]) -> None:
         """Add to the latency counts of generations: (request id, sha1, stage, bucket, count)
         each (storage/latency.py). LMDB: with the next commit (a crash may lose that window's)."""

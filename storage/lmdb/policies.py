@@ -52,6 +52,16 @@ def abort(
     return cancel.start_cancel_all(txn, t, request_id, now_ms, max_rows, reason="aborted")
 
 
+def amend_abort(txn: lmdb.Transaction, t: Tables, *, request_id: str, before: bytes, after: bytes) -> bool:
+    """Replace the abort record `before` of `request_id` with `after`; False, writing nothing,
+    when the record is not `before`. Twin: postgres/policies.amend_abort."""
+    key = request_id.encode()
+    if txn.get(key, db=t.aborts) != before:
+        return False
+    txn.put(key, after, db=t.aborts)
+    return True
+
+
 def refuse_aborted(txn: lmdb.Transaction, t: Tables, request_id: str) -> None:
     """RequestAborted when `request_id` stands aborted (a batch of it is refused)."""
     if txn.get(request_id.encode(), db=t.aborts) is not None:

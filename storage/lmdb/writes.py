@@ -211,6 +211,9 @@ class LmdbWrites:
             policies.abort, rows=max_rows, solo=True, request_id=request_id, doc=doc, now_ms=now_ms, max_rows=max_rows
         )
 
+    async def amend_abort(self, request_id: str, before: bytes, after: bytes) -> bool:
+        return await self._commit(policies.amend_abort, request_id=request_id, before=before, after=after)
+
     async def pending_vins(self, request_id: str, after: str, limit: int) -> list[str]:
         with self._store.read() as txn:
             return policies.pending_vins(txn, self._t, request_id, after, limit)

@@ -76,6 +76,13 @@ def _stored(request_id: str, row: Record) -> StoredPolicy:
     return StoredPolicy(request_id, bytes(row["doc"]), int(row["set_ms"]), None if aborted is None else bytes(aborted))
 
 
+async def amend_abort(conn: Connection, request_id: str, before: bytes, after: bytes) -> bool:
+    """Replace the abort record `before` of `request_id` with `after`; False, writing nothing,
+    when the record is not `before`. Twin: lmdb/policies.amend_abort."""
+    sql = "UPDATE policies SET aborted = $3 WHERE request_id = $1 AND aborted = $2 RETURNING true"
+    return await conn.fetchval(sql, request_id, before, after) is True
+
+
 async def pending_vins(conn: Connection, request_id: str, after: str, limit: int) -> list[str]:
     """Up to `limit` VINs holding a pending row of `request_id`, in VIN order past `after`
     (the `rows_request` index)."""

@@ -129,6 +129,9 @@ class PgWrites:
     async def abort(self, request_id: str, doc: bytes, now_ms: int, max_rows: int) -> CancelChunk | None:
         return await self._run(batches.abort, request_id, doc, now_ms, max_rows)
 
+    async def amend_abort(self, request_id: str, before: bytes, after: bytes) -> bool:
+        return await self._run(policies.amend_abort, request_id, before, after)
+
     async def pending_vins(self, request_id: str, after: str, limit: int) -> list[str]:
         return await self._run(policies.pending_vins, request_id, after, limit)
 

@@ -213,6 +213,56 @@ def test_a_crossed_criterion_cancels_the_rest_once_and_refuses_until_a_new_polic
     run(opener, body, cancel_chunk_rows=100)
 
 
+def test_an_aborted_event_is_recorded_as_sent_and_one_a_crash_kept_back_goes_once(opener: Opener) -> None:
+    """The recorder's `aborted` event, once the broker took it, is recorded in the abort
+    (`announced_ms`); an abort whose recorder died before its event (recorded, never emitted)
+    is emitted by the leader from the record: at its start at once, later only past the grace,
+    and once; an announced one never again."""
+
+    async def body(handle: Handle, cfg: Config, clock: Clock) -> None:
+        p = process(cfg, handle, clock)
+        leader = process(cfg, handle, clock, watch=False)
+        try:
+            for rid in ("task_ota_5", "task_ota_6", "task_ota_7"):
+                assert await publish(p.ingestor, Kind.POLICY, POLICY, policy(rid, abort=EXPIRED_HALF))
+            await seed(p, clock, "task_ota_5", 20, 10)
+            clock.ms += 11_000
+            assert await p.expiry.sweep() == 20
+            [sent] = await until(lambda: p.heard.of("aborted"))
+
+            async def records() -> dict[str, dict[str, Any]]:
+                return {s.request_id: json.loads(s.aborted) for s in await handle.writes.policies() if s.aborted}
+
+            async with asyncio.timeout(30):
+                while "announced_ms" not in (await records()).get("task_ota_5", {}):
+                    await asyncio.sleep(0.01)
+            # Recorded by processes that died before their event: one just now, one 11 s ago.
+            died = {"criterion": EXPIRED_HALF[0], "counts": sent["counts"]}
+            fresh, old = (json.dumps({**died, "at_ms": clock.ms - ago}).encode() for ago in (0, 11_000))
+            assert await handle.writes.abort("task_ota_6", fresh, clock.ms, 9)
+            assert await handle.writes.abort("task_ota_7", old, clock.ms, 9)
+            found = await handle.writes.policies()
+            assert leader.aborts.announce_due(found, grace_ms=10_000) == 1  # the old one only
+            assert leader.aborts.announce_due(found, grace_ms=None) == 1  # at a start: every one
+            assert leader.aborts.announce_due(await handle.writes.policies(), grace_ms=None) == 0  # once
+            late = {e["request_id"]: e for e in leader.heard.of("aborted")}
+            assert sorted(late) == ["task_ota_6", "task_ota_7"]
+            assert late["task_ota_6"]["criterion"] == EXPIRED_HALF[0] and late["task_ota_6"]["counts"] == sent["counts"]
+            async with asyncio.timeout(30):
+                while not all("announced_ms" in r for r in (await records()).values()):
+                    await asyncio.sleep(0.01)
+            restarted = process(cfg, handle, clock, watch=False)
+            assert restarted.aborts.announce_due(await handle.writes.policies(), grace_ms=None) == 0
+            await restarted.ingestor.stop()
+        finally:
+            await p.aborts.stop()
+            await leader.aborts.stop()
+            await p.ingestor.stop()
+            await leader.ingestor.stop()
+
+    run(opener, body, cancel_chunk_rows=100)
+
+
 def test_no_abort_before_min_finished(opener: Opener) -> None:
     """Every finished pair expired, but fewer than min_finished: nothing happens until enough finished."""
 
