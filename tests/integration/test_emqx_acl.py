@@ -74,6 +74,7 @@ VEHICLE_FILTERS = [
     "$SDV-FANOUT/trigger",
     "$SDV-FANOUT/data/+",
     "$SDV-FANOUT/cancel",
+    "$SDV-FANOUT/policy",
     "$share/x/$SDV-FANOUT/#",
     "$share/x/$SDV-FANOUT/status/#",
     "$queue/$SDV-FANOUT/#",
@@ -91,13 +92,20 @@ VEHICLE_PUBLISHES = [
     "$SDV-FANOUT/trigger",
     "$SDV-FANOUT/data/d1",
     "$SDV-FANOUT/cancel",
+    "$SDV-FANOUT/policy",  # a campaign policy (pause, abort criteria) for someone else's request
     "$SDV-FANOUT/status/task_x_1",  # a forged receipt
     "$SDV-FANOUT/acked/sdv-fanout-acl",  # a forged ack message
     "$delayed/1/agent/{B}/proxy/request/task_x_1",
     "$delayed/1/$SDV-FANOUT",
 ]
 #: The server's catch-up session and its delivery client's ack topic (clientid `sdv-fanout-acl`).
-SERVER_FILTERS = ["$SDV-FANOUT", "$SDV-FANOUT/trigger", "$SDV-FANOUT/data/+", "$SDV-FANOUT/cancel"]
+SERVER_FILTERS = [
+    "$SDV-FANOUT",
+    "$SDV-FANOUT/trigger",
+    "$SDV-FANOUT/data/+",
+    "$SDV-FANOUT/cancel",
+    "$SDV-FANOUT/policy",
+]
 _ids = itertools.count()
 
 
@@ -191,6 +199,7 @@ def test_a_vehicle_reads_and_writes_nothing_but_its_own_topics(clients: Any) -> 
         (platform, "$SDV-FANOUT/trigger", server),
         (platform, "$SDV-FANOUT/data/d1", server),
         (platform, "$SDV-FANOUT/cancel", server),
+        (platform, "$SDV-FANOUT/policy", server),
     ]
     for sender, topic, _ in flows:
         assert sender.publish(topic) == 0, topic  # 0x00: allowed, and someone subscribed
