@@ -18,14 +18,15 @@ from pyspark.sql import functions as sf
 
 EXPORT_FORMAT = "sdv-fanout-export"
 #: The export format versions the jobs read (storage/export.FORMAT_VERSION): 2 added the lifecycle
-#: columns below; a version-1 export reads as one without expiries, awaited answers or responses.
-EXPORT_FORMAT_VERSIONS = (1, 2)
+#: columns below, 3 the rows' `high_priority`; a version-1 export reads as one without expiries,
+#: awaited answers or responses, and one before 3 as one without high-priority rows.
+EXPORT_FORMAT_VERSIONS = (1, 2, 3)
 
 #: The export's tables (storage/lmdb/export.py), read with these schemas rather than inferred ones. A column
 #: an older export lacks reads as null (Parquet with a given schema), then as EXPORT_DEFAULTS says.
 EXPORT_SCHEMAS = {
     "rows": "vin string, request_id string, ts_ms long, sha1 binary, size long, expires_at_ms long, "
-    "await_response boolean",
+    "await_response boolean, high_priority boolean",
     "blobs": "sha1 binary, created_ms long, touched_ms long, size long",
     "aliases": "data_id string, sha1 binary, ts_ms long",
     # sha1 as lower-case hex in the two tables below (rows and blobs keep the raw 20 bytes).
@@ -36,10 +37,13 @@ EXPORT_SCHEMAS = {
     # The policy and its abort as JSON text (storage/export_format.POLICIES_SCHEMA).
     "policies": "request_id string, policy string, set_ms long, aborted string",
 }
-#: Version-2 columns whose null in a version-1 export means something else than null: no answer
-#: was awaited, none responded. (`expires_at_ms`, `response` and `response_bytes` are null for
+#: Columns whose null in an older export means something else than null: no answer was awaited,
+#: none responded, not high priority. (`expires_at_ms`, `response` and `response_bytes` are null for
 #: "none" in version 2 too.)
-EXPORT_DEFAULTS: dict[str, dict[str, Any]] = {"rows": {"await_response": False}, "generations": {"responded": 0}}
+EXPORT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "rows": {"await_response": False, "high_priority": False},
+    "generations": {"responded": 0},
+}
 
 #: request_id `task_<type>_<n>`: <type> may contain `_`; <n> is the last `_`-separated part.
 TASK_TYPE_RE = r"^task_(.+)_[^_]+$"

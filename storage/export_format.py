@@ -17,8 +17,10 @@ FORMAT = "sdv-fanout-export"
 #: manifest's counts for it. 2 (store schema 3, request lifecycle): rows gained `expires_at_ms`
 #: and `await_response`, outcomes the `responded` outcome with `response` and `response_bytes`,
 #: generations the `responded` count. The jobs in spark/ read 1 and 2 (a column version 1 lacks
-#: reads as its "nothing" value: no expiry, no answer awaited, none responded).
-FORMAT_VERSION = 2
+#: reads as its "nothing" value: no expiry, no answer awaited, none responded). 3: rows gained
+#: `high_priority` (the batch's own flag; a policy's priority is in the policies table); the jobs
+#: read it as false from an older export.
+FORMAT_VERSION = 3
 #: Rows per Parquet record batch: ~3 MB of Arrow memory per batch ...
 BATCH_ROWS = 65_536
 #: ... or fewer, where a batch would hold more than this many bytes of the vehicles' answers
@@ -36,6 +38,8 @@ ROWS_SCHEMA = pa.schema(
         ("expires_at_ms", pa.int64()),
         #: The vehicle's answer, not its PUBACK, ends the row.
         ("await_response", pa.bool_()),
+        #: Its batch asked high priority (`"priority": "high"`): it goes before the vehicle's others.
+        ("high_priority", pa.bool_()),
     ]
 )
 BLOBS_SCHEMA = pa.schema(

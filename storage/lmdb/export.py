@@ -86,7 +86,16 @@ def export(store: Store, out: str | os.PathLike[str], progress: Progress | None 
         def rows() -> Iterator[tuple[Any, ...]]:
             for k, v in txn.cursor(t.ids):
                 r = keys.decode_row(k, v)
-                yield r.vin, r.request_id, r.ts_ms, r.sha1, r.size, r.expires_ms or None, r.await_response
+                yield (
+                    r.vin,
+                    r.request_id,
+                    r.ts_ms,
+                    r.sha1,
+                    r.size,
+                    r.expires_ms or None,
+                    r.await_response,
+                    r.high_priority,
+                )
 
         def blobs() -> Iterator[tuple[Any, ...]]:
             for k, v in txn.cursor(t.data):

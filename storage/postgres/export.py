@@ -36,7 +36,7 @@ INLINE_ANSWER_BYTES = 4_096
 
 _ROWS = f"""
 SELECT vin, request_id, ts_ms, sha1, size::int8, nullif(expires_ms, 0),
-       (flags & {model.FLAG_AWAIT_RESPONSE}) <> 0
+       (flags & {model.FLAG_AWAIT_RESPONSE}) <> 0, (flags & {model.FLAG_HIGH_PRIORITY}) <> 0
 FROM rows ORDER BY vin, request_id
 """
 # octet_length of a bytea reads its stored length: the payload is not fetched or decompressed.

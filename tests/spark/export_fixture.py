@@ -37,14 +37,23 @@ ADDED_IN_2: dict[str, dict[str, Any]] = {
     "outcomes": {"response": None, "response_bytes": None},
     "generations": {"responded": 0},
 }
+#: The column export format 3 added, likewise.
+ADDED_IN_3: dict[str, dict[str, Any]] = {"rows": {"high_priority": False}}
+
+
+def _added(name: str, version: int) -> dict[str, Any]:
+    """The columns of `name` after version 1 that an export of `version` has, with their defaults."""
+    added = dict(ADDED_IN_2.get(name, {})) if version >= 2 else {}
+    return {**added, **ADDED_IN_3.get(name, {})} if version >= 3 else added
 
 Record = Sequence[Any] | Mapping[str, Any]
 
 
 def _schema(name: str, version: int) -> pa.Schema:
     schema = SCHEMAS[name]
-    if version < 2:
-        for column in ADDED_IN_2.get(name, {}):
+    kept = _added(name, version)
+    for column in [*ADDED_IN_2.get(name, {}), *ADDED_IN_3.get(name, {})]:
+        if column not in kept:
             schema = schema.remove(schema.get_field_index(column))
     return schema
 
@@ -81,13 +90,13 @@ def write_export(
     """Write OUT/{rows,blobs,aliases}/part-NNNNN.parquet and OUT/manifest.json; returns the manifest.
 
     Records are tuples in schema order (rows: vin, request_id, ts_ms, sha1, size, expires_at_ms,
-    await_response; blobs: sha1, created_ms, touched_ms, size; aliases: data_id, sha1, ts_ms; outcomes:
+    await_response, high_priority; blobs: sha1, created_ms, touched_ms, size; aliases: data_id, sha1, ts_ms; outcomes:
     vin, request_id, sha1 hex, outcome, ended_ms, stored_ms, attempts, response, response_bytes;
     generations: request_id, sha1 hex, first_ms, last_ms, then the eight counts; policies: request_id,
     policy JSON, set_ms, aborted JSON or None) or dicts; the columns
-    of ADDED_IN_2 may be left off (the end of a tuple) and take their "nothing" value. `version` 1
-    writes an export from before them. `outcomes`, `generations` and `policies` are written only when
-    given (without them: an export of a server from before they existed). `parts` splits each non-empty
+    of ADDED_IN_2 and ADDED_IN_3 may be left off (the end of a tuple) and take their "nothing" value.
+    `version` 1 (2) writes an export from before them (before ADDED_IN_3's). `outcomes`, `generations`
+    and `policies` are written only when given (without them: an export of a server from before they existed). `parts` splits each non-empty
     table into that many part files; an empty table still gets one part file with the schema.
     """
     counts = {}
@@ -102,7 +111,7 @@ def write_export(
     for name, records in tables:
         if records is None:
             continue
-        table = _table(_schema(name, version), list(records), ADDED_IN_2.get(name, {}) if version >= 2 else {})
+        table = _table(_schema(name, version), list(records), _added(name, version))
         (out / name).mkdir(parents=True, exist_ok=True)
         n_parts = max(1, min(parts, table.num_rows))
         step = -(-table.num_rows // n_parts) if table.num_rows else 0

@@ -244,7 +244,7 @@ def test_export_round_trip_of_outcomes_and_generations(tmp_path: Path) -> None:
         with store.read() as txn:
             held = outcomes.all_generations(txn, store.tables)
 
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
     assert manifest["counts"] == {"rows": 3, "blobs": 5, "aliases": 0, "outcomes": 6, "generations": 5, "policies": 0}
     rows = ds.dataset(tmp_path / "export" / "rows").to_table().to_pylist()
     assert sorted((r["vin"], r["request_id"], r["ts_ms"], r["expires_at_ms"], r["await_response"]) for r in rows) == [

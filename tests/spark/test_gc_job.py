@@ -185,8 +185,8 @@ def test_incomplete_or_foreign_export_is_refused(spark: Any, tmp_path: Path) -> 
     (export / "manifest.json").write_text(json.dumps({**manifest, "format": "something-else"}))
     with pytest.raises(ExportError, match="format"):
         build_plan(spark, str(export), str(plan), RETENTION, GRACE)
-    (export / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))  # a newer sdv-fanout's
-    with pytest.raises(ExportError, match="version 3"):
+    (export / "manifest.json").write_text(json.dumps({**manifest, "format_version": 4}))  # a newer sdv-fanout's
+    with pytest.raises(ExportError, match="version 4"):
         build_plan(spark, str(export), str(plan), RETENTION, GRACE)
     with pytest.raises(ValueError, match="grace"):
         build_plan(spark, str(export), str(plan), RETENTION, 59_000)

@@ -84,7 +84,7 @@ def campaign(store: more.Side, t0: int = T0) -> None:
     opened = sha1_of(b"open")
     store.batch(["V1", "V2", "V3", "V4"], "task_ota_1", b"fw1", next(clock), "batch-1")
     store.batch(["V2"], "task_ota_1", b"fw2", next(clock))  # V2's fw1 superseded
-    store.batch(["V9"], "manual", b"x", next(clock))
+    store.batch(["V9"], "manual", b"x", next(clock), flags=keys.FLAG_HIGH_PRIORITY)
     expires = t0 + 100 * STEP
     await_it = keys.FLAG_AWAIT_RESPONSE
     store.batch(["V1", "V5", "V6", "V7"], "task_unlock_1", b"open", next(clock), expires_ms=expires, flags=await_it)
@@ -159,7 +159,9 @@ def test_both_stores_export_the_same_tables_and_manifest(
     assert_same_export(from_lmdb, from_pg, lmdb_tables, pg_tables)
     for name in TABLES:
         assert pg_tables[name].equals(lmdb_tables[name]), name
-    assert from_pg["format_version"] == lmdb_export.FORMAT_VERSION == 2
+    assert from_pg["format_version"] == lmdb_export.FORMAT_VERSION == 3
+    high = [(r["vin"], r["request_id"]) for r in pg_tables["rows"].to_pylist() if r["high_priority"]]
+    assert high == [("V9", "manual")]  # the batch's own flag, as stored
     # Each names its store and that store's real schema version: the database's, not LMDB's.
     database_version = pg_side._run(pg_side.conn.fetchval("SELECT max(version) FROM schema_version"))
     assert (from_pg["store"], from_pg["schema_version"]) == ("postgresql", database_version)
