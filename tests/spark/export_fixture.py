@@ -46,6 +46,7 @@ def _added(name: str, version: int) -> dict[str, Any]:
     added = dict(ADDED_IN_2.get(name, {})) if version >= 2 else {}
     return {**added, **ADDED_IN_3.get(name, {})} if version >= 3 else added
 
+
 Record = Sequence[Any] | Mapping[str, Any]
 
 
@@ -90,14 +91,15 @@ def write_export(
     """Write OUT/{rows,blobs,aliases}/part-NNNNN.parquet and OUT/manifest.json; returns the manifest.
 
     Records are tuples in schema order (rows: vin, request_id, ts_ms, sha1, size, expires_at_ms,
-    await_response, high_priority; blobs: sha1, created_ms, touched_ms, size; aliases: data_id, sha1, ts_ms; outcomes:
-    vin, request_id, sha1 hex, outcome, ended_ms, stored_ms, attempts, response, response_bytes;
-    generations: request_id, sha1 hex, first_ms, last_ms, then the eight counts; policies: request_id,
-    policy JSON, set_ms, aborted JSON or None) or dicts; the columns
-    of ADDED_IN_2 and ADDED_IN_3 may be left off (the end of a tuple) and take their "nothing" value.
-    `version` 1 (2) writes an export from before them (before ADDED_IN_3's). `outcomes`, `generations`
-    and `policies` are written only when given (without them: an export of a server from before they existed). `parts` splits each non-empty
-    table into that many part files; an empty table still gets one part file with the schema.
+    await_response, high_priority; blobs: sha1, created_ms, touched_ms, size; aliases: data_id, sha1,
+    ts_ms; outcomes: vin, request_id, sha1 hex, outcome, ended_ms, stored_ms, attempts, response,
+    response_bytes; generations: request_id, sha1 hex, first_ms, last_ms, then the eight counts;
+    policies: request_id, policy JSON, set_ms, aborted JSON or None) or dicts; the columns of
+    ADDED_IN_2 and ADDED_IN_3 may be left off (the end of a tuple) and take their "nothing" value.
+    `version` 1 (2) writes an export from before them (before ADDED_IN_3's). `outcomes`,
+    `generations` and `policies` are written only when given (without them: an export of a server
+    from before they existed). `parts` splits each non-empty table into that many part files; an
+    empty table still gets one part file with the schema.
     """
     counts = {}
     tables = [
