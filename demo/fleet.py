@@ -1,12 +1,12 @@
 """One slice of the demo's fleet, in its own process: real MQTT 5 vehicles and their drivers.
 
-`demo.run` starts several of these (`python -m demo.fleet`; the simulator's paho vehicles cap a
-process at about 330). They talk JSON lines: the spec and commands on stdin, progress and the
-final report on stdout. A worker ignores SIGINT (the demo stops it in order) and ends when told.
+`demo.run` starts several of these (`python -m demo.fleet`), a few hundred vehicles each. They
+talk JSON lines: the spec and commands on stdin, progress and the final report on stdout. A
+worker ignores SIGINT (the demo stops it in order) and ends when told.
 
-Two kinds of vehicle, one behaviour: on the real EMQX, testkit/vehicle.py's (EMQX calls the
-server's hooks itself); on the simulator, `testkit.emqx_sim.Vehicle` on mosquitto, whose hooks
-`FakeEmqx` calls as EMQX would. A vehicle that answers publishes its answer to a request awaiting
+One vehicle, testkit/vehicle.py's: on the real EMQX as it is (EMQX calls the server's hooks
+itself); on the simulator as `testkit.emqx_sim.Vehicle` on mosquitto, whose hooks `FakeEmqx`
+calls as EMQX would. A vehicle that answers publishes its answer to a request awaiting
 one on `agent/<VIN>/proxy/response/<request_id>` (QoS 1) after its PUBACK; the others never do.
 """
 
@@ -22,8 +22,7 @@ import time
 from collections import deque
 from typing import IO, Any
 
-from exhook_server._proto import exhook_v3_pb2 as pb
-from testkit.emqx_sim import FakeEmqx, Received
+from testkit.emqx_sim import FakeEmqx
 from testkit.emqx_sim import Vehicle as SimulatorVehicle
 from testkit.vehicle import REQUEST_PREFIX, Vehicle
 
@@ -62,11 +61,12 @@ class Tracking:
         self.holding = False
         self.busy = False
         self.ready = threading.Event()
+        self.on_delivery = lambda _d: self.wake.set()
 
 
 class SimVehicle(SimulatorVehicle, Tracking):
-    """A vehicle of the hook simulator (mosquitto + FakeEmqx), with testkit.vehicle's bookkeeping:
-    `unacked` (per connection), `acks` and `max_unacked`."""
+    """A vehicle of the hook simulator (mosquitto + FakeEmqx): testkit/vehicle.py's, whose hooks
+    FakeEmqx calls (its deliveries reach `on_delivery` in the clientid's hook lane)."""
 
     def __init__(self, emqx: FakeEmqx, spec: dict[str, Any]) -> None:
         persistent = spec["role"] == "resume"
@@ -74,36 +74,6 @@ class SimVehicle(SimulatorVehicle, Tracking):
         super().__init__(emqx, vin, vin, vin, True, SESSION_EXPIRY_S if persistent else 0, 60)
         self._init_tracking(spec)
         self.auto_ack = False  # the driver thread acks after a short "processing" time
-        self.unacked: list[tuple[Any, Received]] = []
-        self.acks: list[tuple[pb.Message, float]] = []
-        self.max_unacked = 0
-
-    @property
-    def connected(self) -> bool:
-        return self.is_connected
-
-    def ack_held(self) -> int:
-        return self.ack_pending()
-
-    # Both run on FakeEmqx's worker thread for this clientid, in order with every other hook job.
-    def _job_message(self, conn: Any, topic: str, payload: bytes, mid: int, qos: int, dup: bool, t: float) -> None:
-        before = len(self._pending)
-        super()._job_message(conn, topic, payload, mid, qos, dup, t)
-        if len(self._pending) > before:  # queued for our PUBACK
-            self.unacked.append((conn, self.received[-1]))
-            self.max_unacked = max(self.max_unacked, sum(1 for c, _ in self.unacked if c is conn))
-        self.wake.set()
-
-    def _ack(self, conn: Any, mid: int, qos: int, msg: pb.Message) -> bool:
-        t = time.time()
-        done = super()._ack(conn, mid, qos, msg)
-        if done:
-            self.acks.append((msg, t))
-            for i, (c, r) in enumerate(self.unacked):
-                if c is conn and (r.topic, r.payload) == (msg.topic, msg.payload):
-                    del self.unacked[i]
-                    break
-        return done
 
 
 class MqttVehicle(Vehicle, Tracking):
@@ -113,7 +83,6 @@ class MqttVehicle(Vehicle, Tracking):
         persistent = spec["role"] == "resume"
         super().__init__(mqtt_port, spec["vin"], auto_ack=False, session_expiry_s=SESSION_EXPIRY_S if persistent else 0)
         self._init_tracking(spec)
-        self.on_delivery = lambda _d: self.wake.set()
 
 
 DemoVehicle = SimVehicle | MqttVehicle

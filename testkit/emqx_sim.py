@@ -2,8 +2,9 @@
 
 EMQX cannot run here, so tests split its two jobs:
 
-* a real **mosquitto** broker (`Mosquitto`) carries every MQTT packet: vehicles are real paho
-  clients, and the server under test publishes its deliveries to mosquitto with its own paho client;
+* a real **mosquitto** broker (`Mosquitto`) carries every MQTT packet: vehicles are
+  testkit/vehicle.py's MQTT 5 clients, and the server under test publishes its deliveries to
+  mosquitto with its own client;
 * a **driver** (`FakeEmqx` / `Vehicle`) calls the server's HookProvider RPCs at the moments, in the
   order and with the field values EMQX 5 would (docs/exhook-interface.md §1, §4 and the orders
   observed on real EMQX brokers in §6), deriving what it can from what mosquitto really did
@@ -16,8 +17,9 @@ What is EMQX-like on purpose:
   never sent). Before `load()` (or after `unload()`) no hook is called at all.
 * Hooks of one clientid run one after another, in the order their causes happened (EMQX runs
   them in the client's channel process); different clientids run in parallel. A client's hook jobs
-  form a lane run by whichever thread finds it idle (the vehicle's paho thread for what mosquitto
-  did, the test's thread for what the test did), so a message costs no thread hand-off.
+  form a lane run by whichever thread finds it idle (a channel thread for what mosquitto did, as
+  the MQTT loop every vehicle shares must not wait on an RPC; the test's thread for what the test
+  did).
   Takeover/discard hooks of an old connection run in the new connection's lane, so their order is
   exact.
 * RPCs go over a pool of `pool_size` (8, EMQX's default) channels, each its own TCP connection,
@@ -27,13 +29,13 @@ What is EMQX-like on purpose:
   that call and is left for the others (testkit/exhook_pool.py).
 * A failed RPC does not stop the MQTT side (EMQX logs it and goes on): it is stored in
   `FakeEmqx.rpc_errors`, and `close()` fails the test for it unless `strict_rpc=False`.
-* Everything the harness itself gets wrong (an exception in a paho callback or in a hook job, or a
+* Everything the harness itself gets wrong (an exception in an MQTT callback or in a hook job, or a
   server answer the simulation cannot honour) goes to `FakeEmqx.errors`; `check()` / `close()`
   raise it in the test.
 
 Known gaps (mosquitto cannot tell us, or EMQX behaviour we do not model):
 
-* Connections the driver does not own (the server's own delivery client, raw paho clients of a
+* Connections the driver does not own (the server's own delivery client, raw MQTT clients of a
   test) get no client/session hooks, and their subscriptions are unknown, so `message.dropped`
   ("no_subscribers") only looks at the vehicles' subscriptions.
 * `message.publish` for a delivery published by the server is called when the vehicle first
@@ -49,6 +51,7 @@ Known gaps (mosquitto cannot tell us, or EMQX behaviour we do not model):
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import copy
@@ -58,7 +61,6 @@ import itertools
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -71,20 +73,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, NamedTuple
+from typing import IO, Any, NamedTuple, TypeVar
 
 import grpc
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-from paho.mqtt.reasoncodes import ReasonCode
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from exhook_server._proto import exhook_v3_pb2 as pb
+from testkit import mqtt, vehicle
 from testkit.exhook_pool import ExHookPool, Routing, accepts_tcp
 from testkit.harness import ExHookClient, poll
+from testkit.mqtt import TIMEOUT_S, run
 
+T = TypeVar("T")
 MOSQUITTO_BIN = "/usr/sbin/mosquitto"
 LOOPBACK = "127.0.0.1"
 
@@ -159,24 +158,6 @@ def free_ports(n: int) -> list[int]:
                 continue  # taken (or in TIME_WAIT): another
             ports.append(port)
         raise OSError(f"no {n} free ports on {LOOPBACK} in [{low}, {high})")
-
-
-#: select()'s limit: paho's network loop watches its sockets with select.select, which refuses a file
-#: descriptor at or above it (ValueError, taken by paho as a lost connection, with no on_disconnect).
-FD_SETSIZE = 1024
-
-
-def release_paho(client: mqtt.Client) -> None:
-    """Close what a stopped paho client still holds: its socket and its wake-up socket pair.
-
-    paho closes the pair only in `__del__`, and a client sits in reference cycles (its callbacks
-    close over the connection that holds it), so the pair stayed open until a cyclic garbage
-    collection: 2 descriptors per connection ever made, thousands over a full test run. New
-    sockets then got numbers of FD_SETSIZE and above, which paho's select() cannot watch: the
-    CONNACK was never read and the vehicle waited its whole connect timeout (in the multi-instance
-    file, whichever test's fleet crossed 1024: the orphaned-batch test in full-suite runs, the
-    SIGSTOP test at the file's end every time)."""
-    client._reset_sockets()  # paho's own closing (socket and pair); it has no public one
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
@@ -335,13 +316,17 @@ def running_mosquitto(tmp_dir: Path, **kwargs: Any) -> Iterator[Mosquitto]:
 
 
 class Received(NamedTuple):
-    """One PUBLISH a vehicle received (recorded once its delivered/acked hooks ran); `time` is
-    when paho read it (time.time())."""
+    """One PUBLISH a vehicle received (recorded once its delivered/acked hooks ran); `mid` is its
+    packet id, `time` when it was read (time.time())."""
 
     topic: str
     payload: bytes
     mid: int
     time: float
+
+    @property
+    def request_id(self) -> str:
+        return self.topic.rsplit("/", 1)[-1]
 
 
 class Acked(NamedTuple):
@@ -376,24 +361,38 @@ class _Guid:
         return f"{time.time_ns() // 1000:016X}{self._npid:012X}{next(self._seq) & 0xFFFF:04X}"
 
 
-def _prop_name(paho_name: str) -> str:
-    """paho's `TopicAliasMaximum` -> EMQX's `Topic-Alias-Maximum`."""
-    return re.sub(r"(?<=[a-z])(?=[A-Z])", "-", paho_name)
+#: The properties a CONNACK may carry (MQTT 5 §3.2.2.3), by id, as EMQX names them.
+_CONNACK_PROPERTY = {
+    0x11: "Session-Expiry-Interval", 0x12: "Assigned-Client-Identifier", 0x13: "Server-Keep-Alive",
+    0x15: "Authentication-Method", 0x16: "Authentication-Data", 0x1A: "Response-Information",
+    0x1C: "Server-Reference", 0x1F: "Reason-String", 0x21: "Receive-Maximum", 0x22: "Topic-Alias-Maximum",
+    0x24: "Maximum-QoS", 0x25: "Retain-Available", 0x27: "Maximum-Packet-Size",
+    0x28: "Wildcard-Subscription-Available", 0x29: "Subscription-Identifier-Available",
+    0x2A: "Shared-Subscription-Available",
+}  # fmt: skip
+#: CONNACK reason codes of a refusal (MQTT 5 §3.2.2.2), as EMQX's result_code spells them.
+_REFUSED = {
+    0x80: "unspecified_error", 0x81: "malformed_packet", 0x82: "protocol_error",
+    0x83: "implementation_specific_error", 0x84: "unsupported_protocol_version",
+    0x85: "client_identifier_not_valid", 0x86: "bad_user_name_or_password", 0x87: "not_authorized",
+    0x88: "server_unavailable", 0x89: "server_busy", 0x8A: "banned", 0x8C: "bad_authentication_method",
+    0x90: "topic_name_invalid", 0x95: "packet_too_large", 0x97: "quota_exceeded", 0x99: "payload_format_invalid",
+    0x9A: "retain_not_supported", 0x9B: "qos_not_supported", 0x9C: "use_another_server", 0x9D: "server_moved",
+    0x9F: "connection_rate_exceeded",
+}  # fmt: skip
 
 
-def _props(properties: Properties | None) -> list[pb.Property]:
-    if properties is None:
-        return []
-    out = []
-    for name, value in properties.json().items():  # type: ignore[no-untyped-call]
-        if name == "UserProperty":
-            continue  # v3 puts them in user_props; our vehicles never send any
-        out.append(pb.Property(name=_prop_name(name), value=str(value).encode()))
-    return out
+def _props(properties: dict[int, Any]) -> list[pb.Property]:
+    """A CONNACK's properties as EMQX passes them (User-Property left out: it goes elsewhere in v3)."""
+    return [
+        pb.Property(name=_CONNACK_PROPERTY[pid], value=v if isinstance(v, bytes) else str(v).encode())
+        for pid, v in sorted(properties.items())
+        if pid in _CONNACK_PROPERTY
+    ]
 
 
-def _result_code(rc: ReasonCode) -> str:
-    return "success" if not rc.is_failure else re.sub(r"\W+", "_", rc.getName().strip().lower())
+def _result_code(rc: int) -> str:
+    return "success" if rc < 0x80 else _REFUSED.get(rc, f"reason_0x{rc:02x}")
 
 
 class Acker:
@@ -449,42 +448,66 @@ class _Lane:
         self.busy = False
 
 
-class _Conn:
-    """One MQTT connection of a vehicle = one EMQX channel (state: connecting/open/idle/gone)."""
+class _Sub:
+    """One SUBSCRIBE of a connection, until its SUBACK's hook job is queued."""
 
-    def __init__(self, vehicle: Vehicle, client: mqtt.Client, persistent: bool, expiry_s: int) -> None:
+    __slots__ = ("job", "opts", "suback", "topic")
+
+    def __init__(self, topic: str, opts: pb.SubOpts) -> None:
+        self.topic = topic
+        self.opts = opts
+        self.suback: asyncio.Future[list[int]]  # set on the loop, with the SUBSCRIBE sent
+        self.job: Future[None] | None = None
+
+
+class _Conn:
+    """One MQTT connection of a vehicle whose CONNACK came = one EMQX channel (state:
+    connecting/open/idle/gone)."""
+
+    def __init__(self, vehicle: Vehicle, link: mqtt.Connection) -> None:
         self.vehicle = vehicle
-        self.client = client
-        self.persistent = persistent
-        self.expiry_s = expiry_s
-        self.state = "connecting"  # changed only by jobs on the clientid's worker (and broker_lost)
-        self.connack = threading.Event()
-        self.closed = threading.Event()  # the TCP connection is gone (paho on_disconnect)
+        self.link = link
+        self.persistent = vehicle.persistent
+        self.expiry_s = vehicle.session_expiry_s
+        self.state = "connecting"  # changed only by jobs in the clientid's lane (and broker_lost)
         self.dropping = False  # we are tearing the socket down: no more PUBACKs
-        self.session_present = False
-        self.reason_code: ReasonCode | None = None
-        self.connack_props: Properties | None = None
-        self.connect_job: Future[None] | None = None
-        self.disconnect_rc: ReasonCode | None = None
-        self.peerport = 0
-        self.conninfo = pb.ConnInfo()
-        self.clientinfo = pb.ClientInfo()
+        self.session_present, self.reason_code = link.connack.result()
+        self.connack_props = _props(link.connack_props)
+        sockname = link.transport.get_extra_info("sockname") if link.transport is not None else None
+        self.peerport = int(sockname[1]) if sockname else 0
+        node, port, clientid, username = vehicle.emqx.node, vehicle.emqx.mqtt_port, vehicle.clientid, vehicle.username
+        self.conninfo = pb.ConnInfo(
+            node=node,
+            clientid=clientid,
+            username=username,
+            peerhost=LOOPBACK,
+            sockport=port,
+            proto_name="MQTT",
+            proto_ver="5",
+            keepalive=vehicle.keepalive,
+            peerport=self.peerport,
+        )
+        self.clientinfo = pb.ClientInfo(
+            node=node,
+            clientid=clientid,
+            username=username,
+            peerhost=LOOPBACK,
+            sockport=port,
+            protocol="mqtt",
+            mountpoint="",
+            anonymous=True,
+            peerport=self.peerport,
+        )
         self.subscriptions: dict[str, pb.SubOpts] = {}
         self.expiry_timer: threading.Timer | None = None
-        self.lock = threading.Lock()  # orders subscribe() bookkeeping vs on_subscribe
-        self.pending_subs: dict[int, tuple[str, pb.SubOpts]] = {}
-        self.sub_jobs: dict[int, Future[None]] = {}
+        self.lock = threading.Lock()  # orders subscribe() bookkeeping vs the SUBACK's job
+        self.subs: list[_Sub] = []
+        self.connect_job: Future[None] | None = None
 
-    def stop_loop(self, timeout_s: float) -> None:
-        """Stop paho's thread; if the socket is still open, close it (no DISCONNECT, no hooks)."""
-        if not self.closed.is_set():
-            sock = self.client.socket()
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
-            self.closed.wait(timeout_s)
-        self.client.loop_stop()
-        release_paho(self.client)
+    @property
+    def closed(self) -> bool:
+        """The TCP connection is gone."""
+        return self.link.is_closed
 
 
 class FakeEmqx:
@@ -749,18 +772,19 @@ class FakeEmqx:
                 lane = self._lanes[clientid] = _Lane()
             return lane
 
-    def _submit(self, clientid: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    def _submit(self, clientid: str, fn: Callable[..., Any], *args: Any, elsewhere: bool = False) -> Future[Any]:
         """Run a hook job after the clientid's earlier ones; its outcome is the future's.
 
         If no earlier job is still running, the calling thread runs it (and whatever is queued
-        behind it meanwhile) before returning; else it is queued for the thread running them."""
+        behind it meanwhile) before returning, or with `elsewhere` a channel thread does (what
+        the MQTT loop hands over: it never blocks); else it is queued for the thread running them."""
         fut: Future[Any] = Future()
-        self._enqueue(clientid, fut, fn, args)
+        self._enqueue(clientid, fut, fn, args, self._channel_threads if elsewhere else None)
         return fut
 
-    def _post(self, clientid: str, fn: Callable[..., Any], *args: Any) -> None:
+    def _post(self, clientid: str, fn: Callable[..., Any], *args: Any, elsewhere: bool = False) -> None:
         """`_submit` for a job nobody waits for (one per delivered message): a failure goes to errors."""
-        self._enqueue(clientid, None, fn, args)
+        self._enqueue(clientid, None, fn, args, self._channel_threads if elsewhere else None)
 
     def _enqueue(
         self,
@@ -783,7 +807,7 @@ class FakeEmqx:
             return
         try:
             elsewhere.submit(self._run_lane, lane)
-        except RuntimeError:  # shut down (closing): run it here
+        except RuntimeError:  # shut down (closed): here, where it only cancels what is queued
             self._run_lane(lane)
 
     def _run_lane(self, lane: _Lane) -> None:
@@ -946,12 +970,20 @@ class FakeEmqx:
         self.close(check=exc_type is None)
 
 
-class Vehicle:
-    """A real paho-mqtt 2 client (MQTT 5, manual acks) whose hooks FakeEmqx calls as EMQX would.
+class Vehicle(vehicle.Vehicle):
+    """testkit/vehicle.py's vehicle (its connections on the process's one MQTT loop) whose hooks
+    FakeEmqx calls as EMQX would: what mosquitto did (CONNACK, SUBACK, each PUBLISH) becomes a job
+    of its clientid's lane, run on a channel thread (never on the loop, which every vehicle shares);
+    what the test does (subscribe, publish, PUBACK, disconnect, drop) runs in the same lane.
 
     `persistent` follows MQTT 5: the session outlives the connection iff session_expiry_s > 0.
-    Each connect is a new TCP connection (a new paho client), so `peerport` changes.
+    Each connect is a new TCP connection, the previous one left open (mosquitto takes it over),
+    so `peerport` changes. `received` holds each PUBLISH once its delivered/acked hooks ran;
+    `unacked`, `acks` and `on_delivery` keep testkit/vehicle.py's meaning.
     """
+
+    received: list[Received]  # type: ignore[assignment]
+    acks: list[tuple[Received, float]]  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -963,30 +995,34 @@ class Vehicle:
         session_expiry_s: int,
         keepalive: int = 60,
     ) -> None:
+        super().__init__(
+            emqx.mqtt_port,
+            vin,
+            clientid=clientid,
+            username=username,
+            session_expiry_s=session_expiry_s,
+            request_prefix=emqx.request_prefix,
+            keepalive_s=keepalive,
+        )
         self.emqx = emqx
-        self.vin = vin
-        self.clientid = clientid
-        self.username = username
         self.clean_start = clean_start
-        self.session_expiry_s = session_expiry_s
         self.keepalive = keepalive
-        self.auto_ack = True
         #: With auto_ack, hold each PUBACK back this long (a slow vehicle: a second delivery sent
         #: before the PUBACK would then show in `received` before its `pubacks` entry).
         self.ack_delay_s = 0.0
-        self.received: list[Received] = []
-        self.pubacks: list[Acked] = []
-        self._pending: list[tuple[_Conn, int, int, pb.Message]] = []
+        self._pending: list[tuple[_Conn, Received, pb.Message]] = []
         self._conns: list[_Conn] = []
         self._conn: _Conn | None = None
+        self._channels: dict[mqtt.Connection, _Conn] = {}
+        self._channels_lock = threading.Lock()
         self._last_subscriptions: dict[str, pb.SubOpts] = {}
 
     # -- views -------------------------------------------------------------------------------
 
     @property
-    def persistent(self) -> bool:
-        """Does the session outlive the connection (MQTT 5 Session-Expiry-Interval > 0)?"""
-        return self.session_expiry_s > 0
+    def pubacks(self) -> list[Acked]:
+        """Every PUBACK sent, in order (`acks` as Acked records)."""
+        return [Acked(r.topic, r.payload, r.mid, t) for r, t in list(self.acks)]
 
     @property
     def peerport(self) -> int:
@@ -996,7 +1032,7 @@ class Vehicle:
     @property
     def is_connected(self) -> bool:
         """True while the current MQTT connection is up."""
-        return self._conn is not None and self._conn.connack.is_set() and not self._conn.closed.is_set()
+        return self._conn is not None and not self._conn.closed
 
     def clientinfo(self) -> pb.ClientInfo:
         """The ClientInfo EMQX sends for the current connection (a copy)."""
@@ -1011,11 +1047,11 @@ class Vehicle:
 
     def _require_open(self) -> _Conn:
         conn = self._require_conn()
-        if conn.state != "open" or conn.closed.is_set():
+        if conn.state != "open" or conn.closed:
             raise RuntimeError(f"{self.clientid} is not connected (channel {conn.state})")
         return conn
 
-    # -- paho callbacks (paho's thread: never block, never raise) ------------------------------
+    # -- what mosquitto did (on the loop: never block, never raise) ------------------------------
 
     def _guard(self, fn: Callable[[], None]) -> None:
         try:
@@ -1024,63 +1060,50 @@ class Vehicle:
             if not self.emqx._closed:
                 self.emqx.errors.append(exc)
 
-    def _on_connect(self, conn: _Conn, flags: Any, reason_code: ReasonCode, properties: Properties | None) -> None:
+    def _channel(self, link: mqtt.Connection) -> _Conn:
+        """The channel of a connection whose CONNACK came; made (and its connect job queued) by
+        whichever comes first: the connect call, or a PUBLISH right behind the CONNACK."""
+        with self._channels_lock:
+            conn = self._channels.get(link)
+            if conn is None:
+                conn = self._channels[link] = _Conn(self, link)
+                self._conns.append(conn)
+                conn.connect_job = self.emqx._submit(self.clientid, self._job_connected, conn, elsewhere=True)
+            return conn
+
+    def _subacked(self, conn: _Conn) -> None:
+        """Queue the subscribe jobs of the SUBACKs that came, in order, before any later PUBLISH."""
+        with conn.lock:
+            while conn.subs and conn.subs[0].suback.done():
+                sub = conn.subs.pop(0)
+                if sub.suback.cancelled() or sub.suback.exception() is not None:
+                    continue  # the connection went: no SUBACK, no hook
+                codes = sub.suback.result()
+                sub.job = self.emqx._submit(
+                    self.clientid, self._job_subscribed, conn, sub.topic, sub.opts, codes, elsewhere=True
+                )
+
+    def _on_message(self, link: mqtt.Connection, m: mqtt.Message) -> None:
         def run() -> None:
-            conn.session_present = bool(flags.session_present)
-            conn.reason_code = reason_code
-            conn.connack_props = properties
-            try:
-                conn.connect_job = self.emqx._submit(self.clientid, self._job_connected, conn)
-            finally:
-                conn.connack.set()
+            conn = self._channel(link)
+            self._subacked(conn)
+            self.emqx._post(self.clientid, self._job_message, conn, m, elsewhere=True)
 
         self._guard(run)
 
-    def _on_disconnect(self, conn: _Conn, reason_code: ReasonCode) -> None:
-        conn.disconnect_rc = reason_code
-        conn.closed.set()
-
-    def _on_subscribe(self, conn: _Conn, mid: int, reason_codes: list[ReasonCode]) -> None:
-        def run() -> None:
-            with conn.lock:
-                topic, opts = conn.pending_subs.pop(mid)
-            # Outside the lock: the job may run right here, in paho's thread.
-            conn.sub_jobs[mid] = self.emqx._submit(
-                self.clientid, self._job_subscribed, conn, topic, opts, list(reason_codes)
-            )
-
-        self._guard(run)
-
-    def _on_message(self, conn: _Conn, message: mqtt.MQTTMessage) -> None:
-        def run() -> None:
-            self.emqx._post(
-                self.clientid,
-                self._job_message,
-                conn,
-                message.topic,
-                bytes(message.payload),
-                message.mid,
-                message.qos,
-                bool(message.dup),
-                time.time(),
-            )
-
-        self._guard(run)
-
-    # -- hook jobs (the clientid's worker thread) ------------------------------------------------
+    # -- hook jobs (the clientid's lane) ---------------------------------------------------------
 
     def _job_connected(self, conn: _Conn) -> None:
         emqx = self.emqx
-        assert conn.reason_code is not None
         props = []
-        if self.session_expiry_s > 0:
-            props.append(pb.Property(name="Session-Expiry-Interval", value=str(self.session_expiry_s).encode()))
+        if conn.expiry_s > 0:
+            props.append(pb.Property(name="Session-Expiry-Interval", value=str(conn.expiry_s).encode()))
         emqx._call("client.connect", pb.ClientConnectRequest(conninfo=conn.conninfo, props=props))
-        if conn.reason_code.is_failure:
+        if conn.reason_code >= 0x80:
             emqx._call(
                 "client.connack",
                 pb.ClientConnackRequest(
-                    conninfo=conn.conninfo, result_code=_result_code(conn.reason_code), props=_props(conn.connack_props)
+                    conninfo=conn.conninfo, result_code=_result_code(conn.reason_code), props=conn.connack_props
                 ),
             )
             conn.state = "gone"
@@ -1102,7 +1125,7 @@ class Vehicle:
         emqx._call("client.connected", pb.ClientConnectedRequest(clientinfo=conn.clientinfo))
         emqx._call(
             "client.connack",
-            pb.ClientConnackRequest(conninfo=conn.conninfo, result_code="success", props=_props(conn.connack_props)),
+            pb.ClientConnackRequest(conninfo=conn.conninfo, result_code="success", props=conn.connack_props),
         )
 
     def _end_old(self, old: _Conn, reason: str) -> None:
@@ -1115,8 +1138,8 @@ class Vehicle:
         emqx._unregister(old)
         old.vehicle._pending = [p for p in old.vehicle._pending if p[0] is not old]
 
-    def _job_subscribed(self, conn: _Conn, topic: str, opts: pb.SubOpts, reason_codes: list[ReasonCode]) -> None:
-        if any(rc.is_failure for rc in reason_codes):
+    def _job_subscribed(self, conn: _Conn, topic: str, opts: pb.SubOpts, reason_codes: list[int]) -> None:
+        if any(rc >= 0x80 for rc in reason_codes):
             raise SimulationError(f"SUBACK for {topic} refused: {reason_codes}")
         if conn.state != "open":
             return
@@ -1129,49 +1152,70 @@ class Vehicle:
         conn.subscriptions[topic] = opts
         self._last_subscriptions[topic] = opts
 
-    def _job_message(self, conn: _Conn, topic: str, payload: bytes, mid: int, qos: int, dup: bool, t: float) -> None:
+    def _job_message(self, conn: _Conn, m: mqtt.Message) -> None:
         emqx = self.emqx
+        got = Received(m.topic, m.payload, m.pid, m.time)
         alive = conn.state == "open"
-        msg = emqx._delivery_message(self.clientid, topic, payload, qos, dup) if alive else None
+        msg = emqx._delivery_message(self.clientid, m.topic, m.payload, m.qos, m.dup) if alive else None
         if msg is not None:
-            emqx._call("message.delivered", pb.MessageDeliveredRequest(clientinfo=conn.clientinfo, message=msg), topic)
-            if qos > 0:
+            emqx._call(
+                "message.delivered", pb.MessageDeliveredRequest(clientinfo=conn.clientinfo, message=msg), m.topic
+            )
+            if m.qos > 0:
+                self.unacked.append((conn.link, got))
+                self.max_unacked = max(self.max_unacked, sum(1 for link, _ in self.unacked if link is conn.link))
                 if self.auto_ack and self.ack_delay_s > 0:
-                    emqx._later(self.ack_delay_s, self.clientid, self._ack, conn, mid, qos, msg)
+                    emqx._later(self.ack_delay_s, self.clientid, self._puback, conn, got, msg)
                 elif self.auto_ack:
-                    self._ack(conn, mid, qos, msg)
+                    self._puback(conn, got, msg)
                 else:
-                    self._pending.append((conn, mid, qos, msg))
-        self.received.append(Received(topic, payload, mid, t))
+                    self._pending.append((conn, got, msg))
+        self.received.append(got)
+        if self.on_delivery is not None:
+            self.on_delivery(got)  # type: ignore[arg-type]
 
-    def _ack(self, conn: _Conn, mid: int, qos: int, msg: pb.Message) -> bool:
+    def _puback(self, conn: _Conn, got: Received, msg: pb.Message) -> bool:
         """PUBACK, then message.acked, as EMQX calls it when the PUBACK arrives."""
-        if conn.dropping or conn.closed.is_set() or conn.state != "open":
+        if conn.dropping or conn.closed or conn.state != "open":
             return False
         t = time.time()
-        if conn.client.ack(mid, qos) != MQTTErrorCode.MQTT_ERR_SUCCESS:
+        if not run(_on_loop(conn.link.puback, got.mid), TIMEOUT_S):
             return False
-        self.pubacks.append(Acked(msg.topic, msg.payload, mid, t))
+        with contextlib.suppress(ValueError):
+            self.unacked.remove((conn.link, got))
+        self.acks.append((got, t))
         self.emqx._call("message.acked", pb.MessageAckedRequest(clientinfo=conn.clientinfo, message=msg), msg.topic)
         self.emqx._acked(self.clientid, msg.topic, msg.payload)
         return True
 
     def _job_ack_pending(self) -> int:
         pending, self._pending = self._pending, []
-        return sum(self._ack(conn, mid, qos, msg) for conn, mid, qos, msg in pending)
+        return sum(self._puback(conn, got, msg) for conn, got, msg in pending)
+
+    def _publish_now(
+        self, conn: _Conn, topic: str, payload: bytes, qos: int
+    ) -> tuple[pb.ValuedResponse | None, bool | None]:
+        """message.publish, then (if allowed) the message it leaves, sent on the vehicle's
+        connection, and message.dropped if nobody subscribes: the server's answer, and whether the
+        message went out (None: not allowed). Runs in the clientid's lane."""
+        emqx = self.emqx
+        headers = {"username": self.username, "protocol": "mqtt", "peerhost": LOOPBACK}
+        resp, routed, allowed = emqx._run_publish(emqx.new_message(topic, payload, qos, self.clientid, headers))
+        if not allowed:
+            return resp, None
+        try:
+            run(_on_loop(conn.link.publish, routed.topic, routed.payload, routed.qos), TIMEOUT_S)
+        except mqtt.MqttError:
+            return resp, False
+        emqx._dropped_if_unrouted(routed)
+        return resp, True
 
     def _job_publish(self, conn: _Conn, topic: str, payload: bytes, qos: int) -> pb.ValuedResponse | None:
         if conn.state != "open":
             raise RuntimeError(f"{self.clientid} is not connected")
-        emqx = self.emqx
-        headers = {"username": self.username, "protocol": "mqtt", "peerhost": LOOPBACK}
-        msg = emqx.new_message(topic, payload, qos, self.clientid, headers)
-        resp, routed, allowed = emqx._run_publish(msg)
-        if allowed:
-            info = conn.client.publish(routed.topic, routed.payload, qos=routed.qos)
-            if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-                raise SimulationError(f"publish on {routed.topic} failed: {info.rc}")
-            emqx._dropped_if_unrouted(routed)
+        resp, sent = self._publish_now(conn, topic, payload, qos)
+        if sent is False:
+            raise SimulationError(f"publish on {topic} failed: {self.clientid} is not connected")
         return resp
 
     def _job_closed(self, conn: _Conn, reason: str) -> None:
@@ -1209,104 +1253,84 @@ class Vehicle:
 
         self._guard(submit)
 
+    # -- on the loop ---------------------------------------------------------------------------
+
+    async def _aopen(self, timeout_s: float) -> mqtt.Connection:
+        """A new TCP connection and its CONNACK, the previous connection left as it is."""
+        loop = asyncio.get_running_loop()
+        username, keepalive_s, expiry_s = self.username, self.keepalive_s, self.session_expiry_s
+        _, link = await loop.create_connection(
+            lambda: mqtt.Connection(self.clientid, username, self.clean_start, keepalive_s, expiry_s, self._on_message),
+            LOOPBACK,
+            self.port,
+        )
+        try:
+            await asyncio.wait_for(asyncio.shield(link.connack), timeout_s)
+        except BaseException:
+            link.abort()
+            raise
+        self.conn = link
+        self.unacked.clear()  # as testkit/vehicle.py's: the deliveries of the last connection
+        return link
+
+    async def _aclose(
+        self, links: list[mqtt.Connection], close: Callable[[mqtt.Connection], None], timeout_s: float
+    ) -> bool:
+        """`close` each connection, then wait (bounded) until they are closed; were they?"""
+        for link in links:
+            close(link)
+        pending = [link.closed for link in links if not link.is_closed]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+        return all(link.is_closed for link in links)
+
     # -- test API ------------------------------------------------------------------------------
 
-    def connect(self, timeout_s: float = 10.0) -> None:
+    def connect(self, timeout_s: float = 10.0) -> None:  # type: ignore[override]
         """New TCP connection + CONNECT; after CONNACK the hooks run in EMQX's order (§7):
         connect → [resumed → old disconnected(takenover) → old takenover | old disconnected(discarded)
         → old discarded → created] → connected → connack("success")."""
-        client = mqtt.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=self.clientid,
-            protocol=mqtt.MQTTv5,
-            manual_ack=True,
-            reconnect_on_failure=False,
-        )
-        client.username_pw_set(self.username)
-        conn = _Conn(self, client, self.persistent, self.session_expiry_s)
-        client.on_connect = lambda _c, _u, flags, rc, props: self._on_connect(conn, flags, rc, props)
-        client.on_disconnect = lambda _c, _u, _flags, rc, _props: self._on_disconnect(conn, rc)
-        client.on_subscribe = lambda _c, _u, mid, rcs, _props: self._on_subscribe(conn, mid, rcs)
-        client.on_message = lambda _c, _u, message: self._on_message(conn, message)
-        props = None
-        if self.session_expiry_s > 0:
-            props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-            props.SessionExpiryInterval = self.session_expiry_s
-        client.connect(
-            LOOPBACK, self.emqx.mqtt_port, keepalive=self.keepalive, clean_start=self.clean_start, properties=props
-        )
-        sock = client.socket()
-        assert sock is not None
-        if sock.fileno() >= FD_SETSIZE:  # fail now, not after the connect timeout
-            release_paho(client)
-            raise RuntimeError(
-                f"{self.clientid}: socket fd {sock.fileno()} >= FD_SETSIZE: paho's select() cannot watch it "
-                f"({len(os.listdir('/proc/self/fd'))} descriptors open in this process)"
-            )
-        conn.peerport = int(sock.getsockname()[1])  # type: ignore[attr-defined]
-        node, port = self.emqx.node, self.emqx.mqtt_port
-        conn.conninfo = pb.ConnInfo(
-            node=node,
-            clientid=self.clientid,
-            username=self.username,
-            peerhost=LOOPBACK,
-            sockport=port,
-            proto_name="MQTT",
-            proto_ver="5",
-            keepalive=self.keepalive,
-            peerport=conn.peerport,
-        )
-        conn.clientinfo = pb.ClientInfo(
-            node=node,
-            clientid=self.clientid,
-            username=self.username,
-            peerhost=LOOPBACK,
-            sockport=port,
-            protocol="mqtt",
-            mountpoint="",
-            anonymous=True,
-            peerport=conn.peerport,
-        )
-        previous, self._conn = self._conn, conn
-        self._conns.append(conn)
-        client.loop_start()
-        poll(lambda: conn.connack.is_set() or self._closed_early(conn), timeout_s=timeout_s)
-        if not conn.connack.is_set():
-            raise RuntimeError(f"{self.clientid}: connection closed before CONNACK ({conn.disconnect_rc})")
+        try:
+            link = run(self._aopen(timeout_s), timeout_s + 1)
+        except (OSError, mqtt.MqttError) as exc:
+            raise RuntimeError(f"{self.clientid}: connection closed before CONNACK ({exc})") from exc
+        conn = self._channel(link)
+        self._conn = conn
         assert conn.connect_job is not None
         self.emqx._wait(conn.connect_job)
-        if conn.reason_code is not None and conn.reason_code.is_failure:
-            raise RuntimeError(f"{self.clientid}: CONNACK {conn.reason_code}")
-        if previous is not None and previous is not conn:
-            previous.stop_loop(timeout_s)  # mosquitto kicked it (takeover); just reap paho's thread
+        if conn.reason_code >= 0x80:
+            run(self._aclose([link], mqtt.Connection.abort, timeout_s), timeout_s + 1)
+            raise RuntimeError(f"{self.clientid}: CONNACK {_result_code(conn.reason_code)}")
 
-    @staticmethod
-    def _closed_early(conn: _Conn) -> bool:
-        return conn.closed.is_set()
-
-    def reconnect(self, clean_start: bool, session_expiry_s: int | None = None, timeout_s: float = 10.0) -> None:
+    def reconnect(  # type: ignore[override]
+        self, clean_start: bool, session_expiry_s: int | None = None, timeout_s: float = 10.0
+    ) -> None:
         """Connect again on a new TCP connection (resume or discard order, as mosquitto's CONNACK says)."""
         self.clean_start = clean_start
         if session_expiry_s is not None:
             self.session_expiry_s = session_expiry_s
         self.connect(timeout_s)
 
-    def subscribe(self, topic: str | None = None, qos: int = 1, timeout_s: float = 10.0) -> None:
+    def subscribe(self, topic: str | None = None, qos: int = 1, timeout_s: float = 10.0) -> None:  # type: ignore[override]
         """SUBSCRIBE (default `<request_prefix>/+`, QoS 1); after SUBACK: client.subscribe → session.subscribed."""
         conn = self._require_open()
-        topic = topic or self.emqx.request_filter(self.vin)
-        opts = pb.SubOpts(qos=qos)
-        with conn.lock:
-            rc, mid = conn.client.subscribe(topic, options=SubscribeOptions(qos=qos))
-            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
-                raise RuntimeError(f"subscribe failed: {rc}")
-            conn.pending_subs[mid] = (topic, opts)
-        poll(lambda: mid in conn.sub_jobs or conn.closed.is_set(), timeout_s=timeout_s)
-        if mid not in conn.sub_jobs:
-            raise RuntimeError(f"{self.clientid}: connection closed before SUBACK")
-        self.emqx._wait(conn.sub_jobs.pop(mid))
+        sub = _Sub(topic or self.request_filter, pb.SubOpts(qos=qos))
 
-    def heartbeat(self, kind: str = "online", payload: bytes = b"") -> pb.ValuedResponse | None:
+        async def subscribe() -> list[int]:
+            with conn.lock:
+                sub.suback = conn.link.subscribe([(sub.topic, qos)])
+                conn.subs.append(sub)
+            return await asyncio.wait_for(asyncio.shield(sub.suback), timeout_s)
+
+        try:
+            run(subscribe(), timeout_s + 1)
+        except (mqtt.MqttError, TimeoutError) as exc:
+            raise RuntimeError(f"{self.clientid}: connection closed before SUBACK ({exc})") from exc
+        self._subacked(conn)
+        assert sub.job is not None
+        self.emqx._wait(sub.job)
+
+    def heartbeat(self, kind: str = "online", payload: bytes = b"") -> pb.ValuedResponse | None:  # type: ignore[override]
         """`message.publish` for `ecp/<vin>/<kind>` (QoS 0), then the real publish if allowed.
 
         The published message is the one the server's answer leaves (topic/qos/payload rewrite,
@@ -1314,13 +1338,13 @@ class Vehicle:
         vehicle subscribes. Returns the server's answer (None if publish is not registered)."""
         return self.publish(f"ecp/{self.vin}/{kind}", payload, qos=0)
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1) -> pb.ValuedResponse | None:
+    def publish(self, topic: str, payload: bytes, qos: int = 1) -> pb.ValuedResponse | None:  # type: ignore[override]
         """The vehicle publishes: `message.publish` (if registered for the topic), then the real
         publish if allowed, then `message.dropped(no_subscribers)` if nobody subscribes."""
         conn = self._require_open()
         return self.emqx._wait(self.emqx._submit(self.clientid, self._job_publish, conn, topic, payload, qos))  # type: ignore[no-any-return]
 
-    def respond(self, request_id: str, payload: bytes, vin: str | None = None) -> pb.ValuedResponse | None:
+    def respond(self, request_id: str, payload: bytes, vin: str | None = None) -> pb.ValuedResponse | None:  # type: ignore[override]
         """The vehicle's answer to `request_id` on `agent/<vin>/proxy/response/<request_id>`
         (another `vin` plays a forged answer)."""
         return self.publish(f"agent/{vin or self.vin}/proxy/response/{request_id}", payload)
@@ -1329,8 +1353,7 @@ class Vehicle:
         """Clean DISCONNECT; then client.disconnected("normal") (+ session.terminated if not persistent)."""
         conn = self._require_open()
         conn.dropping = True
-        conn.client.disconnect()
-        self._finish_close(conn, "normal", timeout_s)
+        self._finish_close(conn, mqtt.Connection.disconnect, "normal", timeout_s)
 
     def drop(self, timeout_s: float = 10.0) -> None:
         """Abrupt close (TCP FIN, no DISCONNECT); then client.disconnected("tcp_closed") (+ terminated).
@@ -1338,24 +1361,27 @@ class Vehicle:
         Waits until mosquitto closed its side too, i.e. it has noticed the loss."""
         conn = self._require_open()
         conn.dropping = True
-        sock = conn.client.socket()
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_WR)  # type: ignore[attr-defined]
-        self._finish_close(conn, "tcp_closed", timeout_s)
+        self._finish_close(conn, mqtt.Connection.half_close, "tcp_closed", timeout_s)
 
     def crash_before_ack(self, timeout_s: float = 10.0) -> None:
         """drop() while messages are still unacked: they stay in mosquitto's session for redelivery."""
         self.drop(timeout_s)
 
-    def _finish_close(self, conn: _Conn, reason: str, timeout_s: float) -> None:
-        poll(conn.closed.is_set, timeout_s=timeout_s)
-        conn.stop_loop(timeout_s)
+    def _finish_close(
+        self, conn: _Conn, close: Callable[[mqtt.Connection], None], reason: str, timeout_s: float
+    ) -> None:
+        if not run(self._aclose([conn.link], close, timeout_s), timeout_s + 1):
+            raise TimeoutError(f"{self.clientid}: mosquitto did not close the connection within {timeout_s} s")
+        run(self._aclose([conn.link], mqtt.Connection.abort, timeout_s), timeout_s + 1)
         self.emqx._wait(self.emqx._submit(self.clientid, self._job_closed, conn, reason))
 
     def ack_pending(self) -> int:
         """PUBACK every message held back with auto_ack=False (message.acked each); returns how many."""
         return self.emqx._wait(self.emqx._submit(self.clientid, self._job_ack_pending))  # type: ignore[no-any-return]
+
+    def ack_held(self) -> int:
+        """testkit/vehicle.py's name for ack_pending()."""
+        return self.ack_pending()
 
     def wait_for(self, n: int, timeout_s: float = 30.0) -> list[Received]:
         """Poll until n PUBLISHes were received (and their hooks ran); returns them all."""
@@ -1370,15 +1396,15 @@ class Vehicle:
     def wait_disconnected(self, timeout_s: float = 10.0) -> None:
         """Poll until the current connection is closed (e.g. kicked or broker stopped)."""
         conn = self._require_conn()
-        poll(conn.closed.is_set, timeout_s=timeout_s)
+        poll(lambda: conn.closed, timeout_s=timeout_s)
 
     def _lost(self, timeout_s: float) -> None:
         """The broker is gone: reap the connection; its channel ends without any hook."""
         conn = self._conn
         if conn is None or conn.state == "gone":
             return
-        poll(lambda: conn.closed.is_set() or not conn.connack.is_set(), timeout_s=timeout_s)
-        conn.stop_loop(timeout_s)
+        run(self._aclose([conn.link], lambda _link: None, timeout_s), timeout_s + 1)
+        run(self._aclose([conn.link], mqtt.Connection.abort, timeout_s), timeout_s + 1)
 
         def job() -> None:
             conn.state = "gone"
@@ -1389,14 +1415,24 @@ class Vehicle:
         self.emqx._wait(self.emqx._submit(self.clientid, job))
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop every paho loop of this vehicle and close its sockets (no DISCONNECT, no hooks)."""
-        for conn in self._conns:
+        """Close every connection of this vehicle at once (no DISCONNECT, no hooks), and wait
+        (bounded) until their sockets are closed."""
+        with self._channels_lock:
+            conns = list(self._conns)
+        for conn in conns:
             conn.dropping = True
-            conn.stop_loop(timeout_s)
+        links = [c.link for c in conns]
+        if self.conn is not None and self.conn not in links:
+            links.append(self.conn)  # its CONNACK never came
+        run(self._aclose(links, mqtt.Connection.abort, timeout_s), timeout_s + 1)
+
+
+async def _on_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the MQTT loop (a connection is driven only from there)."""
+    return fn(*args)
 
 
 __all__ = [
-    "FD_SETSIZE",
     "HOOK_RPC",
     "MESSAGE_HOOKS",
     "Acked",
@@ -1408,7 +1444,6 @@ __all__ = [
     "SimulationError",
     "Vehicle",
     "free_port",
-    "release_paho",
     "running_mosquitto",
     "topic_matches",
 ]

@@ -1,10 +1,10 @@
 """Fleet processes for tests and benches: a slice of the fleet, or the raw reference publisher.
 
-paho's select() loop caps one process at about 330 clients (the sim vehicles), so bench/e2e.py
-spreads the fleet over several of these. Roles:
+One process runs at most testkit/rig.py's MAX_PER_PROC vehicles (one GIL for their MQTT and hook
+calls), so bench/e2e.py spreads the fleet over several of these. Roles:
 
-* `sim`: vehicles driven by testkit/emqx_sim.py's FakeEmqx (real paho MQTT 5 clients on
-  mosquitto; the driver calls our ExHook RPCs as EMQX would: connect, subscribe,
+* `sim`: vehicles driven by testkit/emqx_sim.py's FakeEmqx (testkit/vehicle.py's MQTT 5
+  clients on mosquitto; the driver calls our ExHook RPCs as EMQX would: connect, subscribe,
   and one `message.acked` per PUBACK), phase by phase, reporting every receive time; with
   `--expect k`, one shot: {"done": {vin: [topic, ...]}} once each vehicle got k messages.
 * `raw`: testkit/vehicle.py's vehicles (clientid `<clientid-prefix><VIN>`) on
@@ -199,7 +199,7 @@ class SimFleet(Fleet):
         return len(self.vehicles[vin].received)
 
     def entries(self, vin: str, start: int) -> list[tuple[str, float, float]]:
-        # Received.time is time.time() in paho's on_message, before any hook runs; it is appended
+        # Received.time is time.time() when the MQTT loop read it, before any hook runs; it is appended
         # once PUBACK and message.acked are done.
         got = self.vehicles[vin].received
         done = got.done  # type: ignore[attr-defined]
@@ -228,20 +228,15 @@ class SimFleet(Fleet):
         topic = f"{RESPONSE_PREFIX.replace('{VIN}', v.vin)}/{rid}"
         body = json.dumps({"request_id": rid, "result": "ok"})
         payload = (body + " " * max(0, self.response_bytes - len(body))).encode()
-        emqx = self.emqx
-        headers = {"username": v.username, "protocol": "mqtt", "peerhost": LOOPBACK}
-        msg = emqx.new_message(topic, payload, 1, v.clientid, headers)
-        resp, routed, allowed = emqx._run_publish(msg)  # message.publish, as for a heartbeat
+        resp, sent = v._publish_now(conn, topic, payload, 1)  # message.publish, as for a heartbeat
         if resp is None:
             self.answers["not_registered_or_failed"] += 1
         else:
             self.answers[pb.ValuedResponse.ResponsedType.Name(resp.type)] += 1
-        if allowed:
+        if sent is not None:
             self.answers["routed"] += 1
-            info = conn.client.publish(routed.topic, routed.payload, qos=routed.qos)
-            if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            if not sent:
                 self.answers["publish_failed"] += 1
-            emqx._dropped_if_unrouted(routed)
 
     def close(self) -> None:
         self.emqx.close(check=False)

@@ -116,6 +116,8 @@ class Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         #: (session present, CONNACK reason code)
         self.connack: asyncio.Future[tuple[bool, int]] = self.loop.create_future()
+        #: The CONNACK's properties, {id: value} (set before `connack` is done).
+        self.connack_props: dict[int, Any] = {}
         self.closed: asyncio.Future[None] = self.loop.create_future()
         #: Called for each PUBLISH received, from the first one on (a resumed session's come right
         #: behind the CONNACK); at QoS 1 PUBACK it with `puback(message.pid)`.
@@ -197,6 +199,7 @@ class Connection(asyncio.Protocol):
             _, pos = _properties(body, 2)
             self._resolve(struct.unpack_from("!H", body)[0], list(body[pos:]))
         elif t == CONNACK and not self.connack.done():
+            self.connack_props = _properties(body, 2)[0] if len(body) > 2 else {}
             self.connack.set_result((bool(body[0] & 1), body[1]))
         elif t == DISCONNECT:
             self.disconnect_reason = body[0] if body else 0

@@ -37,7 +37,7 @@ from testkit.plumbing import (
 )
 
 FLEET = [sys.executable, "-m", "testkit.fleet"]
-MAX_PER_PROC = 300  # paho's select() loop: about 330 clients per process
+MAX_PER_PROC = 300  # vehicles per fleet process: its one GIL carries their MQTT and hook calls
 #: Loopback only, and no clash with another server on the default metrics port.
 SERVER_ENV = {"SDV_FANOUT_METRICS_LISTEN": "127.0.0.1:0"}
 
