@@ -10,9 +10,11 @@ its delivery's later PUBACK or answer.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from exhook_server.dispatch.commands import Session
 from exhook_server.dispatch.worker import NOTHING_KEPT, Kept
@@ -20,6 +22,51 @@ from storage.lmdb.keys import FLAG_AWAIT_RESPONSE, FLAG_HIGH_PRIORITY, Row
 from storage.lmdb.outcomes import Outcome
 
 Pair = tuple[str, str, bytes]  # (VIN, request_id, sha1)
+
+K = TypeVar("K", bound=tuple[Any, ...])
+V = TypeVar("V")
+
+
+class ByRequest(dict[K, V]):
+    """A dict keyed by tuples whose second item is a request id, that also keeps its keys per
+    request id (in the dict's own order): `of(request_id)` reads one request's entries without a
+    walk over every other request's. Only item assignment, `del` and `pop` change it."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__()
+        self._of: dict[Hashable, dict[K, None]] = {}
+        for key, value in dict(*args).items():
+            self[key] = value
+
+    def __setitem__(self, key: K, value: V) -> None:
+        if key not in self:
+            self._of.setdefault(key[1], {})[key] = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: K) -> None:
+        super().__delitem__(key)
+        keys = self._of[key[1]]
+        del keys[key]
+        if not keys:
+            del self._of[key[1]]
+
+    def pop(self, key: K, *default: Any) -> Any:
+        if key in self:
+            value = self[key]
+            del self[key]
+            return value
+        if default:
+            return default[0]
+        raise KeyError(key)
+
+    def _refused(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("ByRequest changes only by item assignment, del and pop")
+
+    update = setdefault = popitem = clear = __ior__ = _refused  # type: ignore[assignment]
+
+    def of(self, request_id: str) -> Iterator[tuple[K, V]]:
+        """(key, value) of the request's entries, in the dict's order."""
+        return ((key, self[key]) for key in self._of.get(request_id, ()))
 
 
 def sha1(payload: bytes) -> bytes:
@@ -35,7 +82,7 @@ class Pending:
     expires_ms: int = 0
     flags: int = 0
 
-    @property
+    @functools.cached_property
     def sha1(self) -> bytes:
         return sha1(self.payload)
 
@@ -83,7 +130,7 @@ class CancelJob:
 class MemoryRows:
     """Pending rows per VIN, with the same ordering, visibility and conditional end as the store."""
 
-    rows: dict[tuple[str, str], Pending] = field(default_factory=dict)
+    rows: dict[tuple[str, str], Pending] = field(default_factory=ByRequest)
     #: The row timestamp source: each stored row is stamped later than every earlier one.
     clock: int = 0
     #: Acked rows whose end is not committed yet (committed by `commit_acks`): hidden from
@@ -94,7 +141,7 @@ class MemoryRows:
     #: Epoch ms now: rows at or past their expires_ms are never offered, and `expire_due` ends them.
     now_ms: Callable[[], int] = lambda: 0
     #: One record per pair that is not pending (as the store's `outcomes` table).
-    outcomes: dict[Pair, Ended] = field(default_factory=dict)
+    outcomes: dict[Pair, Ended] = field(default_factory=ByRequest)
     #: request_id → its cancel of every vehicle in progress.
     cancels: dict[str, CancelJob] = field(default_factory=dict)
     #: Request ids aborted under their campaign policy (the store's `aborts`): batches refused.

@@ -32,7 +32,7 @@ from storage.model import COUNT_NAMES, CancelChunk, Generation
 from storage.postgres import batches, expiry, migrate, policies
 from storage.postgres import reads as pg_reads
 from storage.postgres.errors import as_storage_error
-from tests.dispatch_fakes import AckCall, CancelJob, Ended, MemoryRows, Pair, Pending
+from tests.dispatch_fakes import AckCall, ByRequest, CancelJob, Ended, MemoryRows, Pair, Pending
 
 #: Workers (memory) or lanes (PostgreSQL): vehicles' events run on several at once.
 WORKERS = 4
@@ -232,12 +232,14 @@ class MemoryStore:
 
     async def outcome_counts(self, request_id: str) -> tuple[list[Generation], int]:
         counts: dict[bytes, dict[str, int]] = {}
-        for (_, rid), row in self.view.rows.items():
-            if rid == request_id:
-                counts.setdefault(row.sha1, dict.fromkeys(COUNT_NAMES, 0))["pending"] += 1
-        for (_, rid, digest), ended in self.view.outcomes.items():
-            if rid == request_id:
-                counts.setdefault(digest, dict.fromkeys(COUNT_NAMES, 0))[ended.outcome.label] += 1
+        rows, outcomes = self.view.rows, self.view.outcomes
+        assert isinstance(rows, ByRequest) and isinstance(outcomes, ByRequest)
+        ended = [(row.sha1, "pending") for _, row in rows.of(request_id)]
+        ended += [(digest, e.outcome.label) for (_, _, digest), e in outcomes.of(request_id)]
+        for digest, name in ended:
+            if digest not in counts:
+                counts[digest] = dict.fromkeys(COUNT_NAMES, 0)
+            counts[digest][name] += 1
         for c in counts.values():
             c["total"] = sum(c.values())
         return [Generation(request_id, digest, 0, 0, c) for digest, c in counts.items()], 0
