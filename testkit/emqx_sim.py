@@ -759,6 +759,18 @@ class FakeEmqx:
             self.vehicles.append(v)
         return v
 
+    def online(self, vins: Sequence[str], *, auto_ack: bool = True, **kw: Any) -> list[Vehicle]:
+        """New vehicles (`vehicle()`'s keywords), each connected and subscribed to its request
+        filter in turn; with auto_ack False they hold their PUBACKs until `ack_pending()`."""
+        out = []
+        for vin in vins:
+            v = self.vehicle(vin, **kw)
+            v.auto_ack = auto_ack
+            v.connect()
+            v.subscribe()
+            out.append(v)
+        return out
+
     def request_filter(self, vin: str) -> str:
         """The vehicle's request subscription, e.g. `agent/<vin>/proxy/request/+`."""
         return self.request_prefix.replace("{VIN}", vin) + "/+"

@@ -31,17 +31,6 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
         yield b
 
 
-def online(emqx: FakeEmqx, vins: list[str], *, auto_ack: bool) -> list[Vehicle]:
-    out = []
-    for vin in vins:
-        v = emqx.vehicle(vin)
-        v.auto_ack = auto_ack
-        v.connect()
-        v.subscribe()
-        out.append(v)
-    return out
-
-
 def got(cars: list[Vehicle], rid: str) -> int:
     return sum(1 for v in cars for r in v.received if r.topic.endswith("/" + rid))
 
@@ -69,7 +58,7 @@ def test_kill9_keeps_the_deliveries_out_under_max_in_flight(
         policy = json.dumps({"request_id": CAPPED, "max_in_flight": CAP}).encode()
         assert emqx.publish("$SDV-FANOUT/policy", policy) is not None
         poll(lambda: srv.logged("campaign_paced"), timeout_s=10)
-        holders = online(emqx, FIRST, auto_ack=False)  # they never PUBACK it
+        holders = emqx.online(FIRST, auto_ack=False)  # they never PUBACK it
         emqx.publish_batch(FIRST + LATER, CAPPED, b"fw")
         poll(lambda: got(holders, CAPPED) == CAP, timeout_s=20)
         if lmdb:  # the publishes are kept by a commit of their own, soon after
@@ -81,7 +70,7 @@ def test_kill9_keeps_the_deliveries_out_under_max_in_flight(
     emqx = FakeEmqx(again.port, broker.port, strict_rpc=False)
     try:
         emqx.load()
-        later = online(emqx, LATER, auto_ack=True)
+        later = emqx.online(LATER, auto_ack=True)
         emqx.publish_batch(LATER, WITNESS, b"cfg")
         poll(lambda: got(later, WITNESS) == len(LATER), timeout_s=20)
         assert got(later, CAPPED) == 0  # the 2 out before the kill still hold the cap

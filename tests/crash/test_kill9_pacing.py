@@ -34,16 +34,6 @@ def store_kind(request: pytest.FixtureRequest) -> str:
     return request.param  # type: ignore[no-any-return]
 
 
-def fleet(emqx: FakeEmqx) -> list[Vehicle]:
-    out = []
-    for vin in VINS:
-        v = emqx.vehicle(vin)
-        v.connect()
-        v.subscribe()
-        out.append(v)
-    return out
-
-
 def got(cars: list[Vehicle], rid: str) -> int:
     return sum(1 for v in cars for r in v.received if r.topic.endswith("/" + rid))
 
@@ -66,7 +56,7 @@ def test_kill9_mid_campaign_keeps_the_rate(
         assert emqx.publish("$SDV-FANOUT/policy", policy) is not None
         # Both processes follow it (the other one from its next reload, within policy_refresh_s).
         poll(lambda: sum(1 for e in srv.events() if e.get("event") == "campaign_paced") >= 2, timeout_s=10)
-        before = fleet(emqx)
+        before = emqx.online(VINS)
         emqx.publish_batch(VINS, PACED, b"fw")
         emqx.publish_batch(VINS, WITNESS_1, b"cfg")
         poll(lambda: got(before, WITNESS_1) == len(VINS), timeout_s=20)
@@ -78,7 +68,7 @@ def test_kill9_mid_campaign_keeps_the_rate(
     try:
         emqx = FakeEmqx(again.port, broker.port, strict_rpc=False)
         emqx.load()
-        after = fleet(emqx)
+        after = emqx.online(VINS)
         emqx.publish_batch(VINS, WITNESS_2, b"cfg2")
         poll(lambda: got(after, WITNESS_2) == len(VINS), timeout_s=20)
         assert got(after, PACED) == (1 if store_kind == "lmdb" else 0)

@@ -30,9 +30,7 @@ class Rig:
         return [r.topic.rsplit("/", 1)[1] for r in v.received]
 
     def online(self, vin: str, **kwargs: Any) -> Vehicle:
-        v = self.emqx.vehicle(vin, **kwargs)
-        v.connect()
-        v.subscribe()
+        [v] = self.emqx.online([vin], **kwargs)
         return v
 
 

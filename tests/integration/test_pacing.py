@@ -19,17 +19,6 @@ store_kind, clock, rig, policy = gates.store_kind, gates.clock, gates.rig, gates
 VINS = [f"VIN{n}" for n in range(6)]
 
 
-def fleet(rig: Rig, *, auto_ack: bool) -> list[Vehicle]:
-    out = []
-    for vin in VINS:
-        v = rig.emqx.vehicle(vin)
-        v.auto_ack = auto_ack
-        v.connect()
-        v.subscribe()
-        out.append(v)
-    return out
-
-
 def holding(fleet: list[Vehicle], rid: str) -> int:
     return sum(1 for v in fleet for r in v.received if r.topic.endswith("/" + rid))
 
@@ -41,7 +30,7 @@ def test_never_more_than_max_in_flight_out_and_a_freed_slot_goes_to_a_waiting_ve
     request (`request R` shows 2 in flight, 2 started); each PUBACK of it lets one more vehicle
     have it, never 3 out at once."""
     policy(rig, "task_cap_1", max_in_flight=2)
-    cars = fleet(rig, auto_ack=False)
+    cars = rig.emqx.online(VINS, auto_ack=False)
     rig.emqx.publish_batch(VINS, "task_cap_1", b"fw")
     poll(lambda: holding(cars, "task_cap_1") == 2)
     rig.emqx.publish_batch(VINS, "task_free_1", b"cfg")  # not capped: goes to the 4 with nothing out
@@ -63,7 +52,7 @@ def test_never_more_than_max_in_flight_out_and_a_freed_slot_goes_to_a_waiting_ve
 def test_max_per_minute_starts_the_rate_on_the_servers_clock(rig: Rig, clock: StepClock) -> None:
     """60 per minute: one at once, then one per second of the server's clock, to idle vehicles."""
     policy(rig, "task_rate_1", max_per_minute=60)
-    cars = fleet(rig, auto_ack=True)
+    cars = rig.emqx.online(VINS, auto_ack=True)
     rig.emqx.publish_batch(VINS, "task_rate_1", b"fw")
     poll(lambda: holding(cars, "task_rate_1") == 1)
     clock.advance(2)
