@@ -1,4 +1,4 @@
-"""End to end: the real server delivers through a real mosquitto to real paho vehicles,
+"""End to end: the real server delivers through a real mosquitto to real MQTT 5 vehicles (testkit/vehicle.py),
 while testkit/emqx_sim.py calls our hooks as EMQX would."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A delivery the broker refuses costs that row an attempt, never the other vehicles their link.
 
-Real mosquitto, real server, real paho vehicles (hooks played by testkit/emqx_sim.py). The
+Real mosquitto, real server, real MQTT 5 vehicles (hooks played by testkit/emqx_sim.py). The
 poison rows are written straight into LMDB, past ingest validation, as a row from an older
 release or a broker stricter than our rules would be.
 """

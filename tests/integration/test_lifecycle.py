@@ -1,6 +1,6 @@
 """Commands that behave (issue 13): cancel, expiry, bounded backlogs, attempt limits, answers.
 
-Real mosquitto, real server, real LMDB, real paho vehicles whose hooks the EMQX-faithful
+Real mosquitto, real server, real LMDB, real MQTT 5 vehicles whose hooks the EMQX-faithful
 simulator plays, and a platform subscribed to the status topic.
 """
 

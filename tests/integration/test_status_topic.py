@@ -1,6 +1,6 @@
 """The platform hears back: receipts, duplicates, rejections and progress on the status topic.
 
-Real mosquitto, real server, real paho vehicles (hooks played by testkit/emqx_sim.py), and a
+Real mosquitto, real server, real MQTT 5 vehicles (hooks played by testkit/emqx_sim.py), and a
 platform client subscribed to `$SDV-FANOUT/status/#` as a platform would be.
 """
 
