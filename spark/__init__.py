@@ -31,7 +31,7 @@ EXPORT_SCHEMAS = {
     "aliases": "data_id string, sha1 binary, ts_ms long",
     # sha1 as lower-case hex in the two tables below (rows and blobs keep the raw 20 bytes).
     "outcomes": "vin string, request_id string, sha1 string, outcome string, ended_ms long, stored_ms long, "
-    "attempts long, response binary, response_bytes long",
+    "attempts long, response binary, response_bytes long, sent_ms long",
     "generations": "request_id string, sha1 string, first_ms long, last_ms long, total long, pending long, "
     "delivered long, superseded long, cancelled long, expired long, failed long, responded long",
     # The policy and its abort as JSON text (storage/export_format.POLICIES_SCHEMA).

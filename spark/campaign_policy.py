@@ -3,8 +3,9 @@ achieved per minute against its policy's, the time its windows were open, and wh
 
 The rules are exhook_server/policy.py's (`Policy.rate_per_minute`, the windows), evaluated on the
 driver: policies are few (`max_policies`); the outcome records are only aggregated on the cluster.
-The export keeps no delivery start time: a `delivered` pair's PUBACK time (`ended_ms`) stands for
-its start, and pairs that ended otherwise (answered, failed, ...) are not in the achieved rate.
+Deliveries count by when they started (`sent_ms`, the pair's first publish: what max_per_minute
+limits), whatever their outcome; a pair without one (an export or record from before send times
+were kept) counts only when `delivered`, at its PUBACK time (`ended_ms`).
 An export without a `policies` table (older) has no policy section.
 """
 
@@ -124,12 +125,13 @@ def policy_section(
     aborts = {r["request_id"]: json.loads(r["aborted"]) for r in found if r["aborted"] is not None}
     spans = _spans(stored, manifest["snapshot_ms"])
     ids = spark.createDataFrame([(r,) for r in policies], "request_id string")
+    start = sf.coalesce(sf.col("sent_ms"), sf.when(sf.col("outcome") == "delivered", sf.col("ended_ms")))
     delivered = (
-        outcomes.where(sf.col("outcome") == "delivered")
-        .join(sf.broadcast(ids), "request_id")
-        .select("request_id", "ended_ms")
+        outcomes.join(sf.broadcast(ids), "request_id")
+        .select("request_id", start.alias("start_ms"))
+        .where(sf.col("start_ms").isNotNull())
     )
-    minute = sf.col("ended_ms") - sf.pmod(sf.col("ended_ms"), sf.lit(MINUTE_MS))
+    minute = sf.col("start_ms") - sf.pmod(sf.col("start_ms"), sf.lit(MINUTE_MS))
     per_minute: dict[str, dict[int, int]] = {}
     for row in delivered.groupBy("request_id", minute.alias("minute_ms")).count().collect():
         per_minute.setdefault(row["request_id"], {})[row["minute_ms"]] = row["count"]
@@ -176,7 +178,7 @@ def _spans(stored: Iterable[dict[str, Any]], snapshot_ms: int) -> dict[str, tupl
 def _in_windows(
     spark: SparkSession, delivered: DataFrame, intervals: dict[str, tuple[list[tuple[int, int]], bool]]
 ) -> dict[str, int]:
-    """Per request with windows: its deliveries inside one (a range join on the cluster)."""
+    """Per request with windows: its deliveries started inside one (a range join on the cluster)."""
     spans = [(rid, a, b) for rid, (found, _) in intervals.items() for a, b in found]
     if not spans:
         return {}
@@ -185,8 +187,8 @@ def _in_windows(
     joined = d.join(
         sf.broadcast(open_),
         (sf.col("d.request_id") == sf.col("w.request_id"))
-        & (sf.col("d.ended_ms") >= sf.col("w.open_ms"))
-        & (sf.col("d.ended_ms") < sf.col("w.close_ms")),
+        & (sf.col("d.start_ms") >= sf.col("w.open_ms"))
+        & (sf.col("d.start_ms") < sf.col("w.close_ms")),
     )
     return {r["request_id"]: r["count"] for r in joined.groupBy("d.request_id").count().collect()}
 

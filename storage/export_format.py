@@ -18,8 +18,8 @@ FORMAT = "sdv-fanout-export"
 #: and `await_response`, outcomes the `responded` outcome with `response` and `response_bytes`,
 #: generations the `responded` count. The jobs in spark/ read 1 and 2 (a column version 1 lacks
 #: reads as its "nothing" value: no expiry, no answer awaited, none responded). 3: rows gained
-#: `high_priority` (the batch's own flag; a policy's priority is in the policies table); the jobs
-#: read it as false from an older export.
+#: `high_priority` (the batch's own flag; a policy's priority is in the policies table), outcomes
+#: `sent_ms`; the jobs read an older export as one without high-priority rows or send times.
 FORMAT_VERSION = 3
 #: Rows per Parquet record batch: ~3 MB of Arrow memory per batch ...
 BATCH_ROWS = 65_536
@@ -50,6 +50,8 @@ ALIASES_SCHEMA = pa.schema([("data_id", pa.string()), ("sha1", pa.binary()), ("t
 #: show), outcome as its name (`delivered`, `superseded`, `cancelled`, `expired`, `failed`,
 #: `responded`). `response` is the answer of a `responded` pair as stored (its first
 #: max_response_bytes) and `response_bytes` its length; both null for every other outcome.
+#: `sent_ms`: when the pair's row was first published to the vehicle; null when it never was (or
+#: the store did not know: an outcome recorded before it kept send times).
 OUTCOMES_SCHEMA = pa.schema(
     [
         ("vin", pa.string()),
@@ -61,6 +63,7 @@ OUTCOMES_SCHEMA = pa.schema(
         ("attempts", pa.int64()),
         ("response", pa.binary()),
         ("response_bytes", pa.int64()),
+        ("sent_ms", pa.int64()),
     ]
 )
 #: One per generation (request_id, sha1): its first and last change and its counts, as stored.

@@ -147,14 +147,16 @@ def put_rows(
             replaced += 1
             old_sha1 = keys.row_sha1(old)
             if old_sha1 != sha1:
-                queue.forget_tries(txn, t, rkey, keys.row_awaits(old))
+                sent_ms = queue.forget_tries(txn, t, rkey, keys.row_awaits(old), old_sha1)
                 old_ts = keys.row_ts(old)
-                if cut is not None and old_ts <= cut:
-                    # A cancel in progress took it already (its walk had not come this far).
-                    outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.CANCELLED, now_ms, old_ts)
+                # A cancel in progress took it already (its walk had not come this far), or the
+                # new payload supersedes it.
+                took = cut is not None and old_ts <= cut
+                ended = Outcome.CANCELLED if took else Outcome.SUPERSEDED
+                outcomes.end(txn, t, rkey, request_id, old_sha1, ended, now_ms, old_ts, sent_ms=sent_ms)
+                if took:
                     taken += 1
                 else:
-                    outcomes.end(txn, t, rkey, request_id, old_sha1, Outcome.SUPERSEDED, now_ms, old_ts)
                     superseded.add(old_sha1)
                 newly.append(rkey)
         stored.append(rkey)

@@ -71,7 +71,7 @@ def _batched(
 
 
 def _response_size(item: tuple[Any, ...]) -> int:
-    return item[-1] or 0  # response_bytes; null for every outcome but `responded`
+    return item[8] or 0  # response_bytes; null for every outcome but `responded`
 
 
 def export(store: Store, out: str | os.PathLike[str], progress: Progress | None = None) -> dict[str, Any]:
@@ -128,6 +128,7 @@ def export(store: Store, out: str | os.PathLike[str], progress: Progress | None 
                     attempts,
                     response,
                     None if response is None else len(response),
+                    keys.outcome_sent(v) or None,
                 )
 
         def generations() -> Iterator[tuple[Any, ...]]:

@@ -208,8 +208,10 @@ _GEN = struct.Struct(">QQ8Q")
 #: Schema 2 kept no `responded` count.
 _GEN_2 = struct.Struct(">QQ7Q")
 #: `outcomes` value: when it ended and when its row was stored (ms), delivery attempts, outcome
-#: code; the vehicle's answer (its first max_response_bytes) follows for `responded`.
+#: code; then (schema 9) when its row was first published (ms), only when known, which the code's
+#: `_SENT` bit says; the vehicle's answer (its first max_response_bytes) follows for `responded`.
 _OUTCOME = struct.Struct(">QQHB")
+_SENT = 0x80
 
 
 #: `gens` key: a request id's generations are one prefix range.
@@ -249,19 +251,32 @@ def split_outcome_key(key: bytes | memoryview) -> tuple[str, str, bytes]:
     return vin.decode(), rid.decode(), raw[-20:]
 
 
-def outcome_value(ts_ms: int, stored_ms: int, attempts: int, code: int, response: bytes = b"") -> bytes:
-    return _OUTCOME.pack(ts_ms, stored_ms, min(attempts, 0xFFFF), code) + response
+def outcome_value(
+    ts_ms: int, stored_ms: int, attempts: int, code: int, response: bytes = b"", sent_ms: int = 0
+) -> bytes:
+    """`sent_ms`: when the row was first published (0: never, or not known)."""
+    if not sent_ms:
+        return _OUTCOME.pack(ts_ms, stored_ms, min(attempts, 0xFFFF), code) + response
+    return _OUTCOME.pack(ts_ms, stored_ms, min(attempts, 0xFFFF), code | _SENT) + _U64.pack(sent_ms) + response
 
 
 def decode_outcome(value: bytes | memoryview) -> tuple[int, int, int, int]:
     """(ended ms, stored ms, attempts, outcome code)."""
     ts_ms, stored_ms, attempts, code = _OUTCOME.unpack_from(value)
-    return ts_ms, stored_ms, attempts, code
+    return ts_ms, stored_ms, attempts, code & ~_SENT
+
+
+def outcome_sent(value: bytes | memoryview) -> int:
+    """When the pair's row was first published (ms); 0: never, or not known."""
+    if not value[_OUTCOME.size - 1] & _SENT:
+        return 0
+    return int(_U64.unpack_from(value, _OUTCOME.size)[0])
 
 
 def outcome_response(value: bytes | memoryview) -> bytes:
     """The stored answer of a `responded` outcome (empty for the others)."""
-    return bytes(value[_OUTCOME.size :])
+    start = _OUTCOME.size + (_U64.size if value[_OUTCOME.size - 1] & _SENT else 0)
+    return bytes(value[start:])
 
 
 def timed_key(ts_ms: int, key: bytes) -> bytes:

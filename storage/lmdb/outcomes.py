@@ -97,12 +97,14 @@ def end(
     stored_ms: int,
     attempts: int = 0,
     response: bytes = b"",
+    sent_ms: int = 0,
 ) -> None:
-    """The pending pair (row `rkey`, generation), stored at `stored_ms`, ends with `outcome`
-    (its row is being deleted or replaced in this transaction)."""
+    """The pending pair (row `rkey`, generation), stored at `stored_ms` and first published at
+    `sent_ms` (0: never, or not known), ends with `outcome` (its row is being deleted or replaced
+    in this transaction)."""
     okey = rkey + keys.SEP + sha1
     _drop_outcome(txn, t, okey)  # none is expected: the pair was pending
-    txn.put(okey, keys.outcome_value(now_ms, stored_ms, attempts, outcome.value, response), db=t.outcomes)
+    txn.put(okey, keys.outcome_value(now_ms, stored_ms, attempts, outcome.value, response, sent_ms), db=t.outcomes)
     txn.put(keys.timed_key(now_ms, okey), b"", db=t.outcome_expiry)
     _bump(txn, t, request_id, sha1, now_ms, {_PENDING: -1, outcome.value: 1})
     _count_answer(txn, t, request_id, outcome, response)
@@ -157,10 +159,10 @@ def amend_cancelled(
     if raw is None or keys.decode_outcome(raw)[3] != Outcome.CANCELLED:
         return False
     _, stored_ms, old_attempts, _ = keys.decode_outcome(raw)
+    sent_ms = keys.outcome_sent(raw)
     _drop_outcome(txn, t, okey)
-    txn.put(
-        okey, keys.outcome_value(now_ms, stored_ms, max(attempts, old_attempts), outcome.value, response), db=t.outcomes
-    )
+    amended = keys.outcome_value(now_ms, stored_ms, max(attempts, old_attempts), outcome.value, response, sent_ms)
+    txn.put(okey, amended, db=t.outcomes)
     txn.put(keys.timed_key(now_ms, okey), b"", db=t.outcome_expiry)
     _bump(txn, t, request_id, sha1, now_ms, {Outcome.CANCELLED.value: -1, outcome.value: 1})
     _count_answer(txn, t, request_id, outcome, response)

@@ -70,11 +70,18 @@ def _row_gone(txn: lmdb.Transaction, t: Tables, vin_key: bytes) -> None:
         set_backlog(txn, t, vin_key, decode_count(raw) - 1)
 
 
-def forget_tries(txn: lmdb.Transaction, t: Tables, rkey: bytes, awaits: bool) -> None:
-    """The row `rkey` ended or holds another payload now: its deliveries are no longer counted."""
-    txn.delete(rkey, db=t.tries)
+def forget_tries(txn: lmdb.Transaction, t: Tables, rkey: bytes, awaits: bool, sha1: bytes = b"") -> int:
+    """The row `rkey` ended or holds another payload now: its deliveries are no longer counted.
+    Returns when the row holding `sha1` was first published (ms; 0: never, or not known)."""
+    raw = txn.get(rkey, db=t.tries)
+    first_ms = 0
+    if raw is not None:
+        kept_sha1, _, first_ms, _ = keys.decode_tries(raw)  # decoded before the delete frees it
+        first_ms = first_ms if kept_sha1 == sha1 else 0
+        txn.delete(rkey, db=t.tries)
     if awaits:
         txn.delete(rkey, db=t.awaited)
+    return first_ms
 
 
 def end_row(
@@ -95,9 +102,9 @@ def end_row(
     if row.expires_ms:
         txn.delete(keys.deadline_key(row.expires_ms, row.vin, row.request_id), db=t.deadlines)
     txn.delete(keys.request_index_key(row.vin, row.request_id), db=t.by_request)
-    forget_tries(txn, t, rkey, row.await_response)
+    sent_ms = forget_tries(txn, t, rkey, row.await_response, row.sha1)
     _row_gone(txn, t, row.vin.encode())
-    outcomes.end(txn, t, rkey, row.request_id, row.sha1, outcome, now_ms, row.ts_ms, attempts, response)
+    outcomes.end(txn, t, rkey, row.request_id, row.sha1, outcome, now_ms, row.ts_ms, attempts, response, sent_ms)
 
 
 def rebuild_indexes(txn: lmdb.Transaction, t: Tables) -> int:

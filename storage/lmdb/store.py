@@ -208,7 +208,7 @@ class Store:
                 txn.put(b"created_at_ms", str(now_ms()).encode())
                 return SCHEMA_VERSION
             version = int(raw)
-            if version in (1, 2, 3, 4, 5, 6, 7) and not self.readonly:
+            if version in (1, 2, 3, 4, 5, 6, 7, 8) and not self.readonly:
                 if version == 1:
                     _upgrade_from_1(txn, self.tables)
                 if version < 3:
@@ -218,7 +218,8 @@ class Store:
                 # request has a policy yet (its table was created empty above). 5 → 6: no campaign
                 # was aborted, no failed answer counted (their tables start empty). 6 → 7: no
                 # latency was counted yet (likewise). 7 → 8: a `tries` value written before
-                # holds no send times and reads as "not known" (0).
+                # holds no send times and reads as "not known" (0). 8 → 9: an outcome recorded
+                # before has no send time (its code byte says so).
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode(), db=self.tables.meta)
                 return SCHEMA_VERSION
         if version != SCHEMA_VERSION:

@@ -14,9 +14,10 @@ import lmdb
 #: lifecycle ones (deadlines, backlogs, by_request, cancels), longer rows for expires_at and
 #: flags, and the `responded` count; 4 the delivery attempts (tries, awaited), so that they
 #: outlive a restart; 5 the campaign policies; 6 their aborts and the failed answers per request;
-#: 7 the delivery latencies; 8 when each row was first and last published (in `tries`). An older
-#: store is upgraded when a writer opens it.
-SCHEMA_VERSION = 8
+#: 7 the delivery latencies; 8 when each row was first and last published (in `tries`); 9 when an
+#: ended pair's row was first published (in `outcomes`). An older store is upgraded when a writer
+#: opens it.
+SCHEMA_VERSION = 9
 DB_NAMES = (
     "data",
     "touched",

@@ -47,7 +47,7 @@ _ALIASES = "SELECT data_id, sha1, ts_ms FROM aliases ORDER BY data_id"
 _OUTCOMES = """
 SELECT vin, request_id, sha1, code, ended_ms, stored_ms, attempts::int8,
        CASE WHEN code = $1 AND octet_length(response) <= $2 THEN response END,
-       CASE WHEN code = $1 THEN octet_length(response)::int8 END
+       CASE WHEN code = $1 THEN octet_length(response)::int8 END, sent_ms
 FROM outcomes ORDER BY vin, request_id, sha1
 """
 _LONG_ANSWERS = """
@@ -119,7 +119,7 @@ async def _write(
 
 
 def _answer_weight(item: tuple[Any, ...]) -> int:
-    return int(item[-1] or 0)  # response_bytes; null for every outcome but `responded`
+    return int(item[8] or 0)  # response_bytes; null for every outcome but `responded`
 
 
 async def _outcomes(conn: Connection) -> AsyncIterator[list[tuple[Any, ...]]]:
@@ -127,20 +127,20 @@ async def _outcomes(conn: Connection) -> AsyncIterator[list[tuple[Any, ...]]]:
     responded = int(Outcome.RESPONDED)
 
     async def records() -> AsyncIterator[tuple[Any, ...]]:
-        async for vin, request_id, sha1, code, ended, stored, attempts, answer, length in _cursor(
+        async for vin, request_id, sha1, code, ended, stored, attempts, answer, length, sent in _cursor(
             conn, _OUTCOMES, responded, INLINE_ANSWER_BYTES
         ):
-            yield vin, request_id, bytes(sha1), Outcome(code).label, ended, stored, attempts, answer, length
+            yield vin, request_id, bytes(sha1), Outcome(code).label, ended, stored, attempts, answer, length, sent
 
     async for chunk in _chunks(records(), _answer_weight):
-        long = [r for r in chunk if r[-1] is not None and r[-2] is None]
+        long = [r for r in chunk if r[8] is not None and r[7] is None]
         answers: dict[tuple[str, str, bytes], bytes] = {}
         if long:
             found = await conn.fetch(_LONG_ANSWERS, [r[0] for r in long], [r[1] for r in long], [r[2] for r in long])
             answers = {(f[0], f[1], bytes(f[2])): bytes(f[3]) for f in found}
         yield [
-            (vin, rid, sha1.hex(), label, ended, stored, attempts, answers.get((vin, rid, sha1), answer), length)
-            for vin, rid, sha1, label, ended, stored, attempts, answer, length in chunk
+            (vin, rid, sha1.hex(), label, ended, stored, attempts, answers.get((vin, rid, sha1), answer), length, sent)
+            for vin, rid, sha1, label, ended, stored, attempts, answer, length, sent in chunk
         ]
 
 

@@ -37,6 +37,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (13, "0013_pacing.sql"),
     (14, "0014_latency.sql"),
     (15, "0015_priority_lanes.sql"),
+    (16, "0016_send_times.sql"),
 )
 #: The version sql/schema.sql describes: the last migration's.
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -56,7 +57,7 @@ FUNCTION_FILES = (
 #: function is a new schema version (a migration, with no statement if no table changes): a server
 #: of the previous release then refuses the database, where at the same version it would apply its
 #: own functions again over the new ones during a rolling update.
-FUNCTIONS_SHA256 = "c8cfe4762fda6b4cbf68ca6c1b4cc7165b66313517ba7cf1e20bc52332e45873"
+FUNCTIONS_SHA256 = "4f04cd26fe1e0fac11cbf58017df4fb86bd249c816e59c39728fa850b64276aa"
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (

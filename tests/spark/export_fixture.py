@@ -38,7 +38,7 @@ ADDED_IN_2: dict[str, dict[str, Any]] = {
     "generations": {"responded": 0},
 }
 #: The column export format 3 added, likewise.
-ADDED_IN_3: dict[str, dict[str, Any]] = {"rows": {"high_priority": False}}
+ADDED_IN_3: dict[str, dict[str, Any]] = {"rows": {"high_priority": False}, "outcomes": {"sent_ms": None}}
 
 
 def _added(name: str, version: int) -> dict[str, Any]:
@@ -93,7 +93,7 @@ def write_export(
     Records are tuples in schema order (rows: vin, request_id, ts_ms, sha1, size, expires_at_ms,
     await_response, high_priority; blobs: sha1, created_ms, touched_ms, size; aliases: data_id, sha1,
     ts_ms; outcomes: vin, request_id, sha1 hex, outcome, ended_ms, stored_ms, attempts, response,
-    response_bytes; generations: request_id, sha1 hex, first_ms, last_ms, then the eight counts;
+    response_bytes, sent_ms; generations: request_id, sha1 hex, first_ms, last_ms, then the eight counts;
     policies: request_id, policy JSON, set_ms, aborted JSON or None) or dicts; the columns of
     ADDED_IN_2 and ADDED_IN_3 may be left off (the end of a tuple) and take their "nothing" value.
     `version` 1 (2) writes an export from before them (before ADDED_IN_3's). `outcomes`,

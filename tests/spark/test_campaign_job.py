@@ -253,6 +253,7 @@ def test_export_round_trip_of_outcomes_and_generations(tmp_path: Path) -> None:
         ("V9", "manual", 1_200, None, False),
     ]
     got = ds.dataset(tmp_path / "export" / "outcomes").to_table().to_pylist()
+    assert [r.pop("sent_ms") for r in got] == [None] * len(got)  # no publish was recorded here
     assert sorted(tuple(r.values()) for r in got) == [
         ("V1", "task_ota_1", fw1.hex(), "delivered", 2_000, 1_000, 2, None, None),
         ("V1", "task_unlock_1", opened.hex(), "responded", 2_100, 1_800, 1, answer, len(answer)),
@@ -530,3 +531,26 @@ def test_campaign_policies_in_the_report_equal_a_python_reference(spark: Any, tm
     assert (int(idle["delivered"]), idle["window_open_ms"], idle["peak_per_minute"]) == (0, "", "")
     assert json.loads(idle["policy"]) == {"paused": True}
     assert (tmp_path / "report" / "campaigns.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_the_rate_per_minute_counts_deliveries_in_the_minute_they_were_sent(spark: Any, tmp_path: Path) -> None:
+    """With send times in the export, a pair counts in the minute of its first publish whatever
+    its outcome (what max_per_minute limits): minute 0 has 3 (one PUBACKed in minute 1, one
+    failed), minute 1 one; a delivered pair without a send time (a record from before they were
+    kept) counts at its PUBACK (minute 2); a pair never sent not at all."""
+    rid, sha1, m0 = "task_sent_1", "ab" * 20, DAY0 + 6 * H
+    ended = [
+        ("V1", rid, sha1, "delivered", m0 + 10_000, m0, 1, None, None, m0 + 5_000),
+        ("V2", rid, sha1, "delivered", m0 + 70_000, m0, 1, None, None, m0 + 50_000),
+        ("V3", rid, sha1, "failed", m0 + 90_000, m0, 3, None, None, m0 + 55_000),
+        ("V4", rid, sha1, "delivered", m0 + 65_000, m0, 1, None, None, m0 + 61_000),
+        ("V5", rid, sha1, "delivered", m0 + 125_000, m0, 1, None, None, None),
+        ("V6", rid, sha1, "cancelled", m0 + 30_000, m0, 0, None, None, None),
+    ]
+    counts = Counter(e[3] for e in ended)
+    gens = [(rid, sha1, m0, m0 + 125_000, len(ended), 0, *(counts[c] for c in COUNTS[2:]))]
+    policies = [(rid, json.dumps({"max_per_minute": 60}), m0 - H, None)]
+    write_export(tmp_path / "export", [], [], [], m0 + H, outcomes=ended, generations=gens, policies=policies)
+    build_report(spark, str(tmp_path / "export"), str(tmp_path / "report"))
+    rates = read_csv(tmp_path / "report" / "rate_per_minute.csv")
+    assert [(int(r["minute_ms"]) - m0, int(r["delivered"])) for r in rates] == [(0, 3), (60_000, 1), (120_000, 1)]

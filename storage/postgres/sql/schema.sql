@@ -144,6 +144,7 @@ CREATE TABLE outcomes (
     attempts    integer  NOT NULL,
     code        smallint NOT NULL,
     response    bytea    NOT NULL DEFAULT '\x'::bytea,   -- the vehicle's answer, for `responded`
+    sent_ms     bigint,                                  -- its row's first publish; NULL: not known
     PRIMARY KEY (vin, request_id, sha1)
 );
 CREATE INDEX outcomes_ended ON outcomes (ended_ms);
@@ -226,7 +227,8 @@ CREATE TABLE vin_state (
     acked_ms        bigint,                            -- PUBACK of an awaited delivery
     cancelled       boolean NOT NULL DEFAULT false,    -- its row was cancelled while out
     voided          boolean NOT NULL DEFAULT false,
-    sender          text COLLATE "C"                   -- the instance whose MQTT client sent it
+    sender          text COLLATE "C",                  -- the instance whose MQTT client sent it
+    first_sent_ms   bigint                             -- the first publish of (request_id, sha1)
 );
 -- The in-flight sweep walks deliveries oldest first (only those out).
 CREATE INDEX vin_state_sent ON vin_state (sent_ms) WHERE request_id IS NOT NULL;

@@ -20,11 +20,12 @@ END $$;
 
 -- End the pending pair (p_vin, p_request_id, p_sha1) with outcome p_code (a slot of
 -- storage.model.COUNT_NAMES, storage.model.Outcome), recorded at p_now (0: when its row was
--- stored); or, when a cancel took its row while the delivery was out, give that `cancelled`
--- record this outcome instead. True when either happened.
+-- stored), its row first published at p_sent_ms (NULL: never, or not known); or, when a cancel
+-- took its row while the delivery was out, give that `cancelled` record this outcome instead.
+-- True when either happened.
 CREATE OR REPLACE FUNCTION sdv_end_row(
     p_vin text, p_request_id text, p_sha1 bytea, p_now bigint, p_code smallint, p_attempts integer,
-    p_response bytea)
+    p_response bytea, p_sent_ms bigint DEFAULT NULL)
 RETURNS boolean LANGUAGE plpgsql SET jit = off AS $$
 DECLARE
     c_pending CONSTANT smallint := sdv_count_slot('pending');
@@ -41,17 +42,17 @@ BEGIN
             v_when := v_stored;
         END IF;
         -- DO UPDATE, as LMDB's outcomes.end: a stale record of the pair (none is expected) is replaced.
-        INSERT INTO outcomes (vin, request_id, sha1, ended_ms, stored_ms, attempts, code, response)
-        VALUES (p_vin, p_request_id, p_sha1, v_when, v_stored, p_attempts, p_code, p_response)
+        INSERT INTO outcomes (vin, request_id, sha1, ended_ms, stored_ms, attempts, code, response, sent_ms)
+        VALUES (p_vin, p_request_id, p_sha1, v_when, v_stored, p_attempts, p_code, p_response, p_sent_ms)
         ON CONFLICT (vin, request_id, sha1) DO UPDATE SET ended_ms = EXCLUDED.ended_ms,
             stored_ms = EXCLUDED.stored_ms, attempts = EXCLUDED.attempts, code = EXCLUDED.code,
-            response = EXCLUDED.response;
+            response = EXCLUDED.response, sent_ms = EXCLUDED.sent_ms;
     ELSE
         IF p_code = c_cancelled THEN
             RETURN false;
         END IF;
         UPDATE outcomes SET ended_ms = p_now, attempts = greatest(attempts, p_attempts), code = p_code,
-            response = p_response
+            response = p_response, sent_ms = coalesce(sent_ms, p_sent_ms)
             WHERE vin = p_vin AND request_id = p_request_id AND sha1 = p_sha1 AND code = c_cancelled;
         IF NOT FOUND THEN
             RETURN false;
