@@ -354,8 +354,8 @@ class EmqxBroker:
             # Distribution and gen_rpc would listen on every interface; 5.1 has no
             # rpc.listen_address, but command-line application flags win over its config.
             ERL_AFLAGS="-kernel inet_dist_use_interface {127,0,0,1} -gen_rpc socket_ip {127,0,0,1}",
-            # `bin/emqx stop` finds its node in `ps -ef`, whose lines `ps` cuts at $COLUMNS (pytest
-            # sets 80): the stop then missed the node and waited 30 s for nothing. Empty = no limit.
+            # `bin/emqx` commands find their node in `ps -ef`, whose lines `ps` cuts at $COLUMNS
+            # (pytest sets 80): `bin/emqx stop` then missed the node. Empty = no limit.
             COLUMNS="",
         )
         env.update(self.extra_env)
@@ -430,26 +430,22 @@ class EmqxBroker:
         return self
 
     def stop(self, timeout_s: float = 30) -> None:
-        """`bin/emqx stop`, then SIGKILL whatever of ours is left; always waits for the processes.
+        """A graceful stop (SIGTERM), then SIGKILL whatever of ours is left; always waits for the
+        processes.
 
-        Only the node's own descendants are killed. There is no epmd to spare or to clean up: EMQX 5
-        runs with `-start_epmd false -epmd_module ekka_epmd` (ports derive from node names), so
-        neither the node nor `bin/emqx stop` starts one, and an epmd someone else runs is never ours.
+        EMQX answers SIGTERM with its graceful shutdown (`received_terminate_signal`: listeners
+        closed, applications stopped), the one `bin/emqx stop` asks for, without the second Erlang
+        node `bin/emqx stop` boots to ask it. Only the node's own descendants are killed. There is
+        no epmd to spare or to clean up: EMQX 5 runs with `-start_epmd false -epmd_module ekka_epmd`
+        (ports derive from node names), so the node starts none, and an epmd someone else runs is
+        never ours.
         """
         proc, self.proc = self.proc, None
         if proc is not None:
             # Children spawned since start (port programs) are ours too.
             children = {*self._children, *_descendants(proc.pid)} if proc.poll() is None else set(self._children)
             if proc.poll() is None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    subprocess.run(
-                        [str(self.release / "bin" / "emqx"), "stop"],
-                        cwd=self.release,
-                        env=self.environment(),
-                        capture_output=True,
-                        timeout=timeout_s,
-                        check=False,
-                    )
+                proc.terminate()
                 try:
                     proc.wait(timeout_s)
                 except subprocess.TimeoutExpired:
@@ -683,9 +679,8 @@ def file_authorization(acl: Path, *, no_match: str = "deny") -> dict[str, str]:
 @contextlib.contextmanager
 def running_emqx(version: str, workdir: Path, **kw: Any) -> Iterator[EmqxBroker]:
     """A started EmqxBroker, killed on exit whatever happens: a throwaway broker needs no graceful
-    stop (`bin/emqx stop` boots a second Erlang node to ask for it, 4-11 s per broker on the 2-core
-    VM, against 0.1 s for SIGKILL; the suite stops several). Tests of a broker's restart call
-    `stop()` themselves."""
+    stop (2-3 s per broker on the loaded 2-core VM, against 0.1 s for SIGKILL; the suite stops
+    several). Tests of a broker's restart call `stop()` themselves."""
     broker = EmqxBroker(version, workdir, **kw)
     try:
         yield broker.start()
