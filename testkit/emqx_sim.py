@@ -27,6 +27,10 @@ What is EMQX-like on purpose:
   Given several exhook ports (instances behind one Service), each connection is on one instance,
   or (routing="random") each call goes to a random one; an instance found down or hung fails
   that call and is left for the others (testkit/exhook_pool.py).
+* Vehicle events over MQTT (`vehicle_events = mqtt`): the server then lists no heartbeat, answer
+  or PUBACK hook, so none is called; heartbeats and answers reach its `$share/<group>/...`
+  subscription through mosquitto, and `add_rule(rule_body(cfg))` (what `emqx sync` installs) makes
+  each vehicle PUBACK of a delivery the ack rule's message to its publisher (testkit/emqx_rules.py).
 * A failed RPC does not stop the MQTT side (EMQX logs it and goes on): it is stored in
   `FakeEmqx.rpc_errors`, and `close()` fails the test for it unless `strict_rpc=False`.
 * Everything the harness itself gets wrong (an exception in an MQTT callback or in a hook job, or a
@@ -45,6 +49,8 @@ Known gaps (mosquitto cannot tell us, or EMQX behaviour we do not model):
 * With several instances, every delivery's `Message.from` is `delivery_clientid`: mosquitto does
   not say which instance's delivery client published it (the server matches acks by the clientid
   prefix, so any instance's deliveries are recognised).
+* mosquitto runs no ACL: a vehicle may heartbeat or answer as another VIN over MQTT (EMQX refuses
+  it under deploy/emqx/acl.conf), so forged events over MQTT are tested on real EMQX only.
 * `client.authenticate` / `client.authorize` are never called (the product must not register them,
   see §7); registering them is reported in `errors`.
 """
@@ -79,6 +85,7 @@ import grpc
 
 from exhook_server._proto import exhook_v3_pb2 as pb
 from testkit import mqtt, vehicle
+from testkit.emqx_rules import RuleEngine, topic_matches
 from testkit.exhook_pool import ExHookPool, Routing, accepts_tcp
 from testkit.harness import ExHookClient, poll
 from testkit.mqtt import TIMEOUT_S, run
@@ -158,19 +165,6 @@ def free_ports(n: int) -> list[int]:
                 continue  # taken (or in TIME_WAIT): another
             ports.append(port)
         raise OSError(f"no {n} free ports on {LOOPBACK} in [{low}, {high})")
-
-
-def topic_matches(topic_filter: str, topic: str) -> bool:
-    """MQTT filter matching as `emqx_topic:match/2`: `+`/`#` first level never match `$...` topics."""
-    fwords, twords = topic_filter.split("/"), topic.split("/")
-    if topic.startswith("$") and fwords[0] in ("+", "#"):
-        return False
-    for i, word in enumerate(fwords):
-        if word == "#":
-            return True
-        if i >= len(twords) or (word != "+" and word != twords[i]):
-            return False
-    return len(fwords) == len(twords)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,6 +576,8 @@ class FakeEmqx:
         #: such a call held every vehicle's PUBACK for the request timeout (seen as deliveries
         #: re-sent after the in-flight timeout fleet-wide in the SIGSTOP test).
         self._channel_threads = ThreadPoolExecutor(64, thread_name_prefix="emqx-channel")
+        #: The rule engine: the rules `add_rule` installed, run on each PUBACK.
+        self.rules = RuleEngine(mqtt_port)
         self._closed = False
 
     @property
@@ -901,8 +897,19 @@ class FakeEmqx:
         return msg
 
     def _acked(self, clientid: str, topic: str, payload: bytes) -> None:
+        """After message.acked: the message is no longer in flight, and the rules' `message_acked`
+        event runs (the ack rule republishes it to the delivery client that published it)."""
         with self._lock:
-            self._inflight.pop((clientid, topic, payload), None)
+            msg = self._inflight.pop((clientid, topic, payload), None)
+        if self.rules.rules:
+            self.rules.acked(clientid, topic, payload, getattr(msg, "from") if msg else self.delivery_clientid)
+
+    # -- rules ---------------------------------------------------------------------------------
+
+    def add_rule(self, body: dict[str, Any]) -> None:
+        """`POST /api/v5/rules` (as `sdv-fanout emqx sync` sends it): from now on each PUBACK of a
+        delivery goes through the rule (see testkit/emqx_rules.py)."""
+        self.rules.add(body)
 
     # -- broker restarts -----------------------------------------------------------------------
 
@@ -969,6 +976,7 @@ class FakeEmqx:
         # A job still running (say on a session-expiry timer) finishes before its channel closes.
         poll(lambda: not any(lane.busy for lane in lanes), timeout_s=self.job_timeout_s)
         self._channel_threads.shutdown(wait=False)
+        self.rules.close()
         self.exhook.close()
         if check:
             self.check()

@@ -55,8 +55,23 @@ def store_kind() -> str:
     return "lmdb"
 
 
+@pytest.fixture(params=["hooks", "mqtt"])
+def each_event_mode(request: pytest.FixtureRequest) -> str:
+    """Each way vehicle events reach the server in turn: every test that uses this fixture (through
+    `event_mode`) runs once with heartbeats, answers and PUBACKs as hook calls and once over MQTT
+    (`vehicle_events = mqtt`: shared subscription and ack rule; see testkit/emqx_sim.py)."""
+    return request.param  # type: ignore[no-any-return]
+
+
 @pytest.fixture
-def make_server(tmp_path: Path, store_kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+def event_mode() -> str:
+    """The `vehicle_events` of `make_server`'s servers that have a broker. A module whose behaviour
+    must hold in both modes overrides this fixture with one that returns `each_event_mode`."""
+    return "hooks"
+
+
+@pytest.fixture
+def make_server(tmp_path: Path, store_kind: str, event_mode: str, request: pytest.FixtureRequest) -> Iterator[Any]:
     """Start in-process servers with config overrides; all are stopped after the test. On
     PostgreSQL each data_dir stands for a database of its own (a server started again on the same
     data_dir finds the same database, as it finds the same LMDB). `clock=` (not a setting) gives
@@ -66,6 +81,8 @@ def make_server(tmp_path: Path, store_kind: str, request: pytest.FixtureRequest)
 
     def make(**overrides: Any) -> InProcessServer:
         overrides.setdefault("mqtt_url", "")  # no broker unless the test brings one
+        if event_mode == "mqtt" and overrides["mqtt_url"]:
+            overrides.setdefault("vehicle_events", "mqtt")
         overrides.setdefault("metrics_listen", "")  # the registry is process-wide; one endpoint is enough
         overrides.setdefault("admin_listen", "127.0.0.1:0")  # tests run side by side: never the fixed 9001
         data_dir = overrides.pop("data_dir", str(tmp_path / f"lmdb{len(servers)}"))

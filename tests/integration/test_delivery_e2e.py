@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+from exhook_server import events
+from exhook_server.acks import rule_body
+from exhook_server.config import Config
 from testkit.emqx_sim import FakeEmqx, Mosquitto, Vehicle
 from testkit.harness import ROOT, InProcessServer, poll
 
@@ -44,6 +47,8 @@ def make_rig(
         delivery = srv.server.delivery
         poll(lambda: delivery.connected)
         emqx = FakeEmqx(srv.port, broker.port, delivery_clientid=delivery.clientid)
+        if srv.cfg.events_over_mqtt:
+            provision_events(emqx, broker, srv.cfg, delivery.clientid)
         emqx.load()
         try:
             yield Rig(broker, srv, emqx)
@@ -51,6 +56,14 @@ def make_rig(
             emqx.close()
     finally:
         broker.stop()
+
+
+def provision_events(emqx: FakeEmqx, broker: Mosquitto, cfg: Config, delivery_clientid: str) -> None:
+    """What `emqx sync` does for vehicle events over MQTT, on the simulator: the ack rule; then
+    wait until the server's events member and its delivery client's ack topic are subscribed."""
+    emqx.add_rule(rule_body(cfg))
+    wanted = [f for f, _ in events.subscriptions(cfg)] + [f"{cfg.rule_ack_topic_prefix}/{delivery_clientid}"]
+    poll(lambda: all(f" {f}" in broker.log() for f in wanted))
 
 
 @pytest.fixture

@@ -65,6 +65,17 @@ def store_kind(each_store: str) -> str:
 
 
 @pytest.fixture
+def event_mode(each_event_mode: str) -> str:
+    """The tests here run with vehicle events as hook calls and over MQTT, but for `hooks_only` ones."""
+    return each_event_mode
+
+
+#: A test that no heartbeat, answer or PUBACK decides (or whose subject is the hook itself) runs
+#: in the hook mode only: over MQTT it would repeat what the hook mode tests.
+hooks_only = pytest.mark.parametrize("each_event_mode", ["hooks"])
+
+
+@pytest.fixture
 def rig(tmp_path: Path, make_server: Any) -> Iterator[Rig]:
     yield from make_rig(tmp_path, make_server, progress_interval_s=0.2)
 
@@ -76,6 +87,7 @@ def platform(rig: Rig) -> Iterator[Platform]:
     p.close()
 
 
+@hooks_only
 def test_a_stored_batch_gets_an_accepted_receipt_with_its_correlation_id(rig: Rig, platform: Platform) -> None:
     """After the commit: accepted, the blob's sha1, rows stored, no refusals, the correlation_id echoed."""
     rig.emqx.publish_batch(["V1", "V2"], "task_ota_1", "fw", correlation_id="c-42")
@@ -85,6 +97,7 @@ def test_a_stored_batch_gets_an_accepted_receipt_with_its_correlation_id(rig: Ri
     assert platform.topics(event="accepted") == ["$SDV-FANOUT/status/task_ota_1"]
 
 
+@hooks_only
 def test_a_rejected_batch_says_why_on_its_topic_or_on_rejected(rig: Rig, platform: Platform) -> None:
     """A usable request id gets `rejected` on its own topic; an unusable one on `_rejected`."""
     rig.emqx.publish_batch(["V/1"], "task_bad_1", "x", correlation_id="c-1")
@@ -96,6 +109,7 @@ def test_a_rejected_batch_says_why_on_its_topic_or_on_rejected(rig: Rig, platfor
     assert "$SDV-FANOUT/status/_rejected" in platform.topics(event="rejected")
 
 
+@hooks_only
 def test_a_retried_batch_id_is_not_delivered_again(rig: Rig, platform: Platform) -> None:
     """The same batch_id after delivery: nothing stored, no second delivery, the receipt again marked duplicate."""
     v = rig.online("V1")
@@ -109,6 +123,7 @@ def test_a_retried_batch_id_is_not_delivered_again(rig: Rig, platform: Platform)
     assert rig.rows() == 0 and len(v.received) == 1
 
 
+@hooks_only
 def test_a_preview_counts_the_online_vehicles_and_sends_nothing(rig: Rig, platform: Platform) -> None:
     """dry_run: a preview with the batch's online VINs (dispatch's presence), no row, no delivery."""
     v = rig.online("V1")
@@ -146,6 +161,7 @@ def test_progress_completed_and_request_carry_the_generations_latencies(
         assert generation["latency_ms"] == done["latency_ms"]
 
 
+@hooks_only
 def test_a_parked_trigger_gets_its_receipt_when_its_data_arrives(rig: Rig, platform: Platform) -> None:
     """Plugin format: no receipt while the trigger waits; accepted, with its tags, once the data is stored."""
     trigger = {"ids": ["V1"], "request_id": "task_cfg_1", "data_id": "d1", "batch_id": "b-9", "correlation_id": "c-9"}
@@ -169,6 +185,7 @@ def test_progress_reaches_completed_for_an_online_fleet(rig: Rig, platform: Plat
     assert platform.events(event="progress", request_id="task_ota_7")
 
 
+@hooks_only
 def test_a_reused_request_id_with_new_data_is_counted_apart(rig: Rig, platform: Platform) -> None:
     """New data under an old request id: its own generation, the old pending row counted superseded."""
     rig.emqx.publish_batch(["V1"], "task_ota_1", "old")
@@ -186,6 +203,7 @@ def test_a_reused_request_id_with_new_data_is_counted_apart(rig: Rig, platform: 
     assert new_progress["counts"]["pending"] == 1 and new_progress["counts"]["total"] == 1
 
 
+@hooks_only
 @pytest.mark.parametrize(("reason", "topic", "payload"), REJECTIONS)
 def test_every_rejection_reason_gets_a_rejected_receipt(
     rig: Rig, platform: Platform, reason: str, topic: str, payload: bytes
