@@ -1,8 +1,8 @@
 """A vehicle's pending rows as dispatch orders them, each with its priority, for people to read.
 
 A row is high priority when its batch asked it (its flag) or its request's policy in force says
-`"priority": "high"`; high rows go first, then the others, each oldest first (then by request id),
-as `storage.lmdb.keys.row_order` and `sdv_vin_load_many` order them. `inspect` (offline and
+`"priority": "high"`; high rows go first, then the others, each oldest first (then by request id):
+`storage.model.delivery_order`, as LMDB's dispatch orders them, and `sdv_vin_load_many`. `inspect` (offline and
 through Admin GetVehicle) shows rows this way; one policy read per request id among the rows.
 """
 
@@ -35,5 +35,5 @@ async def in_delivery_order(reads: Reads, rows: Sequence[Row]) -> list[tuple[Row
     """(row, high priority) of `rows`, high priority first, oldest first within each."""
     high = await high_requests(reads, {r.request_id for r in rows if not r.high_priority})
     marked = [(r, r.high_priority or r.request_id in high) for r in rows]
-    marked.sort(key=lambda m: (not m[1], m[0].ts_ms, m[0].request_id))
+    marked.sort(key=lambda m: m[0].order(m[1]))
     return marked

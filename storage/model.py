@@ -32,6 +32,17 @@ FLAG_AWAIT_RESPONSE = 1
 FLAG_HIGH_PRIORITY = 2
 
 
+#: A row's lane in delivery order (`delivery_order`): high priority first.
+HIGH_LANE, NORMAL_LANE = b"\x00", b"\x01"
+
+
+def delivery_order(high: bool, ts_be: bytes, request_id: bytes) -> tuple[bytes, bytes]:
+    """A row's place in its vehicle's delivery order, the one Python form of the rule (the SQL's
+    is sdv_vin_load_many): high priority first, then oldest (`ts_be`: its timestamp, 8 bytes
+    big-endian), then by request id (UTF-8 bytes: code point order)."""
+    return (HIGH_LANE if high else NORMAL_LANE) + ts_be, request_id
+
+
 class Row(NamedTuple):
     """One pending request: what to send to `vin` as `request_id`."""
 
@@ -55,6 +66,10 @@ class Row(NamedTuple):
 
     def expired(self, now_ms: int) -> bool:
         return 0 < self.expires_ms <= now_ms
+
+    def order(self, high: bool) -> tuple[bytes, bytes]:
+        """Its place in delivery order (`delivery_order`), high priority when `high`."""
+        return delivery_order(high, self.ts_ms.to_bytes(8, "big"), self.request_id.encode())
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from storage.model import COUNT_NAMES as COUNT_NAMES
 from storage.model import FLAG_AWAIT_RESPONSE as FLAG_AWAIT_RESPONSE
 from storage.model import FLAG_HIGH_PRIORITY as FLAG_HIGH_PRIORITY
 from storage.model import Row as Row
-from storage.model import generation_key
+from storage.model import delivery_order, generation_key
 
 SEP = b"\x00"
 
@@ -88,18 +88,12 @@ def row_high(value: bytes | memoryview) -> bool:
     return len(value) != _ROW.size and bool(value[_ROW_EXT.size - 1] & FLAG_HIGH_PRIORITY)
 
 
-_HIGH_LANE = b"\x00"
-_NORMAL_LANE = b"\x01"
-
-
 def row_order(
     request_id: bytes, value: bytes | memoryview, high: AbstractSet[bytes] | None = None
 ) -> tuple[bytes, bytes]:
-    """A row's place in delivery order without decoding it: high priority first (its flag, or
-    its request id in `high`), then its timestamp (big-endian), then its request id (UTF-8 byte
-    order is code point order)."""
-    lane = _HIGH_LANE if row_high(value) or (high and request_id in high) else _NORMAL_LANE
-    return lane + bytes(value[:8]), request_id
+    """A row's place in delivery order (`storage.model.delivery_order`) without decoding it: high
+    priority by its flag, or its request id in `high`."""
+    return delivery_order(row_high(value) or bool(high and request_id in high), bytes(value[:8]), request_id)
 
 
 def row_sha1(value: bytes | memoryview) -> bytes:

@@ -112,10 +112,7 @@ async def load_many(
     out = {}
     for vin in vins:
         marker, token = markers.get(vin, (None, None))
-        queue = sorted(
-            found.get(vin, ()),
-            key=lambda rp: (not (rp[0].high_priority or rp[0].request_id in high), rp[0].ts_ms, rp[0].request_id),
-        )
+        queue = sorted(found.get(vin, ()), key=lambda rp: rp[0].order(rp[0].high_priority or rp[0].request_id in high))
         out[vin] = Loaded(presence.get(vin), marker, queue, token)
     return out
 
