@@ -72,8 +72,8 @@ class _Client(paho_tls.Client):
     second (py-spy). Here one read takes what the socket has and serves paho's small reads from
     it (`buffered` says when more is waiting, as the socket will not signal it again), one write
     takes every queued packet, a plain PUBACK goes to on_publish with shared objects, and a
-    QoS 1 message without properties on `fast_topic` goes to `fast_message(payload)` before
-    paho PUBACKs it. Anything else takes paho's own path.
+    QoS 0 or 1 message without properties on `fast_topic` goes to `fast_message(payload)` (at
+    QoS 1 before paho PUBACKs it). Anything else takes paho's own path.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -100,17 +100,22 @@ class _Client(paho_tls.Client):
         packet = self._in_packet["packet"]
         topic = self.fast_topic
         n = len(topic)
-        # QoS 1, not DUP or RETAIN: topic length, topic, packet id, property length 0, payload.
+        flags = self._in_packet["command"] & 0x0F
+        # QoS 0 or 1, not DUP or RETAIN: topic length, topic, (QoS 1: packet id), property
+        # length 0, payload.
+        at = n + 4 if flags == 0x02 else n + 2
         if (
             self.fast_message is None
-            or self._in_packet["command"] & 0x0F != 0x02
-            or len(packet) < n + 5
+            or flags not in (0x00, 0x02)
+            or len(packet) < at + 1
             or packet[0] << 8 | packet[1] != n
             or packet[2 : 2 + n] != topic
-            or packet[n + 4]
+            or packet[at]
         ):
             return super()._handle_publish()
-        self.fast_message(bytes(packet[n + 5 :]))
+        self.fast_message(bytes(packet[at + 1 :]))
+        if flags == 0x00:
+            return MQTTErrorCode.MQTT_ERR_SUCCESS
         return self._send_puback(packet[n + 2] << 8 | packet[n + 3])
 
     def buffered(self) -> bool:
@@ -504,8 +509,12 @@ class MqttDelivery:
         log.info("mqtt_connected", host=self._host, port=self._port, clientid=self.clientid)
         if self.ack_topic:
             # Every connection starts clean: subscribe again, ahead of the deliveries that
-            # on_state sends, so the broker routes their acks to this connection.
-            client.subscribe(self.ack_topic, qos=1)
+            # on_state sends, so the broker routes their acks to this connection. At QoS 0,
+            # whatever QoS the rule republishes at: the broker then neither holds each ack in
+            # our session's in-flight window nor waits for our PUBACK, and a clean connection
+            # loses unacknowledged QoS 1 messages at a drop anyway (a lost ack costs one
+            # re-send after inflight_timeout_s, as before).
+            client.subscribe(self.ack_topic, qos=0)
         self._on_state(True)
 
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, props: Any) -> None:

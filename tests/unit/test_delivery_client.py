@@ -16,9 +16,10 @@ ACKS = "$SDV-FANOUT/acked/sdv-fanout-host-1"
 
 
 def publish_packet(topic: str, mid: int, payload: bytes, *, props: bytes = b"", flags: int = 0x02) -> bytes:
-    """A whole MQTT 5 PUBLISH (fixed header included), QoS from `flags`."""
+    """A whole MQTT 5 PUBLISH (fixed header included), QoS from `flags` (QoS 0: no packet id)."""
     t = topic.encode()
-    body = struct.pack("!H", len(t)) + t + struct.pack("!H", mid) + bytes([len(props)]) + props + payload
+    pid = struct.pack("!H", mid) if flags & 0x06 else b""
+    body = struct.pack("!H", len(t)) + t + pid + bytes([len(props)]) + props + payload
     assert len(body) < 128
     return bytes([0x30 | flags, len(body)]) + body
 
@@ -61,6 +62,21 @@ def test_ack_messages_in_one_read_each_take_the_fast_path_and_get_their_puback(c
     read_all(c)
     assert seen == [("fast", b"ack 1"), ("fast", b"ack 2"), ("fast", b"ack 300")]
     assert queued(c) == [b"\x40\x02\x00\x01", b"\x40\x02\x00\x02", b"\x40\x02\x01\x2c"]
+
+
+def test_qos0_ack_messages_take_the_fast_path_and_need_no_puback(client: Any) -> None:
+    """The ack subscription is QoS 0: such messages reach fast_message in order and nothing is
+    queued in answer; a QoS 0 message on another topic still goes to paho."""
+    c, seen, peer = client
+    peer.sendall(
+        publish_packet(ACKS, 0, b"ack a", flags=0x00)
+        + publish_packet("other/topic", 0, b"x", flags=0x00)
+        + publish_packet(ACKS, 0, b"", flags=0x00)
+        + publish_packet(ACKS, 0, b"ack b", flags=0x00)
+    )
+    read_all(c)
+    assert seen == [("fast", b"ack a"), ("paho", "other/topic", b"x", 0), ("fast", b""), ("fast", b"ack b")]
+    assert queued(c) == []
 
 
 @pytest.mark.parametrize(
