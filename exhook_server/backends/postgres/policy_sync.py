@@ -79,6 +79,10 @@ class PolicySync:
         self._queue: asyncio.Queue[tuple[int, str, str] | None] = asyncio.Queue(MAX_QUEUED)
         self._dropped = False
 
+    def listeners(self) -> frozenset[int]:
+        """The other listeners (their backend pids) this one has heard of."""
+        return frozenset(self._known)
+
     # -- the storing instance --------------------------------------------------------------
     async def tell(self, request_id: str, ms: int) -> None:
         """Return once every other live listener confirmed the policy of `request_id` stored at
