@@ -69,6 +69,8 @@ class SimStore(Protocol):
     live: bool
     #: The rows, cancels in progress, outcomes, pairs taken and amendments, as `MemoryRows` keeps them.
     view: MemoryRows
+    #: PostgreSQL's pool, through which the campaigns' buckets are leased (None: memory).
+    pool: Any
 
     @property
     def dispatcher(self) -> Dispatch: ...
@@ -162,7 +164,7 @@ class Wiring:
     held: Callable[[], frozenset[str]] | None = None
     #: Request ids whose campaign policy says priority high now.
     high: Callable[[], frozenset[str]] | None = None
-    #: Campaign pacing (exhook_server/dispatch/pacing.py; memory only).
+    #: Campaign pacing (exhook_server/dispatch/pacing.py).
     pacing: Pacer | None = None
 
 
@@ -174,6 +176,7 @@ class MemoryStore:
     """`pool.Dispatcher` (LMDB mode) over `MemoryRows`."""
 
     live = True
+    pool = None
 
     def __init__(self, w: Wiring) -> None:
         self.view = MemoryRows(now_ms=lambda: int(w.clock() * 1000))
@@ -344,7 +347,7 @@ class PgStore:
 
     def __init__(self, conn: Any, pool: Any, counting: _CountingPool, clock: Callable[[], float]) -> None:
         self._conn = conn
-        self._pool = pool
+        self.pool = pool
         self._counting = counting
         self._clock = clock
         self.view = MemoryRows(now_ms=self._now_ms)
@@ -498,7 +501,7 @@ class PgStore:
         try:
             await self.dispatcher.stop()
         finally:
-            await self._pool.close()
+            await self.pool.close()
             await self._conn.close()
 
 
@@ -528,6 +531,7 @@ def open_postgresql(dsn: str, monkeypatch: pytest.MonkeyPatch) -> OpenStore:
             clock=w.clock,
             held=w.held,
             high=w.high,
+            pacing=w.pacing,
         )
         store.dispatcher.start()
         return store

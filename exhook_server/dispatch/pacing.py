@@ -4,10 +4,10 @@
 (one process's, a process group's, or PostgreSQL's); each tick this process leases what it needs
 in chunks of at most `LEASE_S` of the rate, and each start spends one. `max_in_flight` bounds the
 deliveries out (`out`: the workers' in-flight entries, and those `carry` holds over a restart). A
-request without a token or at its cap is
-`blocked()`: its rows are passed over like a held one's. Vehicles that found nothing to send
-meanwhile are remembered (`idle`, bounded) and offered again, a few per token or freed slot, each
-tick: never a scan of the fleet. Not thread-safe: the event loop's thread owns it.
+request without a token or at its cap is `blocked()`: its rows are passed over like a held one's.
+Vehicles that found nothing to send meanwhile are remembered (`idle`, bounded) with the requests
+then blocked, and offered again once one of those opens, a few per token or freed slot each tick:
+never a scan of the fleet. Not thread-safe: the event loop's thread owns it.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ class Pacer:
         self._paced: dict[str, _Paced] = {}
         #: Deliveries in flight here per request id, paced or not (a cap may come later).
         self._out: collections.Counter[str] = collections.Counter()
-        self._idle: dict[str, None] = {}
+        #: Idle vehicles, oldest first, each with the requests that were blocked when it went idle.
+        self._idle: dict[str, frozenset[str]] = {}
         self._blocked: frozenset[str] = _NONE
         self._caps: dict[str, int] = {}
         #: Paced requests that started a delivery (or are new) since the last tick: only these
@@ -294,14 +295,14 @@ class Pacer:
         """Deliveries of `request_id` in flight here."""
         return self._out.get(request_id, 0)
 
-    def idle(self, vin: str) -> None:
-        """`vin` found nothing to send while some request was blocked: offer it capacity later."""
+    def idle(self, vin: str, blocked: frozenset[str] | None = None) -> None:
+        """`vin` found nothing to send while some request was blocked (`blocked`, by default this
+        pacer's): offer it capacity once one of those is no longer blocked."""
+        waits = self._blocked if blocked is None else blocked
         idle = self._idle
-        if vin in idle:
-            return
-        if len(idle) >= self._max_idle:
+        if vin not in idle and len(idle) >= self._max_idle:
             del idle[next(iter(idle))]
-        idle[vin] = None
+        idle[vin] = waits
 
     # -- each tick ---------------------------------------------------------------------
     async def tick(self) -> None:
@@ -375,13 +376,22 @@ class Pacer:
         n = min(len(self._idle), 2 * room, MAX_WAKE)
         if n <= 0:
             return
-        idle = self._idle
+        # Only vehicles one of whose blocked requests is open now: one that waits only for requests
+        # still blocked would find nothing again (on PostgreSQL, an event and its round trips each
+        # tick). Those go to the back; a bounded look, so a tick costs at most 4n of them.
+        idle, blocked = self._idle, self._blocked
         vins: list[str] = []
-        for _ in range(n):
+        for _ in range(min(len(idle), 4 * n)):
             vin = next(iter(idle))
-            del idle[vin]
+            waits = idle.pop(vin)
+            if waits and waits <= blocked:
+                idle[vin] = waits
+                continue
             vins.append(vin)
-        self.on_wake(vins)
+            if len(vins) == n:
+                break
+        if vins:
+            self.on_wake(vins)
 
     def _full(self, request_id: str, paced: _Paced) -> bool:
         """No token left, or at its in-flight cap."""

@@ -86,6 +86,26 @@ def test_max_in_flight_blocks_at_the_cap_and_a_freed_slot_wakes_idle_vehicles() 
     assert woken == ["VIN3", "VIN4"]  # twice the one free slot, oldest idle first
 
 
+def test_a_vehicle_idle_for_a_blocked_request_is_offered_only_once_that_request_opens() -> None:
+    """A vehicle that found nothing while only a rated request was blocked is not offered another
+    request's free slots (it would find nothing again: on PostgreSQL an event each tick); it is
+    offered again once the rated request has a token."""
+    clock = Clock()
+    woken: list[str] = []
+    pacer = pacer_on(clock, woken)
+    pacer.set("task_w_rated", Policy(max_per_minute=6), clock.ms)
+    pacer.set("task_w_capped", Policy(max_in_flight=5), clock.ms)
+    asyncio.run(pacer.tick())  # the bucket's first token
+    pacer.started("task_w_rated")
+    assert pacer.blocked() == {"task_w_rated"}
+    pacer.idle("VIN1")
+    asyncio.run(pacer.tick())
+    assert woken == []  # five free slots of the capped request, none for what VIN1 waits for
+    clock.ms += 10_000  # one token of 6 per minute
+    asyncio.run(pacer.tick())
+    assert woken == ["VIN1"]
+
+
 def test_a_cap_set_while_deliveries_are_out_counts_them() -> None:
     """Deliveries out before the policy came count against its cap at once."""
     clock = Clock()

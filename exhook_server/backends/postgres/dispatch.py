@@ -162,7 +162,7 @@ class _BatchPacing:
         pass  # counted in the database (sdv_pacing_out), not by a worker that lives for one event
 
     def idle(self, vin: str) -> None:
-        self._pacer.idle(vin)
+        self._pacer.idle(vin, self.blocked())
 
 
 class _EventRows:
