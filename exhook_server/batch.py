@@ -103,12 +103,12 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class Preview:
-    """A batch with `"dry_run": true`: what it would do is reported, nothing is stored. `batch` is
-    the batch as parsed; None when VINs would get it rejected, every one of them in
-    `rejected_vins` (shown form)."""
+    """A batch or trigger with `"dry_run": true`: what it would do is reported, nothing is stored.
+    `batch` is the batch or trigger as parsed; None when VINs would get it rejected, every one of
+    them in `rejected_vins` (shown form)."""
 
     request_id: str
-    batch: Batch | None
+    batch: Batch | Trigger | None
     rejected_vins: tuple[str, ...] = ()
     tags: Tags = Tags()
 
@@ -206,8 +206,8 @@ class BatchParser:
             return Cancel(request_id, vins, _tags(doc))
         if kind is Kind.POLICY:
             return PolicyDoc(self._request_id(doc), doc, _tags(doc))
-        if kind is Kind.BATCH and _dry_run(doc):
-            return self._preview(doc)
+        if kind in (Kind.BATCH, Kind.TRIGGER) and _dry_run(doc):
+            return self._preview(kind, doc)
         return self._rows(kind, doc)
 
     def _rows(self, kind: Kind, doc: dict[str, Any]) -> Batch | Trigger:
@@ -219,16 +219,15 @@ class BatchParser:
             return Trigger(vins, request_id, self._data_id(_field(doc, "data_id")), tags, life)
         return Batch(vins, request_id, _blob(doc), tags, life)
 
-    def _preview(self, doc: dict[str, Any]) -> Preview:
-        """The batch's own checks, in their order; a rejection for a VIN names every bad VIN
-        instead of the first (any other rejection is the batch's)."""
+    def _preview(self, kind: Kind, doc: dict[str, Any]) -> Preview:
+        """The batch's (or trigger's) own checks, in their order; a rejection for a VIN names
+        every bad VIN instead of the first (any other rejection is the batch's)."""
         try:
-            batch = self._rows(Kind.BATCH, doc)
+            batch = self._rows(kind, doc)
         except BatchRejected as rej:
             if rej.reason is not Reason.BAD_VIN:
                 raise
             return Preview(self._request_id(doc), None, self.bad_vins(doc["ids"]), _tags(doc))
-        assert isinstance(batch, Batch)
         return Preview(batch.request_id, batch, (), batch.tags)
 
     def bad_vins(self, ids: list[Any]) -> tuple[str, ...]:

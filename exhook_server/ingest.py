@@ -43,7 +43,7 @@ from exhook_server.parked import ParkedTriggers
 from exhook_server.status import StatusPublisher
 from exhook_server.topics import is_level
 from storage.errors import CommitTimeout, RequestAborted
-from storage.model import BatchWritten, Duplicate, RowSpec, now_ms
+from storage.model import BatchWritten, Duplicate, RowSpec, TriggerWritten, now_ms
 from storage.port import Writes
 
 log = structlog.get_logger("sdv_fanout.ingest")
@@ -171,24 +171,7 @@ class Ingestor:
             await self.campaigns.apply(parsed, self.status)
         else:
             trig = parsed
-            try:
-                result = await self._writes.store_trigger(
-                    trig.data_id,
-                    trig.vins,
-                    trig.request_id,
-                    now,
-                    self._cfg.early_max_count,
-                    self._cfg.early_max_rows,
-                    trig.tags.batch_id,
-                    trig.tags.correlation_id,
-                    self._spec(trig.life),
-                )
-            except EarlyTriggersFull as exc:
-                raise BatchRejected(
-                    Reason.EARLY_TRIGGERS_FULL, str(exc), data_id=trig.data_id, request_id=trig.request_id
-                ) from None
-            except RequestAborted as exc:
-                raise BatchRejected(Reason.ABORTED, str(exc), request_id=trig.request_id) from None
+            result = await self._store_trigger(trig, now)
             if isinstance(result, Duplicate):
                 self._duplicate(result, trig.tags)
             elif result.batch is None:
@@ -197,24 +180,55 @@ class Ingestor:
             else:
                 self._stored(result.batch, "trigger", tags=trig.tags, data_id=trig.data_id)
 
+    async def _store_trigger(self, trig: Trigger, now: int, *, dry_run: bool = False) -> TriggerWritten | Duplicate:
+        """`Writes.store_trigger` of `trig` (a preview: with dry_run), its refusals as rejections."""
+        try:
+            return await self._writes.store_trigger(
+                trig.data_id,
+                trig.vins,
+                trig.request_id,
+                now,
+                self._cfg.early_max_count,
+                self._cfg.early_max_rows,
+                trig.tags.batch_id,
+                trig.tags.correlation_id,
+                self._spec(trig.life),
+                dry_run=dry_run,
+            )
+        except EarlyTriggersFull as exc:
+            raise BatchRejected(
+                Reason.EARLY_TRIGGERS_FULL, str(exc), data_id=trig.data_id, request_id=trig.request_id
+            ) from None
+        except RequestAborted as exc:
+            raise BatchRejected(Reason.ABORTED, str(exc), request_id=trig.request_id) from None
+
     def _batch_args(self, batch: Batch, now: int) -> tuple[Any, ...]:
         """`Writes.store_batch`'s arguments for `batch` (a preview passes them with dry_run)."""
         return batch.vins, batch.request_id, batch.blob, now, batch.tags.batch_id, self._spec(batch.life)
 
     async def _preview(self, preview: Preview, now: int) -> None:
-        """Report what the batch would do now (the store's own decision, undone), store nothing."""
+        """Report what the batch or trigger would do now (the store's own decision, undone), store
+        nothing. A trigger whose data has not come would be parked: it would store no row now."""
         would: tuple[str, ...] = ()
         replaced = 0
         refused: tuple[str, ...] = ()
-        duplicate = False
+        duplicate = parked = False
         if preview.batch is not None:
-            try:
-                written = await self._writes.store_batch(*self._batch_args(preview.batch, now), dry_run=True)
-            except RequestAborted as exc:  # what the batch would get: its rejected event, dry_run
-                raise BatchRejected(Reason.ABORTED, str(exc), request_id=preview.request_id) from None
+            # A refusal is what the batch would get: its rejected event, marked dry_run.
+            written: BatchWritten | TriggerWritten | Duplicate
+            if isinstance(preview.batch, Trigger):
+                written = await self._store_trigger(preview.batch, now, dry_run=True)
+            else:
+                try:
+                    written = await self._writes.store_batch(*self._batch_args(preview.batch, now), dry_run=True)
+                except RequestAborted as exc:
+                    raise BatchRejected(Reason.ABORTED, str(exc), request_id=preview.request_id) from None
+            if isinstance(written, TriggerWritten):
+                parked = written.batch is None
+                written = written.batch if written.batch is not None else written
             if isinstance(written, Duplicate):
                 duplicate = True
-            else:
+            elif isinstance(written, BatchWritten):
                 would, replaced, refused = written.vins, written.replaced, written.refused
         online = await self.online_among(would) if would and self.online_among is not None else 0
         metrics.BATCHES_PREVIEWED.inc()
@@ -227,10 +241,13 @@ class Ingestor:
             online_now=online,
             rejected_vins=len(preview.rejected_vins),
             duplicate=duplicate,
+            parked=parked,
         )
         if self.status is None:
             return
         fields: dict[str, Any] = {"duplicate": True} if duplicate else {}
+        if parked:
+            fields["parked"] = True
         if preview.rejected_vins:
             fields["reason"] = Reason.BAD_VIN.value
         self.status.emit(
@@ -384,7 +401,7 @@ def _peek_ids(kind: Kind, payload: bytes, max_request_id_bytes: int) -> tuple[st
         rid if usable else None,
         _short(doc.get("correlation_id"), MAX_CORRELATION_ID_BYTES),
         _short(doc.get("batch_id"), MAX_BATCH_ID_BYTES),
-        kind is Kind.BATCH and doc.get("dry_run") is True,
+        kind in (Kind.BATCH, Kind.TRIGGER) and doc.get("dry_run") is True,
     )
 
 

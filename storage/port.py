@@ -83,8 +83,11 @@ class Writes(Protocol):
         batch_id: str | None = None,
         correlation_id: str | None = None,
         spec: RowSpec = PLAIN,
+        *,
+        dry_run: bool = False,
     ) -> TriggerWritten | Duplicate:
-        """A plugin-format trigger: rows now, or parked until its data (EarlyTriggersFull)."""
+        """A plugin-format trigger: rows now, or parked until its data (EarlyTriggersFull). With
+        `dry_run`, what it would return now, writing nothing (as `store_batch`'s)."""
         ...
 
     async def complete_early(self, data_id: str, now_ms: int, max_rows: int, max_pending: int) -> EarlyCompleted:

@@ -9,7 +9,7 @@ without an op that raised anyway, so a half-done op never reaches the disk.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 import orjson
@@ -27,6 +27,8 @@ from storage.model import RowSpec as RowSpec
 from storage.model import RowsPut as RowsPut
 from storage.model import TriggerWritten as TriggerWritten
 from storage.model import sha1_of as sha1_of
+
+T = TypeVar("T")
 
 
 def find_duplicate(txn: lmdb.Transaction, t: Tables, batch_id: str | None) -> Duplicate | None:
@@ -208,12 +210,18 @@ def store_batch(
 
 def preview_batch(txn: lmdb.Transaction, t: Tables, env: lmdb.Environment, **batch: Any) -> BatchWritten | Duplicate:
     """What `store_batch(txn, t, **batch)` would return at this point of the group, writing
-    nothing: it runs in a child transaction of `txn` that is aborted (LMDB's nested
-    transactions), so the decision is `store_batch`'s own and the group commits only what its
+    nothing (`undone`)."""
+    return undone(txn, t, env, store_batch, **batch)
+
+
+def undone(txn: lmdb.Transaction, t: Tables, env: lmdb.Environment, op: Callable[..., T], **kw: Any) -> T:
+    """What `op(txn, t, **kw)` (a batch's or a trigger's write) would return at this point of the
+    group, writing nothing: it runs in a child transaction of `txn` that is aborted (LMDB's
+    nested transactions), so the decision is the op's own and the group commits only what its
     other ops wrote."""
     child = env.begin(write=True, parent=txn, buffers=True)
     try:
-        return store_batch(child, t, **batch)
+        return op(child, t, **kw)
     finally:
         child.abort()
 

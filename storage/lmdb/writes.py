@@ -131,9 +131,13 @@ class LmdbWrites:
         batch_id: str | None = None,
         correlation_id: str | None = None,
         spec: RowSpec = PLAIN,
+        *,
+        dry_run: bool = False,
     ) -> batches.TriggerWritten | batches.Duplicate:
+        # A preview is the trigger's own write, undone (as a batch's: store_batch).
+        op = functools.partial(batches.undone, env=self._store.env, op=parked.store_trigger) if dry_run else None
         return await self._commit(
-            parked.store_trigger,
+            op or parked.store_trigger,
             rows=len(vins),
             data_id=data_id,
             vins=vins,

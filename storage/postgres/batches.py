@@ -10,7 +10,7 @@ records and generation counts change in the same transaction as the rows.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import asyncpg
 
@@ -63,8 +63,18 @@ async def retrying_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
 class _Undo(Exception):
     """Ends a preview's transaction (rolled back) with what its statement returned."""
 
-    def __init__(self, out: Record) -> None:
+    def __init__(self, out: object) -> None:
         self.out = out
+
+
+async def undone(conn: Connection, call: Callable[[], Awaitable[T]]) -> T:
+    """`call()` (a batch's or a trigger's write) in a transaction of `conn` that is rolled back:
+    what it would do now, its own decision, writing nothing (a preview)."""
+    try:
+        async with conn.transaction():
+            raise _Undo(await call())
+    except _Undo as undo:
+        return cast(T, undo.out)
 
 
 async def store_batch(
@@ -85,15 +95,11 @@ async def store_batch(
     sha1 = sha1_of(blob)
     args = _store_args(vins, request_id, blob, sha1, now_ms, batch_id, spec)
 
-    async def undone() -> Record:
-        try:
-            async with conn.transaction():
-                raise _Undo(await fetch_one(conn, _STORE_BATCH, *args))
-        except _Undo as undo:
-            return undo.out
+    def store() -> Awaitable[Record]:
+        return fetch_one(conn, _STORE_BATCH, *args)
 
     what = f"{'preview' if dry_run else 'batch'} of {request_id}"
-    out = await retrying_call(what, undone if dry_run else lambda: fetch_one(conn, _STORE_BATCH, *args))
+    out = await retrying_call(what, (lambda: undone(conn, store)) if dry_run else store)
     return _written(vins, request_id, sha1, batch_id, out)
 
 

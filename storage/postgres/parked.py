@@ -178,10 +178,13 @@ async def store_trigger(
     batch_id: str | None = None,
     correlation_id: str | None = None,
     spec: RowSpec = PLAIN,
+    *,
+    dry_run: bool = False,
 ) -> TriggerWritten | Duplicate:
     """A trigger: rows now if its data is known, else parked until the data comes (at most
     `early_max` triggers naming at most `early_max_rows` rows, else EarlyTriggersFull and nothing
-    written); nothing if `batch_id` was stored or parked before (`storage.lmdb.parked.store_trigger`)."""
+    written); nothing if `batch_id` was stored or parked before (`storage.lmdb.parked.store_trigger`).
+    With `dry_run` the same transaction is rolled back (`batches.undone`): what it would do now."""
 
     async def body() -> TriggerWritten | Duplicate:
         if batch_id is not None and (dup := await batches.claim_batch_id(conn, batch_id, request_id, now_ms)):
@@ -204,6 +207,8 @@ async def store_trigger(
         await _park(conn, data_id, vins, request_id, now_ms, early_max, early_max_rows, batch_id, correlation_id, spec)
         return TriggerWritten(data_id, request_id, None, True)
 
+    if dry_run:
+        return await batches.retrying_call(f"trigger preview of {request_id}", lambda: batches.undone(conn, body))
     return await batches.retrying(conn, f"trigger of {request_id}", body)
 
 

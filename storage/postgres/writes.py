@@ -74,6 +74,8 @@ class PgWrites:
         batch_id: str | None = None,
         correlation_id: str | None = None,
         spec: RowSpec = PLAIN,
+        *,
+        dry_run: bool = False,
     ) -> TriggerWritten | Duplicate:
         return await self._run(
             parked.store_trigger,
@@ -86,6 +88,7 @@ class PgWrites:
             batch_id,
             correlation_id,
             spec,
+            dry_run=dry_run,
         )
 
     async def complete_early(self, data_id: str, now_ms: int, max_rows: int, max_pending: int) -> EarlyCompleted:

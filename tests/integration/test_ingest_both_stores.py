@@ -304,6 +304,36 @@ def test_a_preview_says_what_the_same_batch_then_does(opener: Opener) -> None:
     run(opener, body, max_pending_per_vehicle=2)
 
 
+def test_a_trigger_preview_says_what_the_same_trigger_then_does(opener: Opener) -> None:
+    """A trigger with "dry_run": true gets the batch form's `preview` receipt and stores nothing:
+    before its data it would be parked (no row now, and none parked: the data completes nothing),
+    after it the rows it would store and replace, as the trigger right after it does."""
+
+    async def body(ingestor: Ingestor, heard: Heard) -> None:
+        doc = {"ids": ["V1", "V2"], "request_id": "R1", "data_id": "d1", "batch_id": "t1"}
+        trigger, dry = (json.dumps({**doc, **extra}).encode() for extra in ({}, {"dry_run": True}))
+        assert await publish(ingestor, Kind.TRIGGER, "$SDV-FANOUT/trigger", dry)
+        [early] = heard.of("preview")
+        assert (early["parked"], early["would_store"], early["batch_id"]) == (True, 0, "t1")
+        assert await publish(ingestor, Kind.DATA, "$SDV-FANOUT/data/d1", b"config")
+        assert await publish(ingestor, Kind.BATCH, "$SDV-FANOUT", batch(["V2"], "R1", "old"))
+        assert [a["vins"] for a in heard.of("accepted")] == [1]  # the batch's only: nothing was parked
+        heard.events.clear()
+        assert await publish(ingestor, Kind.TRIGGER, "$SDV-FANOUT/trigger", dry)
+        [preview] = heard.of("preview")
+        assert (preview["would_store"], preview["already_pending"], preview["refused"]) == (2, 1, [])
+        assert "parked" not in preview
+        assert await publish(ingestor, Kind.TRIGGER, "$SDV-FANOUT/trigger", trigger)
+        [accepted] = heard.of("accepted")
+        assert (accepted["vins"], accepted.get("duplicate")) == (2, None)  # the preview stored no batch_id
+        heard.events.clear()
+        assert await publish(ingestor, Kind.TRIGGER, "$SDV-FANOUT/trigger", dry)
+        [again] = heard.of("preview")
+        assert (again["duplicate"], again["would_store"]) == (True, 0)
+
+    run(opener, body)
+
+
 def test_a_preview_refused_for_another_reason_is_a_rejected_dry_run(opener: Opener) -> None:
     """A dry run the batch's own checks refuse gets the batch's `rejected`, marked dry_run."""
 
