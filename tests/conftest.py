@@ -40,6 +40,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -weight[item.nodeid.split("::", 1)[0]])  # stable: files stay whole
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, but the Spark files go to one worker as one unit: they share its one
+    SparkSession (a JVM, the `spark` fixture) instead of each worker starting its own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SparkTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope: str = super()._split_scope(nodeid)
+            return "tests/spark/" if scope.startswith("tests/spark/") else scope
+
+    return SparkTogether(config, log)
+
+
 @pytest.fixture(params=["lmdb", "postgresql"])
 def each_store(request: pytest.FixtureRequest) -> str:
     """Each store in turn: every test that uses this fixture, directly or through another (a store
