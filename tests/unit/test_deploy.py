@@ -427,12 +427,13 @@ def test_database_cluster_commits_on_a_synchronous_standby() -> None:
 
 
 def test_database_connections_cover_every_server_process(tmp_path: Path) -> None:
-    """max_connections holds every process's pool (surge pod included) with room for the CLI and the operator."""
+    """max_connections holds every process's pool and policy listener (surge pod included) with room
+    for the CLI and the operator."""
     spec = workload(PG)["spec"]
     pods = spec["replicas"] + spec["strategy"]["rollingUpdate"]["maxSurge"]
     processes = pods * int(container(PG)["resources"]["requests"]["cpu"])
     pool = pod_config(PG, tmp_path).store_pool_size
-    assert int(database()["spec"]["postgresql"]["parameters"]["max_connections"]) >= processes * pool + 20
+    assert int(database()["spec"]["postgresql"]["parameters"]["max_connections"]) >= processes * (pool + 1) + 20
 
 
 # -- rendered by kustomize (what `kubectl apply -k` sends) ------------------------------------------
