@@ -1,11 +1,11 @@
-"""EMQX's rule engine as the simulator plays it: the rules `sdv-fanout emqx sync` installs, run on mosquitto.
+"""EMQX's rule engine as the simulator plays it: the ack rule `sdv-fanout emqx sync` installs, on mosquitto.
 
-`RuleEngine.add(body)` takes a `POST /api/v5/rules` body; it understands the ack rule's form only (a
-SELECT of `$events/message_acked` columns, a topic regex and a publisher regex, one republish action)
-and raises `UnsupportedRule` for anything else. `acked(...)` is EMQX's `message_acked` event: each
-matching rule's output is published to mosquitto, as EMQX's republish does (not a client: no ACL),
-before `acked` returns, by one MQTT connection of its own (re-made when the broker restarted). With
-an empty payload template the output is the selected columns as compact JSON, keys in sorted order.
+`RuleEngine.add(body)` takes a `POST /api/v5/rules` body of the ack rule's form only (`UnsupportedRule`
+otherwise). `acked(...)` is EMQX's `message_acked` event: each matching rule's output is published
+before it returns, as EMQX's republish does (no ACL), over one MQTT connection of its own, re-made
+after a broker restart; an output the broker was not there to take is lost, as on EMQX (`lost`).
+The output is the selected columns as compact JSON, keys in descending order: byte for byte what
+EMQX 5.8.9 and 5.9.1 send (tests/integration/test_sim_vs_real.py compares them).
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class AckRule:
         }
         selected = {alias: fields[expr] for expr, alias in self.columns}
         out_topic = _PLACEHOLDER.sub(lambda m: str(selected.get(m[1], "undefined")), self.topic)
-        return out_topic, json.dumps(selected, separators=(",", ":"), sort_keys=True).encode()
+        ordered = dict(sorted(selected.items(), reverse=True))  # EMQX 5.8.9 and 5.9.1: {"t":..,"h":..,"f":..,"c":..}
+        return out_topic, json.dumps(ordered, separators=(",", ":")).encode()
 
 
 class RuleEngine:
@@ -102,6 +103,8 @@ class RuleEngine:
         self.rules: list[AckRule] = []
         #: Every (topic, payload) republished, in order (what a subscriber of `#` would see).
         self.published: list[tuple[str, bytes]] = []
+        #: Outputs the broker was not there to take (it was restarting).
+        self.lost: list[tuple[str, bytes]] = []
         self._client = mqtt.Client(mqtt_port, clientid)
         self._lock = threading.Lock()
 
@@ -121,10 +124,17 @@ class RuleEngine:
             if out is None:
                 continue
             with self._lock:  # one connection, outputs in event order
-                if not self._client.connected:
-                    self._client.connect()  # the broker restarted since
-                self._client.publish(out[0], out[1], qos=rule.qos)
-                self.published.append(out)
+                for attempt in range(2):
+                    try:
+                        if attempt or not self._client.connected:
+                            self._client.connect()  # the broker restarted since
+                        self._client.publish(out[0], out[1], qos=rule.qos)
+                    except (mqtt.MqttError, TimeoutError):
+                        continue  # the broker went away meanwhile: once more on a new connection
+                    self.published.append(out)
+                    break
+                else:
+                    self.lost.append(out)  # the broker is down: as on EMQX, the output is gone
 
     def close(self) -> None:
         if self._client.connected:

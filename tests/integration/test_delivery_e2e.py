@@ -73,6 +73,17 @@ def store_kind(each_store: str) -> str:
 
 
 @pytest.fixture
+def event_mode(each_event_mode: str) -> str:
+    """The tests here run with vehicle events as hook calls and over MQTT, but for `hooks_only` ones."""
+    return each_event_mode
+
+
+#: A test that no heartbeat or PUBACK decides runs in the hook mode only: over MQTT it would repeat
+#: what the hook mode tests.
+hooks_only = pytest.mark.parametrize("each_event_mode", ["hooks"])
+
+
+@pytest.fixture
 def rig(tmp_path: Path, make_server: Any) -> Iterator[Rig]:
     yield from make_rig(tmp_path, make_server)
 
@@ -87,6 +98,7 @@ def test_batch_reaches_online_vehicle_and_ack_deletes_row(rig: Rig) -> None:
     assert [r.request_id for r in rig.srv.pending("VIN2")] == ["task_ota_1"]
 
 
+@hooks_only
 def test_late_subscriber_gets_its_queue_oldest_first(rig: Rig) -> None:
     """Nothing goes to an offline vehicle; when it subscribes, its queue drains oldest first."""
     for rid in ("task_b_1", "task_a_1", "task_c_1"):
@@ -179,6 +191,7 @@ def test_batch_replacing_inflight_request_is_delivered_again(rig: Rig) -> None:
     poll(lambda: rig.rows() == 0)
 
 
+@hooks_only
 def test_nothing_is_published_on_another_vins_topic(rig: Rig) -> None:
     """Many vehicles, many batches: each vehicle receives only its own topic and its own rows."""
     vehicles = {f"VIN{n}": rig.online(f"VIN{n}") for n in range(10)}
@@ -207,6 +220,7 @@ def test_broker_restart_mid_fanout_delivers_every_row(rig: Rig) -> None:
         assert set(rig.rids(v)) == {f"task_a_{n}" for n in range(4)}
 
 
+@hooks_only
 def test_delivery_stats_in_metrics(rig: Rig) -> None:
     """Deliveries and acks are counted."""
     from prometheus_client import REGISTRY
@@ -226,6 +240,7 @@ def test_delivery_stats_in_metrics(rig: Rig) -> None:
 # LMDB only: the fleet at scale on PostgreSQL is tests/integration/test_multi_instance.py's (several
 # instances), and this one alone would add a minute to CI.
 @pytest.mark.parametrize("store_kind", ["lmdb"])
+@hooks_only
 def test_thousand_vehicles_twenty_batches_all_delivered(rig: Rig) -> None:
     """1,000 vehicles x 20 batches over mosquitto: every request delivered and acked, no row left."""
     vins = [f"WVW{n:014d}" for n in range(1000)]

@@ -22,7 +22,9 @@ from typing import Any, Protocol
 import grpc
 import pytest
 
+from exhook_server.acks import rule_body
 from exhook_server.hooks import MESSAGE_HOOKS
+from testkit import mqtt
 from testkit.emqx_real import EmqxBroker, Platform, available_versions, running_emqx, where_looked
 from testkit.emqx_sim import HOOK_RPC, FakeEmqx, Mosquitto
 from testkit.harness import InProcessServer, poll
@@ -226,7 +228,7 @@ class SimCar:
         self.v.subscribe()
 
     def heartbeat(self) -> None:
-        self.v.heartbeat("online")
+        self.v.heartbeat("online", b"{}")  # the payload of testkit/vehicle.py's heartbeat
 
     def disconnect(self) -> None:
         self.v.disconnect()
@@ -439,3 +441,103 @@ def test_simulator_calls_the_same_hooks_as_real_emqx(
 def zip_longest(a: list[Call], b: list[Call]) -> Iterator[tuple[Call | None, Call | None]]:
     for i in range(max(len(a), len(b))):
         yield (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# vehicle events over MQTT: the hooks left, and what reaches the server as MQTT
+# ---------------------------------------------------------------------------------------------
+
+#: What a subscriber sees of the events mode: the vehicles' heartbeats (the server reads them through
+#: its shared subscription) and the ack rule's messages (its delivery client reads its own).
+EVENT_TOPICS = ("ecp/+/online", "$SDV-FANOUT/acked/#")
+
+
+class Recorder(mqtt.Client):
+    """A plain subscriber of EVENT_TOPICS: every message, in arrival order."""
+
+    def wait(self, n: int) -> None:
+        poll(lambda: len(self.received) >= n)
+
+    def seen(self, delivery_clientid: str) -> list[tuple[str, bytes]]:
+        """(topic, payload) of each message, the delivery client's id (it differs) as `<delivery client>`."""
+        cid = delivery_clientid
+        return [(m.topic.replace(cid, "<delivery client>"), m.payload.replace(cid.encode(), b"<delivery client>"))
+                for m in self.received]  # fmt: skip
+
+
+def events_session(world: World, recorder: Recorder) -> list[Call]:
+    """Vehicle events over MQTT: connect, subscribe, a heartbeat, a batch, its delivery and PUBACK
+    (the ack rule's message), a clean disconnect."""
+    vin, tap = "SIMREAL4", world.tap
+    car = world.car(vin, session_expiry_s=0)
+    car.connect(clean_start=True)
+    tap.wait("client.connected", vin)
+    car.subscribe()
+    tap.wait("session.subscribed", vin)
+    car.heartbeat()
+    recorder.wait(1)
+    world.batch([vin], "task_simreal_4")
+    car.wait_received(1)
+    recorder.wait(2)
+    car.disconnect()
+    tap.wait("session.terminated", vin)
+    return tap.seen({vin})
+
+
+def events_on_real(broker: EmqxBroker, make_server: Any) -> tuple[list[Call], list[tuple[str, bytes]]]:
+    srv: InProcessServer = make_server(mqtt_url=broker.url, vehicle_events="mqtt")
+    assert srv.server is not None and srv.server.delivery is not None
+    delivery = srv.server.delivery
+    poll(lambda: delivery.connected)
+    rule = broker.api("POST", "/rules", rule_body(srv.cfg))["id"]  # what `emqx sync` installs
+    tap = Tap(srv.port)
+    world = RealWorld(broker, tap)
+    recorder = Recorder(broker, "simvsreal-recorder")
+    try:
+        recorder.connect()
+        recorder.subscribe(*EVENT_TOPICS)
+        broker.register_exhook(TAP_NAME, f"http://127.0.0.1:{tap.port}", request_timeout="3s")
+        try:
+            return events_session(world, recorder), recorder.seen(delivery.clientid)
+        finally:
+            broker.unregister_exhook(TAP_NAME)
+    finally:
+        recorder.close()
+        world.close()
+        tap.close()
+        broker.api("DELETE", f"/rules/{rule}")
+
+
+def events_on_sim(protocol: str, tmp_path: Path, make_server: Any) -> tuple[list[Call], list[tuple[str, bytes]]]:
+    with Mosquitto(tmp_path / "mosquitto") as mosq:
+        srv: InProcessServer = make_server(mqtt_url=mosq.url, vehicle_events="mqtt")
+        assert srv.server is not None and srv.server.delivery is not None
+        delivery = srv.server.delivery
+        poll(lambda: delivery.connected)
+        tap = Tap(srv.port)
+        recorder = Recorder(mosq.port, "simvsreal-recorder")
+        try:
+            recorder.connect()
+            recorder.subscribe(*EVENT_TOPICS)
+            with FakeEmqx(tap.port, mosq.port, package=protocol, delivery_clientid=delivery.clientid) as emqx:
+                emqx.add_rule(rule_body(srv.cfg))
+                emqx.load()
+                return events_session(SimWorld(emqx, tap), recorder), recorder.seen(delivery.clientid)
+        finally:
+            recorder.close()
+            tap.close()
+
+
+def test_simulator_plays_vehicle_events_over_mqtt_as_real_emqx(
+    broker: EmqxBroker, tmp_path: Path, make_server: Any
+) -> None:
+    """With vehicle_events = mqtt and the ack rule installed, FakeEmqx calls the same hooks as real
+    EMQX 5.8.9 / 5.9.1 (none for the heartbeat or the PUBACK), and a subscriber sees the same
+    heartbeat and the same ack rule message, byte for byte."""
+    if broker.version < "5.8":
+        pytest.skip("the rule's direct_dispatch (what `emqx sync` provisions) needs EMQX 5.8 or later")
+    real, real_msgs = events_on_real(broker, make_server)
+    sim, sim_msgs = events_on_sim(broker.protocol, tmp_path, make_server)
+    assert not any(c.hook == "message.acked" or c.detail[:1] == ("ecp/SIMREAL4/online",) for c in real)
+    assert sim == real, _listing(sim, real)
+    assert sim_msgs == real_msgs, f"sim  {sim_msgs}\nreal {real_msgs}"

@@ -23,6 +23,7 @@ def test_the_ack_rule_republishes_a_delivery_puback_to_its_publisher(direct_disp
     assert out is not None
     topic, payload = out
     assert topic == f"{CFG.rule_ack_topic_prefix}/sdv-fanout-host-1"
+    assert payload.startswith(b'{"t":"agent/VIN1/proxy/request/task_1","h":')  # EMQX's order, compact
     assert json.loads(payload) == {
         "c": "VIN1",
         "f": "sdv-fanout-host-1",
