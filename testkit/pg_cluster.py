@@ -169,11 +169,13 @@ class PgCluster:
     def dsn_for(self, database: str, user: str = APP_USER) -> str:
         return f"postgresql://{user}@{LOOPBACK}:{self.port}/{database}"
 
-    def new_database(self, name: str) -> str:
-        """A fresh empty database owned by `sdv` (isolation within a shared cluster); its DSN."""
-        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", name):
-            raise ValueError(f"database name {name!r}: lower-case letters, digits and _ only")
-        self.psql(f"CREATE DATABASE {name} OWNER {APP_USER}")
+    def new_database(self, name: str, template: str = "template1") -> str:
+        """A fresh database owned by `sdv` (isolation within a shared cluster), a copy of `template`
+        (by default PostgreSQL's empty one; no one may be connected to it); its DSN."""
+        for n in (name, template):
+            if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", n):
+                raise ValueError(f"database name {n!r}: lower-case letters, digits and _ only")
+        self.psql(f"CREATE DATABASE {name} TEMPLATE {template} OWNER {APP_USER}")
         return self.dsn_for(name)
 
     def psql(self, *sql: str, database: str = "postgres", timeout_s: float = 30.0) -> str:

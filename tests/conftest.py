@@ -104,8 +104,9 @@ def make_server(tmp_path: Path, store_kind: str, event_mode: str, request: pytes
         data_dir = overrides.pop("data_dir", str(tmp_path / f"lmdb{len(servers)}"))
         if store_kind == "postgresql" and "store_url" not in overrides:
             if data_dir not in databases:
+                template: str = request.getfixturevalue("pg_migrated")
                 cluster: PgCluster = request.getfixturevalue("pg_cluster")
-                databases[data_dir] = cluster.new_database(f"srv_{os.getpid()}_{next(_databases)}")
+                databases[data_dir] = cluster.new_database(f"srv_{os.getpid()}_{next(_databases)}", template)
             overrides["store_url"] = databases[data_dir]
         clock = overrides.pop("clock", now_ms)
         cfg = Config(listen="127.0.0.1:0", data_dir=data_dir, **overrides)
@@ -133,9 +134,18 @@ def client(server: InProcessServer) -> Iterator[ExHookClient]:
 
 
 @pytest.fixture(scope="module")
-def pg_dsn(pg_cluster: PgCluster) -> str:
+def pg_dsn(pg_cluster: PgCluster, pg_migrated: str) -> str:
     """One migrated database for the module's tests (each store fixture empties its tables)."""
-    dsn = pg_cluster.new_database(f"parity_{os.getpid()}_{next(_databases)}")
+    return pg_cluster.new_database(f"parity_{os.getpid()}_{next(_databases)}", pg_migrated)
+
+
+@pytest.fixture(scope="session")
+def pg_migrated(pg_cluster: PgCluster) -> str:
+    """The name of a database of the session's cluster migrated to the current schema, that no one
+    connects to again: `make_server` and `pg_dsn` copy it (a server on such a copy finds the schema
+    as after its first start; the tests of migration itself build their own databases)."""
+    name = "sdv_migrated"
+    dsn = pg_cluster.new_database(name)
 
     async def setup() -> None:
         conn = await asyncpg.connect(dsn, timeout=10)
@@ -145,7 +155,7 @@ def pg_dsn(pg_cluster: PgCluster) -> str:
             await conn.close()
 
     asyncio.run(setup())
-    return dsn
+    return name
 
 
 @pytest.fixture(scope="session")
