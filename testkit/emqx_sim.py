@@ -49,6 +49,9 @@ Known gaps (mosquitto cannot tell us, or EMQX behaviour we do not model):
 * With several instances, every delivery's `Message.from` is `delivery_clientid`: mosquitto does
   not say which instance's delivery client published it (the server matches acks by the clientid
   prefix, so any instance's deliveries are recognised).
+* The ack rule's output goes to `<ack prefix>/<delivery_clientid>` (the `Message.from` above): with
+  several instances, or a server whose delivery client id the test does not pass, the acks reach
+  no delivery client of the right instance, so the MQTT-events mode needs one in-process server.
 * mosquitto runs no ACL: a vehicle may heartbeat or answer as another VIN over MQTT (EMQX refuses
   it under deploy/emqx/acl.conf), so forged events over MQTT are tested on real EMQX only.
 * `client.authenticate` / `client.authorize` are never called (the product must not register them,
