@@ -27,6 +27,8 @@ import pytest
 
 from exhook_server._proto import admin_pb2
 from exhook_server._proto import exhook_v3_pb2 as pb
+from exhook_server.acks import rule_body
+from exhook_server.config import Config
 from storage.lmdb import keys, outcomes, queue
 from storage.lmdb.batches import sha1_of
 from storage.lmdb.outcomes import Outcome
@@ -304,13 +306,37 @@ def test_rows_with_an_expires_at_pending_across_kill9_are_never_sent_once_past_a
 
 
 # -- (c) an answer awaited across a kill --------------------------------------------------------
-def test_a_request_awaiting_its_answer_across_kill9_is_not_sent_again_and_the_answer_ends_it(tmp_path: Path) -> None:
+@contextmanager
+def driving(srv: SubprocessServer, broker: Mosquitto, events: str, *, strict: bool = True) -> Iterator[FakeEmqx]:
+    """`emqx_for`; with vehicle events over MQTT, provisioned as `emqx sync` would (the ack rule, to
+    this server's delivery client) once the server's events member and ack topic are subscribed."""
+    if events == "hooks":
+        with emqx_for(srv, broker, strict=strict) as emqx:
+            yield emqx
+        return
+    cfg = Config(mqtt_url=broker.url, vehicle_events="mqtt")
+    connected = poll(lambda: next((e for e in srv.events() if e.get("event") == "mqtt_connected"), None))
+    clientid = connected["clientid"]
+    poll(lambda: srv.logged("events_subscribed") and f" {cfg.rule_ack_topic_prefix}/{clientid}" in broker.log())
+    with emqx_for(srv, broker, strict=strict, delivery_clientid=clientid) as emqx:
+        emqx.add_rule(rule_body(cfg))
+        assert emqx.hooks is not None and "message.acked" not in emqx.hooks, "the server took the MQTT mode"
+        yield emqx
+
+
+@pytest.mark.parametrize("events", ["hooks", "mqtt"])
+def test_a_request_awaiting_its_answer_across_kill9_is_not_sent_again_and_the_answer_ends_it(
+    tmp_path: Path, events: str
+) -> None:
     """PUBACKed, its answer awaited and that state committed, the server killed: after the restart
     the request still holds the vehicle's slot without being sent again (the awaited state is on
-    disk), and the vehicle's answer ends it `responded`; then the next request goes."""
+    disk), and the vehicle's answer ends it `responded`; then the next request goes. With vehicle
+    events as hook calls and over MQTT (the PUBACK through the ack rule, the answer through the
+    restarted server's shared subscription)."""
     data_dir, vin = tmp_path / "lmdb", "LSVANSWER01"
+    mode = {"vehicle_events": events}
     with Mosquitto(tmp_path) as broker, listening(broker) as platform:
-        with serving(data_dir, broker) as first, emqx_for(first, broker, strict=False) as emqx:
+        with serving(data_dir, broker, **mode) as first, driving(first, broker, events, strict=False) as emqx:
             v = online(emqx, vin)
             assert answered(emqx.publish_batch([vin], "task_diag_6", "diag-6", await_response=True))
             assert answered(emqx.publish_batch([vin], "task_cfg_6", "cfg-6"))
@@ -326,7 +352,7 @@ def test_a_request_awaiting_its_answer_across_kill9_is_not_sent_again_and_the_an
         crashed = audited(data_dir)
         assert crashed.counts("task_diag_6", b"diag-6") == {"total": 1, "pending": 1}
 
-        with serving(data_dir, broker) as second, emqx_for(second, broker) as emqx:
+        with serving(data_dir, broker, **mode) as second, driving(second, broker, events) as emqx:
             again = online(emqx, vin)
             restored = poll(lambda: (e := in_flight(second, vin)) is not None and e.acked_age_ms > 0 and e)
             assert restored.request_id == "task_diag_6", "the awaited delivery holds the slot again"

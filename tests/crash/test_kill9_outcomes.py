@@ -52,10 +52,12 @@ def serving(data_dir: Path, broker: Mosquitto, processes: int = 1) -> Iterator[S
 
 
 @contextmanager
-def emqx_for(srv: SubprocessServer, broker: Mosquitto, *, strict: bool = True) -> Iterator[FakeEmqx]:
+def emqx_for(
+    srv: SubprocessServer, broker: Mosquitto, *, strict: bool = True, delivery_clientid: str | None = None
+) -> Iterator[FakeEmqx]:
     """The hook driver for `srv`, provider loaded; closed on exit. Harness errors fail the test,
     and so do failed hook calls unless not `strict` (calls a SIGKILL cut short)."""
-    emqx = FakeEmqx(srv.port, broker.port, strict_rpc=strict)
+    emqx = FakeEmqx(srv.port, broker.port, strict_rpc=strict, delivery_clientid=delivery_clientid)
     try:
         emqx.load()
         yield emqx
