@@ -1,12 +1,13 @@
 """`Writes` over PostgreSQL: the functions of storage/postgres/ on a bounded asyncpg pool, each within
 the same deadline LMDB's commits get (a write that outlives it may still land, as with LMDB);
-database failures come out as StorageError, as LMDB's do (the hook answers UNAVAILABLE)."""
+database failures come out as StorageError, as LMDB's do (the hook answers UNAVAILABLE). `settle`
+waits for the writes nobody waits for any more before the pool closes."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar, cast
 
 from storage.latency import Increment
 from storage.model import (
@@ -27,6 +28,19 @@ from storage.postgres.errors import as_storage_error
 from storage.postgres.types import Connection, Pool
 
 T = TypeVar("T")
+
+
+def _finished(running: set[asyncio.Future[object]]) -> Callable[[asyncio.Future[object]], None]:
+    """Forget a finished write, and take its outcome: a caller that stopped waiting never will."""
+
+    def done(write: asyncio.Future[object]) -> None:
+        running.discard(write)
+        if not write.cancelled():
+            write.exception()
+
+    return done
+
+
 P = ParamSpec("P")
 
 
@@ -36,13 +50,33 @@ class PgWrites:
     def __init__(self, pool: Pool, timeout_s: float) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
+        #: Writes in progress: a caller that stops waiting (its deadline, a cancelled hook call)
+        #: leaves its write running (`durable_within`), so the pool must not close under it.
+        self._running: set[asyncio.Future[object]] = set()
 
     async def _run(self, fn: Callable[Concatenate[Connection, P], Awaitable[T]], *args: P.args, **kw: P.kwargs) -> T:
         async def on_a_connection() -> T:
             async with self._pool.acquire() as conn:
                 return await fn(conn, *args, **kw)
 
-        return await durable_within(asyncio.ensure_future(as_storage_error(on_a_connection())), self._timeout_s)
+        write = asyncio.ensure_future(as_storage_error(on_a_connection()))
+        held = cast("asyncio.Future[object]", write)
+        self._running.add(held)
+        held.add_done_callback(_finished(self._running))
+        return await durable_within(write, self._timeout_s)
+
+    async def settle(self, timeout_s: float) -> int:
+        """Before the pool closes: wait at most `timeout_s` for the writes still running, then
+        cancel the rest (their transactions roll back); how many were cancelled."""
+        running = list(self._running)
+        if not running:
+            return 0
+        _, left = await asyncio.wait(running, timeout=timeout_s)
+        for write in left:
+            write.cancel()
+        if left:
+            await asyncio.wait(left, timeout=timeout_s)
+        return len(left)
 
     async def store_batch(
         self,

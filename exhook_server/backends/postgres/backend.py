@@ -49,7 +49,7 @@ class PgBackend:
         #: The connection pool: a server's is created here and connected in `start`, a tool's on entry.
         self.pool: Pool | None = None
         self._reads: Reads | None = None
-        self._writes: Writes | None = None
+        self._writes: PgWrites | None = None
         self._dispatcher: SharedDispatcher | None = None
         #: Puts a policy another instance (or process) stored in force here, at its notice.
         self.on_policy: Callable[[str, bytes | None, int], None] | None = None
@@ -183,6 +183,8 @@ class PgBackend:
 
     async def close(self) -> None:
         if self.pool is not None:
+            if self._writes is not None:
+                await self._writes.settle(self._op_timeout_s)
             await self.pool.close()
 
     # -- tools ---------------------------------------------------------------------------
