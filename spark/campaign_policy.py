@@ -125,10 +125,10 @@ def policy_section(
     aborts = {r["request_id"]: json.loads(r["aborted"]) for r in found if r["aborted"] is not None}
     spans = _spans(stored, manifest["snapshot_ms"])
     ids = spark.createDataFrame([(r,) for r in policies], "request_id string")
-    start = sf.coalesce(sf.col("sent_ms"), sf.when(sf.col("outcome") == "delivered", sf.col("ended_ms")))
+    started = sf.coalesce(sf.col("sent_ms"), sf.when(sf.col("outcome") == "delivered", sf.col("ended_ms")))
     delivered = (
         outcomes.join(sf.broadcast(ids), "request_id")
-        .select("request_id", start.alias("start_ms"))
+        .select("request_id", started.alias("start_ms"))
         .where(sf.col("start_ms").isNotNull())
     )
     minute = sf.col("start_ms") - sf.pmod(sf.col("start_ms"), sf.lit(MINUTE_MS))
