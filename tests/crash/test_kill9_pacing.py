@@ -60,6 +60,9 @@ def test_kill9_mid_campaign_keeps_the_rate(
         emqx.publish_batch(VINS, PACED, b"fw")
         emqx.publish_batch(VINS, WITNESS_1, b"cfg")
         poll(lambda: got(before, WITNESS_1) == len(VINS), timeout_s=20)
+        # Its one token may come with the pacer's first lease, after the witness went (until then
+        # the paced request is passed over like a held one).
+        poll(lambda: got(before, PACED) >= 1, timeout_s=20)
         assert got(before, PACED) == 1
     finally:
         srv.kill()
@@ -71,6 +74,8 @@ def test_kill9_mid_campaign_keeps_the_rate(
         after = emqx.online(VINS)
         emqx.publish_batch(VINS, WITNESS_2, b"cfg2")
         poll(lambda: got(after, WITNESS_2) == len(VINS), timeout_s=20)
+        if store_kind == "lmdb":  # the fresh bucket's one token, maybe after the witness
+            poll(lambda: got(after, PACED) >= 1, timeout_s=20)
         assert got(after, PACED) == (1 if store_kind == "lmdb" else 0)
     finally:
         again.kill()
