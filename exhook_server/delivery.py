@@ -15,14 +15,17 @@ import contextlib
 import os
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import paho.mqtt.client as mqtt
 import structlog
+from paho.mqtt import _packet as paho_packet
+from paho.mqtt.client import CallbackOnPublish_v2
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -60,6 +63,21 @@ _PUBACK_OK = ReasonCode(PacketTypes.PUBACK)
 _NO_PROPERTIES = Properties(PacketTypes.PUBACK)  # type: ignore[no-untyped-call]
 
 
+def _fixed_header(first: int, remaining: int) -> bytes:
+    """An MQTT fixed header: the first byte, then the remaining length as a variable byte integer."""
+    out = bytearray((first,))
+    while True:
+        byte, remaining = remaining & 0x7F, remaining >> 7
+        out.append(byte | 0x80 if remaining else byte)
+        if not remaining:
+            return bytes(out)
+
+
+def expiry_property(seconds: int) -> bytes:
+    """PUBLISH properties holding only a Message-Expiry-Interval (id 0x02), length in front."""
+    return b"\x05\x02" + struct.pack("!I", seconds)
+
+
 class _Client(paho_tls.Client):
     """paho's client (pinned: paho-mqtt 2.2.0) with the hot paths of a busy link made cheaper,
     the same bytes on the wire and the same callbacks.
@@ -83,14 +101,24 @@ class _Client(paho_tls.Client):
         #: The topic (UTF-8) whose QoS 1 messages skip paho's decoding, and where they go.
         self.fast_topic = b""
         self.fast_message: Callable[[bytes], None] | None = None
+        #: Packet ids of the PUBLISHes `publish_fast` wrote and no PUBACK answered yet.
+        self._fast_mids: set[int] = set()
 
     def _handle_pubackcomp(self, cmd: Any) -> MQTTErrorCode:
         packet = self._in_packet["packet"]
         # Two bytes of packet id, then a reason code 0x00 and a property length 0, or less of
         # them (MQTT 5 §3.4.2): EMQX sends all four bytes.
         if cmd != "PUBACK" or not 2 <= len(packet) <= 4 or any(packet[2:]):
+            if cmd == "PUBACK" and len(packet) >= 2 and packet[0] << 8 | packet[1] in self._fast_mids:
+                # A refusal (reason >= 0x80) or a PUBACK with properties, of one of ours.
+                ack = paho_packet.decode_puback(self._in_packet["command"], packet, self._protocol)
+                self._fast_mids.discard(ack.mid)
+                return self._fast_published(ack.mid, ack.reason, ack.properties)
             return super()._handle_pubackcomp(cmd)
         mid = packet[0] << 8 | packet[1]
+        if mid in self._fast_mids:
+            self._fast_mids.discard(mid)
+            return self._fast_published(mid, _PUBACK_OK, _NO_PROPERTIES)
         with self._out_message_mutex:
             if mid in self._out_messages:
                 return self._do_on_publish(mid, _PUBACK_OK, _NO_PROPERTIES)
@@ -117,6 +145,26 @@ class _Client(paho_tls.Client):
         if flags == 0x00:
             return MQTTErrorCode.MQTT_ERR_SUCCESS
         return self._send_puback(packet[n + 2] << 8 | packet[n + 3])
+
+    def publish_fast(self, topic: bytes, payload: bytes, properties: bytes = b"\x00") -> int:
+        """Queue a QoS 1 PUBLISH built here (no message or info object of paho's): `topic` UTF-8,
+        `properties` encoded with their length in front. Its PUBACK reaches on_publish as paho's
+        would (mid, reason code, properties); the packet id comes from paho's own counter."""
+        mid = self._mid_generate()
+        head = struct.pack("!H", len(topic)) + topic + struct.pack("!H", mid) + properties
+        self._fast_mids.add(mid)
+        self._packet_queue(mqtt.PUBLISH, _fixed_header(0x32, len(head) + len(payload)) + head + payload, mid, 1)
+        return mid
+
+    def _fast_published(self, mid: int, reason: ReasonCode, properties: Properties) -> MQTTErrorCode:
+        on_publish = cast("CallbackOnPublish_v2 | None", self.on_publish)
+        if on_publish is not None:
+            on_publish(self, self._userdata, mid, reason, properties)
+        return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def linked(self) -> bool:
+        """True while the client has a socket (paho's publish would refuse otherwise)."""
+        return self._sock is not None
 
     def buffered(self) -> bool:
         """True while bytes read from the socket are waiting for paho."""
@@ -222,11 +270,9 @@ class MqttDelivery:
         self._connected = False
         self._stopping = False
         self._client: _Client = self._new_client()
-        self._props: Properties | None = None
         self._expiry_s = cfg.mqtt_message_expiry_s
-        if cfg.mqtt_message_expiry_s:
-            self._props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-            self._props.MessageExpiryInterval = cfg.mqtt_message_expiry_s
+        #: The PUBLISH properties of a request without an expiry (encoded, length in front).
+        self._props = expiry_property(cfg.mqtt_message_expiry_s) if cfg.mqtt_message_expiry_s else b"\x00"
         #: The socket the loop watches (None between connections), and whether for writing too.
         self._sock: Any = None
         self._writing = False
@@ -321,23 +367,22 @@ class MqttDelivery:
             return True
         return self._send(vin, request_id, payload, expires_ms)
 
-    def _properties(self, expires_ms: int) -> Properties | None:
+    def _properties(self, expires_ms: int) -> bytes:
         """PUBLISH properties: the Message-Expiry-Interval is the seconds the request has left
         (at least 1), capped by mqtt_message_expiry_s when that is set."""
         if not expires_ms:
             return self._props
         left = max(1, -(-(expires_ms - now_ms()) // 1000))
-        props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-        props.MessageExpiryInterval = min(left, self._expiry_s) if self._expiry_s else left
-        return props
+        return expiry_property(min(left, self._expiry_s) if self._expiry_s else left)
 
     def _send(self, vin: str, request_id: str, payload: bytes, expires_ms: int = 0) -> bool:
-        info = self._client.publish(
-            self._topics.delivery(vin, request_id), payload, qos=1, properties=self._properties(expires_ms)
-        )
-        if info.rc != mqtt.MQTT_ERR_SUCCESS:
+        client = self._client
+        if not client.linked():
             return False
-        self._unacked[info.mid] = (vin, request_id)
+        mid = client.publish_fast(
+            self._topics.delivery(vin, request_id).encode(), payload, self._properties(expires_ms)
+        )
+        self._unacked[mid] = (vin, request_id)
         if self._unanswered_since is None and self.ack_topic:
             self._unanswered_since = time.monotonic()
         return True

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
-from exhook_server.delivery import _Client
+from exhook_server.delivery import _Client, expiry_property
 
 ACKS = "$SDV-FANOUT/acked/sdv-fanout-host-1"
 
@@ -122,3 +124,43 @@ def test_queued_packets_leave_in_one_write(client: Any) -> None:
     c.loop_write()
     assert peer.recv(100) == b"\x40\x02\x00\x01\x40\x02\x00\x02\x40\x02\x00\x03"
     assert not c._out_packet
+
+
+@pytest.mark.parametrize("expiry_s", [0, 1, 86_400 * 400], ids=["no-expiry", "1s", "400-days"])
+@pytest.mark.parametrize("size", [0, 100, 200, 20_000, 3_000_000], ids=["0B", "100B", "200B", "20kB", "3MB"])
+def test_a_fast_publish_writes_what_paho_publish_writes(client: Any, expiry_s: int, size: int) -> None:
+    """publish_fast's PUBLISH is byte for byte paho's own for the same topic, payload, packet id and
+    Message-Expiry-Interval (remaining lengths of 1 to 4 bytes)."""
+    c, _seen, _peer = client
+    topic, payload = (
+        "agent/LSVTEST00000000001/proxy/request/task_ota_1",
+        bytes(range(256)) * (size // 256) + b"x" * (size % 256),
+    )
+    props = None
+    if expiry_s:
+        props = Properties(PacketTypes.PUBLISH)
+        props.MessageExpiryInterval = expiry_s
+    paho_mid = c.publish(topic, payload, qos=1, properties=props).mid
+    ours = c.publish_fast(topic.encode(), payload, expiry_property(expiry_s) if expiry_s else b"\x00")
+    assert ours == paho_mid + 1
+    theirs, mine = queued(c)
+    n = len(topic)  # the packet ids differ: compare with ours in paho's place
+    at = next(i for i in range(1, 5) if theirs[i] < 0x80) + 1  # after the remaining length
+    pid = at + 2 + n
+    assert mine == theirs[:pid] + ours.to_bytes(2, "big") + theirs[pid + 2 :]
+
+
+def test_pubacks_of_fast_publishes_reach_on_publish_plain_refused_or_with_properties(client: Any) -> None:
+    """A plain PUBACK, a refusal (0x87) and a PUBACK with a property, each of a fast publish: on_publish
+    gets its packet id and reason, once; a second PUBACK of the same id is ignored."""
+    c, seen, peer = client
+    mids = [c.publish_fast(f"agent/V{n}/proxy/request/r".encode(), b"x") for n in range(3)]
+    peer.sendall(
+        struct.pack("!BBH", 0x40, 2, mids[0])
+        + struct.pack("!BBHBB", 0x40, 4, mids[1], 0x87, 0)
+        + struct.pack("!BBHBBBBB", 0x40, 7, mids[2], 0x00, 3, 0x1F, 0, 0)  # reason string ""
+        + struct.pack("!BBH", 0x40, 2, mids[0])
+    )
+    read_all(c)
+    assert seen == [("puback", mids[0], 0x00), ("puback", mids[1], 0x87), ("puback", mids[2], 0x00)]
+    assert not c._fast_mids
