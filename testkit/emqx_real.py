@@ -680,10 +680,19 @@ def file_authorization(acl: Path, *, no_match: str = "deny") -> dict[str, str]:
 def running_emqx(version: str, workdir: Path, **kw: Any) -> Iterator[EmqxBroker]:
     """A started EmqxBroker, killed on exit whatever happens: a throwaway broker needs no graceful
     stop (2-3 s per broker on the loaded 2-core VM, against 0.1 s for SIGKILL; the suite stops
-    several). Tests of a broker's restart call `stop()` themselves."""
+    several). Tests of a broker's restart call `stop()` themselves. A boot that fails (a port it
+    was given got taken meanwhile by a process beside it) is tried once more on new ports."""
     broker = EmqxBroker(version, workdir, **kw)
     try:
-        yield broker.start()
+        try:
+            broker.start()
+        except EmqxUnavailable:
+            raise
+        except EmqxError:
+            broker.kill()
+            broker = EmqxBroker(version, workdir, **kw)
+            broker.start()
+        yield broker
     finally:
         broker.kill()
 
