@@ -768,6 +768,81 @@ def pacing_rows(pc: dict[str, Any] | None) -> list[Row]:
     return rows
 
 
+#: bench/fleet.py's targets: ours / raw deliveries/s at least, CPU per heartbeat ours / raw at most.
+FLEET_MIN = 0.8
+HEARTBEAT_CPU_MAX = 1.5
+#: A heartbeat's PUBACK with the server stopped is "unchanged" within this factor of the running p50
+#: plus this many ms (the hook mode would take up to EMQX's request_timeout: seconds).
+STOPPED_FACTOR, STOPPED_SLACK_MS = 2.0, 1.0
+_FLEET_REFERENCE = (
+    "raw EMQX QoS 1: one publisher process sending each vehicle its next message when its PUBACK went out, "
+    "our rule off, no ExHook call of ours; same asyncio fleet"
+)
+
+
+def fleet_rows(fl: dict[str, Any] | None) -> list[Row]:
+    """bench/fleet.py: per EMQX version, delivered + acked per second against the strict raw reference
+    (paired per round); then CPU per heartbeat and a heartbeat's PUBACK with the server SIGSTOPped."""
+    results = fl["results"] if fl else []
+    rows: list[Row] = []
+    for r in results:
+        rounds = r["rounds"]
+        paired = [o / w for o, w in zip(rounds["ours"], rounds["raw"], strict=True) if w]
+        s = {"min": min(paired), "median": statistics.median(paired), "max": max(paired)} if paired else None
+        d = r["deliveries_per_s"]
+        checks = r.get("checks", [])
+        clean = all(c.get("dups", 0) == 0 and c.get("in_order", True) and not c.get("exhook_calls") for c in checks)
+        rows.append(
+            (
+                "Vehicle events over MQTT (provisioned default), delivered + acked per second through real EMQX "
+                + r["version"],
+                _FLEET_REFERENCE,
+                f"≥ {FLEET_MIN}x",
+                f"paired {fmt_mmm(s)}x; ratio of medians {r['deliveries_ratio']:.2f}x (ours {d['ours']:,.0f} vs raw"
+                f" {d['raw']:,.0f} deliveries/s); "
+                + ("exactly once and in order in every round, no hook call in raw ones" if clean else "CHECKS FAILED"),
+                verdict(s, FLEET_MIN) if clean else "**FAIL**",
+            )
+        )
+    if results:
+        cpu = "; ".join(
+            f"{r['version']}: {r['cpu_ratio']:.2f}x ({r['cpu_us_per_heartbeat']['ours']:.0f} vs"
+            f" {r['cpu_us_per_heartbeat']['raw']:.0f} µs, of which the server"
+            f" {r['cpu_us_per_heartbeat']['ours_server_only']:.0f})"
+            for r in results
+        )
+        worst = max(r["cpu_ratio"] for r in results)
+        rows.append(
+            (
+                "CPU per heartbeat, this server + EMQX, vehicle events over MQTT",
+                "raw EMQX routing the same heartbeats to one plain subscriber",
+                f"≤ {HEARTBEAT_CPU_MAX}x",
+                cpu + " (medians over the rounds)",
+                "**PASS**" if worst <= HEARTBEAT_CPU_MAX else "**FAIL**",
+            )
+        )
+        lat = "; ".join(
+            f"{r['version']}: {r['heartbeat_puback_p50_ms']['stopped']:.2f} vs"
+            f" {r['heartbeat_puback_p50_ms']['running']:.2f} ms"
+            for r in results
+        )
+        same = all(
+            r["heartbeat_puback_p50_ms"]["stopped"]
+            <= STOPPED_FACTOR * r["heartbeat_puback_p50_ms"]["running"] + STOPPED_SLACK_MS
+            for r in results
+        )
+        rows.append(
+            (
+                "A heartbeat's publish → PUBACK with every server process SIGSTOPped",
+                "the same with the server running",
+                "unchanged",
+                f"p50 stopped vs running, {lat} (medians over the rounds)",
+                "**PASS**" if same else "**FAIL**",
+            )
+        )
+    return rows
+
+
 #: Each scenario's summary rows, in the order of the summary table.
 SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "ingest": ingest_rows,
@@ -783,4 +858,5 @@ SUMMARY_ROWS: dict[str, Callable[[dict[str, Any] | None], list[Row]]] = {
     "catchup": catchup_rows,
     "abort": abort_rows,
     "pacing": pacing_rows,
+    "fleet": fleet_rows,
 }
