@@ -23,6 +23,8 @@ from exhook_server._proto import exhook_v3_pb2 as pb
 from testkit.plumbing import rss_bytes
 
 _METHOD = "/emqx.exhook.v3.HookProvider/OnMessagePublish"
+#: What a batch answered UNAVAILABLE because its commit ran past the deadline says (storage.port.durable_within).
+COMMIT_TIMEOUT = "commit took longer than"
 
 
 def status_kb(pid: int, field_name: str) -> int:
@@ -88,6 +90,8 @@ class FloodResult:
 
     codes: collections.Counter[str] = field(default_factory=collections.Counter)
     stored: list[tuple[str, str, bytes]] = field(default_factory=list)  # (vin, request_id, sha1 of data)
+    #: Answered UNAVAILABLE for a commit past its deadline: the write may still land (storage/port.py).
+    undecided: list[tuple[str, str, bytes]] = field(default_factory=list)
     details: dict[str, str] = field(default_factory=dict)  # one example per error code
     seconds: float = 0.0
 
@@ -118,6 +122,8 @@ async def _flood(port: int, channels: int, calls: int, payload_bytes: int, blobs
         except grpc.aio.AioRpcError as exc:
             result.codes[exc.code().name] += 1
             result.details.setdefault(exc.code().name, exc.details() or "")
+            if exc.code() is grpc.StatusCode.UNAVAILABLE and COMMIT_TIMEOUT in (exc.details() or ""):
+                result.undecided.append((vin, rid, sha1s[blob]))
             return
         result.codes["OK"] += 1
         result.stored.append((vin, rid, sha1s[blob]))

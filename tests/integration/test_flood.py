@@ -67,7 +67,10 @@ def test_flood_of_large_batches_stays_under_half_the_pod_memory_limit(tmp_path: 
             result = flood(srv.port, channels=2, calls=500, payload_bytes=1 << 20, blobs=8)
         peak = max(hwm_bytes(pids), sampler.peak)
         report = f"peak {peak >> 20} MiB, start {start >> 20} MiB, answers {dict(result.codes)} {result.details}"
-        assert set(result.codes) <= {"OK", "RESOURCE_EXHAUSTED"}, report
+        # UNAVAILABLE only for a commit past its deadline (the disk shared with other work): a defined
+        # answer, and the write may still land, so its rows are allowed below, not required.
+        assert set(result.codes) <= {"OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}, report
+        assert result.codes["UNAVAILABLE"] == len(result.undecided), report
         assert sum(result.codes.values()) == 1000
         assert peak < limit // 2, report
         refused = result.codes["RESOURCE_EXHAUSTED"]
@@ -81,8 +84,9 @@ def test_flood_of_large_batches_stays_under_half_the_pod_memory_limit(tmp_path: 
     finally:
         assert srv.terminate() == 0
     with Store(tmp_path / "lmdb", readonly=True) as store:
-        assert store.row_count() == len(result.stored)
-        for vin, request_id, sha1 in result.stored:
+        landed = [u for u in result.undecided if store.pending(u[0])]
+        assert store.row_count() == len(result.stored) + len(landed)
+        for vin, request_id, sha1 in [*result.stored, *landed]:
             [row] = store.pending(vin)
             assert (row.request_id, row.sha1) == (request_id, sha1)
-        assert all(store.blob(sha1) is not None for sha1 in {s for _, _, s in result.stored})
+        assert all(store.blob(sha1) is not None for sha1 in {s for _, _, s in [*result.stored, *landed]})
