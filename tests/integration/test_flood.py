@@ -77,7 +77,8 @@ def test_flood_of_large_batches_stays_under_half_the_pod_memory_limit(tmp_path: 
         assert refused > 0 and metric(srv, "sdv_fanout_batches_refused_total") == refused, report
         allowed = start + processes * RETAINED_PER_PROCESS
         try:
-            poll(lambda: rss_bytes(pids) <= allowed, timeout_s=15, interval_s=0.2)
+            # Writes whose callers stopped waiting (commit past its deadline) still finish first.
+            poll(lambda: rss_bytes(pids) <= allowed, timeout_s=60, interval_s=0.2)
         except AssertionError:
             raise AssertionError(f"RSS {rss_bytes(pids) >> 20} MiB, not back under {allowed >> 20}; {report}") from None
         assert all(map(alive, pids)), "a server process died"
