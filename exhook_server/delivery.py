@@ -63,16 +63,6 @@ _PUBACK_OK = ReasonCode(PacketTypes.PUBACK)
 _NO_PROPERTIES = Properties(PacketTypes.PUBACK)  # type: ignore[no-untyped-call]
 
 
-def _fixed_header(first: int, remaining: int) -> bytes:
-    """An MQTT fixed header: the first byte, then the remaining length as a variable byte integer."""
-    out = bytearray((first,))
-    while True:
-        byte, remaining = remaining & 0x7F, remaining >> 7
-        out.append(byte | 0x80 if remaining else byte)
-        if not remaining:
-            return bytes(out)
-
-
 def expiry_property(seconds: int) -> bytes:
     """PUBLISH properties holding only a Message-Expiry-Interval (id 0x02), length in front."""
     return b"\x05\x02" + struct.pack("!I", seconds)
@@ -153,7 +143,8 @@ class _Client(paho_tls.Client):
         mid = self._mid_generate()
         head = struct.pack("!H", len(topic)) + topic + struct.pack("!H", mid) + properties
         self._fast_mids.add(mid)
-        self._packet_queue(mqtt.PUBLISH, _fixed_header(0x32, len(head) + len(payload)) + head + payload, mid, 1)
+        packet = self._pack_remaining_length(bytearray((mqtt.PUBLISH | 0x02,)), len(head) + len(payload))
+        self._packet_queue(mqtt.PUBLISH, bytes(packet) + head + payload, mid, 1)
         return mid
 
     def _fast_published(self, mid: int, reason: ReasonCode, properties: Properties) -> MQTTErrorCode:
