@@ -54,11 +54,6 @@ def policy(emqx: FakeEmqx, servers: list[SubprocessServer], request_id: str, **f
     poll(lambda: all(paced_policies(s) > k for s, k in zip(servers, known, strict=True)), timeout_s=10)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open defect: on PostgreSQL an idle vehicle of a paced request was once woken only by the periodic wake "
-    "(~60 s) instead of by a token (1 of 4 clean runs; suspect Pacer._wake): see the closing note",
-)
 def test_three_instances_keep_max_in_flight_and_the_rate_fleet_wide(
     tmp_path: Path, db: Database, broker: Mosquitto
 ) -> None:

@@ -18,6 +18,8 @@ from exhook_server.backends.postgres import pgmode
 from exhook_server.backends.postgres.dispatch import SharedDispatcher
 from exhook_server.config import Config
 from exhook_server.dispatch.commands import EndReason, Session
+from exhook_server.dispatch.pacing import LocalBudget, Pacer
+from exhook_server.policy import Policy
 from storage.lmdb.batches import RowSpec, sha1_of
 from storage.lmdb.outcomes import Outcome
 from storage.postgres import batches, migrate, outcomes
@@ -556,3 +558,44 @@ def test_a_batch_save_writes_only_vehicles_as_it_loaded_them_and_never_waits_for
             await other.close()
 
     asyncio.run(body())
+
+
+def test_a_vehicle_whose_paced_request_opened_during_its_load_waits_for_capacity(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An event loads a vehicle's rows with the paced request passed over (no token here then);
+    the pacer's tick gives it a token while the load is on its way. The vehicle found nothing
+    because of that request, so it must wait for its capacity (`Pacer.idle`): the next tick offers
+    it the token and it gets the request (it was forgotten until the periodic wake before)."""
+    rid = "task_paced_1"
+    wall = [1_000_000]
+    budget = LocalBudget(clock=lambda: wall[0] / 1000)
+
+    async def body() -> None:
+        async with Rig(dsn) as rig:
+            d = rig.instances[0]
+            pacer = Pacer(budget, wall_ms=lambda: wall[0], on_wake=d.new_batch)
+            d._pacing = pacer
+            d.subscribed(S("V1"), "V1")
+            await rig.idle()
+            pacer.set(rid, Policy(max_per_minute=60), wall[0])
+            assert rid in pacer.blocked()
+            real_load = pgd.load_many
+            ticked: list[bool] = []
+
+            async def load_then_tick(*args: Any, **kwargs: Any) -> dict[str, pgd.Loaded]:
+                loaded = await real_load(*args, **kwargs)
+                if not ticked:  # the tick lands while the load is on its way
+                    ticked.append(True)
+                    await pacer.tick()
+                    assert rid not in pacer.blocked()
+                return loaded
+
+            monkeypatch.setattr(pgd, "load_many", load_then_tick)
+            await rig.batch(["V1"], rid, b"paced")
+            await rig.until(lambda: bool(ticked), "the event's load")
+            await rig.idle()
+            await pacer.tick()  # the token is still here: the waiting vehicle is offered it
+            await rig.until(lambda: rig.sent_to("V1") == [rid], "the paced delivery", timeout_s=10)
+
+    run(body)

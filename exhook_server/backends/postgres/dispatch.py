@@ -138,16 +138,22 @@ def _marker(state: VehicleState) -> pgd.Marker | None:
 
 
 class _BatchPacing:
-    """Pacing as one batch of vehicle events sees it: the instance's tokens (`Pacer`), and the
-    room left under each capped request's max_in_flight as counted for this batch."""
+    """Pacing as one batch of vehicle events sees it: the instance's tokens (`Pacer`), the
+    requests blocked when the batch loaded its rows (passed over in the load: still blocked for
+    these events, so a vehicle that found nothing for them waits for their capacity even if a tick
+    opened them meanwhile), and the room left under each capped request's max_in_flight as
+    counted for this batch."""
 
-    def __init__(self, pacer: Pacer, room: dict[str, int]) -> None:
+    def __init__(self, pacer: Pacer, room: dict[str, int], loaded_blocked: frozenset[str] = frozenset()) -> None:
         self._pacer = pacer
         self._room = room
+        self._loaded_blocked = loaded_blocked
         self.full = {rid for rid, left in room.items() if left <= 0}
 
     def blocked(self) -> frozenset[str]:
         blocked = self._pacer.blocked()
+        if self._loaded_blocked and not self._loaded_blocked <= blocked:
+            blocked = blocked | self._loaded_blocked
         return blocked | self.full if self.full else blocked
 
     def started(self, request_id: str, vin: str) -> None:
@@ -496,8 +502,9 @@ class SharedDispatcher:
                 held = self._held() if self._held is not None else frozenset()
                 high = self._high() if self._high is not None else frozenset()
                 pacing = self._pacing
-                if pacing is not None and pacing.blocked():
-                    held = held | pacing.blocked()
+                loaded_blocked = pacing.blocked() if pacing is not None else frozenset()
+                if loaded_blocked:
+                    held = held | loaded_blocked
                 loaded = await pgd.load_many(conn, [q.vin for q in batch], now_ms, _PREFETCH, sorted(held), high)
                 trips = 1
                 caps = pacing.caps() if pacing is not None else {}
@@ -510,7 +517,7 @@ class SharedDispatcher:
                         out = await pg_pacing.out(conn, capped)
                         room = {rid: caps[rid] - out.get(rid, 0) for rid in capped}
                         trips += 1
-                    view = _BatchPacing(pacing, room) if pacing is not None else None
+                    view = _BatchPacing(pacing, room, loaded_blocked) if pacing is not None else None
                     decided = [self._decide(q, loaded[q.vin], now, held, high, view) for q in batch]
                     saving = sorted((d for d in decided if d.save is not None), key=lambda d: d.queued.vin)
                     if saving:
