@@ -10,12 +10,11 @@ else is counted (`sdv_fanout_rule_acks_total{outcome}`), logged and dropped, nev
 from __future__ import annotations
 
 import enum
-import json
 import re
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+import orjson
 import structlog
 
 from exhook_server import metrics
@@ -59,9 +58,9 @@ class AckIgnored(ValueError):
         self.problem = problem
 
 
-@dataclass(frozen=True, slots=True)
-class RuleAck:
-    """One PUBACK of one of our deliveries, as the rule reported it."""
+class RuleAck(NamedTuple):
+    """One PUBACK of one of our deliveries, as the rule reported it (one per delivery: a tuple,
+    cheaper to build than a frozen dataclass)."""
 
     vin: str
     request_id: str
@@ -79,8 +78,8 @@ def parse_ack(payload: bytes, topics: RequestTopics, publisher_prefix: str) -> R
     if len(payload) > MAX_ACK_BYTES:
         raise AckIgnored(AckProblem.TOO_LARGE, f"{len(payload)} bytes")
     try:
-        doc = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        doc = orjson.loads(payload)  # a fifth of json.loads' time on an ack message
+    except orjson.JSONDecodeError as exc:  # invalid UTF-8 included
         raise AckIgnored(AckProblem.INVALID_JSON, str(exc)) from None
     if not isinstance(doc, dict):
         raise AckIgnored(AckProblem.WRONG_TYPE, f"a JSON {type(doc).__name__}, not an object")

@@ -27,6 +27,7 @@ import structlog
 from paho.mqtt import _packet as paho_packet
 from paho.mqtt.client import CallbackOnPublish_v2
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
@@ -160,6 +161,49 @@ class _Client(paho_tls.Client):
     def buffered(self) -> bool:
         """True while bytes read from the socket are waiting for paho."""
         return self._rpos < len(self._rbuf)
+
+    def _packet_read(self) -> MQTTErrorCode:
+        # paho between packets and a whole PUBLISH or PUBACK already read: hand it to the same
+        # handler in one step, not through paho's reads of the fixed header a byte at a time.
+        buf, pos = self._rbuf, self._rpos
+        end = len(buf)
+        if self._in_packet["command"] or end - pos < 2 or buf[pos] & 0xF0 not in (mqtt.PUBLISH, mqtt.PUBACK):
+            return super()._packet_read()
+        length = shift = 0
+        at = pos + 1
+        while True:  # the remaining length: at most 4 bytes of 7 bits each
+            if at >= end or at > pos + 4:
+                return super()._packet_read()  # not all here yet (or malformed: paho says so)
+            byte = buf[at]
+            at += 1
+            length |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        if at + length > end:
+            return super()._packet_read()
+        self._rpos = at + length
+        packet = self._in_packet
+        packet["command"] = buf[pos]
+        packet["packet"] = bytearray(buf[at : at + length])
+        packet["remaining_length"] = length
+        try:
+            rc = self._packet_handle()
+        except MalformedPacket:
+            rc = MQTTErrorCode.MQTT_ERR_PROTOCOL
+        self._in_packet = {
+            "command": 0,
+            "have_remaining": 0,
+            "remaining_count": [],
+            "remaining_mult": 1,
+            "remaining_length": 0,
+            "packet": bytearray(b""),
+            "to_process": 0,
+            "pos": 0,
+        }
+        with self._msgtime_mutex:
+            self._last_bytes_received = time.monotonic()
+        return rc
 
     def _sock_recv(self, bufsize: int) -> bytes:
         buf, pos = self._rbuf, self._rpos

@@ -18,7 +18,7 @@ _V6 = 1 << 144
 def _pack_addr(host: str, port: int) -> int | tuple[str, int]:
     """Peer address and port as one int when the host is an IP address in canonical text
     (what EMQX sends), else as they came: one 32-48 B int instead of a string and an int."""
-    if 0 <= port <= 0xFFFF:
+    if host and 0 <= port <= 0xFFFF:  # no host (an event over MQTT): spare two failed parses
         for family, flag in ((socket.AF_INET, 0), (socket.AF_INET6, _V6)):
             try:
                 raw = socket.inet_pton(family, host)

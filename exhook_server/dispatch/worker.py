@@ -212,6 +212,9 @@ VehicleState = tuple[Session | None, InFlight | None, tuple[str, bytes, int, boo
 
 V = TypeVar("V")
 _NOTHING: frozenset[str] = frozenset()
+#: The counters every delivery moves, their label bound once (a labels() lookup each saved).
+_ACKED = {True: metrics.DELIVERIES_ACKED.labels("deleted"), False: metrics.DELIVERIES_ACKED.labels("kept")}
+_OUTCOME_COUNTERS = {outcome: metrics.OUTCOMES.labels(outcome.label) for outcome in Outcome}
 #: Rows one send may end on its way to a row it can send (failed at max_attempts, or found
 #: past its response timeout after a restart); the next trigger goes on.
 _ENDS_PER_SEND = 16
@@ -556,7 +559,7 @@ class Worker:
             prior = kept.attempts
         attempts = max(1, prior)
         deleted = self._rows.ack(vin, rid, digest, attempts=attempts)
-        metrics.DELIVERIES_ACKED.labels("deleted" if deleted else "kept").inc()
+        _ACKED[deleted].inc()
         if deleted:
             self._ended(vin, rid, digest, Outcome.DELIVERED, attempts)
             self._delivered(vin, self.inflight.get(vin), rid, digest, ends=True)
@@ -691,7 +694,7 @@ class Worker:
         self._try_send(vin, Trigger.REFUSED)
 
     def _ended(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
-        metrics.OUTCOMES.labels(outcome.label).inc()
+        _OUTCOME_COUNTERS[outcome].inc()
         if self._on_outcome is not None:
             self._on_outcome(vin, request_id, sha1, outcome, attempts)
 

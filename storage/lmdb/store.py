@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from types import TracebackType
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import lmdb
 
@@ -35,19 +35,22 @@ class _Gate:
     """Many transactions at once, or one map resize alone."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # The lock itself on the way in and out (no Condition frames): every delivery passes
+        # here twice; the condition, on the same lock, only for waits around a resize.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._active = 0
         self._resizing = False
 
     def enter(self) -> None:
         """One more transaction; waits while a resize runs."""
-        with self._cond:
+        with self._lock:
             while self._resizing:
                 self._cond.wait()
             self._active += 1
 
     def leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._active -= 1
             if not self._active and self._resizing:
                 self._cond.notify_all()
@@ -77,11 +80,12 @@ class _Txn:
     transaction, against 0.3 µs for LMDB's begin and abort.
     """
 
-    __slots__ = ("_store", "_txn", "_write")
+    __slots__ = ("_buffers", "_store", "_txn", "_write")
 
-    def __init__(self, store: Store, write: bool) -> None:
+    def __init__(self, store: Store, write: bool, buffers: bool = True) -> None:
         self._store = store
         self._write = write
+        self._buffers = buffers
         self._txn: lmdb.Transaction | None = None
 
     def __enter__(self) -> lmdb.Transaction:
@@ -90,7 +94,11 @@ class _Txn:
         while True:
             gate.enter()
             try:
-                txn = store.env.begin(write=self._write, buffers=True)
+                txn = (
+                    store.env.begin(write=self._write, buffers=True)
+                    if self._buffers
+                    else store.env.begin(write=self._write)
+                )
             except lmdb.MapResizedError:
                 gate.leave()
             except BaseException:
@@ -242,6 +250,11 @@ class Store:
         inside the block."""
         return _Txn(self, write=False)
 
+    def _read_bytes(self) -> _Txn:
+        """A read-only snapshot whose keys and values are bytes (copied out): cheaper than
+        memoryviews for the short keys and values a queue scan compares and slices."""
+        return _Txn(self, write=False, buffers=False)
+
     def write(self) -> _Txn:
         """One write transaction (`with store.write() as txn`), committed (and fsynced) when the
         block ends cleanly."""
@@ -285,12 +298,12 @@ class Store:
         prefix: bytes,
         hidden: Mapping[str, bytes] | None,
         held: AbstractSet[str] | None = None,
-    ) -> Iterator[tuple[bytes, bytes | memoryview]]:
+    ) -> Iterator[tuple[bytes, bytes]]:
         """(request id, raw value) of the rows under a VIN prefix that may still be sent, in key
-        order (values are valid inside `txn` only). Left out: those `hidden` names with the same
-        sha1, rows of the request ids `held` names (their campaign policy holds them), rows past
-        their expires_at (the sweep ends them soon; a vehicle never waits for it), and rows a
-        cancel in progress is about to remove."""
+        order (`txn` from `_read_bytes`). Left out: those `hidden` names with the same sha1, rows
+        of the request ids `held` names (their campaign policy holds them), rows past their
+        expires_at (the sweep ends them soon; a vehicle never waits for it), and rows a cancel in
+        progress is about to remove."""
         skip = {rid.encode(): sha1 for rid, sha1 in hidden.items()} if hidden else None
         held_ids = {rid.encode() for rid in held} if held else None
         cancels = self._cancel_cuts(txn)
@@ -299,11 +312,11 @@ class Store:
         if not cur.set_range(prefix):
             return
         n = len(prefix)
-        for key, value in cur:
-            if key[:n] != prefix:
+        for key, value in cast("Iterator[tuple[bytes, bytes]]", cur):
+            if not key.startswith(prefix):
                 return
-            rid = bytes(key[n:])
-            if skip and skip.get(rid) == keys.row_sha1(value):
+            rid = key[n:]
+            if skip and skip.get(rid) == value[8:28]:  # keys.row_sha1
                 continue
             if held_ids and rid in held_ids:
                 continue
@@ -316,17 +329,17 @@ class Store:
     def _cancel_cuts(self, txn: lmdb.Transaction) -> dict[bytes, int] | None:
         """request id → cut of every cancel-all in progress (rows stored up to the cut are
         being cancelled); None when there is none (the usual case, one O(1) stat)."""
-        if not txn.stat(self.tables.cancels)["entries"]:
+        cur = txn.cursor(self.tables.cancels)
+        if not cur.first():  # cheaper than txn.stat, which builds a dict
             return None
-
-        return {bytes(k): cut_of(v) for k, v in txn.cursor(self.tables.cancels)}
+        return {bytes(k): cut_of(v) for k, v in cur}
 
     def row(self, vin: str, request_id: str) -> keys.Row | None:
         """The pending row (vin, request_id), or None."""
         rkey = keys.row_key(vin, request_id)
-        with self.read() as txn:
+        with self._read_bytes() as txn:
             value = txn.get(rkey, db=self.tables.ids)
-            return None if value is None else keys.decode_row(rkey, value)
+        return None if value is None else keys.decode_row(rkey, value)
 
     def outcome(self, vin: str, request_id: str, sha1: bytes) -> Outcome | None:
         """How the pair (vin, request_id, sha1) ended (an `outcomes.Outcome`), or None."""
@@ -416,7 +429,7 @@ class Store:
         prefix = keys.vin_prefix(vin)
         high_ids = {rid.encode() for rid in high} if high else None
         count = 0
-        with self.read() as txn:
+        with self._read_bytes() as txn:
             best: tuple[tuple[bytes, bytes], bytes] | None = None
             for rid, value in self._visible_rows(txn, prefix, hidden, held):
                 count += 1
@@ -459,7 +472,7 @@ class Store:
         """
         prefix = keys.vin_prefix(vin)
         high_ids = {rid.encode() for rid in high} if high else None
-        with self.read() as txn:
+        with self._read_bytes() as txn:
             entries = [
                 (keys.row_order(rid, value, high_ids), rid, bytes(value))
                 for rid, value in self._visible_rows(txn, prefix, hidden)
@@ -471,7 +484,7 @@ class Store:
         """The payload of `row` if the row is still pending as it was read (not delivered and
         deleted, expired or replaced since) and its blob is there; else None."""
         rkey = keys.row_key(row.vin, row.request_id)
-        with self.read() as txn:
+        with self._read_bytes() as txn:
             value = txn.get(rkey, db=self.tables.ids)
             if value is None or value != keys.encoded_row(row) or row.expired(now_ms()):
                 return None

@@ -81,6 +81,25 @@ def test_qos0_ack_messages_take_the_fast_path_and_need_no_puback(client: Any) ->
     assert queued(c) == []
 
 
+def test_packets_split_across_reads_or_longer_than_127_bytes_arrive_whole(client: Any) -> None:
+    """A PUBLISH whose remaining length takes two bytes (as a real ack message's does), cut inside
+    its fixed header and again in its payload, and a PUBACK cut after its first byte: each is
+    handled once it is all there, and the packets after them too."""
+    c, seen, peer = client
+    mid = c.publish("agent/V1/proxy/request/r", b"x", qos=1).mid
+    t = ACKS.encode()
+    body = struct.pack("!H", len(t)) + t + b"\x00" + b"a" * 200  # QoS 0: no packet id
+    long_ack = bytes([0x30, len(body) & 0x7F | 0x80, len(body) >> 7]) + body
+    stream = long_ack + struct.pack("!BBH", 0x40, 2, mid) + publish_packet(ACKS, 0, b"after", flags=0x00)
+    start = 0
+    for cut in (2, 100, len(long_ack) + 1, len(stream)):
+        peer.sendall(stream[start:cut])
+        start = cut
+        read_all(c)
+    assert seen == [("fast", b"a" * 200), ("puback", mid, 0), ("fast", b"after")]
+    assert [p[0] for p in queued(c)] == [0x32]  # our PUBLISH only: QoS 0 acks get no PUBACK
+
+
 @pytest.mark.parametrize(
     ("topic", "props", "flags"),
     [
