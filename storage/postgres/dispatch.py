@@ -122,7 +122,9 @@ class Save:
     """What one vehicle event of a batch decided and the state it decided on: when given (a
     1-tuple; None leaves it as it is) its live session, encoded (None: offline), and its delivery
     marker (None: nothing out; `sender`, the instance that just sent it, or None to keep the
-    recorded one); the pairs it ended (request id, sha1, outcome, attempts, response)."""
+    recorded one); the pairs it ended (request id, sha1, outcome, attempts, response). `sends`:
+    the marker is a publish of its pair, saved only while that row is still pending (the vehicle's
+    state may have gone out and back since the load: sent, PUBACKed and ended elsewhere)."""
 
     vin: str
     seen: Loaded
@@ -130,6 +132,7 @@ class Save:
     marker: tuple[Marker | None] | None = None
     sender: str | None = None
     ends: Sequence[tuple[str, bytes, Outcome, int, bytes]] = ()
+    sends: bool = False
 
 
 #: `save_many` verdicts: written; the vehicle's lock held elsewhere right now; its state changed
@@ -139,6 +142,13 @@ SAVED, BUSY, CHANGED = 0, 1, 2
 
 def _flag(given: tuple[object] | None) -> int:
     return 0 if given is None else (1 if given[0] is not None else 2)
+
+
+def _marker_flag(save: Save) -> int:
+    """sdv_vin_save_many's p_marker: 0 unchanged, 1 the given fields, 2 none, 3 the given fields
+    as a publish of their pair (only while its row is pending)."""
+    flag = _flag(save.marker)
+    return 3 if flag == 1 and save.sends else flag
 
 
 async def save_many(conn: Connection, now_ms: int, saves: Sequence[Save]) -> list[tuple[int, list[bool]]]:
@@ -155,7 +165,7 @@ async def save_many(conn: Connection, now_ms: int, saves: Sequence[Save]) -> lis
         [s.seen.token for s in saves],
         [_flag(s.presence) for s in saves],
         [s.presence[0] if s.presence else None for s in saves],
-        [_flag(s.marker) for s in saves],
+        [_marker_flag(s) for s in saves],
         [m.request_id if m else None for m in markers],
         [m.sha1 if m else None for m in markers],
         [m.session if m else None for m in markers],

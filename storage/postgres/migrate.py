@@ -38,6 +38,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (14, "0014_latency.sql"),
     (15, "0015_priority_lanes.sql"),
     (16, "0016_send_times.sql"),
+    (17, "0017_send_only_pending_rows.sql"),
 )
 #: The version sql/schema.sql describes: the last migration's.
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -57,7 +58,7 @@ FUNCTION_FILES = (
 #: function is a new schema version (a migration, with no statement if no table changes): a server
 #: of the previous release then refuses the database, where at the same version it would apply its
 #: own functions again over the new ones during a rolling update.
-FUNCTIONS_SHA256 = "4f04cd26fe1e0fac11cbf58017df4fb86bd249c816e59c39728fa850b64276aa"
+FUNCTIONS_SHA256 = "e2c758c483167b02f8bc7fb63e2165978eb05ec8cb0482d12188bc57d8692720"
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (

@@ -330,6 +330,13 @@ def stuck_report(fleet: Sequence[Vehicle], work: Workload, db: Database, emqx: F
     return "\n".join(lines)
 
 
+def timeline(v: Vehicle) -> list[tuple[str, str, float]]:
+    """What the vehicle received and PUBACKed ("got" or "ack", request id, time), in time order."""
+    events = [("got", rid_of(r.topic), r.time) for r in v.received]
+    events += [("ack", rid_of(a.topic), a.time) for a in v.pubacks]
+    return [(what, rid, round(t % 1000, 3)) for what, rid, t in sorted(events, key=lambda e: e[2])]
+
+
 def check_delivered(fleet: Sequence[Vehicle], work: Workload, db: Database, *, duplicates: bool) -> None:
     """Every vehicle got every request once (or, with `duplicates`, at least once) in store order,
     never two at once, and the database ended each row delivered."""
@@ -339,7 +346,7 @@ def check_delivered(fleet: Sequence[Vehicle], work: Workload, db: Database, *, d
         if firsts(v) != want:
             problems.append(f"{v.vin}: got {firsts(v)}, stored {want}")
         if not duplicates and len(v.received) != len(want):
-            problems.append(f"{v.vin}: {len(v.received)} PUBLISHes for {len(want)} requests")
+            problems.append(f"{v.vin}: {len(v.received)} PUBLISHes for {len(want)} requests: {timeline(v)}")
         problems += overlaps(v.vin, list(v.received), list(v.pubacks))
     assert problems == [], "\n".join(problems[:20])
     assert db.pending_rows() == 0 and db.out() == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -79,11 +80,15 @@ class Rig:
         for i in range(self.n):
             pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=4)
             pub = Recorder(f"i{i}", self.sent)
-            kw = {"inflight_timeout_s": 60.0, "lanes": 4, "heartbeat_window_s": 0.002} | self.kw
+            kw = {
+                "inflight_timeout_s": 60.0,
+                "lanes": 4,
+                "heartbeat_window_s": 0.002,
+                "sender": lambda i=i: f"sdv-fanout-i{i}",
+            } | self.kw
             d = SharedDispatcher(
                 pool,
                 pub,
-                sender=lambda i=i: f"sdv-fanout-i{i}",
                 connected=lambda pub=pub: pub.up,
                 vin_from_clientid=lambda c: c.startswith("V"),
                 on_outcome=lambda vin, rid, sha1, outcome, attempts: self.outcomes.append(
@@ -597,5 +602,89 @@ def test_a_vehicle_whose_paced_request_opened_during_its_load_waits_for_capacity
             await rig.idle()
             await pacer.tick()  # the token is still here: the waiting vehicle is offered it
             await rig.until(lambda: rig.sent_to("V1") == [rid], "the paced delivery", timeout_s=10)
+
+    run(body)
+
+
+async def send_and_ack(conn: Any, vin: str, request_id: str, sha1: bytes, session: str, now: int) -> None:
+    """Another instance's two events for an online, idle vehicle: it sends the row, then the
+    vehicle's PUBACK ends it (nothing out again)."""
+    seen = await pgd.load_many(conn, [vin], now, 3)
+    out = pgd.Marker(request_id, sha1, session, now, 1)
+    sent = pgd.Save(vin, seen[vin], marker=(out,), sender="sdv-fanout-other", sends=True)
+    assert await pgd.save_many(conn, now, [sent]) == [(pgd.SAVED, [])]
+    seen = await pgd.load_many(conn, [vin], now + 1, 3)
+    acked = pgd.Save(vin, seen[vin], marker=(None,), ends=[(request_id, sha1, Outcome.DELIVERED, 1, b"")])
+    assert await pgd.save_many(conn, now + 1, [acked]) == [(pgd.SAVED, [True])]
+
+
+def test_a_send_decided_on_a_row_another_instance_sent_and_ended_since_the_load_is_not_saved(dsn: str) -> None:
+    """A vehicle idle at the load, whose row another instance sent and saw PUBACKed before this
+    save (its delivery recorded and gone again: the same empty state), is CHANGED: the send
+    decided on that row is not written, so the vehicle never gets the row a second time."""
+
+    async def body() -> None:
+        conn = await asyncpg.connect(dsn)
+        other = await asyncpg.connect(dsn)
+        try:
+            now = int(time.time() * 1000)
+            data = b"payload"
+            sha1 = sha1_of(data)
+            await batches.store_batch(conn, ["V1"], "task_aba_1", data, now)
+            await other.fetchval("SELECT sdv_vin_save('V1', $1, 1::int2, 'live', 0::int2, NULL, NULL, NULL, NULL, "
+                                 "NULL, NULL, NULL, NULL, NULL, NULL, '{}', '{}', '{}', '{}', '{}')", now)  # fmt: skip
+            loaded = await pgd.load_many(conn, ["V1"], now, 3)
+            assert loaded["V1"].marker is None and [r.request_id for r, _ in loaded["V1"].rows] == ["task_aba_1"]
+            await send_and_ack(other, "V1", "task_aba_1", sha1, "live", now + 10)
+            # This instance's event, decided on the first load, sends that row.
+            again = pgd.Marker("task_aba_1", sha1, "live", now + 40, 1)
+            mine = pgd.Save("V1", loaded["V1"], marker=(again,), sender="i0", sends=True)
+            assert await pgd.save_many(conn, now + 40, [mine]) == [(pgd.CHANGED, [])]
+            assert await conn.fetchval("SELECT count(*) FROM vin_state") == 0
+        finally:
+            await conn.close()
+            await other.close()
+
+    asyncio.run(body())
+
+
+def test_an_event_that_loaded_a_row_another_instance_then_sent_and_saw_acked_does_not_send_it_again(dsn: str) -> None:
+    """An online vehicle's event loads its row; before its save, another instance sends that row and
+    the vehicle's PUBACK ends it (the vehicle is idle again, as at the load): the event's save is
+    refused, it runs again on what is stored now and sends nothing (the vehicle got the row once)."""
+    data = b"fw"
+    sha1 = sha1_of(data)
+    live: list[str] = []  # the vehicle's stored session
+    interleaved: list[bool] = []
+
+    def sender() -> str:
+        # Asked for between this instance's load and its save: the other instance's events run
+        # then, on a connection of their own (this loop is blocked meanwhile).
+        if not interleaved:
+            interleaved.append(True)
+
+            async def other() -> None:
+                conn = await asyncpg.connect(dsn)
+                try:
+                    await send_and_ack(conn, "V1", "task_once_1", sha1, live[0], int(time.time() * 1000))
+                finally:
+                    await conn.close()
+
+            thread = threading.Thread(target=asyncio.run, args=(other(),))
+            thread.start()
+            thread.join(30)
+        return "sdv-fanout-i0"
+
+    async def body() -> None:
+        async with Rig(dsn, sender=sender) as rig:
+            rig.instances[0].subscribed(S("V1"), "V1")  # online, nothing to send yet
+            await rig.idle()
+            live.append(await rig.conn.fetchval("SELECT session FROM presence WHERE vin = 'V1'"))
+            await rig.batch(["V1"], "task_once_1", data)
+            await rig.until(lambda: bool(interleaved), "the new batch's event")
+            await rig.idle()
+            assert rig.sent == []
+            assert await outcomes.outcome_of(rig.conn, "V1", "task_once_1", sha1) is Outcome.DELIVERED
+            assert await rig.conn.fetchval("SELECT count(*) FROM vin_state") == 0
 
     run(body)

@@ -592,7 +592,8 @@ class SharedDispatcher:
         save = None
         if presence or saved_marker or rows_seen.ends:
             sender = self._sender() if saved_marker and sends.queued else None
-            save = pgd.Save(vin, loaded, presence, saved_marker, sender, rows_seen.ends)
+            sends_row = bool(saved_marker and saved_marker[0] is not None and sends.queued)
+            save = pgd.Save(vin, loaded, presence, saved_marker, sender, rows_seen.ends, sends_row)
         changed = before[1] is not None or before[0] != after[0]
         recheck = changed and after[0] is not None and after[1] is None and not sends.queued
         return _Decided(q, result, save, sends, reports, recheck)

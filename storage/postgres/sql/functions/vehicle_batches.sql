@@ -5,9 +5,13 @@
 -- lock, in the save's own transaction). A vehicle whose lock is held right now, or that another
 -- instance changed in between, is left untouched and its event runs again: the lock is tried,
 -- never waited for, so vehicles' locks cannot deadlock. Called by storage/postgres/dispatch.py.
+-- Its state can change and come back between the load and the save (nothing out, then a send
+-- and its PUBACK elsewhere, then nothing out again): a send is therefore also checked to find
+-- its row still pending, or the vehicle would get that row a second time.
 
 -- A vehicle's recorded delivery as text: what its event's decision depended on, besides its
--- presence and its rows (rows are not the vehicle lock's to protect: see docs/postgresql.md).
+-- presence and its rows (rows are not the vehicle lock's to protect, see docs/postgresql.md; but
+-- a send's own row is checked, sdv_vin_save_many).
 CREATE OR REPLACE FUNCTION sdv_marker_token(p_vin text) RETURNS text LANGUAGE sql STABLE AS $$
     SELECT (s.request_id, s.sha1, s.session, s.sent_ms, s.attempts, s.await_response, s.acked_ms,
             s.cancelled, s.voided)::text
@@ -74,8 +78,10 @@ $$;
 -- What many vehicle events decided, in one transaction (the statement's own). Per event k (the
 -- caller gives them in VIN order, one per vehicle: rows are then deleted in VIN order, the
 -- store's lock order): try the vehicle's lock; held elsewhere, verdict 1 (busy). Its presence or
--- delivery no longer what the load read (p_seen_presence, p_seen_marker: sdv_marker_token),
--- verdict 2 (changed). Otherwise verdict 0: sdv_vin_save with the event's fields and its
+-- delivery no longer what the load read (p_seen_presence, p_seen_marker: sdv_marker_token), or
+-- the event sends a row (p_marker 3: the given fields, a publish of their pair) that is no longer
+-- pending (another instance sent it and saw it PUBACKed since the load, say), verdict 2 (changed).
+-- Otherwise verdict 0: sdv_vin_save with the event's fields (p_marker 3 written as 1) and its
 -- p_end_counts[k] pairs of the flattened p_end_* arrays, and which of them ended.
 CREATE OR REPLACE FUNCTION sdv_vin_save_many(
     p_now bigint, p_vins text[], p_seen_presence text[], p_seen_marker text[],
@@ -98,12 +104,16 @@ BEGIN
         IF NOT pg_try_advisory_xact_lock(sdv_lock_class('vehicle'), hashtext(p_vins[k])) THEN
             verdict := 1;
         ELSIF (SELECT p.session FROM presence p WHERE p.vin = p_vins[k]) IS DISTINCT FROM p_seen_presence[k]
-                OR sdv_marker_token(p_vins[k]) IS DISTINCT FROM p_seen_marker[k] THEN
+                OR sdv_marker_token(p_vins[k]) IS DISTINCT FROM p_seen_marker[k]
+                OR (p_marker[k] = 3 AND NOT EXISTS (
+                    SELECT 1 FROM rows r
+                    WHERE r.vin = p_vins[k] AND r.request_id = p_request_id[k] AND r.sha1 = p_sha1[k])) THEN
             verdict := 2;
         ELSE
             verdict := 0;
             done := sdv_vin_save(
-                p_vins[k], p_now, p_presence[k], p_session[k], p_marker[k], p_request_id[k], p_sha1[k],
+                p_vins[k], p_now, p_presence[k], p_session[k],
+                CASE WHEN p_marker[k] = 3 THEN 1::smallint ELSE p_marker[k] END, p_request_id[k], p_sha1[k],
                 p_marker_session[k], p_sent_ms[k], p_attempts[k], p_await_response[k], p_acked_ms[k],
                 p_cancelled[k], p_voided[k], p_sender[k],
                 p_end_request_ids[v_first:v_last], p_end_sha1s[v_first:v_last], p_end_codes[v_first:v_last],

@@ -1,0 +1,3 @@
+-- Version 17: sdv_vin_save_many (../functions/vehicle_batches.sql) saves an event's send only
+-- while the row it sends is still pending (p_marker 3); a vehicle whose state went out and back
+-- between the load and the save no longer gets the same row twice. No table changed.
