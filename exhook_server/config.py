@@ -310,6 +310,10 @@ class Config:
     # The shared-subscription group our processes and instances join for vehicle events
     # ($share/<group>/...): one group per deployment, so each event reaches one of them.
     events_share_group: str = "sdv-fanout"
+    # After reading vehicle events, wait this long before reading again, so what arrives meanwhile
+    # is handled in one wake-up: at fleet rates each heartbeat arrives alone, and a wake-up per
+    # message cost more than the message. Heartbeats and answers are late by at most this; 0 = off.
+    events_gather_ms: float = 10.0
     # EMQX's failed_action cannot stop a publish: while no hook call of ours answers (a restart,
     # a crash, a stopped process) EMQX PUBACKs a batch and routes it. With this on (and mqtt_url
     # set) one process of the deployment keeps a persistent MQTT session subscribed to the batch
@@ -647,6 +651,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("vehicle_events must be auto, mqtt or hooks")
     if cfg.vehicle_events == "mqtt" and not cfg.mqtt_url:
         raise ConfigError("vehicle_events = mqtt needs mqtt_url (the events arrive over our MQTT connection)")
+    if not 0 <= cfg.events_gather_ms <= 1000:
+        raise ConfigError("events_gather_ms must be 0..1000")
     if not _PLAIN_NAME.fullmatch(cfg.events_share_group):
         raise ConfigError("events_share_group must be 1-64 letters, digits, '_' or '-' (an MQTT share name)")
     if cfg.rule_ack_topic_prefix:

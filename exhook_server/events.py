@@ -43,7 +43,9 @@ class VehicleEvents:
         self._responses = RequestTopics(cfg.response_topic_prefix) if cfg.response_topic_prefix else None
         self._max_response = cfg.max_response_bytes
         self._counts = {k: metrics.VEHICLE_EVENTS.labels(k) for k in ("heartbeat", "answer", "ignored")}
-        self._subscriber = Subscriber(cfg, self.clientid, subscriptions(cfg), self.handle, self._state)
+        self._subscriber = Subscriber(
+            cfg, self.clientid, subscriptions(cfg), self.handle, self._state, gather_s=cfg.events_gather_ms / 1000
+        )
 
     async def hold(self) -> None:
         """Be a member until cancelled (reconnecting after any loss)."""

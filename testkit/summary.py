@@ -808,7 +808,9 @@ def fleet_rows(fl: dict[str, Any] | None) -> list[Row]:
         cpu = "; ".join(
             f"{r['version']}: {r['cpu_ratio']:.2f}x ({r['cpu_us_per_heartbeat']['ours']:.0f} vs"
             f" {r['cpu_us_per_heartbeat']['raw']:.0f} µs, of which the server"
-            f" {r['cpu_us_per_heartbeat']['ours_server_only']:.0f})"
+            f" {r['cpu_us_per_heartbeat']['ours_server_only']:.0f}"
+            + (f"; server idle {r['server_idle_cpu_ms_per_s']:.1f} ms CPU/s" if "server_idle_cpu_ms_per_s" in r else "")
+            + ")"
             for r in results
         )
         worst = max(r["cpu_ratio"] for r in results)

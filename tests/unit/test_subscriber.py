@@ -20,6 +20,8 @@ class Transport:
     def __init__(self) -> None:
         self.written: list[bytes] = []
         self.aborted = False
+        #: pause_reading (False) and resume_reading (True) calls, in order.
+        self.reading: list[bool] = []
 
     def write(self, data: bytes) -> None:
         self.written.append(data)
@@ -29,6 +31,12 @@ class Transport:
 
     def is_closing(self) -> bool:
         return self.aborted
+
+    def pause_reading(self) -> None:
+        self.reading.append(False)
+
+    def resume_reading(self) -> None:
+        self.reading.append(True)
 
 
 def in_loop(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
@@ -48,10 +56,14 @@ def publish(topic: str, payload: bytes, *, qos: int, packet_id: int = 7, props: 
     return bytes([0x30 | qos << 1]) + _varint(len(body)) + body
 
 
-def link() -> tuple[_Link, Transport, list[tuple[str, bytes]]]:
+def link(gather_s: float = 0.0) -> tuple[_Link, Transport, list[tuple[str, bytes]]]:
     got: list[tuple[str, bytes]] = []
     sub = Subscriber(
-        Config(), "sdv-fanout-events-t", [("$share/g/ecp/+/heartbeat", 0)], lambda t, p: got.append((t, p))
+        Config(),
+        "sdv-fanout-events-t",
+        [("$share/g/ecp/+/heartbeat", 0)],
+        lambda t, p: got.append((t, p)),
+        gather_s=gather_s,
     )
     lk = _Link(sub)
     tr = Transport()
@@ -112,3 +124,21 @@ async def test_a_refused_subscription_is_not_reported_up() -> None:
     assert states == [] and not lk.subscribed
     lk.data_received(b"\x90\x04\x00\x01\x00\x00")
     assert states == [True] and lk.subscribed
+
+
+@in_loop
+async def test_after_a_read_the_link_waits_the_gathering_window_before_reading_again() -> None:
+    lk, tr, got = link(gather_s=0.01)
+    lk.data_received(publish("ecp/V1/heartbeat", b"1", qos=0))
+    assert got == [("ecp/V1/heartbeat", b"1")] and tr.reading == [False]  # handled at once, then paused
+    lk.data_received(publish("ecp/V2/heartbeat", b"2", qos=0))  # already read: no second pause
+    assert len(got) == 2 and tr.reading == [False]
+    deadline = asyncio.get_running_loop().time() + 5
+    while tr.reading == [False] and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.005)
+    assert tr.reading == [False, True]
+    lk.data_received(publish("ecp/V3/heartbeat", b"3", qos=0))
+    assert tr.reading == [False, True, False] and len(got) == 3
+    plain, tr0, _ = link()
+    plain.data_received(publish("ecp/V1/heartbeat", b"1", qos=0))
+    assert tr0.reading == []  # 0: read at once, never paused
