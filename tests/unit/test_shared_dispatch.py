@@ -688,3 +688,32 @@ def test_an_event_that_loaded_a_row_another_instance_then_sent_and_saw_acked_doe
             assert await rig.conn.fetchval("SELECT count(*) FROM vin_state") == 0
 
     run(body)
+
+
+def test_a_failed_recheck_after_the_save_still_reports_what_the_save_wrote(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look for new work after a batch's save (the lost wake-up's recheck) fails: the PUBACK
+    the save ended is still reported, once (its outcome is not lost with the recheck)."""
+
+    async def body() -> None:
+        async with Rig(dsn) as rig:
+            d = rig.instances[0]
+            d.subscribed(S("V1"), "V1")
+            await rig.batch(["V1"], "task_r_1", b"one")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_r_1"], "the delivery")
+            await rig.idle()
+            failed: list[bool] = []
+
+            async def lost(*args: object) -> list[str]:
+                failed.append(True)
+                raise ConnectionResetError("connection lost")
+
+            monkeypatch.setattr(pgd, "with_work", lost)
+            d.acked(S("V1"), "V1", "task_r_1", sha1_of(b"one"))
+            await rig.until(lambda: bool(failed), "the recheck")
+            await rig.idle()
+            assert rig.outcomes == [("V1", "task_r_1", Outcome.DELIVERED, 1)]
+            assert await rig.conn.fetchval("SELECT count(*) FROM rows") == 0
+
+    run(body)

@@ -60,7 +60,7 @@ from storage.model import Outcome, Row
 from storage.postgres import dispatch as pgd
 from storage.postgres import pacing as pg_pacing
 from storage.postgres.errors import RETRYABLE
-from storage.postgres.types import Pool
+from storage.postgres.types import Connection, Pool
 
 log = structlog.get_logger("sdv_fanout.dispatch")
 
@@ -531,24 +531,37 @@ class SharedDispatcher:
                 if capped and pacing is not None:
                     for rid in capped:  # what this batch counted and started, until the next count
                         pacing.observe(rid, caps[rid] - room[rid])
-                # A batch's filter reads presence and the slot outside the vehicles' locks: it
-                # may have found a vehicle offline or its slot taken just before this save, whose
-                # load read the queue before the batch committed, brought it online or freed the
-                # slot with nothing more to send. Such vehicles are looked at once more after the
-                # save's commit, so no new row waits for the next heartbeat.
-                recheck = [d.queued.vin for d in decided if d.recheck and d.verdict == pgd.SAVED]
-                if recheck:
-                    trips += 1
-                    for vin in await pgd.with_work(conn, recheck, round(self._clock() * 1000)):
-                        self._submit(vin, functools.partial(_handle, MaybeSend(Trigger.NEW_BATCH, vin)), why="recheck")
+            # Saved: published and reported now, whatever the recheck below runs into.
+            again = []
+            for d in decided:
+                if d.verdict != pgd.SAVED:
+                    again.append(d.queued)
+                    continue
+                self._report(d)
+            recheck = [d.queued.vin for d in decided if d.recheck and d.verdict == pgd.SAVED]
+            if recheck:
+                trips += 1
+                await self._recheck(conn, recheck)
         metrics.DB_ROUND_TRIPS.labels("event").inc(trips)
-        again = []
-        for d in decided:
-            if d.verdict != pgd.SAVED:
-                again.append(d.queued)
-                continue
-            self._report(d)
         return again
+
+    async def _recheck(self, conn: Connection, vins: list[str]) -> None:
+        """A batch's filter reads presence and the slot outside the vehicles' locks: it may have
+        found a vehicle offline or its slot taken just before a save whose load read the queue
+        before the batch committed, brought it online or freed the slot with nothing more to
+        send. Such vehicles are looked at once more after the save's commit, so no new row waits
+        for the next heartbeat; if that look fails, the leader's wake-up pass finds them."""
+        try:
+            async with asyncio.timeout(self._event_timeout_s):
+                found = await pgd.with_work(conn, vins, self._now_ms())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            metrics.DISPATCH_EVENT_FAILURES.inc()
+            log.warning("recheck_failed", vin=vins[0], vehicles=len(vins), error=repr(exc))
+            return
+        for vin in found:
+            self._submit(vin, functools.partial(_handle, MaybeSend(Trigger.NEW_BATCH, vin)), why="recheck")
 
     def _decide(
         self,
