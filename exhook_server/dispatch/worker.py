@@ -156,6 +156,15 @@ ResponseListener = Callable[[str, str, bytes, bytes, int], None]
 #: Told of a delivery's latency: (vin, request_id, sha1, stage, ms, whether the pair ends with it).
 #: Stages (storage/latency.py): "delivered" = stored -> PUBACK, "answered" = PUBACK -> answer.
 LatencyListener = Callable[[str, str, bytes, str, int, bool], None]
+#: Told of a delivery started: (vin, request_id, trigger, whether it is a re-send).
+SentListener = Callable[[str, str, str, bool], None]
+
+
+def count_sent(vin: str, request_id: str, trigger: str, resend: bool) -> None:
+    """A delivery published: counted (sent or re-sent) and logged. A worker calls it as it sends;
+    over PostgreSQL the dispatcher calls it once the event's save made the send real."""
+    (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
+    log.debug("delivery_sent", vin=vin, request_id=request_id, trigger=trigger, resend=resend)
 
 
 @dataclass(slots=True)
@@ -269,8 +278,11 @@ class Worker:
         budget: StartBudget | None = None,
         on_latency: LatencyListener | None = None,
         wall_ms: Callable[[], int] = now_ms,
+        on_sent: SentListener = count_sent,
     ) -> None:
         self.name = name
+        #: Told of each delivery it starts.
+        self._on_sent = on_sent
         #: This process's delivery budget (max_deliveries_per_s); None: unbounded.
         self._budget = budget
         #: Told of each delivery's latencies; `wall_ms` is the clock rows are stored by.
@@ -485,8 +497,7 @@ class Worker:
         if pacing is not None:
             pacing.started(row.request_id, vin)
         self._rows.sent(vin, row, attempts)
-        (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
-        log.debug("delivery_sent", vin=vin, request_id=row.request_id, trigger=trigger.value, resend=resend)
+        self._on_sent(vin, row.request_id, trigger.value, resend)
 
     def _restore_awaited(self, vin: str, request_id: str, sha1: bytes, kept: Kept, session: Session) -> bool:
         """Hold the slot for a delivery PUBACKed before a restart whose answer is awaited, from

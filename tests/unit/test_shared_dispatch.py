@@ -13,6 +13,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from prometheus_client import REGISTRY
 
 from exhook_server.aio import cancel_all
 from exhook_server.backends.postgres import pgmode
@@ -648,10 +649,15 @@ def test_a_send_decided_on_a_row_another_instance_sent_and_ended_since_the_load_
     asyncio.run(body())
 
 
+def sent_total() -> float:
+    return REGISTRY.get_sample_value("sdv_fanout_deliveries_sent_total") or 0.0
+
+
 def test_an_event_that_loaded_a_row_another_instance_then_sent_and_saw_acked_does_not_send_it_again(dsn: str) -> None:
     """An online vehicle's event loads its row; before its save, another instance sends that row and
     the vehicle's PUBACK ends it (the vehicle is idle again, as at the load): the event's save is
-    refused, it runs again on what is stored now and sends nothing (the vehicle got the row once)."""
+    refused, it runs again on what is stored now and sends nothing (the vehicle got the row once);
+    the send it had decided is not counted as sent (sdv_fanout_deliveries_sent_total)."""
     data = b"fw"
     sha1 = sha1_of(data)
     live: list[str] = []  # the vehicle's stored session
@@ -680,10 +686,12 @@ def test_an_event_that_loaded_a_row_another_instance_then_sent_and_saw_acked_doe
             rig.instances[0].subscribed(S("V1"), "V1")  # online, nothing to send yet
             await rig.idle()
             live.append(await rig.conn.fetchval("SELECT session FROM presence WHERE vin = 'V1'"))
+            sends_before = sent_total()
             await rig.batch(["V1"], "task_once_1", data)
             await rig.until(lambda: bool(interleaved), "the new batch's event")
             await rig.idle()
             assert rig.sent == []
+            assert sent_total() == sends_before
             assert await outcomes.outcome_of(rig.conn, "V1", "task_once_1", sha1) is Outcome.DELIVERED
             assert await rig.conn.fetchval("SELECT count(*) FROM vin_state") == 0
 

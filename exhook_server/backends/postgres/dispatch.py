@@ -55,6 +55,7 @@ from exhook_server.dispatch.worker import (
     StartBudget,
     VehicleState,
     Worker,
+    count_sent,
 )
 from storage.model import Outcome, Row
 from storage.postgres import dispatch as pgd
@@ -232,12 +233,17 @@ class _Sends:
 
 
 class _Reports:
-    """Outcomes and answers the worker reported during one event, passed on after the commit."""
+    """Sends, outcomes and answers the worker reported during one event, passed on after the
+    commit (a send whose save was refused is neither counted nor logged)."""
 
     def __init__(self) -> None:
+        self.starts: list[tuple[str, str, str, bool]] = []
         self.outcomes: list[tuple[str, str, bytes, Outcome, int]] = []
         self.responses: list[tuple[str, str, bytes, bytes, int]] = []
         self.latencies: list[tuple[str, str, bytes, str, int, bool]] = []
+
+    def started(self, vin: str, request_id: str, trigger: str, resend: bool) -> None:
+        self.starts.append((vin, request_id, trigger, resend))
 
     def outcome(self, vin: str, request_id: str, sha1: bytes, outcome: Outcome, attempts: int) -> None:
         self.outcomes.append((vin, request_id, sha1, outcome, attempts))
@@ -594,6 +600,7 @@ class SharedDispatcher:
             pacing=pacing,
             on_latency=reports.latency,
             wall_ms=lambda: round(now * 1000),
+            on_sent=reports.started,
         )
         before = _state(loaded)
         worker.restore(vin, before)
@@ -616,6 +623,8 @@ class SharedDispatcher:
         pairs it ended, and its result to whoever waits for it."""
         for item in d.sends.queued:
             self._publisher.publish(*item)
+        for started in d.reports.starts:
+            count_sent(*started)
         for vin_, rid, sha1, outcome, attempts in d.reports.outcomes:
             if (rid, sha1) in d.ended and self._on_outcome is not None:
                 self._on_outcome(vin_, rid, sha1, outcome, attempts)
