@@ -4,13 +4,16 @@
 127.0.0.1 only, its unix socket in that dir, fsync and synchronous_commit ON (durability is what the
 tests check). PostgreSQL refuses to run as root: as root, every server-side command runs as the
 dedicated system user `PG_OS_USER` (created once with `useradd --system`), which owns the temp dir.
-`stop()` always leaves no process and no dir behind, whatever state the server is in.
+`stop()` always leaves no process and no dir behind, whatever state the server is in. Each dir
+names the process that made it (`owner`): a cluster whose owner died without stopping it (a
+killed pytest) is stopped and deleted by the next `create()` on the machine (`reap_orphans`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import pwd
 import re
@@ -35,6 +38,8 @@ APP_DB = "sdv"
 DEBIAN_PG_ROOT = Path("/usr/lib/postgresql")
 
 _live: set[PgCluster] = set()
+#: In a cluster's dir: "<pid> <start time>" of the process that made it.
+OWNER_FILE = "owner"
 
 
 def find_bindir() -> Path | None:
@@ -106,6 +111,7 @@ class PgCluster:
             os.chown(self.dir, *self._user)
         self.data_dir = self.dir / "data"
         self.log_path = self.dir / "server.log"
+        (self.dir / OWNER_FILE).write_text(f"{os.getpid()} {process_start(os.getpid())}\n")
         _live.add(self)
 
     # -- construction ------------------------------------------------------------------------------
@@ -117,6 +123,7 @@ class PgCluster:
         bindir = find_bindir()
         if bindir is None:
             raise PgError(f"no PostgreSQL binaries (initdb, pg_ctl) found: install postgresql-15 or set {BINDIR_ENV}")
+        reap_orphans()
         cluster = cls(bindir, name=name, settings=settings)
         try:
             # --no-sync: initdb's files are not flushed (a second saved per cluster), which only a
@@ -313,6 +320,41 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+def process_start(pid: int) -> str:
+    """The process's start time (clock ticks since boot; "" when it is gone): with the pid, a
+    name that a reused pid does not take over."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _gone(pid: int) -> bool:
+    return not pid_alive(pid)
+
+
+def reap_orphans(base: Path | None = None) -> list[Path]:
+    """Stop and delete the clusters under `base` (the temp dir) whose owner process is gone; the
+    dirs removed. A dir without an owner file (being made, or of an older testkit) is left alone."""
+    reaped = []
+    for d in sorted((base or Path(tempfile.gettempdir())).glob("sdv-pg-*")):
+        try:
+            pid, start = (d / OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if process_start(int(pid)) == start:
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            postmaster = int((d / "data" / "postmaster.pid").read_text().split()[0])
+            # Only a postmaster of this dir's data (the pid may have been reused since).
+            if str(d) in Path(f"/proc/{postmaster}/cmdline").read_bytes().decode(errors="replace"):
+                os.kill(postmaster, signal.SIGQUIT)  # immediate shutdown: its children go with it
+                poll(functools.partial(_gone, postmaster), timeout_s=10, interval_s=0.02)
+        shutil.rmtree(d, ignore_errors=True)
+        reaped.append(d)
+    return reaped
 
 
 @atexit.register
