@@ -39,6 +39,7 @@ check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check exhook_server storage spark
 	$(BIN)/mypy exhook_server storage spark
+	$(BIN)/mypy -p testkit
 
 ## proto: regenerate exhook_server/_proto from proto/
 proto: $(STAMP)

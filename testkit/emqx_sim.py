@@ -1006,6 +1006,7 @@ class Vehicle(vehicle.Vehicle):
     """
 
     received: list[Received]  # type: ignore[assignment]
+    unacked: list[tuple[Any, Received]]  # type: ignore[assignment]
     acks: list[tuple[Received, float]]  # type: ignore[assignment]
 
     def __init__(
@@ -1365,9 +1366,12 @@ class Vehicle(vehicle.Vehicle):
         """The vehicle publishes: `message.publish` (if registered for the topic), then the real
         publish if allowed, then `message.dropped(no_subscribers)` if nobody subscribes."""
         conn = self._require_open()
-        return self.emqx._wait(self.emqx._submit(self.clientid, self._job_publish, conn, topic, payload, qos))  # type: ignore[no-any-return]
+        answer: pb.ValuedResponse | None = self.emqx._wait(
+            self.emqx._submit(self.clientid, self._job_publish, conn, topic, payload, qos)
+        )
+        return answer
 
-    def respond(self, request_id: str, payload: bytes, vin: str | None = None) -> pb.ValuedResponse | None:  # type: ignore[override]
+    def respond(self, request_id: str, payload: bytes, vin: str | None = None) -> pb.ValuedResponse | None:
         """The vehicle's answer to `request_id` on `agent/<vin>/proxy/response/<request_id>`
         (another `vin` plays a forged answer)."""
         return self.publish(f"agent/{vin or self.vin}/proxy/response/{request_id}", payload)

@@ -81,7 +81,7 @@ def batch_request(request_id: str, vin: str, data: str) -> bytes:
         headers={"username": "platform", "protocol": "mqtt", "peerhost": "127.0.0.1"},
     )
     setattr(msg, "from", "sdv-platform")
-    return pb.MessagePublishRequest(message=msg).SerializeToString()
+    return bytes(pb.MessagePublishRequest(message=msg).SerializeToString())
 
 
 @dataclass

@@ -87,7 +87,7 @@ class ExHookClient:
         self.package = package
 
     def call(self, method: str, request: Any, timeout_s: float = 10.0) -> Any:
-        response_cls = {
+        response_cls: Any = {
             "OnProviderLoaded": pb.LoadedResponse,
             "OnClientAuthenticate": pb.ValuedResponse,
             "OnClientAuthorize": pb.ValuedResponse,

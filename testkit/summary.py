@@ -351,7 +351,7 @@ def status_rows(st: dict[str, Any] | None) -> list[Row]:
         target = f"≥ {STATUS_RATIO_MIN:.1f}x" if "per_vehicle" not in key else "report (off by default)"
         status = verdict(s[key] if s else None, STATUS_RATIO_MIN) if "per_vehicle" not in key else "reported"
         rows.append((label, ref, target, meas, status))
-    if ing and "off_over_before" in ing["summary"]:
+    if ing and st and "off_over_before" in ing["summary"]:
         s = ing["summary"]
         before = st["meta"]["before"]
         meas = measured(
