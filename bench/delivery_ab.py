@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import statistics
@@ -53,6 +54,18 @@ from testkit.plumbing import (
 from testkit.rig import FLEET, MAX_PER_PROC
 
 SIDES = ("this", "base")
+
+
+def stime_s(pids: list[int]) -> float:
+    """System (kernel) CPU seconds of processes, from /proc."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                total += int(f.read().rsplit(")", 1)[1].split()[12]) / os.sysconf("SC_CLK_TCK")
+        except FileNotFoundError:
+            continue
+    return total
 
 
 def side_settings(side: str) -> dict[str, str]:
@@ -146,10 +159,12 @@ class AbRig:
             arm_fleets(self.fleets, requests, self.args.deadline_s)
             meter = CpuMeter({"server": self.pids[side], "emqx": self.emqx_pids})
             threads0 = thread_cpu_s(self.pids[side])
+            sys0 = stime_s(self.pids[side])
             t0 = self.platform.publish_all(topic, payloads, self.args.deadline_s)
             done = collect_fleets(self.fleets, len(self.vins) * requests, self.args.deadline_s)
             shares = meter.shares()
             threads = thread_cpu_s(self.pids[side])
+            sys1 = stime_s(self.pids[side])
             self.settle()
         finally:
             self.broker.api("PUT", f"/rules/{self.rules[side]}", {"enable": False})
@@ -160,6 +175,7 @@ class AbRig:
             "deliveries_per_s": n / seconds,
             "server_us": shares["server"] * meter.wall_s / n * 1e6,
             "emqx_us": shares["emqx"] * meter.wall_s / n * 1e6,
+            "server_sys_us": (sys1 - sys0) / n * 1e6,  # of server_us: in the kernel (socket calls, fsync)
             # The event loop's thread (each process's main thread) and the rest (LMDB writer, gRPC).
             "server_loop_us": sum(c - threads0.get(t, 0.0) for t, c in threads.items() if t in mains) / n * 1e6,
             "server_threads_us": sum(c - threads0.get(t, 0.0) for t, c in threads.items() if t not in mains) / n * 1e6,
@@ -260,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "emqx_us": {s: med(s, "emqx_us") for s in SIDES},
         "server_loop_us": {s: med(s, "server_loop_us") for s in SIDES},
         "server_threads_us": {s: med(s, "server_threads_us") for s in SIDES},
+        "server_sys_us": {s: med(s, "server_sys_us") for s in SIDES},
         "deliveries_per_s": {s: med(s, "deliveries_per_s") for s in SIDES},
         "ratio_us": {"min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1]},
         "duplicates": sum(r[s]["duplicates"] for r in rounds for s in SIDES),
@@ -271,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"server CPU µs/delivery (medians of {args.rounds} paired rounds, EMQX {args.version}, "
         f"{args.vehicles} vehicles x {args.requests}): this {us['this']:.0f}, base {args.base} {us['base']:.0f}"
         f" (event loop thread: this {loop['this']:.0f}, base {loop['base']:.0f}; other threads: this"
-        f" {rest['this']:.0f}, base {rest['base']:.0f}); this/base paired {ratios[0]:.2f} /"
+        f" {rest['this']:.0f}, base {rest['base']:.0f}; in the kernel: this {summary['server_sys_us']['this']:.0f},"
+        f" base {summary['server_sys_us']['base']:.0f}); this/base paired {ratios[0]:.2f} /"
         f" {summary['ratio_us']['median']:.2f} / {ratios[-1]:.2f}; deliveries/s this {rate['this']:,.0f} base"
         f" {rate['base']:,.0f}; EMQX µs/delivery this {emqx['this']:.0f} base {emqx['base']:.0f};"
         f" duplicates {summary['duplicates']}; load average {summary['loadavg_1m_before']:.1f} before,"

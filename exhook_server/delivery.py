@@ -183,24 +183,17 @@ class _Client(paho_tls.Client):
         if at + length > end:
             return super()._packet_read()
         self._rpos = at + length
-        packet = self._in_packet
-        packet["command"] = buf[pos]
+        packet = self._in_packet  # paho's, between packets: only these fields differ from its reset
+        command = packet["command"] = buf[pos]
         packet["packet"] = bytearray(buf[at : at + length])
         packet["remaining_length"] = length
         try:
-            rc = self._packet_handle()
+            rc = self._handle_publish() if command & 0xF0 == mqtt.PUBLISH else self._handle_pubackcomp("PUBACK")
         except MalformedPacket:
             rc = MQTTErrorCode.MQTT_ERR_PROTOCOL
-        self._in_packet = {
-            "command": 0,
-            "have_remaining": 0,
-            "remaining_count": [],
-            "remaining_mult": 1,
-            "remaining_length": 0,
-            "packet": bytearray(b""),
-            "to_process": 0,
-            "pos": 0,
-        }
+        packet["command"] = 0
+        packet["packet"] = bytearray()
+        packet["remaining_length"] = 0
         with self._msgtime_mutex:
             self._last_bytes_received = time.monotonic()
         return rc
@@ -282,6 +275,7 @@ class MqttDelivery:
         on_refused: RefusedCallback | None = None,
         on_ack: AckCallback | None = None,
         clientid: str | None = None,
+        after_read: Callable[[], None] | None = None,
     ) -> None:
         self._cfg = cfg
         self._loop = loop
@@ -295,6 +289,8 @@ class MqttDelivery:
         #: Acks are matched by the prefix; the rest keeps replicas apart.
         self.clientid = clientid or f"{cfg.mqtt_clientid_prefix}{socket.gethostname()}-{os.getpid()}"
         self._on_ack = on_ack
+        #: Called after each read from the broker (the dispatcher's `drain_now`).
+        self._after_read = after_read
         #: Where the rule republishes the PUBACKs of our deliveries; "" = the hook brings them.
         self.ack_topic = f"{cfg.rule_ack_topic_prefix}/{self.clientid}" if cfg.rule_ack_topic_prefix and on_ack else ""
         self._ack_timeout_s = cfg.inflight_timeout_s
@@ -311,7 +307,8 @@ class MqttDelivery:
         #: The socket the loop watches (None between connections), and whether for writing too.
         self._sock: Any = None
         self._writing = False
-        self._flush_due = False
+        #: The loop turn's write, scheduled (see `_want_flush`); None when none is due.
+        self._flush_handle: asyncio.Handle | None = None
         self._was_up = False
         self._housekeeping_timer: asyncio.TimerHandle | None = None
         #: mid → (vin, request_id) of deliveries written and not yet PUBACKed by the broker.
@@ -533,18 +530,24 @@ class MqttDelivery:
             client.buffered() or (isinstance(self._sock, ssl.SSLSocket) and self._sock.pending())
         ):
             client.loop_read()
+        if self._after_read is not None:
+            # What this read freed is dispatched now and written with it: one loop turn per read,
+            # not three (read, the dispatcher's turn, the write's turn).
+            self._after_read()
+            if self._flush_handle is not None:
+                self._flush_handle.cancel()
+                self._flush()
 
     def _on_want_write(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
         self._on_loop(self._want_flush)
 
     def _want_flush(self) -> None:
         # Everything queued in this loop iteration is written together, right after it.
-        if not self._flush_due and self._sock is not None:
-            self._flush_due = True
-            self._loop.call_soon(self._flush)
+        if self._flush_handle is None and self._sock is not None:
+            self._flush_handle = self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        self._flush_due = False
+        self._flush_handle = None
         sock = self._sock
         if sock is None:
             return
@@ -628,9 +631,10 @@ class MqttDelivery:
             self._isolated = None
         if reason.is_failure:  # the broker refused this very message (e.g. 0x87 not authorized)
             self._blame(key, "puback_" + reason.getName().lower().replace(" ", "_"))
-        else:
+        elif self._suspects:
             self._suspects.pop(key, None)
-        self._release()
+        if self._held:
+            self._release()
 
     def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         was, self._connected = self._connected, False

@@ -380,6 +380,7 @@ class FanoutServer:
                 self._broker_connected,
                 on_refused=self.dispatcher.refused,
                 on_ack=acks.RuleAcks(self.cfg, self.dispatcher).received if self.cfg.rule_ack_topic_prefix else None,
+                after_read=self.dispatcher.drain_now,
             )
             self.delivery.start()
             if self.cfg.events_over_mqtt:  # each process a member of the events group

@@ -32,6 +32,10 @@ class Dispatch(Protocol):
         """Events queued here and not handled yet."""
         ...
 
+    def drain_now(self) -> None:
+        """Handle what waits for the next loop turn now (after a read of the delivery client)."""
+        ...
+
     # -- events from hooks -------------------------------------------------------
     def new_batch(self, vins: Iterable[str], request_id: str = "") -> None: ...
 

@@ -341,6 +341,12 @@ class Store:
             value = txn.get(rkey, db=self.tables.ids)
         return None if value is None else keys.decode_row(rkey, value)
 
+    def row_sha1(self, vin: str, request_id: str) -> bytes | None:
+        """The sha1 of the pending row (vin, request_id), or None: `row` without the decode."""
+        with self._read_bytes() as txn:
+            value = txn.get(keys.row_key(vin, request_id), db=self.tables.ids)
+        return None if value is None else keys.row_sha1(value)
+
     def outcome(self, vin: str, request_id: str, sha1: bytes) -> Outcome | None:
         """How the pair (vin, request_id, sha1) ended (an `outcomes.Outcome`), or None."""
 

@@ -177,6 +177,14 @@ class Dispatcher:
         if inbox and self._loop is not None:
             self._schedule()
 
+    def drain_now(self) -> None:
+        """Handle the queued commands now rather than on the next loop turn (the delivery client
+        calls it after each read, so the deliveries its acks free go out with that read's write)."""
+        handle = self._drain_handle
+        if handle is not None:
+            handle.cancel()
+            self._drain()
+
     def backlog(self) -> int:
         """Commands queued and not yet handled, over all workers."""
         return len(self._inbox)

@@ -128,8 +128,10 @@ class StoreRows:
         with self._lock:
             if self._deleting.get(vin, {}).get(request_id) == sha1:
                 return False  # a duplicate PUBACK: its delete is already on its way
-        row = self._store.row(vin, request_id)
-        if (row is None or row.sha1 != sha1) and self._store.outcome(vin, request_id, sha1) is not Outcome.CANCELLED:
+        if (
+            self._store.row_sha1(vin, request_id) != sha1
+            and self._store.outcome(vin, request_id, sha1) is not Outcome.CANCELLED
+        ):
             # Nothing of ours to end (a duplicate PUBACK, or the row was replaced since), and no
             # cancelled delivery to amend: no write at all. The op re-checks inside its
             # transaction, so this read only ever saves work, it never decides.

@@ -388,6 +388,9 @@ class SharedDispatcher:
         """Events queued and not yet handled (heartbeats in the gathering window included)."""
         return self._queued + len(self._beats)
 
+    def drain_now(self) -> None:
+        """Nothing to do: events run in tasks of their own, not on a loop turn's queue."""
+
     # -- running vehicle events, in batches ------------------------------------------
     def _submit(
         self, vin: str, act: Callable[[Worker], Any], future: asyncio.Future[Any] | None = None, why: str = ""
