@@ -298,7 +298,10 @@ def test_a_vehicle_that_never_pubacks_fails_after_max_attempts_and_gets_its_next
     rig.emqx.publish_batch(["V1"], "task_poison_1", "never")
     rig.emqx.publish_batch(["V1"], "task_cfg_1", "cfg")
     poll(lambda: "task_cfg_1" in rids(rig, v1), timeout_s=15)
-    assert rids(rig, v1) == ["task_poison_1"] * 3 + ["task_cfg_1"]
+    # The vehicle PUBACKs nothing: task_cfg_1 goes again each in-flight timeout (0.3 s), which a
+    # loaded machine may let pass before the list is read.
+    got = rids(rig, v1)
+    assert got[:4] == ["task_poison_1"] * 3 + ["task_cfg_1"] and set(got[4:]) <= {"task_cfg_1"}, got
     record = poll(lambda: outcome_of(rig, "V1", "task_poison_1"))  # its commit is lazy
     assert record is not None and record.outcome is outcomes.Outcome.FAILED and record.attempts == 3
 
