@@ -16,6 +16,7 @@ import asyncpg
 
 from storage.lmdb.store import Store
 from testkit.emqx_real import EmqxApiError, EmqxBroker
+from testkit.emqx_shared import unregister_exhook
 from testkit.emqx_sim import free_port
 from testkit.harness import SubprocessServer, Throttle, metric, poll, stop
 from testkit.vehicle import Vehicle
@@ -85,7 +86,12 @@ class Rig:
             self.broker.wait_exhook(EXHOOK)
 
     def close(self) -> None:
-        stop(self.srv)
+        """Leave the broker as found: our ExHook entry goes first (EMQX never retries a server that
+        is gone), then the server, then its catch-up session."""
+        try:
+            unregister_exhook(self.broker, EXHOOK)
+        finally:
+            stop(self.srv)
         discard_session(self.broker, self.clientid)
 
 

@@ -676,22 +676,26 @@ def file_authorization(acl: Path, *, no_match: str = "deny") -> dict[str, str]:
     return {"EMQX_AUTHORIZATION__SOURCES": json.dumps([source]), "EMQX_AUTHORIZATION__NO_MATCH": no_match}
 
 
-@contextlib.contextmanager
-def running_emqx(version: str, workdir: Path, **kw: Any) -> Iterator[EmqxBroker]:
-    """A started EmqxBroker, killed on exit whatever happens: a throwaway broker needs no graceful
-    stop (2-3 s per broker on the loaded 2-core VM, against 0.1 s for SIGKILL; the suite stops
-    several). Tests of a broker's restart call `stop()` themselves. A boot that fails (a port it
-    was given got taken meanwhile by a process beside it) is tried once more on new ports."""
+def started_emqx(version: str, workdir: Path, **kw: Any) -> EmqxBroker:
+    """`EmqxBroker(version, workdir, **kw).start()`, but a boot that fails (a port it was given got
+    taken meanwhile by a process beside it) is tried once more on new ports."""
     broker = EmqxBroker(version, workdir, **kw)
     try:
-        try:
-            broker.start()
-        except EmqxUnavailable:
-            raise
-        except EmqxError:
-            broker.kill()
-            broker = EmqxBroker(version, workdir, **kw)
-            broker.start()
+        return broker.start()
+    except EmqxUnavailable:
+        raise
+    except EmqxError:
+        broker.kill()
+        return EmqxBroker(version, workdir, **kw).start()
+
+
+@contextlib.contextmanager
+def running_emqx(version: str, workdir: Path, **kw: Any) -> Iterator[EmqxBroker]:
+    """A `started_emqx`, killed on exit whatever happens: a throwaway broker needs no graceful
+    stop (2-3 s per broker on the loaded 2-core VM, against 0.1 s for SIGKILL; the suite stops
+    several). Tests of a broker's restart call `stop()` themselves."""
+    broker = started_emqx(version, workdir, **kw)
+    try:
         yield broker
     finally:
         broker.kill()
@@ -714,5 +718,6 @@ __all__ = [
     "release_dirs",
     "release_version",
     "running_emqx",
+    "started_emqx",
     "where_looked",
 ]

@@ -16,6 +16,7 @@ from exhook_server import log
 from exhook_server.config import Config
 from storage.lmdb.store import now_ms
 from storage.postgres import migrate
+from testkit.emqx_shared import SharedBrokers
 from testkit.harness import ExHookClient, InProcessServer
 from testkit.pg_cluster import PgCluster, find_bindir
 
@@ -25,35 +26,95 @@ log.configure("console", "warning", cache=False)
 _databases = itertools.count()
 
 
+#: The files that take their real EMQX brokers from `emqx_brokers`. Under `make test` they run one
+#: after another on one worker (one xdist unit, handed out first), so each broker boots once for all.
+SHARED_EMQX_FILES = frozenset(
+    f"tests/integration/{name}.py"
+    for name in (
+        "test_catchup",
+        "test_emqx_acl",
+        "test_emqx_shared",
+        "test_emqx_sync",
+        "test_real_emqx",
+        "test_real_emqx_events",
+        "test_real_emqx_rule_acks",
+        "test_sim_vs_real",
+    )
+)
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _weight(item: pytest.Item) -> int:
+    """The higher, the earlier the item's file is handed out."""
+    path = _file(item)
+    if path in SHARED_EMQX_FILES:
+        return 3
+    if item.get_closest_marker("slow"):
+        return 2
+    return 1 if path.startswith("tests/spark/") else 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On a pytest-xdist worker (`make test`: `--dist loadfile --no-loadscope-reorder`, a whole
-    file per worker, so a module's broker or cluster is set up once): the files with `slow`
-    tests, then the Spark ones, are handed out first, so that the other worker is not left idle
-    while one of them runs at the end. A serial run keeps the collected order."""
+    file per worker, so a module's broker or cluster is set up once): the files sharing real EMQX
+    brokers, then those with `slow` tests, then the Spark ones, are handed out first, so that the
+    other worker is not left idle while one of them runs at the end. A serial run keeps the
+    collected order."""
+    stray = {_file(item) for item in items if "emqx_brokers" in item.fixturenames} - SHARED_EMQX_FILES
+    if stray:
+        raise pytest.UsageError(f"add {', '.join(sorted(stray))} to SHARED_EMQX_FILES in tests/conftest.py")
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     weight: dict[str, int] = {}
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        heavy = 2 if item.get_closest_marker("slow") else 1 if path.startswith("tests/spark/") else 0
-        weight[path] = max(weight.get(path, 0), heavy)
-    items.sort(key=lambda item: -weight[item.nodeid.split("::", 1)[0]])  # stable: files stay whole
+        weight[_file(item)] = max(weight.get(_file(item), 0), _weight(item))
+    items.sort(key=lambda item: -weight[_file(item)])  # stable: files stay whole
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadfile`, but the Spark files go to one worker as one unit: they share its one
-    SparkSession (a JVM, the `spark` fixture) instead of each worker starting its own."""
+    SparkSession (a JVM, the `spark` fixture) instead of each worker starting its own; so do the
+    SHARED_EMQX_FILES, which share its brokers."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class SparkTogether(LoadFileScheduling):
+    class Together(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope: str = super()._split_scope(nodeid)
-            return "tests/spark/" if scope.startswith("tests/spark/") else scope
+            if scope.startswith("tests/spark/"):
+                return "tests/spark/"
+            return "shared EMQX" if scope in SHARED_EMQX_FILES else scope
 
-    return SparkTogether(config, log)
+    return Together(config, log)
+
+
+_emqx_pools: list[SharedBrokers] = []
+
+
+@pytest.fixture(scope="session")
+def emqx_brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedBrokers]:
+    """Real EMQX brokers for the SHARED_EMQX_FILES, one per (version, env), each handed out in the
+    state it booted in (testkit/emqx_shared.py). They are killed once the next test needs none."""
+    with SharedBrokers(tmp_path_factory.mktemp("emqx-shared")) as pool:
+        _emqx_pools.append(pool)
+        yield pool
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test that uses `emqx_brokers` (and its module's teardown), kill the brokers:
+    idle, they would still hold memory and wake up for the rest of the session."""
+    try:
+        return (yield)
+    finally:
+        if nextitem is None or "emqx_brokers" not in nextitem.fixturenames:
+            for pool in _emqx_pools:
+                pool.close()
 
 
 @pytest.fixture(params=["lmdb", "postgresql"])

@@ -1,4 +1,4 @@
-"""The catch-up session on a real EMQX (5.8.9, one broker for the module): batches published while
+"""The catch-up session on a real EMQX (5.8.9, shared: `emqx_brokers`): batches published while
 every server process is stopped (SIGSTOP, then kill -9) are stored once and delivered once to
 real vehicles after the processes continue or start again, in LMDB mode (a group of two
 processes) and in PostgreSQL mode (two instances); the session moves with the PostgreSQL lead when
@@ -7,7 +7,8 @@ the leader is killed; a batch both the hook and the session saw is stored and de
 The ExHook is registered with request_timeout 1 s: a stopped server costs each publish one second,
 after which EMQX applies failed_action `ignore`, PUBACKs the platform and routes the batch to the
 catch-up session. Every server of a test has a catch-up client id of its own, whose session the
-test discards at the end (EMQX would keep it for a week and queue the next tests' batches there).
+test discards at the end (EMQX would keep it for a week and queue the next tests' batches there),
+with the ExHook entry it registered.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from testkit.catchup import (
     release_acks,
     session_held,
 )
-from testkit.emqx_real import EmqxBroker, Platform, find_release, running_emqx, where_looked
+from testkit.emqx_real import EmqxBroker, Platform, find_release, where_looked
+from testkit.emqx_shared import SharedBrokers, unregister_exhook
 from testkit.emqx_sim import free_port
 from testkit.harness import SubprocessServer, Throttle, poll, signal_all, stop
 from testkit.vehicle import Fleet, Vehicle
@@ -44,11 +46,10 @@ VERSION = "5.8.9"
 
 
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmqxBroker]:
+def broker(emqx_brokers: SharedBrokers) -> EmqxBroker:
     if find_release(VERSION) is None:
         pytest.skip(f"no EMQX {VERSION}: {where_looked()}")
-    with running_emqx(VERSION, tmp_path_factory.mktemp("emqx-catchup")) as b:
-        yield b
+    return emqx_brokers.get(VERSION)
 
 
 @pytest.fixture
@@ -193,8 +194,11 @@ def test_postgresql_the_session_moves_with_the_lead_when_the_leader_is_killed(
         stored_once(servers, ["cf_first", *rids])
         assert {e["request_id"] for e in other.events() if e.get("event") == "batch_stored"} >= set(rids)
     finally:
-        for s in servers:
-            stop(s)
+        try:
+            unregister_exhook(broker, EXHOOK)
+        finally:
+            for s in servers:
+                stop(s)
         discard_session(broker, clientid)
 
 

@@ -6,7 +6,8 @@ No sdv-fanout server runs here: MQTT clients play its parts (username `sdv-fanou
 (username `sdv-platform`) and the vehicles' (clientid = VIN), so the broker's answers (SUBACK and
 PUBACK reason codes, what arrives where) are all that is measured. 5.8.9 and 5.9.1 run as
 docs/operations.md says (`authorization.no_match = deny`); 5.1.6 keeps EMQX's default `allow`, so
-the file alone is shown to deny. One broker per version for the module; the probes of a client go
+the file alone is shown to deny. One broker per version for the module (5.8.9's and 5.9.1's shared
+with test_real_emqx_events.py: `emqx_brokers`); the probes of a client go
 in one SUBSCRIBE (each filter gets its own reason code) and a few publishes on one connection.
 """
 
@@ -18,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from testkit.emqx_real import EmqxBroker, available_versions, file_authorization, running_emqx, where_looked
+from testkit.emqx_real import EmqxBroker, available_versions, file_authorization, where_looked
+from testkit.emqx_shared import SharedBrokers
 from testkit.harness import ROOT, poll
 from testkit.mqtt import Client
 
@@ -133,13 +135,11 @@ class Probe:
 
 
 @pytest.fixture(scope="module", params=BROKERS, ids=[f"emqx{v}-no_match-{m}" for v, m in BROKERS])
-def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmqxBroker]:
+def broker(request: pytest.FixtureRequest, emqx_brokers: SharedBrokers) -> EmqxBroker:
     version, no_match = request.param
     if version not in available_versions():
         pytest.skip(f"no EMQX {version}: {where_looked()}")
-    workdir = tmp_path_factory.mktemp(f"emqx{version}-acl")
-    with running_emqx(version, workdir, env=file_authorization(ACL, no_match=no_match)) as b:
-        yield b
+    return emqx_brokers.get(version, env=file_authorization(ACL, no_match=no_match))
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
 """`sdv-fanout emqx sync|check` and the run-time hook-set checks against real EMQX 5.1.6, 5.8.9, 5.9.1.
 
-The three brokers start together once for the module (an API key made through the REST API on
-each); each test runs `sdv-fanout serve` processes on loopback and the CLI in-process. A fresh
-broker gets the ExHook entry and the ack rule from one sync; a server restarted with another
-ack_topic_prefix finds EMQX still calling the hooks of the old list (it logs and counts it) until
-a sync reloads the entry; a second sync writes nothing, which the server's OnProviderLoaded count
-and the client's list of writes both show.
+The three brokers (shared with the other real-EMQX files: `emqx_brokers`) get an API key made
+through the REST API, and are left as found at the module's end; each test runs `sdv-fanout serve`
+processes on loopback and the CLI in-process. A fresh broker gets the ExHook entry and the ack rule
+from one sync; a server restarted with another ack_topic_prefix finds EMQX still calling the hooks
+of the old list (it logs and counts it) until a sync reloads the entry; a second sync writes
+nothing, which the server's OnProviderLoaded count and the client's list of writes both show.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from exhook_server import cli, emqx_sync
 from exhook_server.config import Config
 from exhook_server.emqx_api import EmqxApi
-from testkit.emqx_real import EmqxBroker, EmqxError, available_versions, where_looked
+from testkit.emqx_real import EmqxBroker, available_versions, where_looked
+from testkit.emqx_shared import SharedBrokers, unregister_exhook
 from testkit.emqx_sim import free_port
 from testkit.harness import SubprocessServer, poll
 from testkit.vehicle import Fleet
@@ -37,6 +38,8 @@ ACK_PREFIX = "$SDV-FANOUT/acked"
 RELOADS_BY_ITSELF = {"5.9.1"}
 #: The one ExHook entry of the module (per broker): the first test finds the broker without it.
 EXHOOK = "sdv-fanout"
+#: The name of the module's EMQX API key on each broker.
+API_KEY = "sdv-fanout-sync"
 #: Tests that restart the server under a loaded entry: not on e5.9.1, whose ExHook manager
 #: crashed in its reload timer for a restarted server (`config_not_found` for the entry's
 #: `order`: no hooks at all until the node restarts) in 3 of 6 runs here; 5.1.6 and 5.8.9 keep
@@ -53,7 +56,7 @@ class Rig:
     def __init__(self, broker: EmqxBroker, workdir: Path) -> None:
         self.broker = broker
         self.workdir = workdir
-        self.key, self.secret = broker.create_api_key("sdv-fanout-sync")
+        self.key, self.secret = broker.create_api_key(API_KEY)
         #: The port of the servers EMQX's one ExHook entry points at.
         self._port = free_port()
         self.servers: list[SubprocessServer] = []
@@ -138,6 +141,20 @@ class Rig:
             self.broker.api("DELETE", f"/rules/{rid}")
         self.serve(name, "")
 
+    def leave(self) -> None:
+        """Leave the broker as found: the entry goes while the server `cleanup` left still
+        answers, then the rule, the servers and the API key."""
+        try:
+            if self.broker.running:
+                unregister_exhook(self.broker, EXHOOK)
+                for rid in self.rules():
+                    self.broker.api("DELETE", f"/rules/{rid}")
+        finally:
+            for srv in self.servers:
+                srv.kill()
+        if self.broker.running:
+            self.broker.api("DELETE", f"/api_key/{API_KEY}")
+
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     """`sdv-fanout <argv>` in-process: exit code and what it printed."""
@@ -169,29 +186,18 @@ def connected_and_loaded(rig: Rig, name: str, want: dict[str, frozenset[str]]) -
 
 
 @pytest.fixture(scope="module")
-def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rig]]:
-    """Every available version, booting side by side, killed at the end. A boot that fails (a
-    port it was given got taken meanwhile) is tried once more on new ports."""
+def brokers(tmp_path_factory: pytest.TempPathFactory, emqx_brokers: SharedBrokers) -> Iterator[dict[str, Rig]]:
+    """Every available version (shared: `emqx_brokers`), left as found at the end (`Rig.leave`)."""
     workdir = tmp_path_factory.mktemp("emqx-sync")
-    started = {v: EmqxBroker(v, workdir) for v in VERSIONS if v in available_versions()}
     rigs: dict[str, Rig] = {}
     try:
-        for broker in started.values():
-            broker.launch()
-        for version, broker in started.items():
-            try:
-                broker.wait_started()
-            except EmqxError:
-                broker.kill()
-                started[version] = EmqxBroker(version, workdir).start()
-        rigs.update({v: Rig(b, workdir / v.replace(".", "_")) for v, b in started.items()})
+        for version in VERSIONS:
+            if version in available_versions():
+                rigs[version] = Rig(emqx_brokers.get(version), workdir / version.replace(".", "_"))
         yield rigs
     finally:
-        for r in rigs.values():  # the servers each test's cleanup left answering
-            for srv in r.servers:
-                srv.kill()
-        for broker in started.values():
-            broker.kill()
+        for r in rigs.values():
+            r.leave()
 
 
 @pytest.fixture(params=VERSIONS)

@@ -1,12 +1,14 @@
 """The product against real EMQX brokers: a v2 broker (5.8.9) and a v3 broker (5.9.1).
 
-One broker and one `sdv-fanout serve` subprocess per version for the whole module, registered
-through EMQX's REST API: on 5.8.9 a group of two processes on LMDB (events forwarded between
-them), on 5.9.1 two instances on PostgreSQL (`--processes 2 --store-url`: the kernel spreads
-EMQX's pool connections over both, each handles whatever hook it gets, the database decides).
-Vehicles are real MQTT 5 clients (testkit/vehicle.py) and the platform publishes real batches. Each test uses its
-own VINs, so tests share the server without seeing each other's rows. Everything is on loopback
-and every process is stopped at the end.
+One broker per version (shared with the other real-EMQX files: the `emqx_brokers` fixture) and one
+`sdv-fanout serve` subprocess per version for the whole module, registered through EMQX's REST API
+and unregistered at its end (the test that restarts EMQX has a broker and server of its own): on
+5.8.9 a group of two processes on LMDB (events forwarded between them), on 5.9.1 two instances on
+PostgreSQL (`--processes 2 --store-url`: the kernel spreads EMQX's pool connections over both, each
+handles whatever hook it gets, the database decides). Vehicles are real MQTT 5 clients
+(testkit/vehicle.py) and the platform publishes real batches. Each test uses its own VINs, so tests
+share the server without seeing each other's rows. Everything is on loopback and every process is
+stopped at the end.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from storage.lmdb.batches import sha1_of
 from storage.lmdb.outcomes import Outcome
 from storage.lmdb.store import Store
 from testkit.emqx_real import EmqxBroker, Platform, available_versions, running_emqx, where_looked
+from testkit.emqx_shared import SharedBrokers, unregister_exhook
 from testkit.emqx_sim import free_port
 from testkit.harness import BIN, SubprocessServer, Throttle, poll
 from testkit.vehicle import Fleet, Vehicle
@@ -48,6 +51,7 @@ class Fanout:
 
     def __init__(self, broker: EmqxBroker, workdir: Path, processes: int, store_url: str = "") -> None:
         self.broker = broker
+        self.processes = processes
         self.port = free_port()
         self.data_dir = workdir / "lmdb"
         self.store_url = store_url
@@ -130,38 +134,70 @@ class Fanout:
         else:
             self.srv.kill()
 
+    def leave(self) -> None:
+        """Leave the broker as found: our ExHook entry goes first (EMQX never retries a server that
+        is gone), then the server."""
+        try:
+            if self.broker.running:
+                unregister_exhook(self.broker, EXHOOK)
+        finally:
+            self.stop()
+
 
 @pytest.fixture(scope="module", params=SETUPS, ids=[f"emqx{v}-p{n}-{s}" for v, n, s in SETUPS])
-def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fanout]:
+def setup(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, emqx_brokers: SharedBrokers
+) -> Iterator[Fanout]:
     version, processes, store = request.param
     if version not in available_versions():
         pytest.skip(f"no EMQX {version}: {where_looked()}")
     store_url = ""
     if store == "postgresql":
         store_url = request.getfixturevalue("pg_cluster").new_database(f"emqx_{version.replace('.', '_')}")
-    workdir = tmp_path_factory.mktemp(f"emqx{version}")
-    with running_emqx(version, workdir) as broker:
-        fanout = Fanout(broker, workdir, processes, store_url)
-        try:
-            yield fanout
-        finally:
-            fanout.stop()
+    fanout = Fanout(emqx_brokers.get(version), tmp_path_factory.mktemp(f"emqx{version}"), processes, store_url)
+    try:
+        yield fanout
+    finally:
+        fanout.leave()
 
 
 _vin_prefixes = itertools.count()
+
+
+def rig_of(fanout: Fanout) -> Iterator[tuple[Fanout, Fleet, Platform, str]]:
+    """`fanout`, a fleet and a platform client of its broker, and a VIN prefix of the test's own."""
+    fleet = Fleet(fanout.broker)
+    platform = Platform(fanout.broker, clientid=f"sdv-platform-{next(_vin_prefixes)}")
+    try:
+        yield fanout, fleet, platform, f"T{next(_vin_prefixes):03d}V"
+    finally:
+        platform.close()
+        fleet.close()
 
 
 @pytest.fixture
 def rig(setup: Fanout) -> Iterator[tuple[Fanout, Fleet, Platform, str]]:
     """The module's broker and server, a fleet and a platform client, and a VIN prefix of this test's own."""
     setup.ensure_running()
-    fleet = Fleet(setup.broker)
-    platform = Platform(setup.broker, clientid=f"sdv-platform-{next(_vin_prefixes)}")
-    try:
-        yield setup, fleet, platform, f"T{next(_vin_prefixes):03d}V"
-    finally:
-        platform.close()
-        fleet.close()
+    yield from rig_of(setup)
+
+
+@pytest.fixture
+def own_rig(
+    setup: Fanout, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[Fanout, Fleet, Platform, str]]:
+    """`rig`, but on a broker and a server of the test's own, set up as the module's: for a test
+    that restarts the broker, which the shared one must not go through."""
+    version = setup.broker.version
+    store_url = ""
+    if setup.store_url:
+        store_url = request.getfixturevalue("pg_cluster").new_database(f"emqx_own_{version.replace('.', '_')}")
+    with running_emqx(version, tmp_path) as broker:
+        fanout = Fanout(broker, tmp_path, setup.processes, store_url)
+        try:
+            yield from rig_of(fanout)
+        finally:
+            fanout.stop()  # the broker goes with its entry
 
 
 def vins_of(prefix: str, n: int) -> list[str]:
@@ -366,10 +402,10 @@ def test_bad_request_id_is_rejected_without_stalling_the_fleet(rig: Any) -> None
     assert len(rejected) == 1
 
 
-def test_broker_restart_mid_fanout_delivers_everything(rig: Any) -> None:
+def test_broker_restart_mid_fanout_delivers_everything(own_rig: Any) -> None:
     """EMQX restarts while 20 vehicles each hold their first of 4 requests unacknowledged; once they
     reconnect, every request arrives (the one in flight at the restart at most twice)."""
-    fanout, fleet, platform, prefix = rig
+    fanout, fleet, platform, prefix = own_rig
     vins = vins_of(prefix, 20)
     vehicles = fleet.online(vins, auto_ack=False)
     rids = [f"task_brk_{n}" for n in range(4)]

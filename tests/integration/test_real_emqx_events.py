@@ -1,9 +1,10 @@
 """Vehicle events over MQTT (the default `emqx sync` provisions) on real EMQX 5.8.9 and 5.9.1.
 
-One broker per version for the module, running deploy/emqx/acl.conf verbatim with
-authorization.no_match = deny (the ACL is what vouches for a heartbeat's or answer's VIN), and
-one `sdv-fanout serve` group provisioned by `sdv-fanout emqx sync` with the EMQX API configured:
-heartbeats and answers through the shared subscription, PUBACKs through the ack rule. On 5.8.9
+One broker per version for the module (shared with test_emqx_acl.py: `emqx_brokers`), running
+deploy/emqx/acl.conf verbatim with authorization.no_match = deny (the ACL is what vouches for a
+heartbeat's or answer's VIN), and one `sdv-fanout serve` group provisioned by `sdv-fanout emqx
+sync` with the EMQX API configured (all of which it removes at its end): heartbeats and answers
+through the shared subscription, PUBACKs through the ack rule. On 5.8.9
 two processes on LMDB, on 5.9.1 two on PostgreSQL (where a third instance joins and leaves the
 events group mid-fanout). Vehicles, the platform and forgers are real MQTT clients.
 """
@@ -30,9 +31,9 @@ from testkit.emqx_real import (
     _descendants,
     file_authorization,
     find_release,
-    running_emqx,
     where_looked,
 )
+from testkit.emqx_shared import SharedBrokers
 from testkit.emqx_sim import free_port
 from testkit.harness import BIN, ROOT, SubprocessServer, poll
 from testkit.vehicle import Fleet, Vehicle
@@ -45,13 +46,15 @@ pytestmark = test_real_emqx.pytestmark
 #: Longer than any wait of this module: a heartbeat PUBACK that waited for a stopped server's hook
 #: would not come within DEADLINE_S.
 REQUEST_TIMEOUT_S = 120
+#: The name of the module's EMQX API key (the server's and `emqx sync`'s).
+API_KEY = "sdv-fanout-events"
 
 
 class EventsFanout(Fanout):
     """The server with the EMQX API configured (vehicle_events = auto: mqtt), provisioned by `emqx sync`."""
 
     def __init__(self, broker: EmqxBroker, workdir: Path, processes: int, store_url: str = "") -> None:
-        key, secret = broker.create_api_key("sdv-fanout-events")
+        key, secret = broker.create_api_key(API_KEY)
         self.broker = broker
         self.port = free_port()
         self.data_dir = workdir / "lmdb"
@@ -85,6 +88,15 @@ class EventsFanout(Fanout):
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
 
+    def leave(self) -> None:
+        """What `emqx sync` added and our API key go too: the broker is left as found."""
+        super().leave()
+        if self.broker.running:
+            for rule in self.broker.api("GET", "/rules")["data"]:
+                if rule.get("name") == emqx_sync.RULE_ID:
+                    self.broker.api("DELETE", f"/rules/{rule['id']}")
+            self.broker.api("DELETE", f"/api_key/{API_KEY}")
+
     def cfg(self) -> Config:
         return Config(emqx_api_url=self.env["SDV_FANOUT_EMQX_API_URL"], mqtt_url=self.broker.url)
 
@@ -98,7 +110,9 @@ class EventsFanout(Fanout):
 
 
 @pytest.fixture(scope="module", params=SETUPS, ids=[f"emqx{v}-p{n}-{s}" for v, n, s in SETUPS])
-def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EventsFanout]:
+def setup(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, emqx_brokers: SharedBrokers
+) -> Iterator[EventsFanout]:
     version, processes, store = request.param
     if find_release(version) is None:
         pytest.skip(f"no EMQX {version}: {where_looked()}")
@@ -106,14 +120,13 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     if store == "postgresql":
         store_url = request.getfixturevalue("pg_cluster").new_database(f"events_{version.replace('.', '_')}")
     workdir = tmp_path_factory.mktemp(f"emqx{version}-events")
-    acl = file_authorization(ROOT / "deploy" / "emqx" / "acl.conf")
-    with running_emqx(version, workdir, env=acl) as broker:
-        fanout = EventsFanout(broker, workdir, processes, store_url)
-        try:
-            poll(lambda: fanout.metric("sdv_fanout_events_subscribed") == processes, DEADLINE_S)
-            yield fanout
-        finally:
-            fanout.stop()
+    broker = emqx_brokers.get(version, env=file_authorization(ROOT / "deploy" / "emqx" / "acl.conf"))
+    fanout = EventsFanout(broker, workdir, processes, store_url)
+    try:
+        poll(lambda: fanout.metric("sdv_fanout_events_subscribed") == processes, DEADLINE_S)
+        yield fanout
+    finally:
+        fanout.leave()
 
 
 _prefixes = itertools.count()

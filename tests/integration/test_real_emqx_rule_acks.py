@@ -2,7 +2,8 @@
 
 The server runs with `ack_topic_prefix` and the broker with the rule `sdv-fanout ack-rule` prints,
 created through the REST API; vehicles and the platform are real MQTT clients. The fixtures and
-helpers of test_real_emqx.py are reused: one broker and one server per version for the module.
+helpers of test_real_emqx.py are reused: one broker (shared: `emqx_brokers`) and one server per
+version for the module, which deletes its rule at its end.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exhook_server.acks import rule_body
 from exhook_server.config import Config
-from testkit.emqx_real import EmqxBroker, Platform, find_release, running_emqx, where_looked
+from testkit.emqx_real import EmqxBroker, Platform, find_release, where_looked
+from testkit.emqx_shared import SharedBrokers
 from testkit.harness import ROOT, SubprocessServer, poll
 from testkit.mqtt import Client as MqttClient
 from testkit.vehicle import Fleet, Vehicle
@@ -60,6 +62,14 @@ class RuleFanout(Fanout):
         """POST the rule for the server's settings; its id."""
         return str(self.broker.api("POST", "/rules", rule_body(Config(ack_topic_prefix=ACK_PREFIX)))["id"])
 
+    def leave(self) -> None:
+        """The rule goes too: the broker is left as found."""
+        try:
+            if self.rule_id and self.broker.running:
+                self.broker.api("DELETE", f"/rules/{self.rule_id}")
+        finally:
+            super().leave()
+
     def delivery_clients(self) -> list[str]:
         """The clientids of the server's delivery clients (one per server process), from EMQX."""
         found = self.broker.api("GET", "/clients?like_clientid=sdv-fanout-&limit=100")["data"]
@@ -79,7 +89,9 @@ class RuleFanout(Fanout):
 
 
 @pytest.fixture(scope="module", params=SETUPS, ids=[f"emqx{v}-p{n}-{s}" for v, n, s in SETUPS])
-def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuleFanout]:
+def setup(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, emqx_brokers: SharedBrokers
+) -> Iterator[RuleFanout]:
     version, processes, store = request.param
     if find_release(version) is None:
         pytest.skip(f"no EMQX {version}: {where_looked()}")
@@ -87,14 +99,13 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     if store == "postgresql":
         store_url = request.getfixturevalue("pg_cluster").new_database(f"rule_acks_{version.replace('.', '_')}")
     workdir = tmp_path_factory.mktemp(f"emqx{version}-rule-acks")
-    with running_emqx(version, workdir) as broker:
-        fanout = RuleFanout(broker, workdir, processes, store_url)
-        try:
-            fanout.rule_id = fanout.create_rule()
-            poll(lambda: len(fanout.delivery_clients()) == processes, DEADLINE_S)
-            yield fanout
-        finally:
-            fanout.stop()
+    fanout = RuleFanout(emqx_brokers.get(version), workdir, processes, store_url)
+    try:
+        fanout.rule_id = fanout.create_rule()
+        poll(lambda: len(fanout.delivery_clients()) == processes, DEADLINE_S)
+        yield fanout
+    finally:
+        fanout.leave()
 
 
 class Client(MqttClient):

@@ -25,7 +25,8 @@ import pytest
 from exhook_server.acks import rule_body
 from exhook_server.hooks import MESSAGE_HOOKS
 from testkit import mqtt
-from testkit.emqx_real import EmqxBroker, Platform, available_versions, running_emqx, where_looked
+from testkit.emqx_real import EmqxBroker, Platform, available_versions, where_looked
+from testkit.emqx_shared import SharedBrokers
 from testkit.emqx_sim import HOOK_RPC, FakeEmqx, Mosquitto
 from testkit.harness import InProcessServer, poll
 from testkit.vehicle import Vehicle
@@ -316,12 +317,11 @@ SCENARIOS: dict[str, Callable[[World], list[Call]]] = {
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
-def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmqxBroker]:
+def broker(request: pytest.FixtureRequest, emqx_brokers: SharedBrokers) -> EmqxBroker:
     version = request.param
     if version not in available_versions():
         pytest.skip(f"no EMQX {version}: {where_looked()}")
-    with running_emqx(version, tmp_path_factory.mktemp(f"emqx{version}")) as b:
-        yield b
+    return emqx_brokers.get(version)
 
 
 def on_real(broker: EmqxBroker, make_server: Any, scenario: Callable[[World], list[Call]]) -> tuple[list[Call], Tap]:
