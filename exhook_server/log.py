@@ -14,6 +14,10 @@ from typing import TextIO
 import orjson
 import structlog
 
+#: Whether debug events are rendered: `configure` sets it (structlog unconfigured renders every
+#: level). A per-delivery debug event tests it first: a filtered call still costs a logger lookup.
+debug_enabled = True
+
 
 def _json_dumps(obj: object, default: object = None) -> str:
     return orjson.dumps(obj, default=default).decode()  # type: ignore[arg-type]
@@ -24,6 +28,9 @@ def configure(fmt: str = "console", level: str = "info", stream: TextIO | None =
 
     `cache=False` keeps loggers re-configurable, which `structlog.testing.capture_logs` needs.
     """
+    global debug_enabled
+    threshold = logging.getLevelNamesMapping()[level.upper()]
+    debug_enabled = threshold <= logging.DEBUG
     renderer: structlog.typing.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer(serializer=_json_dumps)
@@ -37,7 +44,7 @@ def configure(fmt: str = "console", level: str = "info", stream: TextIO | None =
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
         # One write() per event (print() makes two): the processes of a group share stderr, and
         # their lines must not interleave.
         logger_factory=structlog.WriteLoggerFactory(stream or sys.stderr),

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import structlog
 
+from exhook_server import log as xlog
 from exhook_server import metrics
 from exhook_server.dispatch.commands import (
     Acknowledge,
@@ -164,7 +165,8 @@ def count_sent(vin: str, request_id: str, trigger: str, resend: bool) -> None:
     """A delivery published: counted (sent or re-sent) and logged. A worker calls it as it sends;
     over PostgreSQL the dispatcher calls it once the event's save made the send real."""
     (metrics.DELIVERIES_RESENT if resend else metrics.DELIVERIES_SENT).inc()
-    log.debug("delivery_sent", vin=vin, request_id=request_id, trigger=trigger, resend=resend)
+    if xlog.debug_enabled:
+        log.debug("delivery_sent", vin=vin, request_id=request_id, trigger=trigger, resend=resend)
 
 
 @dataclass(slots=True)

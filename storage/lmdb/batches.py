@@ -243,16 +243,19 @@ def delete_row_if(
     outcome: Outcome = Outcome.DELIVERED,
     attempts: int = 0,
     response: bytes = b"",
+    *,
+    bumps: outcomes.Bumps | None = None,
 ) -> bool:
     """End the (vin, request_id) row with `outcome`, only if it still refers to `sha1` (not
-    replaced since): the row goes, its outcome is recorded and counted. A pair cancelled while
-    its delivery was in flight gets the outcome of that delivery instead of `cancelled`."""
+    replaced since): the row goes, its outcome is recorded and counted (through `bumps` when
+    given). A pair cancelled while its delivery was in flight gets the outcome of that delivery
+    instead of `cancelled`."""
     rkey = keys.row_key(vin, request_id)
     value = txn.get(rkey, db=t.ids)
     if value is None or keys.row_sha1(value) != sha1:
-        return outcomes.amend_cancelled(txn, t, vin, request_id, sha1, outcome, now_ms, attempts, response)
+        return outcomes.amend_cancelled(txn, t, vin, request_id, sha1, outcome, now_ms, attempts, response, bumps)
     value = bytes(value)  # a memoryview into the page the delete frees
-    queue.end_row(txn, t, rkey, value, outcome, now_ms or keys.row_ts(value), attempts, response)
+    queue.end_row(txn, t, rkey, value, outcome, now_ms or keys.row_ts(value), attempts, response, bumps)
     return True
 
 
@@ -273,7 +276,11 @@ class DeleteRows:
         self._ends: list[RowEnd] | None = None
 
     def __call__(self, txn: lmdb.Transaction) -> list[bool]:
-        return [delete_row_if(txn, self._tables, *end) for end in self.ends()]
+        # The ends of one window are mostly of a few generations: their counts change once each.
+        bumps = outcomes.Bumps()
+        ended = [delete_row_if(txn, self._tables, *end, bumps=bumps) for end in self.ends()]
+        bumps.write(txn, self._tables)
+        return ended
 
     def ends(self) -> list[RowEnd]:
         """The ends this op writes: taken now if it has not run yet."""

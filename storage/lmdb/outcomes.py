@@ -29,8 +29,51 @@ _PENDING = 1
 _COUNT = struct.Struct(">Q")
 
 
-def _bump(txn: lmdb.Transaction, t: Tables, request_id: str, sha1: bytes, now_ms: int, deltas: dict[int, int]) -> None:
-    key = keys.gen_key(request_id, sha1)
+class Bumps:
+    """Count changes of many ends in one op, written once per generation (`write`) instead of a
+    read, decode, encode and write of the generation's counts per end. Within one op each slot
+    only moves one way (pending and cancelled down, an outcome up), so the sum clamps as the
+    steps would."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        #: gens key → (last now_ms, slot → delta).
+        self._pending: dict[bytes, tuple[int, dict[int, int]]] = {}
+
+    def add(self, request_id: str, sha1: bytes, now_ms: int, deltas: dict[int, int]) -> None:
+        key = keys.gen_key(request_id, sha1)
+        held = self._pending.get(key)
+        if held is None:
+            self._pending[key] = (now_ms, dict(deltas))
+            return
+        sums = held[1]
+        for slot, delta in deltas.items():
+            sums[slot] = sums.get(slot, 0) + delta
+        self._pending[key] = (now_ms, sums)
+
+    def write(self, txn: lmdb.Transaction, t: Tables) -> None:
+        for key, (now_ms, deltas) in self._pending.items():
+            _bump_key(txn, t, key, now_ms, deltas)
+        self._pending.clear()
+
+
+def _bump(
+    txn: lmdb.Transaction,
+    t: Tables,
+    request_id: str,
+    sha1: bytes,
+    now_ms: int,
+    deltas: dict[int, int],
+    bumps: Bumps | None = None,
+) -> None:
+    if bumps is not None:
+        bumps.add(request_id, sha1, now_ms, deltas)
+    else:
+        _bump_key(txn, t, keys.gen_key(request_id, sha1), now_ms, deltas)
+
+
+def _bump_key(txn: lmdb.Transaction, t: Tables, key: bytes, now_ms: int, deltas: dict[int, int]) -> None:
     raw = txn.get(key, db=t.gens)
     if raw is None:
         first_ms, counts = now_ms, [0] * len(keys.COUNT_NAMES)
@@ -98,15 +141,16 @@ def end(
     attempts: int = 0,
     response: bytes = b"",
     sent_ms: int = 0,
+    bumps: Bumps | None = None,
 ) -> None:
     """The pending pair (row `rkey`, generation), stored at `stored_ms` and first published at
     `sent_ms` (0: never, or not known), ends with `outcome` (its row is being deleted or replaced
-    in this transaction)."""
+    in this transaction). With `bumps` the generation's counts change when it is written."""
     okey = rkey + keys.SEP + sha1
     _drop_outcome(txn, t, okey)  # none is expected: the pair was pending
     txn.put(okey, keys.outcome_value(now_ms, stored_ms, attempts, outcome.value, response, sent_ms), db=t.outcomes)
     txn.put(keys.timed_key(now_ms, okey), b"", db=t.outcome_expiry)
-    _bump(txn, t, request_id, sha1, now_ms, {_PENDING: -1, outcome.value: 1})
+    _bump(txn, t, request_id, sha1, now_ms, {_PENDING: -1, outcome.value: 1}, bumps)
     _count_answer(txn, t, request_id, outcome, response)
 
 
@@ -148,6 +192,7 @@ def amend_cancelled(
     now_ms: int,
     attempts: int = 0,
     response: bytes = b"",
+    bumps: Bumps | None = None,
 ) -> bool:
     """A pair cancelled while its delivery was in flight learns how that delivery ended: the
     vehicle took it (delivered, responded) or it was given up (failed). The cancel could not
@@ -164,7 +209,7 @@ def amend_cancelled(
     amended = keys.outcome_value(now_ms, stored_ms, max(attempts, old_attempts), outcome.value, response, sent_ms)
     txn.put(okey, amended, db=t.outcomes)
     txn.put(keys.timed_key(now_ms, okey), b"", db=t.outcome_expiry)
-    _bump(txn, t, request_id, sha1, now_ms, {Outcome.CANCELLED.value: -1, outcome.value: 1})
+    _bump(txn, t, request_id, sha1, now_ms, {Outcome.CANCELLED.value: -1, outcome.value: 1}, bumps)
     _count_answer(txn, t, request_id, outcome, response)
     return True
 

@@ -93,9 +93,11 @@ def end_row(
     now_ms: int,
     attempts: int = 0,
     response: bytes = b"",
+    bumps: outcomes.Bumps | None = None,
 ) -> None:
     """Remove the pending row `rkey` (whose current `value` the caller read and copied) with
-    every index entry it has, and record how it ended."""
+    every index entry it has, and record how it ended (its generation's counts through `bumps`
+    when given)."""
     row = keys.decode_row(rkey, value)
     txn.delete(rkey, db=t.ids)
     txn.delete(keys.expiry_key(row.ts_ms, rkey), db=t.expiry)
@@ -104,7 +106,7 @@ def end_row(
     txn.delete(keys.request_index_key(row.vin, row.request_id), db=t.by_request)
     sent_ms = forget_tries(txn, t, rkey, row.await_response, row.sha1)
     _row_gone(txn, t, row.vin.encode())
-    outcomes.end(txn, t, rkey, row.request_id, row.sha1, outcome, now_ms, row.ts_ms, attempts, response, sent_ms)
+    outcomes.end(txn, t, rkey, row.request_id, row.sha1, outcome, now_ms, row.ts_ms, attempts, response, sent_ms, bumps)
 
 
 def rebuild_indexes(txn: lmdb.Transaction, t: Tables) -> int:
