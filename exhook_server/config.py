@@ -369,6 +369,10 @@ class Config:
     # Run `emqx sync` once this server is serving; a failure is logged, serving goes on (EMQX
     # keeps what it had). Off by default: it needs the API settings above.
     emqx_sync_on_start: bool = False
+    # With emqx_sync_on_start, the deployment's leader looks again this often and puts back what
+    # drifted (a rule disabled or deleted by hand, an entry edited or removed, an older hook list):
+    # without the ack rule no delivery is ever acknowledged. 0 = at start only.
+    emqx_resync_s: float = 60.0
     # A server that got no OnProviderLoaded this long after start checks EMQX's hook list (with
     # emqx_api_url) or logs that it cannot confirm it: EMQX does not load a restarted server
     # again, it keeps the list it loaded earlier. A minute covers EMQX's load after our start.
@@ -684,6 +688,8 @@ def _check_emqx(cfg: Config) -> None:
         raise ConfigError(f"emqx_api_url {cfg.emqx_api_url!r} must be http(s)://host[:port] (e.g. http://emqx:18083)")
     if cfg.emqx_exhook_url and not re.fullmatch(r"https?://[^/\s]+/?", cfg.emqx_exhook_url):
         raise ConfigError(f"emqx_exhook_url {cfg.emqx_exhook_url!r} must be http(s)://host:port")
+    if cfg.emqx_resync_s < 0:
+        raise ConfigError("emqx_resync_s must be >= 0 (0: sync at start only)")
     if cfg.emqx_sync_on_start and not cfg.emqx_api_url:
         raise ConfigError("emqx_sync_on_start needs emqx_api_url (and an API key)")
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", cfg.emqx_exhook_name):

@@ -1,4 +1,5 @@
-"""`sdv-fanout emqx sync|check`: make a running EMQX match this server's settings, or say where not.
+"""`sdv-fanout emqx sync|check`: make a running EMQX match this server's settings, or say where not;
+the same at start (`sync_at_start`) and then at run time from the deployment's leader (`resync_loop`).
 
 What this server needs from EMQX is computed from `Config` alone (no server running): its ExHook
 entry, the hooks and topic filters `OnProviderLoaded` answers (`hooks.hook_specs`), and the ack rule
@@ -10,7 +11,9 @@ out after it regains it, so acks always have a path.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -18,7 +21,9 @@ from typing import Any
 
 import structlog
 
+from exhook_server import metrics
 from exhook_server.acks import rule_body
+from exhook_server.aio import in_daemon_thread
 from exhook_server.config import Config
 from exhook_server.emqx_api import EmqxApi, EmqxApiError, EmqxHttpError
 from exhook_server.errors import ConfigError
@@ -379,6 +384,46 @@ def sync_at_start(cfg: Config) -> None:
     for problem in found.problems + left:
         log.warning("emqx_sync_problem", detail=problem)
     log.info("emqx_sync_done", changes=len(found.changes), api=api.base)
+
+
+def resync(cfg: Config, known: set[str]) -> set[str]:
+    """One run-time look (emqx_resync_s): what drifted is put back and logged (`emqx_drift_healed`,
+    counted per kind); problems and warnings are logged when they differ from `known` (the last
+    look's), which is returned updated. Nothing is raised: EMQX keeps what it has."""
+    try:
+        api = EmqxApi.from_config(cfg)
+        found = plan(cfg, api)
+        if found.changes:
+
+            def healed(c: Change) -> None:
+                metrics.EMQX_DRIFT_HEALED.labels(c.kind).inc()
+                log.warning("emqx_drift_healed", kind=c.kind, detail=c.detail)
+
+            left = apply(cfg, api, found, on_change=healed)
+        else:
+            left = []
+    except (EmqxApiError, ConfigError) as exc:
+        now = {f"failed: {exc}"}
+        if now != known:
+            log.error("emqx_resync_failed", detail=str(exc), hint="EMQX keeps what it has; tried again later")
+        return now
+    warnings = {f"warning: {w}" for w in found.warnings}
+    now = set(found.problems + left) | warnings
+    for line in sorted(now - known):
+        if line in warnings:
+            log.warning("emqx_sync_warning", detail=line.removeprefix("warning: "))
+        else:
+            log.warning("emqx_sync_problem", detail=line)
+    return now
+
+
+async def resync_loop(cfg: Config, every_s: float) -> None:
+    """Forever: `resync` every `every_s` (its REST calls in a daemon thread: an API that never
+    answers must not hold up our exit)."""
+    known: set[str] = set()
+    while True:
+        await asyncio.sleep(every_s)
+        known = await in_daemon_thread(functools.partial(resync, cfg, known))
 
 
 def hook_list_differences(cfg: Config) -> list[str]:

@@ -249,6 +249,11 @@ HOOK_SET_MISMATCH = Counter(
     " asked for, or a difference `emqx check` found), by hook: run `sdv-fanout emqx sync`",
     ["hook"],
 )
+EMQX_DRIFT_HEALED = Counter(
+    "sdv_fanout_emqx_drift_healed_total",
+    "What the run-time EMQX sync (emqx_resync_s) found drifted and put back, by change kind",
+    ["kind"],
+)
 HOOK_SET_CONFIRMED = Gauge(
     "sdv_fanout_hook_set_confirmed",
     "1 once EMQX loaded this server (OnProviderLoaded) or its hook list was found equal to ours since start",

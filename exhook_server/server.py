@@ -246,6 +246,9 @@ class FanoutServer:
         self.metrics_port = 0
         self._metrics_http: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        #: Set once this process's start-up `emqx sync` is over (at once where it runs none): the
+        #: run-time sync must not race it.
+        self._synced_at_start = asyncio.Event()
 
     @property
     def admin_address(self) -> str:
@@ -343,7 +346,7 @@ class FanoutServer:
     def _leader_jobs(self) -> list[Job]:
         """The work one instance (one process of a host, or the PostgreSQL leader) does for all:
         GC, the vehicles-at-bound gauge, progress reports, `aborted` events a crash kept from the
-        platform, the catch-up session, and the store's
+        platform, the run-time EMQX sync, the catch-up session, and the store's
         own (`Backend.leader_jobs`: on PostgreSQL folding the count changes acks append)."""
         jobs = [
             ("backlog-gauge", housekeeping.backlog_gauge_loop(self.cfg, self.reads)),
@@ -352,6 +355,8 @@ class FanoutServer:
         if self.status.enabled:
             jobs.append(("progress", ProgressReporter(self.reads, self.status).run(self.cfg.progress_interval_s)))
             jobs.append(("abort-events", self.aborts.announce(self.cfg.policy_refresh_s)))
+        if self.cfg.emqx_sync_on_start and self.cfg.emqx_resync_s:  # EMQX's side kept as at start
+            jobs.append(("emqx-resync", self._resync()))
         if self.cfg.catchup_active:  # the deployment's one catch-up session (docs/operations.md)
             jobs.append(("catchup", catchup.CatchupSession(self.cfg, self.ingestor).hold()))
         return jobs + self.backend.leader_jobs()
@@ -434,6 +439,8 @@ class FanoutServer:
         await self.health_states.started()
         if self.group is None or self.group.index == 0:  # once per group: EMQX loads one of us
             self._tasks.append(asyncio.create_task(self._emqx_after_start(), name="emqx-hook-set"))
+        else:
+            self._synced_at_start.set()
         for service in ("", admin.SERVICE_NAME):
             await self.admin_health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -456,10 +463,20 @@ class FanoutServer:
         started = loop.time()
         # (REST calls in daemon threads: an API that never answers must not hold up our exit)
         if self.cfg.emqx_sync_on_start:
-            await in_daemon_thread(lambda: emqx_sync.sync_at_start(self.cfg))
+            try:
+                await in_daemon_thread(lambda: emqx_sync.sync_at_start(self.cfg))
+            finally:
+                self._synced_at_start.set()
+        else:
+            self._synced_at_start.set()
         await asyncio.sleep(max(0.0, started + self.cfg.hook_set_confirm_s - loop.time()))
         check = (lambda: emqx_sync.hook_list_differences(self.cfg)) if self.cfg.emqx_api_url else None
         await in_daemon_thread(lambda: self.servicer.watch.deadline_passed(check))
+
+    async def _resync(self) -> None:
+        """The run-time `emqx sync` (emqx_resync_s), once the start-up one is over."""
+        await self._synced_at_start.wait()
+        await emqx_sync.resync_loop(self.cfg, self.cfg.emqx_resync_s)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """NOT_SERVING first, finish running calls, commit what is queued, close LMDB."""

@@ -329,15 +329,34 @@ def test_unreachable_api_and_bad_credentials_exit_2_with_one_line(rig: Rig, caps
 
 
 @pytest.mark.parametrize("rig", RESTARTING, indirect=True)
-def test_server_syncs_on_start_and_confirms_the_hook_set(rig: Rig) -> None:
+def rule_enabled(rig: Rig) -> bool | None:
+    """Whether the ack rule is enabled (None: there is none)."""
+    found = [r for r in rig.broker.api("GET", "/rules")["data"] if r.get("name") == emqx_sync.RULE_ID]
+    return bool(found[0].get("enable")) if found else None
+
+
+def test_server_syncs_on_start_confirms_the_hook_set_and_puts_back_a_rule_changed_by_hand(rig: Rig) -> None:
+    """emqx_sync_on_start provisions; then every emqx_resync_s the leader puts back the ack rule
+    an operator disabled, then deleted (without it no delivery is ever acknowledged)."""
     name = EXHOOK
     try:
-        srv = rig.serve(name, ACK_PREFIX, "--emqx-sync-on-start", "--hook-set-confirm-s", "1")
+        srv = rig.serve(name, ACK_PREFIX, "--emqx-sync-on-start", "--hook-set-confirm-s", "1", "--emqx-resync-s", "0.5")
         poll(lambda: srv.logged("emqx_sync_done"), timeout_s=20)
         poll(lambda: connected_and_loaded(rig, name, emqx_sync.wanted_hooks(rig.cfg(name, ACK_PREFIX))), timeout_s=20)
         assert rig.rules() == [emqx_sync.RULE_ID]
         poll(lambda: metric(srv, "sdv_fanout_hook_set_confirmed") == 1, timeout_s=10)
         assert not srv.logged("hook_set_mismatch") and not srv.logged("emqx_sync_failed")
+        assert not srv.logged("emqx_drift_healed")  # nothing drifted yet: nothing written
+
+        def healed(kind: str) -> bool:
+            return any(e.get("kind") == kind for e in srv.events() if e.get("event") == "emqx_drift_healed")
+
+        rig.broker.api("PUT", f"/rules/{rig.rules()[0]}", {"enable": False})  # (put back at once, maybe)
+        poll(lambda: healed("rule-update"), timeout_s=20)  # logged once EMQX took the change
+        assert rule_enabled(rig) is True
+        rig.broker.api("DELETE", f"/rules/{rig.rules()[0]}")
+        poll(lambda: healed("rule-create"), timeout_s=20)
+        assert rule_enabled(rig) is True and rig.rules() == [emqx_sync.RULE_ID]
     finally:
         rig.cleanup(name)
 
