@@ -485,6 +485,9 @@ class FanoutServer:
         await asyncio.gather(
             self._server.stop(grace_s), *([self._admin_server.stop(grace_s)] if self._admin_server else [])
         )
+        # Leave the events group before dispatch stops: an answer it takes from now on is PUBACKed
+        # to nobody here and EMQX gives it to another member.
+        await cancel_all([t for t in self._tasks if t.get_name() == "events"])
         if self.delivery is not None:
             if self.delivery.connected:  # the last receipts, while the broker still answers
                 await self.status.drain(min(grace_s, _STATUS_DRAIN_S))

@@ -725,3 +725,21 @@ def test_a_failed_recheck_after_the_save_still_reports_what_the_save_wrote(
             assert await rig.conn.fetchval("SELECT count(*) FROM rows") == 0
 
     run(body)
+
+
+def test_a_stop_handles_the_vehicle_events_already_queued(dsn: str) -> None:
+    """A PUBACK queued when the dispatcher stops is handled before it stops (the broker will not
+    give it again): its row ends delivered."""
+
+    async def body() -> None:
+        async with Rig(dsn) as rig:
+            d = rig.instances[0]
+            d.subscribed(S("V1"), "V1")
+            await rig.batch(["V1"], "task_stop_1", b"one")
+            await rig.until(lambda: rig.sent_to("V1") == ["task_stop_1"], "the delivery")
+            await rig.idle()
+            d.acked(S("V1"), "V1", "task_stop_1", sha1_of(b"one"))
+            await d.stop()
+            assert await outcomes.outcome_of(rig.conn, "V1", "task_stop_1", sha1_of(b"one")) is Outcome.DELIVERED
+
+    run(body)

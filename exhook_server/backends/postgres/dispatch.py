@@ -378,6 +378,11 @@ class SharedDispatcher:
         ]
 
     async def stop(self) -> None:
+        """Handle the vehicle events already queued (a PUBACK or an answer taken from the broker
+        exists nowhere else), for at most `event_timeout_s`, then stop."""
+        deadline = time.monotonic() + self._event_timeout_s
+        while self._queued and self._tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         tasks = self._tasks + list(self._background)
         for task in tasks:
             task.cancel()
