@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import queue
 import signal
 import sys
@@ -108,6 +109,9 @@ class FleetWorker:
                 request_prefix=REQUEST_PREFIX,
                 delivery_clientid=spec["delivery_clientid"],
                 strict_rpc=False,
+                # A node of its own (the platform's driver is another): one node name loaded by two
+                # drivers started apart reads as that node's restart to the server.
+                node=f"fleet{os.getpid()}@127.0.0.1",
             )
             self.emqx.calls = deque(maxlen=1000)  # the harness keeps every request; we need none
             self.emqx.load()

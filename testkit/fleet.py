@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import random
 import sys
 import threading
@@ -178,7 +179,12 @@ class SimFleet(Fleet):
         #: In a phase with `"respond": true` each vehicle answers each request after its PUBACK.
         self.respond = False
         self.answers: Counter[str] = Counter()  # how message.publish answered the responses
-        self.emqx = FakeEmqx(exhook_port, mqtt_port, delivery_clientid=delivery_clientid)
+        # A node of its own: fleet processes are the nodes of one cluster. Sharing the default
+        # name, each process's OnProviderLoaded gave that node another start time, which the
+        # server takes for a restart of it (forgetting the sessions the other processes opened).
+        self.emqx = FakeEmqx(
+            exhook_port, mqtt_port, delivery_clientid=delivery_clientid, node=f"fleet{os.getpid()}@127.0.0.1"
+        )
         self.rpc_s: list[float] = []  # round trips of message.acked RPCs, as this process sees them
 
         def timed(method: str, seconds: float) -> None:

@@ -70,7 +70,7 @@ def test_three_instances_abort_once_and_all_refuse(tmp_path: Path, db: Database,
                 assert aborted["criterion"] == CRITERION
                 assert sum(metric(s, "sdv_fanout_aborts_total") for s in servers) == 1
                 for s in servers:  # each instance refuses, whatever it had seen
-                    one = FakeEmqx([s.port], broker.port, delivery_clientid=DELIVERY_CLIENTID)
+                    one = FakeEmqx([s.port], broker.port, delivery_clientid=DELIVERY_CLIENTID, node="other@127.0.0.1")
                     with one:
                         one.load()
                         reply = one.publish_batch(online[:1], RID, "fw-2")
