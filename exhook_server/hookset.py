@@ -99,12 +99,13 @@ class HookSetWatch:
         if not any(filter_matches(f, topic) for f in self.wanted.get(hook, ())):
             self.mismatch(hook, reason="topic_not_registered", topic=topic[:200])
 
-    def deadline_passed(self, check: Callable[[], list[str]] | None) -> None:
+    def deadline_passed(self, check: Callable[[], list[str]] | None, *, quiet: bool = False) -> bool:
         """`hook_set_confirm_s` after start: unless EMQX loaded us meanwhile, compare EMQX's list
         with `check` (the differences, one per hook, "+ name ..." / "- name ..." / "~ name ..."),
-        or say it cannot be confirmed."""
+        or say it cannot be confirmed. False when the check could not answer (EMQX unreachable or
+        not connected to us yet: worth asking again; `quiet` logs nothing then)."""
         if self.confirmed:
-            return
+            return True
         if check is None:
             log.warning(
                 "hook_set_unconfirmed",
@@ -113,15 +114,17 @@ class HookSetWatch:
                 " before; if settings that change it changed (ack_topic_prefix, topics), run"
                 " `sdv-fanout emqx sync`, or set emqx_api_url to have it checked",
             )
-            return
+            return True
         try:
             differences = check()
         except Exception as exc:  # the API unreachable or refusing: a hint, not a failure
-            log.warning("hook_set_unconfirmed", reason="emqx_check_failed", detail=str(exc)[:300])
-            return
+            if not quiet:
+                log.warning("hook_set_unconfirmed", reason="emqx_check_failed", detail=str(exc)[:300])
+            return False
         if not differences:
             self.confirm()
             log.info("hook_set_confirmed", source="emqx_api")
-            return
+            return True
         for line in differences:
             self.mismatch(line.split()[1], every_time=True, reason="emqx_holds_other_list", difference=line)
+        return True

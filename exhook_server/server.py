@@ -59,6 +59,8 @@ _ENVELOPE_BYTES = 1 << 20
 _OVERSIZE_FACTOR = 4
 #: How long a stop waits at most for the broker to acknowledge the status messages still held.
 _STATUS_DRAIN_S = 2.0
+#: Times the start-up hook-set check asks EMQX again when it could not tell (not connected yet).
+_HOOK_SET_RETRIES = 30
 #: VINs read per page when a request's gate opens and its rows are offered to their vehicles.
 _OFFER_PAGE = 1000
 _HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -471,7 +473,15 @@ class FanoutServer:
             self._synced_at_start.set()
         await asyncio.sleep(max(0.0, started + self.cfg.hook_set_confirm_s - loop.time()))
         check = (lambda: emqx_sync.hook_list_differences(self.cfg)) if self.cfg.emqx_api_url else None
-        await in_daemon_thread(lambda: self.servicer.watch.deadline_passed(check))
+        watch = self.servicer.watch
+        if await in_daemon_thread(lambda: watch.deadline_passed(check)):
+            return
+        # EMQX could not tell yet (unreachable, or still connecting to us): asked again, quietly,
+        # every hook_set_confirm_s, a bounded number of times.
+        for _ in range(_HOOK_SET_RETRIES):
+            await asyncio.sleep(max(1.0, self.cfg.hook_set_confirm_s))
+            if await in_daemon_thread(lambda: watch.deadline_passed(check, quiet=True)):
+                return
 
     async def _resync(self) -> None:
         """The run-time `emqx sync` (emqx_resync_s), once the start-up one is over."""

@@ -204,17 +204,19 @@ def test_watch_deadline_confirms_or_reports() -> None:
     cfg = Config()
     shared = bytearray(1)
     watch = HookSetWatch(cfg, dict(emqx_sync.hook_specs(cfg)), shared)
+    down = lambda: (_ for _ in ()).throw(OSError("down"))  # noqa: E731
     with structlog.testing.capture_logs() as logs:
-        watch.deadline_passed(None)
-        watch.deadline_passed(lambda: ["- message.acked ['agent/+/proxy/request/+']"])
-        watch.deadline_passed(lambda: (_ for _ in ()).throw(OSError("down")))
+        assert watch.deadline_passed(None)  # decided: nothing to ask
+        assert watch.deadline_passed(lambda: ["- message.acked ['agent/+/proxy/request/+']"])
+        assert not watch.deadline_passed(down)  # EMQX could not tell: worth asking again
+        assert not watch.deadline_passed(down, quiet=True)  # ... the next times without a line
     assert [(e["event"], e.get("reason")) for e in logs] == [
         ("hook_set_unconfirmed", None),
         ("hook_set_mismatch", "emqx_holds_other_list"),
         ("hook_set_unconfirmed", "emqx_check_failed"),
     ]
     assert not watch.confirmed
-    watch.deadline_passed(lambda: [])
+    assert watch.deadline_passed(lambda: [], quiet=True)
     assert watch.confirmed and shared[0] == 1
     other = HookSetWatch(cfg, {}, shared)  # another process of the group sees it
     with structlog.testing.capture_logs() as logs:
