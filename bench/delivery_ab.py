@@ -34,7 +34,7 @@ from exhook_server.acks import rule_body
 from exhook_server.config import Config
 from storage.lmdb.store import Store
 from testkit.emqx_real import EmqxBroker, find_release
-from testkit.emqx_rig import BatchPublisher, batch
+from testkit.emqx_rig import BatchPublisher, batch, close_rig
 from testkit.emqx_sim import LOOPBACK, free_port
 from testkit.harness import SubprocessServer
 from testkit.plumbing import (
@@ -47,7 +47,6 @@ from testkit.plumbing import (
     make_vins,
     pending_rows,
     quiesce,
-    stop_server,
     thread_cpu_s,
     unpack_tree,
 )
@@ -209,16 +208,7 @@ class AbRig:
         say(f"profiled this: {res['deliveries_per_s']:,.0f} deliveries/s under py-spy: {out}")
 
     def close(self) -> None:
-        for c in self.fleets:
-            c.stop()
-        if self.platform is not None:
-            self.platform.close()
-        for store in self.stores.values():
-            store.close()
-        if self.broker is not None:
-            self.broker.stop()
-        for server in self.servers.values():
-            stop_server(server)
+        close_rig(self.fleets, self.platform, self.stores, self.broker, self.servers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import base64
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,16 +204,24 @@ class Rig:
         return sum(pending_rows(store) for store in self.stores.values())
 
     def close(self) -> None:
-        for c in self.children:
-            c.stop()
-        if self.platform is not None:
-            self.platform.close()
-        for store in self.stores.values():
-            store.close()
-        if self.broker is not None:
-            self.broker.stop()
-        for server in self.servers.values():
-            stop_server(server)
+        close_rig(self.children, self.platform, self.stores, self.broker, self.servers)
+
+
+def close_rig(
+    children: Iterable[Any], platform: Any, stores: Mapping[Any, Any], broker: Any, servers: Mapping[Any, Any]
+) -> None:
+    """Stop a rig's parts in order: the fleet's children, the platform's client, the stores, the
+    broker, then the servers."""
+    for c in children:
+        c.stop()
+    if platform is not None:
+        platform.close()
+    for store in stores.values():
+        store.close()
+    if broker is not None:
+        broker.stop()
+    for server in servers.values():
+        stop_server(server)
 
 
 def result(t0: float, done: list[dict[str, Any]], meter: CpuMeter) -> dict[str, Any]:

@@ -125,6 +125,15 @@ class Rig:
                 raise AssertionError(f"timed out waiting for {what}; sent={self.sent}")
             await asyncio.sleep(0.005)
 
+    async def one_out(self, rid: str, data: bytes) -> SharedDispatcher:
+        """V1 online on the first instance with `rid` delivered to it and not PUBACKed; events done."""
+        d = self.instances[0]
+        d.subscribed(S("V1"), "V1")
+        await self.batch(["V1"], rid, data)
+        await self.until(lambda: self.sent_to("V1") == [rid], "the delivery")
+        await self.idle()
+        return d
+
     async def idle(self) -> None:
         """Every instance's queues empty (events done)."""
         await self.until(lambda: all(d.backlog() == 0 and not d._background for d in self.instances), "idle")
@@ -706,11 +715,7 @@ def test_a_failed_recheck_after_the_save_still_reports_what_the_save_wrote(
 
     async def body() -> None:
         async with Rig(dsn) as rig:
-            d = rig.instances[0]
-            d.subscribed(S("V1"), "V1")
-            await rig.batch(["V1"], "task_r_1", b"one")
-            await rig.until(lambda: rig.sent_to("V1") == ["task_r_1"], "the delivery")
-            await rig.idle()
+            d = await rig.one_out("task_r_1", b"one")
             failed: list[bool] = []
 
             async def lost(*args: object) -> list[str]:
@@ -733,11 +738,7 @@ def test_a_stop_handles_the_vehicle_events_already_queued(dsn: str) -> None:
 
     async def body() -> None:
         async with Rig(dsn) as rig:
-            d = rig.instances[0]
-            d.subscribed(S("V1"), "V1")
-            await rig.batch(["V1"], "task_stop_1", b"one")
-            await rig.until(lambda: rig.sent_to("V1") == ["task_stop_1"], "the delivery")
-            await rig.idle()
+            d = await rig.one_out("task_stop_1", b"one")
             d.acked(S("V1"), "V1", "task_stop_1", sha1_of(b"one"))
             await d.stop()
             assert await outcomes.outcome_of(rig.conn, "V1", "task_stop_1", sha1_of(b"one")) is Outcome.DELIVERED
